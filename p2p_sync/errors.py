@@ -1,0 +1,62 @@
+"""Exceptions, one per failure class, so callers (and tests) can tell the problems apart.
+
+Every error a patch can raise derives from :class:`PatchError`; a caller that only wants to
+refuse a bad patch catches that. Each subclass names exactly one way a patch can be wrong,
+with a message that says what was expected and what was found.
+"""
+
+
+class P2PSyncError(Exception):
+    """Base of every error raised by p2psync."""
+
+
+class PatchError(P2PSyncError):
+    """A patch cannot be decoded, merged or applied."""
+
+
+class TruncatedPatchError(PatchError):
+    """The patch ends before the data its header announces (a cut-off download or file)."""
+
+
+class BadMagicError(PatchError):
+    """The bytes do not start with the patch magic: not a p2psync patch at all."""
+
+
+class UnsupportedFormatError(PatchError):
+    """The patch uses a format version (or coder) this build does not know."""
+
+
+class MalformedPatchError(PatchError):
+    """A header or table field holds a value the format does not allow."""
+
+
+class CorruptFrameError(PatchError):
+    """A tensor frame fails to decompress or its checksum does not match."""
+
+
+class CountMismatchError(PatchError):
+    """A frame holds a different number of entries than its table row declares."""
+
+
+class IndexOutOfRangeError(PatchError):
+    """A decoded position lies outside its tensor: applying it would write out of bounds."""
+
+
+class TrailingDataError(PatchError):
+    """Bytes follow the last frame: the file was concatenated or tampered with."""
+
+
+class LayoutMismatchError(PatchError):
+    """The weights (or another patch) have different tensor names, shapes or dtypes."""
+
+
+class BaseMismatchError(PatchError):
+    """The weights are not the exact state the patch was made against."""
+
+
+class TargetMismatchError(PatchError):
+    """After applying, the weights do not hash to the patch's target (the apply was undone)."""
+
+
+class ChainBrokenError(PatchError):
+    """Patches to merge do not form a chain: one's target is not the next one's base."""

@@ -1,0 +1,311 @@
+"""Sparse patches between two versions of a tensor set: diff, apply, merge.
+
+A patch records, per tensor, which elements' bit patterns changed and by how much, as the
+wrapping integer difference ``new_bits - old_bits``. Working on bits (not float values) makes
+every dtype exact, and the integer difference is what makes values cheap to code: one bf16 ulp
+is a delta of +-1. Applying adds the deltas back with the same wrapping arithmetic, so the result
+is bit-identical to the target, and undoing an apply is subtracting them.
+
+Diffs and applies run on the tensors' own device (CUDA when the weights live there); only the
+changed positions and deltas travel to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from p2p_sync.errors import (
+    BaseMismatchError,
+    ChainBrokenError,
+    IndexOutOfRangeError,
+    LayoutMismatchError,
+    MalformedPatchError,
+    TargetMismatchError,
+)
+from p2p_sync.tensors import (
+    Layout,
+    TensorSet,
+    TensorSpec,
+    bits_dtype,
+    flat_bits,
+    layout_fingerprint,
+    layout_of,
+    state_hash,
+)
+
+# A tensor whose changed fraction exceeds this is held dense in memory: a sparse entry costs
+# 8 bytes of position plus the delta, a dense one just the delta.
+DENSE_IN_MEMORY_FRACTION = 0.25
+
+
+@dataclass(frozen=True, eq=False)
+class TensorDelta:
+    """The change of one tensor: sorted flat positions and their bit deltas, or dense deltas.
+
+    ``positions`` is None for the dense form, where ``deltas`` has one entry per element (zero
+    where unchanged). Both live on the host as int64 positions and ``bits_dtype`` deltas.
+    """
+
+    spec: TensorSpec
+    positions: torch.Tensor | None
+    deltas: torch.Tensor
+
+    @property
+    def dense(self) -> bool:
+        return self.positions is None
+
+    @property
+    def count(self) -> int:
+        """How many elements change."""
+        if self.positions is None:
+            return int(torch.count_nonzero(self.deltas))
+        return int(self.positions.numel())
+
+    def validate(self) -> None:
+        """Raise unless applying this delta stays inside its tensor."""
+        spec, want = self.spec, bits_dtype(self.spec.dtype)
+        if self.deltas.dtype != want or self.deltas.dim() != 1:
+            raise MalformedPatchError(f"{spec.name}: deltas must be a flat {want} tensor")
+        if self.positions is None:
+            if self.deltas.numel() != spec.numel:
+                raise MalformedPatchError(
+                    f"{spec.name}: dense delta has {self.deltas.numel()} entries, "
+                    f"tensor has {spec.numel}"
+                )
+            return
+        self._validate_positions()
+
+    def _validate_positions(self) -> None:
+        pos, spec = self.positions, self.spec
+        assert pos is not None
+        if pos.dtype != torch.int64 or pos.dim() != 1 or pos.numel() != self.deltas.numel():
+            raise MalformedPatchError(
+                f"{spec.name}: positions must be flat int64 matching the deltas"
+            )
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= spec.numel):
+            raise IndexOutOfRangeError(
+                f"{spec.name}: position range [{int(pos.min())}, {int(pos.max())}] "
+                f"outside a tensor of {spec.numel} elements"
+            )
+
+    def to_sparse(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and deltas of the changed elements only."""
+        if self.positions is not None:
+            return self.positions, self.deltas
+        pos = torch.nonzero(self.deltas).reshape(-1)
+        return pos, self.deltas[pos]
+
+    def to_dense(self) -> torch.Tensor:
+        """Deltas for every element (zero where unchanged)."""
+        if self.positions is None:
+            return self.deltas
+        out = torch.zeros(self.spec.numel, dtype=self.deltas.dtype)
+        out[self.positions] = self.deltas
+        return out
+
+    def same_change(self, other: TensorDelta) -> bool:
+        """True when both describe the identical change (whatever their in-memory form)."""
+        if self.spec != other.spec:
+            return False
+        return bool(torch.equal(self.to_dense(), other.to_dense()))
+
+
+def canonical_delta(spec: TensorSpec, positions: torch.Tensor, deltas: torch.Tensor) -> TensorDelta:
+    """Choose the in-memory form by density, so equal changes always look alike."""
+    if positions.numel() > DENSE_IN_MEMORY_FRACTION * spec.numel:
+        out = torch.zeros(spec.numel, dtype=deltas.dtype)
+        out[positions] = deltas
+        return TensorDelta(spec, None, out)
+    return TensorDelta(spec, positions, deltas)
+
+
+@dataclass(frozen=True, eq=False)
+class Patch:
+    """A complete patch: the base it applies to, the target it produces, per-tensor changes.
+
+    ``deltas`` holds only tensors with at least one change, keyed by name.
+    """
+
+    layout: Layout
+    base_hash: bytes
+    target_hash: bytes
+    deltas: Mapping[str, TensorDelta] = field(default_factory=dict)
+
+    @property
+    def fingerprint(self) -> bytes:
+        return layout_fingerprint(self.layout)
+
+    @property
+    def changed(self) -> int:
+        return sum(d.count for d in self.deltas.values())
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.layout)
+
+    def validate(self) -> None:
+        specs = {s.name: s for s in self.layout}
+        for name, delta in self.deltas.items():
+            if specs.get(name) != delta.spec:
+                raise MalformedPatchError(f"{name}: delta does not match the patch layout")
+            delta.validate()
+
+
+def _check_layout(expected: Layout, actual: Layout, what: str) -> None:
+    if expected == actual:
+        return
+    want = {s.name: s for s in expected}
+    have = {s.name: s for s in actual}
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            w = want[name].describe() if name in want else "absent"
+            h = have[name].describe() if name in have else "absent"
+            raise LayoutMismatchError(f"{what}: tensor {name!r} is {h}, expected {w}")
+    raise LayoutMismatchError(f"{what}: tensor order differs")
+
+
+def _diff_host(
+    spec: TensorSpec, old: torch.Tensor, cur: torch.Tensor, scratch: np.ndarray
+) -> TensorDelta | None:
+    # numpy's compare + flatnonzero is ~3x faster than torch's on one CPU core, and comparing
+    # into a reused buffer avoids page-faulting a fresh mask for every tensor (4x slower).
+    o, c = old.numpy(), cur.numpy()
+    mask = scratch[: o.size]
+    np.not_equal(o, c, out=mask)
+    changed = np.flatnonzero(mask)
+    if changed.size == 0:
+        return None
+    if changed.size > DENSE_IN_MEMORY_FRACTION * spec.numel:
+        return TensorDelta(spec, None, torch.from_numpy(c - o))  # numpy ints wrap
+    return TensorDelta(spec, torch.from_numpy(changed), torch.from_numpy(c[changed] - o[changed]))
+
+
+def _diff_device(spec: TensorSpec, old: torch.Tensor, cur: torch.Tensor) -> TensorDelta | None:
+    changed = torch.nonzero(old != cur).reshape(-1)
+    if changed.numel() == 0:
+        return None
+    if changed.numel() > DENSE_IN_MEMORY_FRACTION * spec.numel:
+        return TensorDelta(spec, None, (cur - old).cpu())
+    return TensorDelta(spec, changed.cpu(), (cur[changed] - old[changed]).cpu())
+
+
+def diff_tensor(
+    spec: TensorSpec, base: torch.Tensor, new: torch.Tensor, scratch: np.ndarray | None = None
+) -> TensorDelta | None:
+    """The change from ``base`` to ``new`` (same spec), computed on ``base``'s device."""
+    old = flat_bits(base.detach())
+    cur = flat_bits(new.detach().to(base.device, non_blocking=True))
+    if old.device.type != "cpu":
+        return _diff_device(spec, old, cur)
+    if scratch is None or scratch.size < spec.numel:
+        scratch = np.empty(spec.numel, dtype=bool)
+    return _diff_host(spec, old.contiguous(), cur.contiguous(), scratch)
+
+
+def diff(base: TensorSet, new: TensorSet) -> Patch:
+    """The patch that turns ``base`` into ``new`` (equal layouts required)."""
+    layout = layout_of(base)
+    _check_layout(layout, layout_of(new), "new version")
+    deltas = {}
+    scratch = np.empty(max((s.numel for s in layout), default=0), dtype=bool)
+    for spec in layout:
+        delta = diff_tensor(spec, base[spec.name], new[spec.name], scratch)
+        if delta is not None:
+            deltas[spec.name] = delta
+    return Patch(layout, state_hash(base), state_hash(new), deltas)
+
+
+def _require_contiguous(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise LayoutMismatchError(f"tensor {name!r} is not contiguous; cannot patch it in place")
+
+
+def _add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
+    deltas = delta.deltas.to(flat.device, non_blocking=True)
+    if sign < 0:
+        deltas = -deltas  # wrapping negation: exact inverse of the wrapping add
+    if delta.positions is None:
+        flat += deltas
+    elif flat.device.type == "cpu":
+        view = flat.numpy()  # numpy's fancy-index add is ~2x faster than torch's on CPU
+        view[delta.positions.numpy()] += deltas.numpy()
+    else:
+        flat[delta.positions.to(flat.device, non_blocking=True)] += deltas
+
+
+def _add_all(weights: TensorSet, patch: Patch, sign: int) -> None:
+    with torch.no_grad():
+        for name, delta in patch.deltas.items():
+            _add_delta(flat_bits(weights[name]), delta, sign)
+
+
+def apply(weights: TensorSet, patch: Patch, verify_target: bool = True) -> None:
+    """Apply ``patch`` to ``weights`` in place, all-or-nothing.
+
+    Everything is checked before the first write: the layout, every position's range and the
+    base state hash. If the result does not hash to the target (only possible with a patch
+    whose content is inconsistent with its own header), the writes are undone exactly and
+    :class:`TargetMismatchError` is raised, so the weights are never left half-changed.
+    """
+    _check_layout(patch.layout, layout_of(weights), "weights")
+    patch.validate()
+    for name in patch.deltas:
+        _require_contiguous(weights[name], name)
+    if state_hash(weights) != patch.base_hash:
+        raise BaseMismatchError(
+            f"weights hash to {state_hash(weights).hex()}, "
+            f"patch was made for base {patch.base_hash.hex()}"
+        )
+    _add_all(weights, patch, +1)
+    if verify_target and state_hash(weights) != patch.target_hash:
+        _add_all(weights, patch, -1)
+        raise TargetMismatchError(
+            f"patched weights do not hash to target {patch.target_hash.hex()}; apply undone"
+        )
+
+
+def _merge_tensor(spec: TensorSpec, parts: list[TensorDelta]) -> TensorDelta | None:
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.dense for p in parts):
+        acc = torch.zeros(spec.numel, dtype=bits_dtype(spec.dtype))
+        for p in parts:
+            if p.positions is None:
+                acc += p.deltas
+            else:
+                acc[p.positions] += p.deltas
+        pos = torch.nonzero(acc).reshape(-1)
+        return canonical_delta(spec, pos, acc[pos]) if pos.numel() else None
+    pos = torch.cat([p.positions for p in parts if p.positions is not None])
+    uniq, inverse = torch.unique(pos, return_inverse=True)
+    sums = torch.zeros(uniq.numel(), dtype=bits_dtype(spec.dtype))
+    sums.index_add_(0, inverse, torch.cat([p.deltas for p in parts]))
+    keep = sums != 0  # changes that cancel out are no change at all
+    if not bool(keep.any()):
+        return None
+    return canonical_delta(spec, uniq[keep], sums[keep])
+
+
+def merge(patches: Sequence[Patch]) -> Patch:
+    """One patch equal to applying ``patches`` in order (the same as diffing first to last)."""
+    if not patches:
+        raise ValueError("merge needs at least one patch")
+    first = patches[0]
+    for prev, nxt in zip(patches, patches[1:]):
+        _check_layout(first.layout, nxt.layout, "patch to merge")
+        if prev.target_hash != nxt.base_hash:
+            raise ChainBrokenError(
+                f"patch with base {nxt.base_hash.hex()} does not follow "
+                f"one with target {prev.target_hash.hex()}"
+            )
+    deltas = {}
+    for spec in first.layout:
+        parts = [p.deltas[spec.name] for p in patches if spec.name in p.deltas]
+        merged = _merge_tensor(spec, parts) if parts else None
+        if merged is not None:
+            deltas[spec.name] = merged
+    return Patch(first.layout, first.base_hash, patches[-1].target_hash, deltas)
