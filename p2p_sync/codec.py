@@ -178,6 +178,19 @@ class PatchInfo:
     def numel(self) -> int:
         return sum(r.spec.numel for r in self.rows)
 
+    @property
+    def density(self) -> float:
+        return self.changed / self.numel if self.numel else 0.0
+
+    @property
+    def bits_per_changed(self) -> float:
+        return 8 * self.total_size / self.changed if self.changed else float("inf")
+
+    @property
+    def ratio(self) -> float:
+        """Dense size over patch size: how many times smaller than a full push."""
+        return self.dense_bytes / self.total_size
+
 
 # ---------------------------------------------------------------- value section
 

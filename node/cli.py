@@ -1,0 +1,44 @@
+"""The `p2psync` command line: one parser, one handler per command, one-line errors.
+
+Every failure a user can cause (a bad file, a patch for another base, a bad flag) ends with
+``p2psync: error: <what is wrong>`` on stderr and a non-zero exit: 2 for usage errors (argparse's
+convention), 1 for everything else. Tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from node import patch_cmd
+from p2p_sync import __version__
+from p2p_sync.errors import P2PSyncError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2psync",
+        description="Lossless sparse weight patches, distributed peer to peer.",
+    )
+    parser.add_argument("--version", action="version", version=f"p2psync {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    patch_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except P2PSyncError as exc:
+        print(f"p2psync: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("p2psync: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""`p2psync patch create|apply|inspect`: the codec on safetensors files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from p2p_sync import codec
+from p2p_sync.atomic import atomic_write_bytes
+from p2p_sync.errors import BaseMismatchError, P2PSyncError
+from p2p_sync.patch import apply, diff
+from p2p_sync.tensors import state_hash
+from p2p_sync.weights_io import load_weights, save_weights
+
+CODINGS = {codec.UNCHANGED: "unchanged", codec.SPARSE: "sparse", codec.DENSE: "dense"}
+
+
+class CommandError(P2PSyncError):
+    """A command cannot run as asked (bad file, bad argument)."""
+
+
+def pick_device(name: str) -> str:
+    """'auto' means CUDA when present; asking for CUDA without one is an error, not a fallback."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise CommandError(f"--device {name}: CUDA is not available on this machine")
+    return name
+
+
+def read_patch_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CommandError(f"{path}: cannot read patch ({exc.strerror})") from None
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    device = pick_device(args.device)
+    base = load_weights(args.base, device)
+    new = load_weights(args.new, device)
+    data = codec.encode(diff(base, new), level=args.level, workers=args.workers)
+    atomic_write_bytes(args.out, data)
+    info = codec.read_header(data)
+    print(
+        f"wrote {args.out}: {len(data):,} bytes, {info.changed:,} of {info.numel:,} elements "
+        f"changed ({info.density:.3%}), {info.ratio:.1f}x smaller than dense"
+    )
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    device = pick_device(args.device)
+    patch = codec.decode(read_patch_file(args.patch), workers=args.workers)
+    weights = load_weights(args.base, device)
+    try:
+        apply(weights, patch)
+    except BaseMismatchError:
+        raise BaseMismatchError(
+            f"{args.patch} was made for base {patch.base_hash.hex()}, "
+            f"but {args.base} hashes to {state_hash(weights).hex()}"
+        ) from None
+    save_weights(args.out, weights)
+    print(f"wrote {args.out}: state {patch.target_hash.hex()}")
+    return 0
+
+
+def _row_dict(row: codec.FrameInfo) -> dict:
+    spec = row.spec
+    return {
+        "name": spec.name,
+        "shape": list(spec.shape),
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "coding": CODINGS[row.coding],
+        "changed": row.count,
+        "density": row.count / spec.numel if spec.numel else 0.0,
+        "bytes": row.size,
+        "bits_per_changed": 8 * row.size / row.count if row.count else None,
+        "ratio_vs_dense": spec.nbytes / row.size if row.size else None,
+    }
+
+
+def inspect_dict(info: codec.PatchInfo) -> dict:
+    """Everything `inspect` shows, as plain data (also its --json output)."""
+    return {
+        "format_version": info.version,
+        "bytes": info.total_size,
+        "dense_bytes": info.dense_bytes,
+        "tensors": len(info.rows),
+        "changed_tensors": sum(1 for r in info.rows if r.count),
+        "elements": info.numel,
+        "changed": info.changed,
+        "density": info.density,
+        "bits_per_changed": info.bits_per_changed if info.changed else None,
+        "ratio_vs_dense": info.ratio,
+        "base_hash": info.base_hash.hex(),
+        "target_hash": info.target_hash.hex(),
+        "layout_fingerprint": info.fingerprint.hex(),
+        "rows": [_row_dict(r) for r in info.rows],
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_inspect(path: Path, d: dict, console: Console) -> None:
+    console.print(
+        f"[bold]{path}[/]: p2psync patch v{d['format_version']}, {d['bytes']:,} bytes, "
+        f"{d['tensors']} tensors ({d['changed_tensors']} changed)"
+    )
+    console.print(f"  base   {d['base_hash']}\n  target {d['target_hash']}")
+    console.print(f"  layout {d['layout_fingerprint']}")
+    console.print(
+        f"  changed {d['changed']:,} of {d['elements']:,} elements ({d['density']:.3%}), "
+        f"{_fmt(d['bits_per_changed'], '.2f')} bits per changed element, "
+        f"{d['ratio_vs_dense']:.1f}x smaller than dense ({d['dense_bytes']:,} bytes)"
+    )
+    table = Table("tensor", "shape", "dtype", "coding", "changed", "density", "bytes",
+                  "bits/changed", "vs dense")  # fmt: skip
+    for r in d["rows"]:
+        table.add_row(
+            r["name"], "x".join(map(str, r["shape"])) or "scalar", r["dtype"], r["coding"],
+            f"{r['changed']:,}", f"{r['density']:.3%}", f"{r['bytes']:,}",
+            _fmt(r["bits_per_changed"], ".2f"), _fmt(r["ratio_vs_dense"], ".1f"),
+        )  # fmt: skip
+    console.print(table)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    info = codec.read_header(read_patch_file(args.file))
+    if args.verify:
+        codec.decode(read_patch_file(args.file))
+    d = inspect_dict(info)
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        _print_inspect(args.file, d, Console(width=140))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    patch = sub.add_parser("patch", help="create, apply or inspect a patch between weight files")
+    psub = patch.add_subparsers(dest="patch_command", required=True, metavar="COMMAND")
+
+    create = psub.add_parser("create", help="write the patch that turns --base into --new")
+    create.add_argument("--base", type=Path, required=True, help="base weights (.safetensors)")
+    create.add_argument("--new", type=Path, required=True, help="new weights (.safetensors)")
+    create.add_argument("--out", type=Path, required=True, help="patch file to write")
+    create.add_argument("--level", type=int, default=codec.DEFAULT_LEVEL, choices=range(1, 23),
+                        metavar="1-22", help="zstd level (default %(default)s)")  # fmt: skip
+    create.set_defaults(func=cmd_create)
+
+    app = psub.add_parser("apply", help="apply a patch to --base and write --out")
+    app.add_argument("--base", type=Path, required=True, help="base weights (.safetensors)")
+    app.add_argument("--patch", type=Path, required=True, help="patch file")
+    app.add_argument("--out", type=Path, required=True, help="patched weights to write")
+    app.set_defaults(func=cmd_apply)
+
+    for p in (create, app):
+        p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+        p.add_argument("--workers", type=int, default=1, help="threads for frames (default 1)")
+
+    insp = psub.add_parser("inspect", help="show what a patch contains")
+    insp.add_argument("file", type=Path, help="patch file")
+    insp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    insp.add_argument("--verify", action="store_true", help="also decode and check every frame")
+    insp.set_defaults(func=cmd_inspect)

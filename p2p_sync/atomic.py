@@ -1,0 +1,43 @@
+"""Atomic file writes: temp file in the same directory, fsync, rename, fsync the directory.
+
+A reader (or a process restarted after a crash at any instant) sees the old file or the new
+one, never a mix: rename within one filesystem is atomic, and the fsyncs make the new bytes
+durable before the name points at them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_with(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_path)`` to produce the file, then move it to ``path`` atomically."""
+    target = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    atomic_write_with(path, lambda tmp: tmp.write_bytes(data))
