@@ -46,9 +46,10 @@ Every element of a tensor of dtype width W bytes is treated as a W-byte integer 
 Its *delta* is ``d = (new - old) mod 2^(8W)`` read as a signed W-byte integer (iW); applying it
 is ``old + d mod 2^(8W)``. Exact integer arithmetic: no floating-point rounding anywhere.
 
-**Value section** (codes n deltas d_0..d_{n-1})::
+**Value coding** (codes n deltas d_0..d_{n-1}) has a 5-byte header and a body::
 
-    b u8 | E_v u32 | packed values | escapes iW[E_v]
+    value header := b u8 | E_v u32
+    value body   := packed values | escapes iW[E_v]
 
 ``b`` is the stored width in bits, one of 4, 8, 16, 32, 64, with b <= 8W. Each delta is stored as
 a b-bit two's complement integer p_i. For b = 4, values are packed two to a byte, p_0 in the low
@@ -59,22 +60,29 @@ M = -2^(b-1) is reserved: a delta with -2^(b-1) < d_i < 2^(b-1) is stored as p_i
 other is stored as M and appended, at full width, to ``escapes``, in order. E_v equals the
 number of markers.
 
-**Sparse frame** (coding 1) codes the sorted, distinct flat (row-major) positions P_0 < ... of the
-n = count changed elements, then their deltas::
+**Position coding** (codes the sorted, distinct flat row-major positions P_0 < ... < P_{n-1})::
 
-    E_p u32 | gap_lo u8[n] | gap_hi u8[n] | pos_escapes uE[E_p] | value section (n deltas)
+    position header := E_p u32
+    position body   := gap_lo u8[n] | gap_hi u8[n] | pos_escapes uE[E_p]
 
 Gaps are g_0 = P_0 and g_i = P_i - P_{i-1} - 1. A gap below 0xFFFF is stored as the u16
 ``gap_lo | gap_hi << 8``; a larger one as 0xFFFF and appended to ``pos_escapes`` (E bytes each:
 4 when the tensor has at most 2^32 elements, else 8). E_p equals the number of 0xFFFF markers.
 Every P_i must be below the tensor's element count.
 
-**Dense frame** (coding 2) is a value section with one delta per element (n = element count,
-zeros included); the number of non-zero deltas must equal ``count``.
+**Sparse frame** (coding 1), n = count::
 
-The decompressed size of a frame must equal exactly what these fields imply. (An encoder ends a
-zstd block after each stream: header, gap_lo, gap_hi, pos_escapes, values, escapes, so each gets
-its own entropy tables; a decoder needs no knowledge of this.)
+    position header | value header | position body | value body
+
+**Dense frame** (coding 2), one delta per element (n = element count, zeros included); the
+number of non-zero deltas must equal ``count``::
+
+    value header | value body
+
+Headers come first so that the exact decompressed size of a frame follows from its row and
+headers; a frame of any other size is refused before its body is parsed. (An encoder ends a zstd
+block after each stream, so each gets its own entropy tables; a decoder needs no knowledge of
+this.)
 
 Why this shape: positions and values are separate byte planes so zstd's order-0 entropy stage
 sees homogeneous symbols (gap low bytes are near-geometric, gap high bytes are nearly all zero,
@@ -211,7 +219,7 @@ def _unplanes(buf: memoryview, n: int, width: int) -> np.ndarray:
     raw = np.frombuffer(buf, dtype=np.uint8, count=n * width)
     if width == 1:
         return raw.view(np.int8).copy()
-    return np.ascontiguousarray(raw.reshape(width, n).T).view(_int_dtype(width)).reshape(n)
+    return raw.reshape(width, n).T.copy().view(_int_dtype(width)).reshape(n)  # copy: writable
 
 
 def _nibbles(values: np.ndarray) -> bytes:
@@ -271,16 +279,16 @@ def _choose_bits(d: np.ndarray, width: int) -> int:
     return best
 
 
-def encode_values(d: np.ndarray) -> list[bytes]:
-    """The value section for deltas ``d`` (signed ints of the element width), as streams."""
+def encode_values(d: np.ndarray) -> tuple[bytes, list[bytes]]:
+    """Value header ``b | E_v`` and body streams (packed values, escapes) for deltas ``d``."""
     width = d.dtype.itemsize
     bits = _choose_bits(d, width)
     if bits == 8 * width:
-        return [_VALUE_HEAD.pack(bits, 0), _pack(d, bits)]
+        return _VALUE_HEAD.pack(bits, 0), [_pack(d, bits)]
     fits = _fits(d, bits)
     primary = np.where(fits, d, -(1 << (bits - 1)))
     escapes = d[~fits].astype(_int_dtype(width))
-    return [_VALUE_HEAD.pack(bits, escapes.size), _pack(primary, bits), escapes.tobytes()]
+    return _VALUE_HEAD.pack(bits, escapes.size), [_pack(primary, bits), escapes.tobytes()]
 
 
 def _value_head(buf: memoryview, width: int, name: str) -> tuple[int, int]:
@@ -292,24 +300,36 @@ def _value_head(buf: memoryview, width: int, name: str) -> tuple[int, int]:
     return bits, escapes
 
 
-def decode_values(buf: memoryview, n: int, width: int, name: str) -> np.ndarray:
-    """Inverse of :func:`encode_values`; ``buf`` must hold exactly the section."""
-    bits, n_esc = _value_head(buf, width, name)
-    packed = _packed_size(n, bits)
-    expected = _VALUE_HEAD.size + packed + n_esc * width
-    if len(buf) != expected:
-        raise CountMismatchError(
-            f"{name}: value section is {len(buf)} bytes, {n} entries need {expected}"
-        )
-    primary = _unpack(buf[_VALUE_HEAD.size :], n, bits, name)
+def _value_body_size(n: int, width: int, bits: int, n_esc: int) -> int:
+    return _packed_size(n, bits) + n_esc * width
+
+
+def _decode_value_body(
+    body: memoryview, n: int, width: int, bits: int, n_esc: int, name: str
+) -> np.ndarray:
+    primary = _unpack(body, n, bits, name)
     if bits == 8 * width:
         return primary
     out = primary.astype(_int_dtype(width))
     marks = np.flatnonzero(primary == -(1 << (bits - 1)))
     if marks.size != n_esc:
         raise CountMismatchError(f"{name}: {marks.size} value escape markers, header says {n_esc}")
-    out[marks] = np.frombuffer(buf, _int_dtype(width), n_esc, _VALUE_HEAD.size + packed)
+    out[marks] = np.frombuffer(body, _int_dtype(width), n_esc, _packed_size(n, bits))
     return out
+
+
+def _check_size(buf: memoryview, expected: int, n: int, name: str) -> None:
+    if len(buf) != expected:
+        raise CountMismatchError(
+            f"{name}: frame holds {len(buf)} bytes, {n} entries need {expected}"
+        )
+
+
+def decode_values(buf: memoryview, n: int, width: int, name: str) -> np.ndarray:
+    """Inverse of :func:`encode_values`: ``buf`` is the header followed by exactly the body."""
+    bits, n_esc = _value_head(buf, width, name)
+    _check_size(buf, _VALUE_HEAD.size + _value_body_size(n, width, bits, n_esc), n, name)
+    return _decode_value_body(buf[_VALUE_HEAD.size :], n, width, bits, n_esc, name)
 
 
 # ---------------------------------------------------------------- positions
@@ -319,31 +339,27 @@ def _escape_width(numel: int) -> int:
     return 4 if numel <= 2**32 else 8
 
 
-def encode_positions(pos: np.ndarray, numel: int) -> list[bytes]:
-    """``E_p | gap_lo | gap_hi | pos_escapes`` for sorted distinct positions, as streams."""
+def encode_positions(pos: np.ndarray, numel: int) -> tuple[bytes, list[bytes]]:
+    """Position header ``E_p`` and body streams (gap_lo, gap_hi, pos_escapes)."""
     gaps = np.diff(pos, prepend=-1) - 1
     esc = gaps >= _GAP_ESCAPE
     g16 = np.where(esc, _GAP_ESCAPE, gaps).astype("<u2")
     escapes = gaps[esc].astype(f"<u{_escape_width(numel)}")
     planes = _planes(g16)
-    return [_SPARSE_HEAD.pack(escapes.size), planes[: pos.size], planes[pos.size :], escapes.tobytes()]
+    return _SPARSE_HEAD.pack(escapes.size), [planes[: pos.size], planes[pos.size :], escapes.tobytes()]
 
 
-def decode_positions(buf: memoryview, n: int, numel: int, name: str) -> tuple[np.ndarray, int]:
-    """Positions and the number of bytes they took; raises on counts or range errors."""
-    if len(buf) < _SPARSE_HEAD.size:
-        raise CountMismatchError(f"{name}: frame ends before its position header")
-    (n_esc,) = _SPARSE_HEAD.unpack_from(buf)
-    ew = _escape_width(numel)
-    used = _SPARSE_HEAD.size + 2 * n + ew * n_esc
-    if n_esc > n or len(buf) < used:
-        raise CountMismatchError(f"{name}: frame too short for {n} positions")
-    raw = np.frombuffer(buf, np.uint8, 2 * n, _SPARSE_HEAD.size)
+def _position_body_size(n: int, numel: int, n_esc: int) -> int:
+    return 2 * n + _escape_width(numel) * n_esc
+
+
+def _decode_position_body(body: memoryview, n: int, numel: int, n_esc: int, name: str) -> np.ndarray:
+    raw = np.frombuffer(body, np.uint8, 2 * n)
     gaps = raw[:n].astype(np.int64) | (raw[n:].astype(np.int64) << 8)
     marks = np.flatnonzero(gaps == _GAP_ESCAPE)
     if marks.size != n_esc:
         raise CountMismatchError(f"{name}: {marks.size} gap escape markers, header says {n_esc}")
-    big = np.frombuffer(buf, f"<u{ew}", n_esc, _SPARSE_HEAD.size + 2 * n)
+    big = np.frombuffer(body, f"<u{_escape_width(numel)}", n_esc, 2 * n)
     if n_esc and int(big.max()) >= numel:
         raise IndexOutOfRangeError(f"{name}: a position gap exceeds the tensor's {numel} elements")
     gaps[marks] = big.astype(np.int64)
@@ -352,7 +368,16 @@ def decode_positions(buf: memoryview, n: int, numel: int, name: str) -> tuple[np
         raise IndexOutOfRangeError(
             f"{name}: position {int(pos[-1])} outside a tensor of {numel} elements"
         )
-    return pos, used
+    return pos
+
+
+def decode_positions(buf: memoryview, n: int, numel: int, name: str) -> np.ndarray:
+    """Inverse of :func:`encode_positions`: ``buf`` is the header followed by exactly the body."""
+    if len(buf) < _SPARSE_HEAD.size:
+        raise CountMismatchError(f"{name}: frame ends before its position header")
+    (n_esc,) = _SPARSE_HEAD.unpack_from(buf)
+    _check_size(buf, _SPARSE_HEAD.size + _position_body_size(n, numel, n_esc), n, name)
+    return _decode_position_body(buf[_SPARSE_HEAD.size :], n, numel, n_esc, name)
 
 
 # ---------------------------------------------------------------- frames
@@ -378,7 +403,14 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def _sparse_streams(delta: TensorDelta) -> list[bytes]:
     pos, d = delta.to_sparse()
-    return encode_positions(_np(pos), delta.spec.numel) + encode_values(_np(d))
+    pos_head, pos_body = encode_positions(_np(pos), delta.spec.numel)
+    val_head, val_body = encode_values(_np(d))
+    return [pos_head + val_head, *pos_body, *val_body]
+
+
+def _dense_streams(delta: TensorDelta) -> list[bytes]:
+    head, body = encode_values(_np(delta.to_dense()))
+    return [head, *body]
 
 
 def encode_frame(delta: TensorDelta, level: int) -> tuple[int, int, bytes]:
@@ -386,7 +418,7 @@ def encode_frame(delta: TensorDelta, level: int) -> tuple[int, int, bytes]:
     count = delta.count
     best = (SPARSE, _compress(_sparse_streams(delta), level))
     if count >= DENSE_TRY_FRACTION * delta.spec.numel:
-        dense = _compress(encode_values(_np(delta.to_dense())), level)
+        dense = _compress(_dense_streams(delta), level)
         if len(dense) < len(best[1]):
             best = (DENSE, dense)
     return best[0], count, best[1]
@@ -413,20 +445,38 @@ def _frame_bound(row: FrameInfo) -> int:
     return _SPARSE_HEAD.size + _VALUE_HEAD.size + n * (2 + 8 + 2 * width)
 
 
+def _decode_sparse(raw: memoryview, spec: TensorSpec, n: int) -> TensorDelta:
+    """Headers first, so a wrong count shows as a size mismatch before any body is parsed."""
+    name, width, numel = spec.name, spec.itemsize, spec.numel
+    head = _SPARSE_HEAD.size + _VALUE_HEAD.size
+    if len(raw) < head:
+        raise CountMismatchError(f"{name}: frame ends before its headers")
+    (pos_esc,) = _SPARSE_HEAD.unpack_from(raw)
+    bits, val_esc = _value_head(raw[_SPARSE_HEAD.size :], width, name)
+    pos_size = _position_body_size(n, numel, pos_esc)
+    _check_size(raw, head + pos_size + _value_body_size(n, width, bits, val_esc), n, name)
+    if pos_esc > n or val_esc > n:
+        raise CountMismatchError(f"{name}: more escapes than the {n} entries")
+    pos = _decode_position_body(raw[head : head + pos_size], n, numel, pos_esc, name)
+    d = _decode_value_body(raw[head + pos_size :], n, width, bits, val_esc, name)
+    tdt = bits_dtype(spec.dtype)
+    return canonical_delta(spec, torch.from_numpy(pos), torch.from_numpy(d).view(tdt))
+
+
+def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
+    d = decode_values(raw, spec.numel, spec.itemsize, spec.name)
+    nonzero = int(np.count_nonzero(d))
+    if nonzero != count:
+        raise CountMismatchError(f"{spec.name}: dense frame changes {nonzero}, table says {count}")
+    return TensorDelta(spec, None, torch.from_numpy(d).view(bits_dtype(spec.dtype)))
+
+
 def decode_frame(row: FrameInfo, frame: memoryview) -> TensorDelta:
     """Decode and fully validate one tensor's frame."""
-    spec, name = row.spec, row.spec.name
-    raw = _decompress(frame, _frame_bound(row), name)
-    tdt = bits_dtype(spec.dtype)
+    raw = _decompress(frame, _frame_bound(row), row.spec.name)
     if row.coding == DENSE:
-        d = decode_values(raw, spec.numel, spec.itemsize, name)
-        nonzero = int(np.count_nonzero(d))
-        if nonzero != row.count:
-            raise CountMismatchError(f"{name}: dense frame changes {nonzero}, table says {row.count}")
-        return TensorDelta(spec, None, torch.from_numpy(d).view(tdt))
-    pos, used = decode_positions(raw, row.count, spec.numel, name)
-    d = decode_values(raw[used:], row.count, spec.itemsize, name)
-    return canonical_delta(spec, torch.from_numpy(pos), torch.from_numpy(d).view(tdt))
+        return _decode_dense(raw, row.spec, row.count)
+    return _decode_sparse(raw, row.spec, row.count)
 
 
 # ---------------------------------------------------------------- header and table

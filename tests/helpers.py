@@ -1,0 +1,71 @@
+"""Shared test helpers: building tensor sets with chosen changes, and rebuilding patch bytes."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from p2p_sync import codec
+from p2p_sync.tensors import flat_bits
+
+
+def clone_set(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names, shapes, dtypes and bit patterns (NaN payloads and -0.0 included)."""
+    if a.keys() != b.keys():
+        return False
+    return all(
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and torch.equal(flat_bits(a[k]), flat_bits(b[k]))
+        for k in a
+    )
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor whose bits are uniformly random (so every NaN/Inf/-0.0 pattern can occur)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    width = dtype.itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = np.random.default_rng(seed).integers(0, 256, size=n * width, dtype=np.uint8)
+    t = torch.from_numpy(raw).view(torch.uint8)
+    if dtype == torch.bool:
+        return (t & 1).to(torch.bool).reshape(shape)
+    return t.view(dtype).reshape(shape).clone()
+
+
+Mutator = Callable[[list[codec.FrameInfo], dict[str, bytes]], None]
+
+
+def rebuild(data: bytes, mutate: Mutator, header_version: int = codec.FORMAT_VERSION) -> bytes:
+    """Re-serialize a valid patch after ``mutate`` edits its rows or frames (for crafting attacks).
+
+    Rows are FrameInfo objects (replace entries to change counts or codings); frames maps a tensor
+    name to its zstd frame bytes. Sizes and the table are recomputed, so only the edit is wrong.
+    """
+    info = codec.read_header(data)
+    rows = list(info.rows)
+    frames = {r.spec.name: bytes(data[r.offset : r.offset + r.size]) for r in rows if r.size}
+    mutate(rows, frames)
+    table_raw = b"".join(
+        codec._row_bytes(r.spec, r.coding, r.count, len(frames.get(r.spec.name, b"")))
+        for r in rows
+    )
+    table = codec._compress([table_raw], 1)
+    header = struct.pack(
+        "<8sHHIII16s16s16s", codec.MAGIC, header_version, 0, len(rows), len(table),
+        len(table_raw), info.fingerprint, info.base_hash, info.target_hash,
+    )  # fmt: skip
+    body = b"".join(frames.get(r.spec.name, b"") for r in rows)
+    return header + table + body
+
+
+def frame_from_streams(streams: list[bytes]) -> bytes:
+    return codec._compress(streams, 1)

@@ -1,0 +1,126 @@
+"""Hypothesis properties: diff -> encode -> decode -> apply reproduces the target bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2p_sync import codec
+from p2p_sync.patch import apply, diff, merge
+from p2p_sync.tensors import bits_dtype, flat_bits
+from tests.helpers import bit_equal, clone_set, random_bits
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.bool, torch.int32, torch.int64, torch.float8_e4m3fn]  # fmt: skip
+SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (33, 17), (4001,), (2, 3, 5, 7)]
+# fraction of elements to change; -1 stands for "exactly one element"
+DENSITIES = [0.0, -1, 0.001, 0.01, 0.05, 0.13, 0.3, 0.6, 1.0]
+KINDS = ["ulp", "random", "sign_cross", "special"]
+
+# Float bit patterns that trip naive float code: NaN payloads, infinities, signed zeros.
+SPECIAL_F32 = np.array([0x7FC00001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x80000000, 0, 1,
+                        0x7FFFFFFF, 0x80000001], dtype=np.uint32).view(np.int32)  # fmt: skip
+
+
+def special_bits(width: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Special patterns of the element width (truncated float32 patterns + extremes)."""
+    base = np.concatenate([SPECIAL_F32.astype(np.int64) >> (32 - 8 * width) if width < 4
+                           else SPECIAL_F32.astype(np.int64),
+                           [-(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1, -1, 0]])  # fmt: skip
+    return rng.choice(base, size=n)
+
+
+def change(base: torch.Tensor, density: float, kind: str, seed: int) -> torch.Tensor:
+    """A copy of ``base`` with the chosen fraction of elements changed in the chosen way."""
+    new = base.clone()
+    n = base.numel()
+    if n == 0 or density == 0.0:
+        return new
+    rng = np.random.default_rng(seed)
+    count = 1 if density < 0 else max(1, round(density * n))
+    pos = torch.from_numpy(rng.choice(n, size=count, replace=False))
+    bits = flat_bits(new)
+    width = base.element_size()
+    idt = bits_dtype(base.dtype) if base.dtype != torch.bool else torch.int8
+    if kind == "ulp":
+        step = torch.from_numpy(rng.choice([-1, 1, 2, -2], size=count)).to(idt)
+        bits[pos] = bits[pos] + step
+    elif kind == "random":
+        bits[pos] = torch.from_numpy(rng.integers(-(1 << 62), 1 << 62, size=count)).to(idt)
+    elif kind == "sign_cross":
+        bits[pos] = bits[pos] ^ torch.tensor(-(1 << (8 * width - 1)), dtype=torch.int64).to(idt)
+    else:
+        bits[pos] = torch.from_numpy(special_bits(width, count, rng)).to(idt)
+    if base.dtype == torch.bool:
+        bits &= 1  # keep bool storage canonical (0 or 1)
+    return new
+
+
+@st.composite
+def version_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
+    """A base tensor set of 1-3 tensors and a changed copy."""
+    k = draw(st.integers(1, 3))
+    base, new = {}, {}
+    for i in range(k):
+        dtype, shape = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(SHAPES))
+        seed = draw(st.integers(0, 2**32 - 1))
+        t = random_bits(shape, dtype, seed)
+        base[f"t{i}"] = t
+        new[f"t{i}"] = change(t, draw(st.sampled_from(DENSITIES)), draw(st.sampled_from(KINDS)),
+                              seed + 1)  # fmt: skip
+    return base, new
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(version_pairs())
+def test_encode_decode_apply_is_bit_exact(pair: tuple[dict, dict]) -> None:
+    base, new = pair
+    patch = diff(base, new)
+    data = codec.encode(patch)
+    decoded = codec.decode(data)
+    assert decoded.base_hash == patch.base_hash and decoded.target_hash == patch.target_hash
+    assert decoded.changed == patch.changed
+    weights = clone_set(base)
+    apply(weights, decoded)
+    assert bit_equal(weights, new)
+    assert codec.encode(decoded) == data  # the encoding is canonical
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(version_pairs(), min_size=1, max_size=1), st.integers(2, 5), st.integers(0, 9))
+def test_merged_chain_equals_direct_diff(pairs: list, steps: int, seed: int) -> None:
+    base, _ = pairs[0]
+    chain = [base]
+    for i in range(steps):
+        nxt = {k: change(v, 0.05, ["ulp", "random", "sign_cross"][i % 3], seed * 31 + i)
+               for k, v in chain[-1].items()}  # fmt: skip
+        chain.append(nxt)
+    patches = [diff(a, b) for a, b in zip(chain, chain[1:])]
+    merged, direct = merge(patches), diff(chain[0], chain[-1])
+    assert merged.base_hash == direct.base_hash and merged.target_hash == direct.target_hash
+    assert merged.deltas.keys() == direct.deltas.keys()
+    assert all(merged.deltas[k].same_change(direct.deltas[k]) for k in direct.deltas)
+    assert codec.encode(merged) == codec.encode(direct)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=300), st.sampled_from([1, 2, 4, 8]))
+def test_value_section_round_trips(values: list[int], width: int) -> None:
+    lo, hi = -(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1
+    d = np.array([min(max(v, lo), hi) for v in values], dtype=f"<i{width}")
+    head, body = codec.encode_values(d)
+    raw = head + b"".join(body)
+    out = codec.decode_values(memoryview(raw), d.size, width, "t")
+    assert out.dtype == d.dtype and np.array_equal(out, d)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 2**34 - 1), max_size=200), st.sampled_from([2**20, 2**34]))
+def test_positions_round_trip_with_escapes(positions: set[int], numel: int) -> None:
+    pos = np.array(sorted(p for p in positions if p < numel), dtype=np.int64)
+    head, body = codec.encode_positions(pos, numel)
+    raw = head + b"".join(body)
+    out = codec.decode_positions(memoryview(raw), pos.size, numel, "t")
+    assert np.array_equal(out, pos)
