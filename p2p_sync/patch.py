@@ -268,6 +268,12 @@ def apply(weights: TensorSet, patch: Patch, verify_target: bool = True) -> None:
         )
 
 
+def invert(patch: Patch) -> Patch:
+    """The patch that undoes ``patch`` (target -> base): the same positions, negated deltas."""
+    deltas = {k: TensorDelta(d.spec, d.positions, -d.deltas) for k, d in patch.deltas.items()}
+    return Patch(patch.layout, patch.target_hash, patch.base_hash, deltas)
+
+
 def _merge_tensor(spec: TensorSpec, parts: list[TensorDelta]) -> TensorDelta | None:
     if len(parts) == 1:
         return parts[0]

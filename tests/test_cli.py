@@ -1,0 +1,102 @@
+"""The p2psync CLI on real safetensors files: create, apply, inspect, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from node.cli import main
+from p2p_sync.weights_io import load_weights
+from tests.helpers import bit_equal
+
+
+@pytest.fixture()
+def files(tmp_path: Path, tiny_versions: list) -> dict[str, Path]:
+    paths = {}
+    for i in (0, 1, 2):
+        paths[f"v{i}"] = tmp_path / f"v{i}.safetensors"
+        save_file(tiny_versions[i], paths[f"v{i}"])
+    paths["patch"] = tmp_path / "p01.patch"
+    return paths
+
+
+def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def create(files: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = run(capsys, "patch", "create", "--base", files["v0"], "--new", files["v1"],
+                       "--out", files["patch"], "--device", "cpu")  # fmt: skip
+    assert code == 0 and "smaller than dense" in out
+
+
+def test_create_then_apply_reproduces_the_new_file(files, capsys, tmp_path, tiny_versions):
+    create(files, capsys)
+    out_path = tmp_path / "out.safetensors"
+    code, out, _ = run(capsys, "patch", "apply", "--base", files["v0"], "--patch", files["patch"],
+                       "--out", out_path)  # fmt: skip
+    assert code == 0, out
+    assert bit_equal(load_weights(out_path), tiny_versions[1])
+
+
+def test_apply_on_another_base_is_refused_with_a_clear_message(files, capsys, tmp_path):
+    create(files, capsys)
+    out_path = tmp_path / "out.safetensors"
+    code, _, err = run(capsys, "patch", "apply", "--base", files["v2"], "--patch", files["patch"],
+                       "--out", out_path)  # fmt: skip
+    assert code == 1
+    assert err.startswith("p2psync: error: ") and "was made for base" in err and "v2" in err
+    assert err.count("\n") == 1 and not out_path.exists()
+
+
+def test_inspect_reports_counts_density_and_ratio(files, capsys, tiny_versions):
+    create(files, capsys)
+    code, out, _ = run(capsys, "patch", "inspect", files["patch"], "--json", "--verify")
+    assert code == 0
+    report = json.loads(out)
+    changed = sum(int((tiny_versions[0][k].view(torch.int16) != tiny_versions[1][k]
+                       .view(torch.int16)).sum()) for k in tiny_versions[0])  # fmt: skip
+    assert report["changed"] == changed
+    assert report["bytes"] == files["patch"].stat().st_size
+    assert report["ratio_vs_dense"] == pytest.approx(report["dense_bytes"] / report["bytes"])
+    assert sum(r["changed"] for r in report["rows"]) == changed
+    code, out, _ = run(capsys, "patch", "inspect", files["patch"])
+    assert code == 0 and "bits per changed element" in out and "embed.weight" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["patch", "inspect", "{v0}"], "bad magic"),
+        (["patch", "inspect", "{missing}"], "cannot read patch"),
+        (["patch", "apply", "--base", "{missing}", "--patch", "{v0}", "--out", "{out}"], "magic"),
+        (["patch", "create", "--base", "{missing}", "--new", "{v1}", "--out", "{out}"],
+         "no such file"),
+        (["patch", "create", "--base", "{junk}", "--new", "{v1}", "--out", "{out}"],
+         "not a readable safetensors"),
+        (["patch", "create", "--base", "{v0}", "--new", "{v1}", "--out", "{out}", "--device",
+          "cuda:7"] if not torch.cuda.is_available() else ["patch", "inspect", "{v0}"],
+         "CUDA is not available" if not torch.cuda.is_available() else "bad magic"),
+    ],
+)  # fmt: skip
+def test_bad_input_gets_a_one_line_error(files, capsys, tmp_path, argv, message):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!")
+    names = {**files, "missing": tmp_path / "missing", "out": tmp_path / "o", "junk": junk}
+    code, _, err = run(capsys, *(a.format(**names) for a in argv))
+    assert code == 1
+    assert err.startswith("p2psync: error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_flags_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["patch", "create", "--base", "x"])
+    assert exc.value.code == 2
+    assert "required" in capsys.readouterr().err
