@@ -120,8 +120,16 @@ def run(size: str, lrs: list[float], spans: list[int], devices: list[str], repea
 
 def render(rows: list[dict], devices: list[str], title: str) -> Table:
     table = Table(title=title)
-    for col in ("lr", "steps", "density", "bits/changed", "vs dense", "vs grail-style",
-                "entropy bound", *(f"{k} {d} MB/s" for d in devices for k in ("create", "apply"))):
+    for col in (
+        "lr",
+        "steps",
+        "density",
+        "bits/changed",
+        "vs dense",
+        "vs grail-style",
+        "entropy bound",
+        *(f"{k} {d} MB/s" for d in devices for k in ("create", "apply")),
+    ):
         table.add_column(col, justify="right")  # fmt: skip
     for r in rows:
         table.add_row(

@@ -86,8 +86,14 @@ this.)
 
 Why this shape: positions and values are separate byte planes so zstd's order-0 entropy stage
 sees homogeneous symbols (gap low bytes are near-geometric, gap high bytes are nearly all zero,
-value deltas are mostly +-1, so 4 bits plus escapes usually win); one independent frame per tensor lets encode and decode run in
-parallel. An encoder writes the dense frame when it is smaller than the sparse one.
+value deltas are mostly +-1, so 4 bits plus escapes usually win); one independent frame per
+tensor lets encode and decode run in parallel. An encoder writes the dense frame when it is
+smaller than the sparse one.
+
+Room to grow: format version 2 is reserved for a position coder that conditions on the base
+value's exponent (small-magnitude weights change more often; the receiver can recompute the
+exponent from its base, measured at 146x vs 106x at 1.4% density). It will take coding code 3,
+so version-1 frames stay decodable by the same decoder.
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ from p2p_sync.errors import (
     TruncatedPatchError,
     UnsupportedFormatError,
 )
-from p2p_sync.patch import Patch, TensorDelta, canonical_delta
+from p2p_sync.patch import Patch, TensorDelta
 from p2p_sync.tensors import DTYPE_CODES, DTYPES_BY_CODE, TensorSpec, bits_dtype, layout_fingerprint
 
 MAGIC = b"P2PPATCH"
@@ -230,15 +236,18 @@ def _nibbles(values: np.ndarray) -> bytes:
     return (u[0::2] | (u[1::2] << 4)).tobytes()
 
 
-# Byte -> its two sign-extended nibbles (low first): one table lookup decodes two values.
-_NIBBLE_TABLE = np.array(
-    [[((b & 0xF) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], dtype=np.int8
+# Byte -> its two sign-extended nibbles (low first) as one 2-byte entry: one 1-D gather
+# decodes two values.
+_NIBBLE_TABLE = (
+    np.array([[((b & 0xF) ^ 8) - 8, ((b >> 4) ^ 8) - 8] for b in range(256)], dtype=np.int8)
+    .view(np.uint16)
+    .reshape(256)
 )
 
 
 def _unnibbles(buf: memoryview, n: int, name: str) -> np.ndarray:
     raw = np.frombuffer(buf, dtype=np.uint8, count=(n + 1) // 2)
-    out = _NIBBLE_TABLE[raw].reshape(-1)
+    out = _NIBBLE_TABLE[raw].view(np.int8)
     if n % 2 and out[n]:
         raise MalformedPatchError(f"{name}: padding nibble is not zero")
     return out[:n]
@@ -261,8 +270,11 @@ def _unpack(buf: memoryview, n: int, bits: int, name: str) -> np.ndarray:
 
 
 def _fits(d: np.ndarray, bits: int) -> np.ndarray:
-    bound = 1 << (bits - 1)
-    return (d > -bound) & (d < bound)
+    """-2^(b-1) < d < 2^(b-1), in one add and one compare: shift the range to start at 0 with
+    wrapping arithmetic, then compare as unsigned (out-of-range values wrap far above)."""
+    bias = (1 << (bits - 1)) - 1
+    shifted = (d + d.dtype.type(bias)).view(f"<u{d.dtype.itemsize}")
+    return shifted <= 2 * bias
 
 
 def _choose_bits(d: np.ndarray, width: int) -> int:
@@ -346,14 +358,20 @@ def encode_positions(pos: np.ndarray, numel: int) -> tuple[bytes, list[bytes]]:
     g16 = np.where(esc, _GAP_ESCAPE, gaps).astype("<u2")
     escapes = gaps[esc].astype(f"<u{_escape_width(numel)}")
     planes = _planes(g16)
-    return _SPARSE_HEAD.pack(escapes.size), [planes[: pos.size], planes[pos.size :], escapes.tobytes()]
+    return _SPARSE_HEAD.pack(escapes.size), [
+        planes[: pos.size],
+        planes[pos.size :],
+        escapes.tobytes(),
+    ]
 
 
 def _position_body_size(n: int, numel: int, n_esc: int) -> int:
     return 2 * n + _escape_width(numel) * n_esc
 
 
-def _decode_position_body(body: memoryview, n: int, numel: int, n_esc: int, name: str) -> np.ndarray:
+def _decode_position_body(
+    body: memoryview, n: int, numel: int, n_esc: int, name: str
+) -> np.ndarray:
     raw = np.frombuffer(body, np.uint8, 2 * n)
     gaps = raw[:n].astype(np.int64) | (raw[n:].astype(np.int64) << 8)
     marks = np.flatnonzero(gaps == _GAP_ESCAPE)
@@ -363,7 +381,9 @@ def _decode_position_body(body: memoryview, n: int, numel: int, n_esc: int, name
     if n_esc and int(big.max()) >= numel:
         raise IndexOutOfRangeError(f"{name}: a position gap exceeds the tensor's {numel} elements")
     gaps[marks] = big.astype(np.int64)
-    pos = np.cumsum(gaps + 1) - 1
+    gaps += 1
+    pos = np.cumsum(gaps, out=gaps)
+    pos -= 1
     if n and int(pos[-1]) >= numel:
         raise IndexOutOfRangeError(
             f"{name}: position {int(pos[-1])} outside a tensor of {numel} elements"
@@ -459,8 +479,9 @@ def _decode_sparse(raw: memoryview, spec: TensorSpec, n: int) -> TensorDelta:
         raise CountMismatchError(f"{name}: more escapes than the {n} entries")
     pos = _decode_position_body(raw[head : head + pos_size], n, numel, pos_esc, name)
     d = _decode_value_body(raw[head + pos_size :], n, width, bits, val_esc, name)
-    tdt = bits_dtype(spec.dtype)
-    return canonical_delta(spec, torch.from_numpy(pos), torch.from_numpy(d).view(tdt))
+    return TensorDelta(
+        spec, torch.from_numpy(pos), torch.from_numpy(d).view(bits_dtype(spec.dtype))
+    )
 
 
 def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
@@ -570,7 +591,9 @@ def _read_table(data: memoryview, n: int, zsize: int, rawsize: int, limits: Code
     if n > limits.max_tensors or rawsize > limits.max_table_bytes:
         raise MalformedPatchError(f"table of {n} tensors / {rawsize} bytes exceeds the limits")
     if len(data) < HEADER_SIZE + zsize:
-        raise TruncatedPatchError(f"patch is {len(data)} bytes, its table ends at {HEADER_SIZE + zsize}")
+        raise TruncatedPatchError(
+            f"patch is {len(data)} bytes, its table ends at {HEADER_SIZE + zsize}"
+        )
     table = _decompress(data[HEADER_SIZE : HEADER_SIZE + zsize], rawsize, "tensor table")
     if len(table) != rawsize:
         raise MalformedPatchError(f"table is {len(table)} bytes, header says {rawsize}")

@@ -96,8 +96,8 @@ class TensorDelta:
         """Positions and deltas of the changed elements only."""
         if self.positions is not None:
             return self.positions, self.deltas
-        pos = torch.nonzero(self.deltas).reshape(-1)
-        return pos, self.deltas[pos]
+        pos = np.flatnonzero(self.deltas.numpy() != 0)  # a bool mask is numpy's fast path
+        return torch.from_numpy(pos), torch.from_numpy(self.deltas.numpy()[pos])
 
     def to_dense(self) -> torch.Tensor:
         """Deltas for every element (zero where unchanged)."""

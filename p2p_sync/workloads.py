@@ -66,7 +66,9 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(size.vocab, size.d_model)
         self.pos = nn.Embedding(size.seq_len, size.d_model)
-        self.blocks = nn.ModuleList(_Block(size.d_model, size.n_heads) for _ in range(size.n_layers))
+        self.blocks = nn.ModuleList(
+            _Block(size.d_model, size.n_heads) for _ in range(size.n_layers)
+        )
         self.ln_f = nn.LayerNorm(size.d_model)
         for p in self.parameters():
             if p.dim() > 1:

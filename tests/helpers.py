@@ -55,8 +55,7 @@ def rebuild(data: bytes, mutate: Mutator, header_version: int = codec.FORMAT_VER
     frames = {r.spec.name: bytes(data[r.offset : r.offset + r.size]) for r in rows if r.size}
     mutate(rows, frames)
     table_raw = b"".join(
-        codec._row_bytes(r.spec, r.coding, r.count, len(frames.get(r.spec.name, b"")))
-        for r in rows
+        codec._row_bytes(r.spec, r.coding, r.count, len(frames.get(r.spec.name, b""))) for r in rows
     )
     table = codec._compress([table_raw], 1)
     header = struct.pack(

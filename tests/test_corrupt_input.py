@@ -47,6 +47,7 @@ def data(versions: list) -> bytes:
 def _set_count(delta: int):
     def mutate(rows: list, frames: dict) -> None:
         rows[0] = dataclasses.replace(rows[0], count=rows[0].count + delta)
+
     return mutate
 
 
@@ -57,6 +58,7 @@ def _frame_with_position(pos: int):
         val_head, val_body = codec.encode_values(torch.tensor([1], dtype=torch.int16).numpy())
         frames[row.spec.name] = frame_from_streams([pos_head + val_head, *pos_body, *val_body])
         rows[0] = dataclasses.replace(row, count=1)
+
     return mutate
 
 

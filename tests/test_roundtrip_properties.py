@@ -26,9 +26,9 @@ SPECIAL_F32 = np.array([0x7FC00001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x800000
 
 def special_bits(width: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """Special patterns of the element width (truncated float32 patterns + extremes)."""
-    base = np.concatenate([SPECIAL_F32.astype(np.int64) >> (32 - 8 * width) if width < 4
-                           else SPECIAL_F32.astype(np.int64),
-                           [-(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1, -1, 0]])  # fmt: skip
+    floats = SPECIAL_F32.astype(np.int64) >> max(0, 32 - 8 * width)
+    extremes = [-(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1, -1, 0]
+    base = np.concatenate([floats, extremes])
     return rng.choice(base, size=n)
 
 
