@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -35,7 +35,7 @@ def atomic_write_with(path: str | os.PathLike[str], write: Callable[[Path], None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

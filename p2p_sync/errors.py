@@ -60,3 +60,63 @@ class TargetMismatchError(PatchError):
 
 class ChainBrokenError(PatchError):
     """Patches to merge do not form a chain: one's target is not the next one's base."""
+
+
+class ManifestError(P2PSyncError):
+    """A manifest is refused. Each subclass is named after the attack it stops."""
+
+
+class MalformedManifestError(ManifestError):
+    """Not a well-formed manifest: bad JSON, missing, unknown or mistyped fields."""
+
+
+class MissingSignatureError(ManifestError):
+    """Fewer valid signatures from trusted keys than the swarm's threshold (unsigned data)."""
+
+
+class ForgedSignatureError(ManifestError):
+    """A signature claims a trusted key but does not verify: forged or tampered content."""
+
+
+class UntrustedSignerError(ManifestError):
+    """Signed only by keys this swarm does not trust: an impostor trainer."""
+
+
+class WrongSwarmError(ManifestError):
+    """Made for another swarm: data must never cross between swarms."""
+
+
+class RollbackAttackError(ManifestError):
+    """Version not newer than the one already accepted: a replay or a rollback."""
+
+
+class FreezeAttackError(ManifestError):
+    """Expired: an attacker may be replaying stale data to hold peers on an old version."""
+
+
+class EndlessDataAttackError(ManifestError):
+    """Declared sizes exceed the configured limits: would exhaust disk, memory or bandwidth."""
+
+
+class ChunkError(P2PSyncError):
+    """A chunk is refused (wrong index, length or hash)."""
+
+
+class ChunkIndexError(ChunkError):
+    """The chunk index is outside the manifest's chunk list."""
+
+
+class ChunkLengthError(ChunkError):
+    """The chunk has a different length than the manifest implies."""
+
+
+class ChunkHashMismatchError(ChunkError):
+    """The chunk's bytes do not hash to the manifest's value: corrupt or malicious data."""
+
+
+class IncompletePayloadError(ChunkError):
+    """Reassembly asked for before every chunk was verified."""
+
+
+class NoPathError(P2PSyncError):
+    """No chain of announced artifacts leads from the local state to the head."""

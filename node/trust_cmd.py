@@ -1,0 +1,82 @@
+"""`p2psync keygen` and `p2psync inspect`: keys, and a readable view of manifests and patches."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+from node.patch_cmd import cmd_inspect as inspect_patch
+from node.patch_cmd import read_patch_file
+from p2p_sync import codec, manifest
+from p2p_sync.keys import SigningKey, load_public_key, write_keypair
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    key = SigningKey.generate()
+    pub = write_keypair(key, args.out, force=args.force)
+    print(f"wrote {args.out} (private, mode 0600) and {pub}")
+    print(key.public.text())
+    return 0
+
+
+def policy_from_args(args: argparse.Namespace) -> manifest.SwarmPolicy:
+    keys = tuple(load_public_key(k) for k in args.trust)
+    try:
+        return manifest.SwarmPolicy(args.swarm, keys, args.threshold)
+    except ValueError as exc:
+        raise manifest.MalformedManifestError(f"--threshold: {exc}") from None
+
+
+def _when(ts: int) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _print_manifest(path: Path, m: manifest.Manifest, sigs: list[dict], verdict: str) -> None:
+    base = f"v{m.base_version} ({m.base_state})" if m.kind == manifest.PATCH else "-"
+    print(f"{path}: p2psync manifest, {verdict}")
+    for label, value in [
+        ("swarm", m.swarm), ("version", m.version), ("kind", m.kind), ("base", base),
+        ("target state", m.target_state), ("layout", m.layout), ("codec", m.codec),
+        ("payload", f"{m.payload_size:,} bytes in {len(m.chunks)} chunk(s) of {m.chunk_size:,}"),
+        ("created", _when(m.created)), ("expires", _when(m.expires)), ("digest", m.digest),
+    ]:  # fmt: skip
+        print(f"  {label:<13}{value}")
+    for s in sigs:
+        print(f"  signature    key {s['keyid'][:16]}...")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    data = read_patch_file(args.file)
+    if data.startswith(codec.MAGIC):
+        args.json, args.verify = False, True
+        return inspect_patch(args)
+    m, sigs = manifest.parse(data)
+    verdict = "NOT verified (pass --trust and --swarm to verify)"
+    if args.trust:
+        policy = policy_from_args(args)
+        manifest.verify(data, policy, now=time.time(), accepted_version=None)
+        verdict = f"verified: signed by the trusted key(s) of swarm {args.swarm!r}"
+    if args.json:
+        print(json.dumps({"verified": bool(args.trust), "signed": m.signed()}, indent=1))
+    else:
+        _print_manifest(args.file, m, sigs, verdict)
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    keygen = sub.add_parser("keygen", help="create an Ed25519 signing key for a trainer")
+    keygen.add_argument("--out", type=Path, required=True, help="private key file (+ .pub)")
+    keygen.add_argument("--force", action="store_true", help="overwrite existing files")
+    keygen.set_defaults(func=cmd_keygen)
+
+    insp = sub.add_parser("inspect", help="show a manifest or a patch in readable form")
+    insp.add_argument("file", type=Path)
+    insp.add_argument("--trust", action="append", default=[], metavar="KEY_OR_PUBFILE",
+                      help="trusted public key (repeatable); verifies the manifest")  # fmt: skip
+    insp.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
+    insp.add_argument("--threshold", type=int, default=1, help="signatures needed (default 1)")
+    insp.add_argument("--json", action="store_true", help="print JSON")
+    insp.set_defaults(func=cmd_inspect)

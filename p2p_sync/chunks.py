@@ -1,0 +1,104 @@
+"""Cutting payloads into chunks, and checking each chunk against its signed manifest.
+
+Default chunk size: 256 KiB. Why: a swarm spreads a payload well only when it has many more
+chunks than peers fetch at once (a 100 MB patch is 400 chunks; the 0.5 MB one-step patch of the
+30M workload is 3, so three peers can serve it in parallel); per-request HTTP cost stays small
+against the transfer (~1 ms of overhead vs ~1 ms to move 256 KiB at 2 Gbit/s); and the manifest
+stays small (65 hex bytes a chunk: 26 KB for 100 MB). BitTorrent settled on 256 KiB-4 MiB for
+the same reasons. Configurable per publisher within the manifest limits (16 KiB-64 MiB).
+
+Hash: SHA-256 (hashlib, ~2 GB/s with SHA extensions): standard, no extra dependency.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from p2p_sync.errors import (
+    ChunkHashMismatchError,
+    ChunkIndexError,
+    ChunkLengthError,
+    IncompletePayloadError,
+)
+from p2p_sync.manifest import CODECS, Manifest
+
+DEFAULT_CHUNK_SIZE = 256 * 1024
+
+
+def chunk_hash(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def split(payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[memoryview]:
+    """The payload's chunks (views, no copies); the last may be shorter."""
+    if chunk_size <= 0:
+        raise ValueError("chunk size must be positive")
+    view = memoryview(payload)
+    return [view[i : i + chunk_size] for i in range(0, len(payload), chunk_size)]
+
+
+def chunk_hashes(payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[str, ...]:
+    return tuple(chunk_hash(c) for c in split(payload, chunk_size))
+
+
+def verify_chunk(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
+    """Raise unless ``data`` is exactly chunk ``index`` of ``manifest``'s payload."""
+    if not 0 <= index < len(manifest.chunks):
+        raise ChunkIndexError(f"chunk {index} of a {len(manifest.chunks)}-chunk payload")
+    want = manifest.chunk_length(index)
+    if len(data) != want:
+        raise ChunkLengthError(f"chunk {index} is {len(data)} bytes, expected {want}")
+    if chunk_hash(data) != manifest.chunks[index]:
+        raise ChunkHashMismatchError(f"chunk {index} does not match its signed hash")
+
+
+class Assembler:
+    """Collects verified chunks of one payload; hands the payload out only when complete."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._chunks: dict[int, bytes] = {}
+
+    def add(self, index: int, data: bytes | memoryview) -> bool:
+        """Verify and keep chunk ``index``; True if it was new. Raises on a bad chunk."""
+        verify_chunk(self.manifest, index, data)
+        if index in self._chunks:
+            return False
+        self._chunks[index] = bytes(data)
+        return True
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(len(self.manifest.chunks)) if i not in self._chunks]
+
+    @property
+    def complete(self) -> bool:
+        return len(self._chunks) == len(self.manifest.chunks)
+
+    def payload(self) -> bytes:
+        if not self.complete:
+            raise IncompletePayloadError(f"{len(self.missing)} chunk(s) not yet verified")
+        return b"".join(self._chunks[i] for i in range(len(self.manifest.chunks)))
+
+
+def manifest_for(
+    payload: bytes,
+    *,
+    swarm: str,
+    version: int,
+    kind: str,
+    target_state: str,
+    layout: str,
+    now: int,
+    lifetime_s: int = 7 * 86400,
+    base_version: int | None = None,
+    base_state: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Manifest:
+    """The (unsigned) manifest describing ``payload``, cut into ``chunk_size`` chunks."""
+    return Manifest(
+        swarm=swarm, version=version, kind=kind, base_version=base_version,
+        base_state=base_state, target_state=target_state, layout=layout, codec=CODECS[kind],
+        payload_size=len(payload), chunk_size=chunk_size,
+        chunks=chunk_hashes(payload, chunk_size), created=now, expires=now + lifetime_s,
+    )  # fmt: skip

@@ -1,0 +1,46 @@
+"""A process that keeps writing to a Store until killed (for the crash-safety test).
+
+Prints ``committed <version>`` after each accepted version is durable. Stops by itself after
+``--max-versions`` versions so it can never run away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from p2p_sync.chunks import manifest_for, split
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import PATCH, SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.store import Store
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-versions", type=int, default=200)
+    args = parser.parse_args()
+    rnd = random.Random(args.seed)
+    key = SigningKey.generate()
+    swarm = SwarmPolicy("crash", (key.public,)).swarm_id
+    store = Store.open(args.root)
+    start = store.state.version + 1 if store.state else 0
+    for version in range(start, start + args.max_versions):
+        payload = rnd.randbytes(rnd.randint(1, 120_000))
+        kind = SNAPSHOT if version % 5 == 0 else PATCH
+        base = {} if kind == SNAPSHOT else {"base_version": version - 1, "base_state": "aa" * 16}
+        m = manifest_for(payload, swarm=swarm, version=version, kind=kind, target_state="bb" * 16,
+                         layout="cc" * 16, now=0, chunk_size=16 * 1024, **base)  # fmt: skip
+        for chunk in split(payload, m.chunk_size):
+            store.put_chunk(chunk)
+        store.put_manifest(m, sign(m, [key]))
+        weights = rnd.randbytes(rnd.randint(1, 50_000))
+        store.set_weights(version, f"{version:032x}", lambda p, w=weights: p.write_bytes(w))
+        print(f"committed {version}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
