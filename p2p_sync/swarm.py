@@ -1,0 +1,309 @@
+"""The chunk scheduler: a sans-I/O state machine (events in, actions out, time passed in).
+
+One :class:`Scheduler` drives the download of one payload (the chunks of one verified manifest)
+from many peers at once. The node (asyncio + HTTP) and the simulator (virtual clock) feed it the
+same events and carry out the same actions, so what the simulator shows is true of the node.
+
+Events (inputs, past tense): :class:`PeerHad` (a peer's have-map, or part of it),
+:class:`PeerLost`, :class:`ChunkVerified`, :class:`ChunkCorrupted` (bytes failed the signed
+hash), :class:`ChunkFailed` (transport error or refusal), :class:`TimerFired`.
+
+Actions (outputs): :class:`RequestChunk`, :class:`CancelRequest`, :class:`PeerBanned`,
+:class:`DownloadCompleted`.
+
+Policy:
+
+* rarest-first: unrequested chunks are taken in order of how few usable peers hold them (ties
+  broken by a seeded hash, so peers spread over different chunks);
+* several sources at once, bounded per peer and overall;
+* a request older than ``request_timeout_s`` is cancelled and re-requested elsewhere;
+* endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
+  ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
+* per-peer score: an EWMA of measured throughput, divided by (1 + failures);
+* a peer whose chunk fails its hash is banned at once (only the peer that served it: the
+  scheduler knows exactly who sent which bytes). Timeouts and errors only lower a peer's score
+  (and an error drops the chunk from its claimed have-map): a slow honest peer that is the
+  last source of a chunk must stay usable, or the download could never finish.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """Every limit of the scheduler."""
+
+    max_requests_per_peer: int = 4
+    max_requests_total: int = 32
+    request_timeout_s: float = 10.0
+    endgame_sources: int = 2
+    score_alpha: float = 0.3
+    seed: int = 0
+
+
+# ---------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class PeerHad:
+    """``peer`` holds (at least) these chunks."""
+
+    peer: str
+    indices: frozenset[int]
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    peer: str
+
+
+@dataclass(frozen=True)
+class ChunkVerified:
+    peer: str
+    index: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ChunkCorrupted:
+    peer: str
+    index: int
+
+
+@dataclass(frozen=True)
+class ChunkFailed:
+    peer: str
+    index: int
+
+
+@dataclass(frozen=True)
+class TimerFired:
+    pass
+
+
+Event = PeerHad | PeerLost | ChunkVerified | ChunkCorrupted | ChunkFailed | TimerFired
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class RequestChunk:
+    peer: str
+    index: int
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    peer: str
+    index: int
+
+
+@dataclass(frozen=True)
+class PeerBanned:
+    peer: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class DownloadCompleted:
+    pass
+
+
+Action = RequestChunk | CancelRequest | PeerBanned | DownloadCompleted
+
+
+@dataclass
+class PeerStats:
+    """What the scheduler knows of one peer's service."""
+
+    throughput: float = 0.0  # EWMA bytes/s of verified chunks
+    failures: int = 0
+    verified: int = 0
+
+    def score(self) -> float:
+        return (self.throughput + 1.0) / (1 + self.failures)
+
+
+@dataclass
+class Scheduler:
+    """Download state of one payload of ``n_chunks`` chunks."""
+
+    n_chunks: int
+    config: SwarmConfig = field(default_factory=SwarmConfig)
+    have: Iterable[int] = ()
+
+    def __post_init__(self) -> None:
+        self.missing: set[int] = set(range(self.n_chunks)) - set(self.have)
+        self.holders: dict[int, set[str]] = {i: set() for i in self.missing}
+        self.peer_chunks: dict[str, set[int]] = {}
+        self.inflight: dict[int, dict[str, float]] = {}
+        self.peer_inflight: dict[str, set[int]] = {}
+        self.banned: set[str] = set()
+        self.stats: dict[str, PeerStats] = {}
+        self._done_reported = False
+        salt = self.config.seed.to_bytes(8, "little", signed=True)
+        self._tiebreak = {
+            i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, salt=salt).digest()
+            for i in self.missing
+        }
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def requests_in_flight(self) -> int:
+        return sum(len(p) for p in self.inflight.values())
+
+    # ------------------------------------------------------------ events
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event, then schedule; returns the actions to carry out."""
+        actions: list[Action] = []
+        if isinstance(event, PeerHad):
+            self._peer_had(event.peer, event.indices)
+        elif isinstance(event, PeerLost):
+            actions += self._forget_peer(event.peer)
+        elif isinstance(event, ChunkVerified):
+            actions += self._verified(event, now)
+        elif isinstance(event, ChunkCorrupted):
+            actions += self._ban(event.peer, f"served chunk {event.index} failing its hash")
+        elif isinstance(event, ChunkFailed):
+            actions += self._failed(event.peer, event.index)
+        elif isinstance(event, TimerFired):
+            actions += self._timeouts(now)
+        return actions + self._schedule(now)
+
+    def _peer_had(self, peer: str, indices: frozenset[int]) -> None:
+        if peer in self.banned:
+            return
+        self.stats.setdefault(peer, PeerStats())
+        known = self.peer_chunks.setdefault(peer, set())
+        for i in indices:
+            if i in self.holders and i not in known:
+                known.add(i)
+                self.holders[i].add(peer)
+
+    def _forget_peer(self, peer: str) -> list[Action]:
+        for i in self.peer_chunks.pop(peer, set()):
+            self.holders.get(i, set()).discard(peer)
+        cancelled = []
+        for i in self.peer_inflight.pop(peer, set()):
+            self.inflight.get(i, {}).pop(peer, None)
+            if not self.inflight.get(i):
+                self.inflight.pop(i, None)
+            cancelled.append(CancelRequest(peer, i))
+        return cancelled
+
+    def _drop_request(self, peer: str, index: int) -> float | None:
+        started = self.inflight.get(index, {}).pop(peer, None)
+        if index in self.inflight and not self.inflight[index]:
+            del self.inflight[index]
+        self.peer_inflight.get(peer, set()).discard(index)
+        return started
+
+    def _verified(self, ev: ChunkVerified, now: float) -> list[Action]:
+        started = self._drop_request(ev.peer, ev.index)
+        stats = self.stats.setdefault(ev.peer, PeerStats())
+        if started is not None:
+            rate = ev.nbytes / max(now - started, 1e-6)
+            a = self.config.score_alpha
+            stats.throughput = rate if not stats.verified else a * rate + (1 - a) * stats.throughput
+        stats.verified += 1
+        if ev.index not in self.missing:
+            return []
+        self.missing.discard(ev.index)
+        self.holders.pop(ev.index, None)
+        losers = list(self.inflight.pop(ev.index, {}))
+        for peer in losers:  # endgame: the other copies are no longer needed
+            self.peer_inflight.get(peer, set()).discard(ev.index)
+        return [CancelRequest(p, ev.index) for p in losers]
+
+    def _failed(self, peer: str, index: int) -> list[Action]:
+        if self._drop_request(peer, index) is None:
+            return []
+        # A peer that cannot serve a chunk it claimed no longer counts as holding it.
+        self.peer_chunks.get(peer, set()).discard(index)
+        self.holders.get(index, set()).discard(peer)
+        self.stats.setdefault(peer, PeerStats()).failures += 1
+        return []
+
+    def _ban(self, peer: str, reason: str) -> list[Action]:
+        if peer in self.banned:
+            return []
+        self.banned.add(peer)
+        return [*self._forget_peer(peer), PeerBanned(peer, reason)]
+
+    def _timeouts(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        expired = [
+            (peer, i)
+            for i, peers in self.inflight.items()
+            for peer, started in peers.items()
+            if now - started >= self.config.request_timeout_s
+        ]
+        for peer, i in expired:
+            if peer in self.banned or self._drop_request(peer, i) is None:
+                continue
+            actions.append(CancelRequest(peer, i))
+            self.stats.setdefault(peer, PeerStats()).failures += 1
+        return actions
+
+    # ------------------------------------------------------------ scheduling
+
+    def _free(self, peer: str) -> bool:
+        return len(self.peer_inflight.get(peer, ())) < self.config.max_requests_per_peer
+
+    def _best_peer(self, index: int, exclude: Iterable[str] = ()) -> str | None:
+        skip = set(exclude)
+        candidates = [p for p in self.holders.get(index, ()) if p not in skip and self._free(p)]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda p: (self.stats[p].score(), p))
+
+    def _request(self, peer: str, index: int, now: float) -> RequestChunk:
+        self.inflight.setdefault(index, {})[peer] = now
+        self.peer_inflight.setdefault(peer, set()).add(index)
+        return RequestChunk(peer, index)
+
+    def _schedule(self, now: float) -> list[Action]:
+        if not self.missing:
+            if self._done_reported:
+                return []
+            self._done_reported = True
+            return [DownloadCompleted()]
+        budget = self.config.max_requests_total - self.requests_in_flight()
+        out: list[Action] = []
+        todo = [i for i in self.missing if i not in self.inflight and self.holders[i]]
+        todo.sort(key=lambda i: (len(self.holders[i]), self._tiebreak[i]))
+        for i in todo:
+            if budget <= 0:
+                return out
+            peer = self._best_peer(i)
+            if peer is not None:
+                out.append(self._request(peer, i, now))
+                budget -= 1
+        if any(i not in self.inflight for i in self.missing):
+            return out  # not endgame yet: some missing chunk still waits for a source
+        return out + self._endgame(now, budget)
+
+    def _endgame(self, now: float, budget: int) -> list[Action]:
+        out: list[Action] = []
+        oldest_first = sorted(self.inflight, key=lambda i: min(self.inflight[i].values()))
+        for i in oldest_first:
+            if budget <= 0:
+                break
+            if len(self.inflight[i]) >= self.config.endgame_sources:
+                continue
+            peer = self._best_peer(i, exclude=self.inflight[i])
+            if peer is not None:
+                out.append(self._request(peer, i, now))
+                budget -= 1
+        return out

@@ -1,0 +1,161 @@
+"""Scheduler properties over random event sequences (Hypothesis), plus hand-built cases."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_sync.swarm import (
+    CancelRequest,
+    ChunkCorrupted,
+    ChunkFailed,
+    ChunkVerified,
+    DownloadCompleted,
+    PeerBanned,
+    PeerHad,
+    PeerLost,
+    RequestChunk,
+    Scheduler,
+    SwarmConfig,
+    TimerFired,
+)
+
+
+class Harness:
+    """Runs a scheduler against simulated peers and checks invariants on every action."""
+
+    def __init__(self, n: int, honest: dict[str, set[int]], evil: dict[str, set[int]],
+                 config: SwarmConfig) -> None:  # fmt: skip
+        self.sched = Scheduler(n, config)
+        self.honest, self.evil = honest, evil
+        self.now = 0.0
+        self.pending: list[tuple[str, int]] = []
+        self.verified: set[int] = set()
+        self.banned: set[str] = set()
+        self.done = False
+
+    def feed(self, event) -> None:
+        for action in self.sched.handle(event, self.now):
+            self.check(action)
+
+    def check(self, action) -> None:
+        if isinstance(action, RequestChunk):
+            assert action.peer not in self.banned, "requested from a banned peer"
+            assert action.index not in self.verified, "requested a verified chunk"
+            assert (
+                len(self.sched.peer_inflight[action.peer])
+                <= self.sched.config.max_requests_per_peer
+            )
+            assert self.sched.requests_in_flight() <= self.sched.config.max_requests_total
+            self.pending.append((action.peer, action.index))
+        elif isinstance(action, CancelRequest):
+            if (action.peer, action.index) in self.pending:
+                self.pending.remove((action.peer, action.index))
+        elif isinstance(action, PeerBanned):
+            assert action.peer in self.evil, f"honest peer {action.peer} banned: {action.reason}"
+            self.banned.add(action.peer)
+        elif isinstance(action, DownloadCompleted):
+            self.done = True
+
+    def deliver(self, k: int) -> None:
+        peer, index = self.pending.pop(k % len(self.pending))
+        self.now += 0.01
+        if peer in self.evil:
+            self.feed(ChunkCorrupted(peer, index))
+        else:
+            self.verified.add(index)
+            self.feed(ChunkVerified(peer, index, 1000))
+
+
+@st.composite
+def swarms(draw: st.DrawFn):
+    n = draw(st.integers(1, 30))
+    n_honest, n_evil = draw(st.integers(1, 5)), draw(st.integers(0, 4))
+    honest = {f"h{i}": set(draw(st.sets(st.integers(0, n - 1)))) for i in range(n_honest)}
+    for i in range(n):  # every chunk has at least one honest source
+        honest[f"h{draw(st.integers(0, n_honest - 1))}"].add(i)
+    evil = {f"e{i}": set(draw(st.sets(st.integers(0, n - 1), min_size=1))) for i in range(n_evil)}
+    config = SwarmConfig(max_requests_per_peer=draw(st.integers(1, 4)),
+                         max_requests_total=draw(st.integers(1, 12)),
+                         request_timeout_s=1.0, seed=draw(st.integers(0, 9)))  # fmt: skip
+    return n, honest, evil, config
+
+
+@settings(max_examples=150, deadline=None)
+@given(swarms(), st.lists(st.tuples(st.sampled_from("dftl"), st.integers(0, 10**6)), max_size=60))
+def test_random_event_sequences_keep_invariants_and_finish(swarm, script) -> None:
+    n, honest, evil, config = swarm
+    h = Harness(n, honest, evil, config)
+    for peer, chunks in [*honest.items(), *evil.items()]:
+        h.feed(PeerHad(peer, frozenset(chunks)))
+    for op, k in script:  # adversarial interleaving: deliveries, failures, timeouts, churn
+        if op == "d" and h.pending:
+            h.deliver(k)
+        elif op == "f" and h.pending:
+            peer, index = h.pending.pop(k % len(h.pending))
+            if peer in evil:
+                h.feed(ChunkFailed(peer, index))
+            else:
+                h.pending.append((peer, index))  # honest peers do not fail in this test
+        elif op == "t":
+            h.now += 0.5
+            h.feed(TimerFired())
+        elif op == "l" and evil:
+            h.feed(PeerLost(sorted(evil)[k % len(evil)]))
+    for _ in range(20 * n + 50):  # then the network behaves: everything pending arrives
+        if h.done:
+            break
+        if h.pending:
+            h.deliver(0)
+        else:
+            h.now += 2.0  # nothing in flight: time passes, timers fire
+            h.feed(TimerFired())
+    assert h.done and h.verified == set(range(n))
+
+
+def test_rarest_chunk_is_requested_first() -> None:
+    s = Scheduler(3, SwarmConfig(max_requests_total=1))
+    for peer, chunks in {"a": {0, 1, 2}, "b": {0, 1}, "c": {0}}.items():
+        s._peer_had(peer, frozenset(chunks))  # learn all have-maps before scheduling
+    assert s.handle(TimerFired(), 0) == [RequestChunk("a", 2)]
+
+
+def test_corrupt_chunk_bans_only_the_sender_and_is_refetched() -> None:
+    s = Scheduler(1, SwarmConfig())
+    actions = s.handle(PeerHad("evil", frozenset({0})), 0)
+    assert actions == [RequestChunk("evil", 0)]
+    s.handle(PeerHad("good", frozenset({0})), 0)
+    actions = s.handle(ChunkCorrupted("evil", 0), 1)
+    assert PeerBanned("evil", "served chunk 0 failing its hash") in actions
+    assert "good" in s.inflight[0] and "good" not in s.banned  # refetched (endgame or now)
+
+
+def test_timeout_moves_the_request_elsewhere() -> None:
+    s = Scheduler(1, SwarmConfig(request_timeout_s=5, endgame_sources=1))
+    s.handle(PeerHad("slow", frozenset({0})), 0)
+    s.handle(PeerHad("fast", frozenset({0})), 0)
+    first = next(iter(s.inflight[0]))
+    actions = s.handle(TimerFired(), 6)
+    assert CancelRequest(first, 0) in actions
+    assert any(isinstance(a, RequestChunk) and a.peer != first for a in actions)
+
+
+def test_endgame_duplicates_then_cancels_the_loser() -> None:
+    s = Scheduler(1, SwarmConfig(endgame_sources=2))
+    s.handle(PeerHad("a", frozenset({0})), 0)
+    actions = s.handle(PeerHad("b", frozenset({0})), 0)
+    assert set(s.inflight[0]) == {"a", "b"}, actions
+    actions = s.handle(ChunkVerified("b", 0, 10), 1)
+    assert CancelRequest("a", 0) in actions and DownloadCompleted() in actions
+
+
+def test_many_peers_spread_requests_over_sources() -> None:
+    rnd = random.Random(0)
+    s = Scheduler(64, SwarmConfig(max_requests_per_peer=2, max_requests_total=64))
+    actions = []
+    for p in range(16):
+        actions += s.handle(PeerHad(f"p{p}", frozenset(rnd.sample(range(64), 40))), 0)
+    peers = {a.peer for a in actions if isinstance(a, RequestChunk)}
+    assert len(peers) >= 12
