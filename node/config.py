@@ -1,0 +1,126 @@
+"""Node configuration: one dataclass holding every setting, loaded from TOML, overridden by flags.
+
+Errors name the field: ``config: peers: 'ftp://x' is not http://host:port``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from p2p_sync.errors import P2PSyncError
+from p2p_sync.transport.http import valid_peer_url
+
+ROLES = ("trainer", "rollout")
+
+
+class ConfigError(P2PSyncError):
+    """A config file or flag value is invalid (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    role: str = "rollout"
+    data_dir: Path = Path("p2psync-data")
+    listen: str = "127.0.0.1:0"
+    advertise_host: str | None = None
+    swarm: str = "default"
+    key: Path | None = None
+    trust: tuple[str, ...] = ()
+    threshold: int = 1
+    peers: tuple[str, ...] = ()
+    watch: Path | None = None
+    export: Path | None = None
+    on_update: str | None = None
+    device: str = "auto"
+    chunk_size: int = 256 * 1024
+    anchor_every: int = 10
+    catchup_spans: tuple[int, ...] = (4, 16)
+    manifest_lifetime_s: int = 7 * 86400
+    poll_interval_s: float = 1.0
+    have_poll_s: float = 0.2
+    max_peers: int = 64
+    seed_copies: int = 1
+    reseed_after_s: float = 2.0
+    progress: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.listen.rpartition(":")
+        return host or "127.0.0.1", int(port)
+
+
+_PATHS = {"data_dir", "key", "watch", "export"}
+_TUPLES = {"trust", "peers", "catchup_spans"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name in _PATHS:
+        return Path(value)
+    if name in _TUPLES:
+        items = value.split(",") if isinstance(value, str) else list(value)
+        items = [i.strip() if isinstance(i, str) else i for i in items]
+        return tuple(int(i) for i in items) if name == "catchup_spans" else tuple(i for i in items if i)
+    return value
+
+
+def _check(cfg: NodeConfig) -> None:
+    def bad(name: str, why: str) -> ConfigError:
+        return ConfigError(f"config: {name}: {why}")
+
+    if cfg.role not in ROLES:
+        raise bad("role", f"{cfg.role!r} is not one of {', '.join(ROLES)}")
+    try:
+        host, port = cfg.host_port
+        if not 0 <= port < 65536:
+            raise ValueError
+    except ValueError:
+        raise bad("listen", f"{cfg.listen!r} is not HOST:PORT") from None
+    for peer in cfg.peers:
+        if not valid_peer_url(peer):
+            raise bad("peers", f"{peer!r} is not http://host:port")
+    if cfg.role == "trainer" and cfg.key is None:
+        raise bad("key", "a trainer needs --key (create one with p2psync keygen)")
+    if cfg.role == "rollout" and not cfg.trust:
+        raise bad("trust", "a rollout needs --trust (the trainer's public key or .pub file)")
+    if not 16 * 1024 <= cfg.chunk_size <= 64 * 2**20:
+        raise bad("chunk_size", "must be between 16 KiB and 64 MiB")
+    if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
+        raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
+    for name in ("poll_interval_s", "have_poll_s", "reseed_after_s"):
+        if not getattr(cfg, name) > 0:
+            raise bad(name, "must be positive")
+
+
+def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
+    """Settings from the TOML file at ``path`` (if any), then non-None ``overrides``."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            values = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read {path} ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in fields(NodeConfig)} - {"extra"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"config: {unknown[0]}: unknown setting")
+    cfg = NodeConfig()
+    try:
+        cfg = replace(cfg, **{k: _coerce(k, v) for k, v in values.items()})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config: bad value ({exc})") from None
+    for f in fields(NodeConfig):
+        value, default = getattr(cfg, f.name), getattr(NodeConfig(), f.name)
+        if default is not None and f.name != "extra" and not isinstance(value, type(default)):
+            if not (isinstance(default, float) and isinstance(value, int)):
+                raise ConfigError(f"config: {f.name}: expected {type(default).__name__}")
+    _check(cfg)
+    return cfg

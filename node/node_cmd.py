@@ -1,0 +1,131 @@
+"""`p2psync node` (run a trainer or rollout) and `p2psync status URL`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from node.config import ConfigError, NodeConfig, load
+from node.rollout import Follower
+from node.runtime import Node
+from node.trainer import Publisher, TrainerNode, watch
+from p2p_sync.errors import P2PSyncError
+from p2p_sync.keys import load_public_key, load_signing_key
+from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.store import Store
+from p2p_sync.versions import PublishPolicy
+
+
+def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
+    key = load_signing_key(cfg.key) if cfg.key else None
+    keys = tuple(load_public_key(t) for t in cfg.trust)
+    if key is not None and key.public not in keys:
+        keys = (key.public, *keys)
+    try:
+        return SwarmPolicy(cfg.swarm, keys, cfg.threshold), key
+    except ValueError as exc:
+        raise ConfigError(f"config: threshold: {exc}") from None
+
+
+def pick_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
+    policy, key = policy_for(cfg)
+    store = await asyncio.to_thread(Store.open, cfg.data_dir)
+    node_cls = TrainerNode if cfg.role == "trainer" else Node
+    node = node_cls(cfg, policy, store)
+    url = await node.start()
+    print(f"p2psync {cfg.role} listening on {url} (swarm {policy.swarm_id[:16]}, "
+          f"version {store.state.version if store.state else 'none'})", flush=True)  # fmt: skip
+    try:
+        if cfg.role == "trainer":
+            publisher = Publisher(node, key, PublishPolicy(cfg.anchor_every, cfg.catchup_spans))
+            if cfg.watch is not None:
+                cfg.watch.mkdir(parents=True, exist_ok=True)
+                await watch(publisher, cfg.watch, stop)
+            else:
+                await stop.wait()
+        else:
+            follower = Follower(node, pick_device(cfg.device), cfg.export, cfg.on_update)
+            await follower.run(stop)
+    finally:
+        await node.stop()
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    overrides = {
+        "role": args.role, "data_dir": args.data_dir, "listen": args.listen, "key": args.key,
+        "trust": args.trust, "peers": args.peers, "watch": args.watch, "export": args.export,
+        "on_update": args.on_update, "swarm": args.swarm, "device": args.device,
+        "chunk_size": args.chunk_size,
+    }  # fmt: skip
+    cfg = load(args.config, overrides)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s",
+                        stream=sys.stderr)  # fmt: skip
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_node(cfg, stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    async def fetch() -> dict:
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(f"{args.url.rstrip('/')}/status") as resp:
+                resp.raise_for_status()
+                return await resp.json()
+
+    try:
+        doc = asyncio.run(fetch())
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        raise P2PSyncError(f"{args.url}: no status ({type(exc).__name__}: {exc})") from None
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    for key in ("role", "url", "version", "state_hash", "bytes_uploaded", "bytes_downloaded"):
+        print(f"{key:<17}{doc.get(key)}")
+    print(f"{'peers':<17}{len(doc.get('peers', []))}: {' '.join(doc.get('peers', []))}")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    node = sub.add_parser("node", help="run a trainer or rollout node")
+    node.add_argument("--role", choices=["trainer", "rollout"])
+    node.add_argument("--config", type=Path, help="TOML file; flags override it")
+    node.add_argument("--data-dir", type=Path)
+    node.add_argument("--listen", help="HOST:PORT for the HTTP data plane (port 0: any free)")
+    node.add_argument("--key", type=Path, help="trainer: signing key file (p2psync keygen)")
+    node.add_argument("--trust", action="append", help="trusted public key or .pub (repeatable)")
+    node.add_argument("--peers", help="comma-separated http://host:port of known peers")
+    node.add_argument("--watch", type=Path, help="trainer: publish *.safetensors appearing here")
+    node.add_argument("--export", type=Path, help="rollout: write model.safetensors here")
+    node.add_argument("--on-update", help="rollout: shell command run after each new version")
+    node.add_argument("--swarm", help="swarm name (default: default)")
+    node.add_argument("--device", help="cpu, cuda or auto")
+    node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
+    node.set_defaults(func=cmd_node)
+
+    status = sub.add_parser("status", help="print a node's status")
+    status.add_argument("url", help="http://host:port of the node")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)

@@ -1,0 +1,231 @@
+"""HTTP data plane (aiohttp): where the bulk bytes flow between peers.
+
+Why HTTP and not libp2p streams for chunks: on 2 cores aiohttp moves ~700 MiB/s at ~1 CPU-s/GiB,
+py-libp2p ~50-90 MiB/s at ~11 CPU-s/GiB (architecture guide, section 3).
+
+Routes (all responses are small JSON except chunk bodies and metrics):
+
+=========================  ==================================================================
+GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent,
+                            503 when ``max_concurrent_uploads`` are already in progress
+GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here
+GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
+GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]}
+GET  /peers                 {"peers": [base URLs this node knows]}
+POST /announce              {"url": sender base URL or null, "digests": [...]} -> 202
+GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
+GET  /metrics               Prometheus text exposition
+=========================  ==================================================================
+
+Everything a peer sends is untrusted: path parameters are validated before use, request bodies
+are capped (``max_request_bytes``), and any malformed request gets a 4xx without touching state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Bounds of the data plane, on both sides."""
+
+    max_concurrent_uploads: int = 16
+    max_request_bytes: int = 64 * 1024
+    max_json_bytes: int = 16 * 2**20
+    max_chunk_bytes: int = 64 * 2**20
+    request_timeout_s: float = 10.0
+    connect_timeout_s: float = 3.0
+
+
+class NodeView(Protocol):
+    """What the data plane needs from a node (implemented by ``node.runtime.Node``)."""
+
+    def manifest_index(self) -> list[dict[str, Any]]: ...
+    def manifest_bytes(self, digest: str) -> bytes | None: ...
+    def have(self, digest: str, requester: str | None) -> list[int] | None: ...
+    def chunk(self, sha256: str) -> bytes | None: ...
+    def peer_urls(self) -> list[str]: ...
+    def status(self) -> dict[str, Any]: ...
+    def metrics_text(self) -> bytes: ...
+    def count_upload(self, nbytes: int) -> None: ...
+    def on_announce(self, url: str | None, digests: list[str]) -> None: ...
+
+
+def _requester(request: web.Request) -> str | None:
+    return request.headers.get("X-P2PSync-Peer")
+
+
+class DataServer:
+    """The aiohttp application serving one node."""
+
+    def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
+        self.node, self.limits = node, limits
+        self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
+        self.app = web.Application(client_max_size=limits.max_request_bytes)
+        self.app.add_routes([
+            web.get("/chunk/{sha}", self.get_chunk),
+            web.get("/manifests", self.get_manifests),
+            web.get("/manifest/{digest}", self.get_manifest),
+            web.get("/have/{digest}", self.get_have),
+            web.get("/peers", self.get_peers),
+            web.post("/announce", self.post_announce),
+            web.get("/status", self.get_status),
+            web.get("/metrics", self.get_metrics),
+        ])  # fmt: skip
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (port 0 picks a free one); returns the bound port."""
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_address=True)
+        await site.start()
+        server = site._server  # aiohttp exposes the bound sockets only here
+        assert server is not None and server.sockets
+        return int(server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @staticmethod
+    def _hex_param(request: web.Request, name: str) -> str:
+        value = request.match_info[name]
+        if not HEX64.match(value):
+            raise web.HTTPBadRequest(text=f"{name} must be 64 lowercase hex digits")
+        return value
+
+    async def get_chunk(self, request: web.Request) -> web.StreamResponse:
+        sha = self._hex_param(request, "sha")
+        if self._uploads.locked():
+            raise web.HTTPServiceUnavailable(text="too many uploads in progress")
+        async with self._uploads:
+            data = await asyncio.to_thread(self.node.chunk, sha)
+            if data is None:
+                raise web.HTTPNotFound(text="no such chunk here")
+            self.node.count_upload(len(data))
+            return web.Response(body=data, content_type="application/octet-stream")
+
+    async def get_manifests(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.manifest_index())
+
+    async def get_manifest(self, request: web.Request) -> web.Response:
+        data = self.node.manifest_bytes(self._hex_param(request, "digest"))
+        if data is None:
+            raise web.HTTPNotFound(text="no such manifest here")
+        return web.Response(body=data, content_type="application/json")
+
+    async def get_have(self, request: web.Request) -> web.Response:
+        have = self.node.have(self._hex_param(request, "digest"), _requester(request))
+        if have is None:
+            raise web.HTTPNotFound(text="no such manifest here")
+        return web.json_response({"have": have})
+
+    async def get_peers(self, request: web.Request) -> web.Response:
+        return web.json_response({"peers": self.node.peer_urls()})
+
+    async def post_announce(self, request: web.Request) -> web.Response:
+        try:
+            doc = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, web.HTTPRequestEntityTooLarge):
+            raise web.HTTPBadRequest(text="body must be JSON of at most 64 KiB") from None
+        url, digests = (doc.get("url"), doc.get("digests")) if isinstance(doc, dict) else (0, 0)
+        if not (url is None or isinstance(url, str)) or not isinstance(digests, list):
+            raise web.HTTPBadRequest(text="expected {url, digests}")
+        if not all(isinstance(d, str) and HEX64.match(d) for d in digests):
+            raise web.HTTPBadRequest(text="digests must be 64 hex digits each")
+        if url is not None and not valid_peer_url(url):
+            raise web.HTTPBadRequest(text="url must be http://host:port")
+        self.node.on_announce(url, digests)
+        return web.json_response({"ok": True}, status=202)
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.status())
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.node.metrics_text(), content_type="text/plain")
+
+
+URL = re.compile(r"^http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+
+
+def valid_peer_url(url: str) -> bool:
+    return bool(URL.match(url)) and len(url) < 256
+
+
+class PeerError(Exception):
+    """A peer did not answer as the protocol says (transport error, bad status, bad body)."""
+
+
+class DataClient:
+    """Client side of the data plane, with size and time limits on every response."""
+
+    def __init__(self, self_url: str | None, limits: HttpLimits = HttpLimits()) -> None:
+        self.limits = limits
+        self.headers = {"X-P2PSync-Peer": self_url} if self_url else {}
+        timeout = aiohttp.ClientTimeout(
+            total=limits.request_timeout_s, sock_connect=limits.connect_timeout_s
+        )
+        self.session = aiohttp.ClientSession(timeout=timeout, headers=self.headers)
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def _get(self, url: str, limit: int) -> bytes:
+        try:
+            async with self.session.get(url) as resp:
+                if resp.status != 200:
+                    raise PeerError(f"{url}: HTTP {resp.status}")
+                if (resp.content_length or 0) > limit:
+                    raise PeerError(f"{url}: response of {resp.content_length} bytes over limit")
+                body = await resp.content.read(limit + 1)
+                if len(body) > limit:
+                    raise PeerError(f"{url}: response over {limit} bytes")
+                return body
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise PeerError(f"{url}: {type(exc).__name__} {exc}") from None
+
+    async def get_json(self, url: str) -> Any:
+        body = await self._get(url, self.limits.max_json_bytes)
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise PeerError(f"{url}: not JSON") from None
+
+    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+        return await self._get(url, limit or self.limits.max_chunk_bytes)
+
+    async def announce(self, peer: str, self_url: str | None, digests: list[str]) -> None:
+        try:
+            async with self.session.post(
+                f"{peer}/announce", json={"url": self_url, "digests": digests}
+            ) as resp:
+                if resp.status != 202:
+                    raise PeerError(f"{peer}: announce got HTTP {resp.status}")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise PeerError(f"{peer}: {type(exc).__name__} {exc}") from None
+
+
+async def gather_quietly(calls: list[Awaitable[Any]]) -> list[Any]:
+    """Run calls concurrently; a PeerError becomes None in the result (peers come and go)."""
+
+    async def one(call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except PeerError:
+            return None
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))
+
+
