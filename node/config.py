@@ -42,7 +42,6 @@ class NodeConfig:
     poll_interval_s: float = 1.0
     have_poll_s: float = 0.2
     max_peers: int = 64
-    seed_copies: int = 1
     reseed_after_s: float = 2.0
     progress: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -65,7 +64,11 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _TUPLES:
         items = value.split(",") if isinstance(value, str) else list(value)
         items = [i.strip() if isinstance(i, str) else i for i in items]
-        return tuple(int(i) for i in items) if name == "catchup_spans" else tuple(i for i in items if i)
+        return (
+            tuple(int(i) for i in items)
+            if name == "catchup_spans"
+            else tuple(i for i in items if i)
+        )
     return value
 
 

@@ -43,8 +43,14 @@ def artifact(m: Manifest) -> Artifact:
 class Follower:
     """Keeps one node's weights at the swarm's head."""
 
-    def __init__(self, node: Node, device: str = "cpu", export: Path | None = None,
-                 on_update_cmd: str | None = None, callback: UpdateCallback | None = None):  # fmt: skip
+    def __init__(
+        self,
+        node: Node,
+        device: str = "cpu",
+        export: Path | None = None,
+        on_update_cmd: str | None = None,
+        callback: UpdateCallback | None = None,
+    ):
         self.node, self.device = node, device
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
         self.weights: dict[str, torch.Tensor] | None = None
@@ -97,7 +103,11 @@ class Follower:
     async def _hook(self, m: Manifest) -> None:
         if not self.cmd:
             return
-        env = {**os.environ, "P2PSYNC_VERSION": str(m.version), "P2PSYNC_STATE_HASH": m.target_state}
+        env = {
+            **os.environ,
+            "P2PSYNC_VERSION": str(m.version),
+            "P2PSYNC_STATE_HASH": m.target_state,
+        }
         if self.export is not None:
             env["P2PSYNC_EXPORT"] = str(self.export)
         proc = await asyncio.create_subprocess_shell(self.cmd, env=env)

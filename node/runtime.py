@@ -88,6 +88,9 @@ class Node:
             self.peers[url] = 0
             self.metrics.peers.set(len(self.peers))
 
+    def saw_peer(self, url: str) -> None:
+        self.add_peer(url)
+
     def ban(self, url: str, reason: str) -> None:
         if url not in self.banned:
             log.warning("banned %s: %s", url, reason)

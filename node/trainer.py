@@ -5,10 +5,11 @@ drives it from ``--watch DIR``. Per version it publishes what ``versions.Publish
 (1-step patch, periodic anchor snapshot, aligned merged catch-up patches), stores and serves
 the chunks, persists the weights, and announces the manifests to its peers.
 
-Seeding: the trainer advertises to each requester only chunks it has served fewer than
-``seed_copies`` times (or not for ``reseed_after_s``), like BitTorrent's super-seeding. Rollouts
-then take the rest from each other, so the trainer's upload stays near one copy of the payload
-however many rollouts there are.
+Seeding: the trainer hands each requester a few chunks of its own in its have-map (two new ones
+per query), like BitTorrent's super-seeding, and shows a chunk to someone else only once
+``reseed_after_s`` has passed since it was handed out (so a requester that vanished cannot stall
+the swarm). Rollouts take everything else from each other, so the trainer's upload stays near
+one copy of the payload however many rollouts there are.
 """
 
 from __future__ import annotations
@@ -36,30 +37,42 @@ log = logging.getLogger("p2psync.trainer")
 
 
 class TrainerNode(Node):
-    """A node that seeds: super-seeding have-maps, served-copy accounting."""
+    """A node that seeds: each requester is shown a few chunks of its own (super-seeding)."""
+
+    NEW_PER_QUERY = 2  # chunks newly handed to one requester per have-map query
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.served: collections.Counter[str] = collections.Counter()
-        self.last_served: dict[str, float] = {}
+        self.owner: dict[str, tuple[str | None, float]] = {}  # chunk -> (requester, since)
 
     def chunk(self, sha256: str) -> bytes | None:
         data = super().chunk(sha256)
         if data is not None:
             self.served[sha256] += 1
-            self.last_served[sha256] = time.monotonic()
         return data
+
+    def _stale(self, sha: str, now: float) -> bool:
+        """Handed out long ago and the swarm still asks: offer it to anyone again."""
+        owner = self.owner.get(sha)
+        return owner is not None and now - owner[1] > self.cfg.reseed_after_s
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         m = self.manifest(digest)
         if m is None:
             return None
-        now, cfg = time.monotonic(), self.cfg
-        return [
-            i for i, c in enumerate(m.chunks)
-            if self.served[c] < cfg.seed_copies
-            or now - self.last_served.get(c, 0.0) > cfg.reseed_after_s
-        ]  # fmt: skip
+        now, out, budget = time.monotonic(), [], self.NEW_PER_QUERY
+        for i, c in enumerate(m.chunks):
+            owner = self.owner.get(c)
+            if owner is None:
+                if budget > 0:
+                    self.owner[c], budget = (requester, now), budget - 1
+                    out.append(i)
+            elif owner[0] == requester or self._stale(c, now):
+                if owner[0] != requester:
+                    self.owner[c] = (requester, now)
+                out.append(i)
+        return out
 
 
 class Publisher:
@@ -80,7 +93,9 @@ class Publisher:
         state = self.node.store.state
         return state.version + 1 if state else 0
 
-    def _payloads(self, version: int, new: TensorSet) -> list[tuple[str, int | None, bytes, Patch | None]]:
+    def _payloads(
+        self, version: int, new: TensorSet
+    ) -> list[tuple[str, int | None, bytes, Patch | None]]:
         out: list[tuple[str, int | None, bytes, Patch | None]] = []
         step = diff(self.prev, new) if self.prev is not None and version > 0 else None
         if step is not None:
@@ -91,7 +106,7 @@ class Publisher:
             elif base == version - 1 and step is not None:
                 out.append((PATCH, base, codec.encode(step), step))
             elif base is not None and version - base <= len(self.history):
-                merged = merge(list(self.history)[-(version - base):])
+                merged = merge(list(self.history)[-(version - base) :])
                 out.append((PATCH, base, codec.encode(merged), merged))
         return out
 
@@ -139,7 +154,9 @@ class Publisher:
         return manifests
 
 
-async def watch(publisher: Publisher, directory: Path, stop: asyncio.Event, interval: float = 0.2) -> None:
+async def watch(
+    publisher: Publisher, directory: Path, stop: asyncio.Event, interval: float = 0.2
+) -> None:
     """Publish every ``*.safetensors`` that appears in ``directory``, in order of appearance.
 
     Files must appear by rename (written elsewhere, then moved in), so a file is never read half

@@ -60,6 +60,7 @@ class NodeView(Protocol):
     def metrics_text(self) -> bytes: ...
     def count_upload(self, nbytes: int) -> None: ...
     def on_announce(self, url: str | None, digests: list[str]) -> None: ...
+    def saw_peer(self, url: str) -> None: ...
 
 
 def _requester(request: web.Request) -> str | None:
@@ -72,7 +73,9 @@ class DataServer:
     def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
         self.node, self.limits = node, limits
         self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
-        self.app = web.Application(client_max_size=limits.max_request_bytes)
+        self.app = web.Application(
+            client_max_size=limits.max_request_bytes, middlewares=[self._learn_requester]
+        )
         self.app.add_routes([
             web.get("/chunk/{sha}", self.get_chunk),
             web.get("/manifests", self.get_manifests),
@@ -84,6 +87,15 @@ class DataServer:
             web.get("/metrics", self.get_metrics),
         ])  # fmt: skip
         self._runner: web.AppRunner | None = None
+
+    @web.middleware
+    async def _learn_requester(self, request: web.Request, handler) -> web.StreamResponse:
+        """Peers name their own data-plane URL in a header: that is how a node that only knew
+        the trainer becomes known to everyone (via the trainer's /peers list)."""
+        url = _requester(request)
+        if url is not None and valid_peer_url(url):
+            self.node.saw_peer(url)
+        return await handler(request)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (port 0 picks a free one); returns the bound port."""
@@ -193,7 +205,7 @@ class DataClient:
                 if len(body) > limit:
                     raise PeerError(f"{url}: response over {limit} bytes")
                 return body
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise PeerError(f"{url}: {type(exc).__name__} {exc}") from None
 
     async def get_json(self, url: str) -> Any:
@@ -213,7 +225,7 @@ class DataClient:
             ) as resp:
                 if resp.status != 202:
                     raise PeerError(f"{peer}: announce got HTTP {resp.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise PeerError(f"{peer}: {type(exc).__name__} {exc}") from None
 
 
@@ -227,5 +239,3 @@ async def gather_quietly(calls: list[Awaitable[Any]]) -> list[Any]:
             return None
 
     return list(await asyncio.gather(*(one(c) for c in calls)))
-
-

@@ -1,0 +1,141 @@
+"""Real node processes on loopback for integration tests (and the demo).
+
+Every wait is a bounded poll of a condition with a deadline, never a bare sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from p2p_sync.keys import SigningKey, write_keypair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def get_json(url: str, timeout: float = 2.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, step: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    data_dir: Path
+    export: Path | None = None
+
+    def status(self) -> dict | None:
+        return get_json(f"{self.url}/status")
+
+
+@dataclass
+class Swarm:
+    root: Path
+    chunk_size: int = 16 * 1024
+    procs: list[Proc] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.key_path = self.root / "trainer.key"
+        self.pub = write_keypair(SigningKey.generate(), self.key_path)
+        self.watch = self.root / "watch"
+        self.watch.mkdir(parents=True, exist_ok=True)
+        self.trainer: Proc | None = None
+        self._published = 0
+
+    def _spawn(self, name: str, args: list[str], data_dir: Path, export: Path | None) -> Proc:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.extra_env}
+        log = open(self.root / f"{name}.log", "ab")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "node.cli", "node", "--data-dir", str(data_dir),
+             "--listen", "127.0.0.1:0", *args],
+            stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT, text=True,
+        )  # fmt: skip
+        assert popen.stdout is not None
+        line = popen.stdout.readline()  # "p2psync <role> listening on http://...: blocks until up
+        if "listening on " not in line:
+            raise AssertionError(f"{name} did not start: {line!r}; see {self.root / name}.log")
+        url = line.split("listening on ")[1].split()[0]
+        proc = Proc(name, popen, url, data_dir, export)
+        self.procs.append(proc)
+        return proc
+
+    def start_trainer(self, anchor_every: int = 100) -> Proc:
+        cfg = self.root / "trainer.toml"
+        cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
+        self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
+                                              "--watch", str(self.watch), "--config", str(cfg)],
+                                   self.root / "trainer", None)  # fmt: skip
+        return self.trainer
+
+    def start_rollout(self, name: str, peers: list[str], data_dir: Path | None = None) -> Proc:
+        data_dir = data_dir or self.root / name
+        export = self.root / f"{name}-export"
+        return self._spawn(
+            name,
+            [
+                "--role",
+                "rollout",
+                "--trust",
+                str(self.pub),
+                "--peers",
+                ",".join(peers),
+                "--export",
+                str(export),
+            ],
+            data_dir,
+            export,
+        )
+
+    def publish(self, weights: dict[str, torch.Tensor]) -> None:
+        """Drop the next version into the trainer's watch dir (written aside, then renamed)."""
+        tmp = self.root / f".v{self._published}.tmp"
+        save_file(weights, tmp)
+        os.replace(tmp, self.watch / f"v{self._published:04d}.safetensors")
+        self._published += 1
+
+    def wait_version(self, procs: list[Proc], version: int, timeout: float = 60) -> None:
+        def reached() -> bool:
+            return all((p.status() or {}).get("version") == version for p in procs)
+
+        wait_for(reached, timeout, f"{[p.name for p in procs]} to reach v{version}")
+
+    def kill(self, proc: Proc) -> None:
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(timeout=10)
+        self.procs.remove(proc)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.popen.terminate()
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+        self.procs.clear()
