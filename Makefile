@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) benchmarks/codec.py --demo
+	$(PY) -m node.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 
 from node.runtime import Node
 from p2p_sync.chunks import verify_chunk
@@ -44,6 +45,7 @@ class Download:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.requests: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.done = asyncio.Event()
+        self.starved = asyncio.Event()  # nothing in flight: ask for have-maps right away
 
     async def _get(self, peer: str, index: int) -> None:
         assert self.node.client is not None
@@ -71,7 +73,12 @@ class Download:
                 if isinstance(res, dict) and isinstance(res.get("have"), list):
                     idx = frozenset(i for i in res["have"] if isinstance(i, int))
                     await self.events.put(PeerHad(peer, idx))
-            await asyncio.sleep(self.node.cfg.have_poll_s)
+            self.starved.clear()
+            try:
+                await asyncio.wait_for(self.starved.wait(), self.node.cfg.have_poll_s)
+            except TimeoutError:
+                pass
+            await asyncio.sleep(0.02)  # at most 50 polls a second even when starved
 
     async def _tick(self) -> None:
         while not self.done.is_set():
@@ -92,6 +99,8 @@ class Download:
                 self.node.ban(a.peer, a.reason)
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
+        if not self.sched.complete and not self.sched.requests_in_flight():
+            self.starved.set()
 
     async def run(self) -> bytes:
         loop = asyncio.get_running_loop()
@@ -114,4 +123,7 @@ class Download:
 
 
 async def fetch_payload(node: Node, manifest: Manifest, config: SwarmConfig | None = None) -> bytes:
-    return await Download(node, manifest, config or SwarmConfig()).run()
+    # A random tie-break seed per download: peers start on different chunks, so they have
+    # something to trade from the first second.
+    config = config or SwarmConfig(seed=random.getrandbits(31))
+    return await Download(node, manifest, config).run()

@@ -93,12 +93,12 @@ class Follower:
 
     def _persist(self, m: Manifest, weights: dict[str, torch.Tensor]) -> None:
         host = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-        self.node.store.set_weights(m.version, m.target_state, lambda p: save_file(host, str(p)))
-        if self.export is not None:
+        if self.export is not None:  # first, so a reported version always has its export
             self.export.mkdir(parents=True, exist_ok=True)
             atomic_write_with(self.export / "model.safetensors", lambda p: save_file(host, str(p)))
             doc = {"version": m.version, "state_hash": m.target_state}
             atomic_write_bytes(self.export / "version.json", json.dumps(doc).encode())
+        self.node.store.set_weights(m.version, m.target_state, lambda p: save_file(host, str(p)))
 
     async def _hook(self, m: Manifest) -> None:
         if not self.cmd:

@@ -5,9 +5,9 @@ drives it from ``--watch DIR``. Per version it publishes what ``versions.Publish
 (1-step patch, periodic anchor snapshot, aligned merged catch-up patches), stores and serves
 the chunks, persists the weights, and announces the manifests to its peers.
 
-Seeding: the trainer hands each requester a few chunks of its own in its have-map (two new ones
-per query), like BitTorrent's super-seeding, and shows a chunk to someone else only once
-``reseed_after_s`` has passed since it was handed out (so a requester that vanished cannot stall
+Seeding: the trainer hands each requester chunks of its own in its have-map (topped up to
+``OUTSTANDING`` not yet fetched), like BitTorrent's super-seeding, and shows a chunk to someone
+else only once ``reseed_after_s`` has passed since it was handed out (so a requester that vanished cannot stall
 the swarm). Rollouts take everything else from each other, so the trainer's upload stays near
 one copy of the payload however many rollouts there are.
 """
@@ -39,7 +39,7 @@ log = logging.getLogger("p2psync.trainer")
 class TrainerNode(Node):
     """A node that seeds: each requester is shown a few chunks of its own (super-seeding)."""
 
-    NEW_PER_QUERY = 2  # chunks newly handed to one requester per have-map query
+    OUTSTANDING = 32  # chunks handed to one requester and not yet fetched by it
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -52,25 +52,21 @@ class TrainerNode(Node):
             self.served[sha256] += 1
         return data
 
-    def _stale(self, sha: str, now: float) -> bool:
-        """Handed out long ago and the swarm still asks: offer it to anyone again."""
-        owner = self.owner.get(sha)
-        return owner is not None and now - owner[1] > self.cfg.reseed_after_s
-
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         m = self.manifest(digest)
         if m is None:
             return None
-        now, out, budget = time.monotonic(), [], self.NEW_PER_QUERY
+        now, stale_after = time.monotonic(), self.cfg.reseed_after_s
+        mine = [c for c in m.chunks if self.owner.get(c, (0,))[0] == requester]
+        budget = self.OUTSTANDING - sum(1 for c in mine if not self.served[c])
+        out = []
         for i, c in enumerate(m.chunks):
             owner = self.owner.get(c)
-            if owner is None:
-                if budget > 0:
-                    self.owner[c], budget = (requester, now), budget - 1
-                    out.append(i)
-            elif owner[0] == requester or self._stale(c, now):
-                if owner[0] != requester:
-                    self.owner[c] = (requester, now)
+            if owner is not None and owner[0] == requester:
+                out.append(i)
+            elif (owner is None or now - owner[1] > stale_after) and budget > 0:
+                # unclaimed, or claimed long ago and still asked for: hand it to this requester
+                self.owner[c], budget = (requester, now), budget - 1
                 out.append(i)
         return out
 

@@ -21,23 +21,31 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_with(path: str | os.PathLike[str], write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)`` to produce the file, then move it to ``path`` atomically."""
+def atomic_write_with(
+    path: str | os.PathLike[str], write: Callable[[Path], None], durable: bool = True
+) -> None:
+    """Call ``write(tmp_path)`` to produce the file, then move it to ``path`` atomically.
+
+    ``durable=False`` skips the fsyncs: still all-or-nothing if the process dies, but after a
+    power loss the file may be empty. Only for files that are verified on every read anyway.
+    """
     target = Path(path)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(target.parent)
+    if durable:
+        fsync_dir(target.parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool = True) -> None:
     """Write ``data`` to ``path`` atomically."""
-    atomic_write_with(path, lambda tmp: tmp.write_bytes(data))
+    atomic_write_with(path, lambda tmp: tmp.write_bytes(data), durable)

@@ -153,7 +153,9 @@ class Store:
         digest = chunk_hash(data)
         path = self.chunk_path(digest)
         if not path.exists():
-            atomic_write_bytes(path, bytes(data))
+            # No fsync: chunks are re-hashed on open and on every read, so a chunk torn by a
+            # power loss is dropped, never served; skipping ~1-5 ms per chunk matters at 400/s.
+            atomic_write_bytes(path, bytes(data), durable=False)
         return digest
 
     def has_chunk(self, digest: str) -> bool:

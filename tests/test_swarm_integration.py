@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from p2p_sync.tensors import state_hash
 from p2p_sync.workloads import Workload
 from tests.helpers import bit_equal
-from tests.swarm_harness import ROOT, Swarm, get_json, wait_for
+from node.localswarm import ROOT, Swarm, get_json, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -201,10 +201,12 @@ class DataClient:
                     raise PeerError(f"{url}: HTTP {resp.status}")
                 if (resp.content_length or 0) > limit:
                     raise PeerError(f"{url}: response of {resp.content_length} bytes over limit")
-                body = await resp.content.read(limit + 1)
-                if len(body) > limit:
-                    raise PeerError(f"{url}: response over {limit} bytes")
-                return body
+                body = bytearray()
+                async for piece in resp.content.iter_chunked(1 << 16):  # read() may return less
+                    body += piece
+                    if len(body) > limit:
+                        raise PeerError(f"{url}: response over {limit} bytes")
+                return bytes(body)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise PeerError(f"{url}: {type(exc).__name__} {exc}") from None
 

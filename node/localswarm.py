@@ -1,4 +1,5 @@
-"""Real node processes on loopback for integration tests (and the demo).
+"""A local swarm of real node processes on loopback: used by the demo, the integration tests
+and the loopback benchmark.
 
 Every wait is a bounded poll of a condition with a deadline, never a bare sleep.
 """
@@ -85,9 +86,11 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def start_trainer(self, anchor_every: int = 100) -> Proc:
+    def start_trainer(self, anchor_every: int = 100, extra_toml: str = "") -> Proc:
         cfg = self.root / "trainer.toml"
-        cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
+        cfg.write_text(
+            f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n{extra_toml}"
+        )
         self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
                                               "--watch", str(self.watch), "--config", str(cfg)],
                                    self.root / "trainer", None)  # fmt: skip
