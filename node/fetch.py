@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 
 from node.runtime import Node
 from p2p_sync.chunks import verify_chunk
@@ -38,8 +39,9 @@ log = logging.getLogger("p2psync.fetch")
 class Download:
     """One payload in flight."""
 
-    def __init__(self, node: Node, manifest: Manifest, config: SwarmConfig) -> None:
-        self.node, self.m = node, manifest
+    def __init__(self, node: Node, manifest: Manifest, config: SwarmConfig,
+                 on_chunk: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        self.node, self.m, self.on_chunk = node, manifest, on_chunk
         have = [i for i, c in enumerate(manifest.chunks) if node.store.has_chunk(c)]
         self.sched = Scheduler(len(manifest.chunks), config, have)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
@@ -61,6 +63,8 @@ class Download:
             return
         await asyncio.to_thread(self.node.store.put_chunk, data)
         self.node.count_download(len(data))
+        if self.on_chunk is not None:
+            self.on_chunk(len(data))
         await self.events.put(ChunkVerified(peer, index, len(data)))
 
     async def _poll_haves(self) -> None:
@@ -118,12 +122,17 @@ class Download:
             await asyncio.gather(*pending, return_exceptions=True)
         payload = await asyncio.to_thread(self.node.store.payload, self.m)
         if payload is None:  # a stored chunk vanished (disk corruption): fetch again
-            return await Download(self.node, self.m, self.sched.config).run()
+            return await Download(self.node, self.m, self.sched.config, self.on_chunk).run()
         return payload
 
 
-async def fetch_payload(node: Node, manifest: Manifest, config: SwarmConfig | None = None) -> bytes:
+async def fetch_payload(
+    node: Node,
+    manifest: Manifest,
+    config: SwarmConfig | None = None,
+    on_chunk: Callable[[int], None] | None = None,
+) -> bytes:
     # A random tie-break seed per download: peers start on different chunks, so they have
     # something to trade from the first second.
     config = config or SwarmConfig(seed=random.getrandbits(31))
-    return await Download(node, manifest, config).run()
+    return await Download(node, manifest, config, on_chunk).run()

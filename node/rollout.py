@@ -13,11 +13,14 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from safetensors.torch import load, load_file, save_file
 
 from node.fetch import fetch_payload
@@ -119,9 +122,18 @@ class Follower:
         if rc:
             log.warning("--on-update command exited with %s for v%d", rc, m.version)
 
+    async def _fetch(self, m: Manifest) -> bytes:
+        """Fetch with a live rich progress bar when asked (or when stderr is a terminal)."""
+        if not (self.node.cfg.progress or sys.stderr.isatty()):
+            return await fetch_payload(self.node, m)
+        columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(f"v{m.version} {m.kind}", total=m.payload_size)
+            return await fetch_payload(self.node, m, on_chunk=lambda n: bar.advance(task, n))
+
     async def step(self, m: Manifest) -> None:
         t0 = time.monotonic()
-        payload = await fetch_payload(self.node, m)
+        payload = await self._fetch(m)
         weights = await asyncio.to_thread(self._apply, m, payload)
         await asyncio.to_thread(self._persist, m, weights)
         self.weights = weights

@@ -150,7 +150,7 @@ class DataServer:
     async def post_announce(self, request: web.Request) -> web.Response:
         try:
             doc = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, web.HTTPRequestEntityTooLarge):
+        except (json.JSONDecodeError, UnicodeDecodeError):  # an oversized body is a 413
             raise web.HTTPBadRequest(text="body must be JSON of at most 64 KiB") from None
         url, digests = (doc.get("url"), doc.get("digests")) if isinstance(doc, dict) else (0, 0)
         if not (url is None or isinstance(url, str)) or not isinstance(digests, list):

@@ -1,0 +1,154 @@
+"""A real node's HTTP data plane: status, metrics, hostile requests; config and CLI errors."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from node.cli import main
+from node.config import ConfigError, NodeConfig, load
+from node.localswarm import ROOT
+from node.runtime import Node
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.store import Store
+
+HEX = "ab" * 32
+
+
+def make_node(tmp_path: Path) -> Node:
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), poll_interval_s=60)
+    policy = SwarmPolicy("t", (SigningKey.generate().public,))
+    return Node(cfg, policy, Store.open(tmp_path))
+
+
+async def _hostile_requests(node: Node) -> dict[str, int]:
+    url = await node.start()
+    digest = node.store.put_chunk(b"z" * 100)
+    out = {}
+    try:
+        async with aiohttp.ClientSession() as s:
+            calls = {
+                "chunk ok": s.get(f"{url}/chunk/{digest}"),
+                "chunk not hex": s.get(f"{url}/chunk/../../etc/passwd"),
+                "chunk short hex": s.get(f"{url}/chunk/abc"),
+                "chunk unknown": s.get(f"{url}/chunk/{HEX}"),
+                "manifest unknown": s.get(f"{url}/manifest/{HEX}"),
+                "have unknown": s.get(f"{url}/have/{HEX}"),
+                "announce not json": s.post(f"{url}/announce", data=b"\xff\x00"),
+                "announce wrong shape": s.post(f"{url}/announce", json=[1, 2]),
+                "announce bad digest": s.post(f"{url}/announce", json={"url": None,
+                                                                       "digests": ["x"]}),
+                "announce bad url": s.post(f"{url}/announce", json={"url": "file:///x",
+                                                                    "digests": []}),
+                "announce huge": s.post(f"{url}/announce", data=b"{" + b" " * 200_000),
+                "no such route": s.get(f"{url}/admin"),
+                "status after": s.get(f"{url}/status"),
+            }  # fmt: skip
+            for name, call in calls.items():
+                async with call as resp:
+                    await resp.read()
+                    out[name] = resp.status
+            async with s.get(f"{url}/metrics") as resp:
+                out["metrics"] = (await resp.text()).count("p2psync_bytes_uploaded_total 100.0")
+    finally:
+        await node.stop()
+    return out
+
+
+def test_hostile_requests_get_4xx_and_the_node_keeps_serving(tmp_path: Path) -> None:
+    codes = asyncio.run(_hostile_requests(make_node(tmp_path)))
+    assert codes.pop("chunk ok") == 200 and codes.pop("status after") == 200
+    assert codes.pop("metrics") == 1  # the 100 served bytes are counted
+    assert codes.pop("announce huge") == 413
+    assert codes.pop("no such route") == 404
+    assert codes.pop("chunk not hex") == 404  # the router refuses the path outright
+    for name, code in codes.items():
+        assert code in (400, 404), (name, code)
+
+
+async def _status_and_metrics(node: Node) -> tuple[dict, str]:
+    url = await node.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/status") as r:
+                status = await r.json()
+            async with s.get(f"{url}/metrics") as r:
+                metrics = await r.text()
+    finally:
+        await node.stop()
+    return status, metrics
+
+
+def test_status_and_metrics_report_the_documented_fields(tmp_path: Path) -> None:
+    status, metrics = asyncio.run(_status_and_metrics(make_node(tmp_path)))
+    for key in ("version", "state_hash", "peers", "bytes_uploaded", "bytes_downloaded"):
+        assert key in status
+    assert "p2psync_bytes_uploaded_total" in metrics and "p2psync_version" in metrics
+
+
+def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
+    node = make_node(tmp_path)
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    urls: list[str] = []
+
+    async def serve() -> None:
+        urls.append(await node.start())
+        started.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(serve()),
+                                              loop.run_forever()), daemon=True)  # fmt: skip
+    thread.start()
+    try:
+        assert started.wait(10)
+        out = subprocess.run([sys.executable, "-m", "node.cli", "status", urls[0]], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "bytes_uploaded" in out.stdout and urls[0] in out.stdout
+    finally:
+        asyncio.run_coroutine_threadsafe(node.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.mark.parametrize(
+    ("toml", "flags", "message"),
+    [
+        ("colour = 'blue'\n", {}, "colour: unknown setting"),
+        ("role = 'rollout'\ntrust = ['k']\npeers = ['ftp://x']\n", {}, "peers:"),
+        ("role = 'rollout'\n", {}, "trust:"),
+        ("role = 'trainer'\n", {}, "key:"),
+        ("role = 'boss'\n", {}, "role:"),
+        ("role = 'rollout'\ntrust = ['k']\nlisten = 'nope'\n", {}, "listen:"),
+        ("role = 'rollout'\ntrust = ['k']\nchunk_size = 10\n", {}, "chunk_size:"),
+        ("role = 'rollout'\ntrust = ['k']\npoll_interval_s = 'x'\n", {}, "poll_interval_s:"),
+        ("role = [\n", {}, "not valid TOML"),
+        ("role = 'trainer'\nkey = 'k'\n", {"role": "rollout"}, "trust:"),  # flags override
+    ],
+)  # fmt: skip
+def test_bad_config_names_the_field(tmp_path: Path, toml: str, flags: dict, message: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        load(path, flags)
+
+
+def test_example_configs_load() -> None:
+    for name in ("trainer", "rollout"):
+        cfg = load(ROOT / "configs" / f"{name}.toml", {})
+        assert cfg.role == name
+
+
+def test_cli_bad_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
+    assert main(["node", "--role", "rollout", "--data-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("p2psync: error: config: trust:") and err.count("\n") == 1
+    assert main(["status", "http://127.0.0.1:9"]) == 1
+    assert "no status" in capsys.readouterr().err
