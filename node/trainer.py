@@ -8,8 +8,8 @@ the chunks, persists the weights, and announces the manifests to its peers.
 Seeding: the trainer hands each requester chunks of its own in its have-map (topped up to
 ``OUTSTANDING`` not yet fetched), like BitTorrent's super-seeding, and shows a chunk to someone
 else only once ``reseed_after_s`` has passed since it was handed out (so a requester that
-vanished cannot stall the swarm). Rollouts take everything else from each other, so the trainer's upload stays near
-one copy of the payload however many rollouts there are.
+vanished cannot stall the swarm). Rollouts take everything else from each other, so the
+trainer's upload stays near one copy of the payload however many rollouts there are.
 """
 
 from __future__ import annotations
