@@ -1,0 +1,153 @@
+"""Swarm data-plane benchmark on loopback: one seeding trainer, N fetching rollout processes.
+
+Each rollout is a real node process (HTTP server + scheduler + verification + store) that
+fetches one signed payload from the trainer and from the other rollouts at the same time, and
+keeps serving until the run ends. Reported per N: time until the last rollout holds the whole
+payload, aggregate throughput (N x payload / that time), the trainer's upload as a multiple of
+the payload, and the ratio of time(N) to time(1).
+
+    python benchmarks/swarm_loopback.py [--size-mb 100] [--rollouts 1,8] [--chunk-kb 256]
+
+Targets (issue 4): aggregate >= 200 MB/s on 2 cores; 100 MB to 8 rollouts <= 3x the time to 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from node.config import NodeConfig  # noqa: E402
+from node.fetch import fetch_payload  # noqa: E402
+from node.runtime import Node  # noqa: E402
+from node.trainer import TrainerNode  # noqa: E402
+from p2p_sync.chunks import manifest_for, split  # noqa: E402
+from p2p_sync.keys import PublicKey, SigningKey  # noqa: E402
+from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402
+from p2p_sync.store import Store  # noqa: E402
+
+SWARM = "bench"
+
+
+async def worker(args: argparse.Namespace) -> None:
+    """One rollout: learn the manifest, wait for 'go', fetch, report, keep serving."""
+    policy = SwarmPolicy(SWARM, (PublicKey.from_text(args.pubkey),))
+    cfg = NodeConfig(role="rollout", data_dir=Path(args.data_dir), trust=(args.pubkey,),
+                     peers=(args.trainer,), poll_interval_s=0.5, have_poll_s=0.1)  # fmt: skip
+    node = Node(cfg, policy, Store.open(cfg.data_dir))
+    url = await node.start()
+    await node.learn(args.trainer, [args.digest])
+    manifest = node.manifest(args.digest)
+    assert manifest is not None, "could not learn the manifest"
+    reader = asyncio.StreamReader()
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), sys.stdin
+    )
+    print(json.dumps({"ready": url}), flush=True)
+    await reader.readline()  # "go"
+    t0 = time.monotonic()
+    await fetch_payload(node, manifest)
+    elapsed = time.monotonic() - t0
+    print(json.dumps({"done": elapsed, "down": node.bytes_downloaded}), flush=True)
+    await reader.readline()  # EOF or "stop": keep serving peers until then
+    print(json.dumps({"up": node.bytes_uploaded}), flush=True)
+    await node.stop()
+
+
+async def start_trainer(root: Path, size: int, chunk: int) -> tuple[TrainerNode, str, str]:
+    key = SigningKey.generate()
+    policy = SwarmPolicy(SWARM, (key.public,))
+    cfg = NodeConfig(role="trainer", data_dir=root / "trainer", key=root / "k",
+                     poll_interval_s=5.0)  # fmt: skip
+    store = Store.open(cfg.data_dir)
+    payload = os.urandom(size)
+    m = manifest_for(payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
+                     target_state="00" * 16, layout="00" * 16, now=int(time.time()),
+                     chunk_size=chunk)  # fmt: skip
+    for c in split(payload, chunk):
+        store.put_chunk(c)
+    store.put_manifest(m, sign(m, [key]))
+    node = TrainerNode(cfg, policy, store)
+    url = await node.start()
+    return node, url, m.digest
+
+
+async def run(n: int, size: int, chunk: int, root: Path) -> dict:
+    trainer, url, digest = await start_trainer(root, size, chunk)
+    pub = trainer.policy.keys[0].text()
+    procs = []
+    for i in range(n):
+        procs.append(await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--worker", "--trainer", url, "--digest", digest,
+            "--pubkey", pub, "--data-dir", str(root / f"r{i}"),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        ))  # fmt: skip
+    for p in procs:
+        assert p.stdout is not None
+        json.loads(await asyncio.wait_for(p.stdout.readline(), 60))  # ready
+    trainer_before = trainer.bytes_uploaded
+    t0 = time.monotonic()
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        await p.stdin.drain()
+    done = [json.loads(await asyncio.wait_for(p.stdout.readline(), 600)) for p in procs]
+    wall = time.monotonic() - t0
+    for p in procs:
+        p.stdin.close()
+    ups = [json.loads(await p.stdout.readline()) for p in procs]
+    for p in procs:
+        await p.wait()
+    await trainer.stop()
+    return {
+        "rollouts": n, "payload_mb": size / 1e6, "last_s": wall,
+        "slowest_fetch_s": max(d["done"] for d in done),
+        "aggregate_mbs": n * size / 1e6 / wall,
+        "trainer_upload_x": (trainer.bytes_uploaded - trainer_before) / size,
+        "rollouts_upload_x": sum(u["up"] for u in ups) / size,
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=float, default=100)
+    parser.add_argument("--rollouts", default="1,8")
+    parser.add_argument("--chunk-kb", type=int, default=256)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--trainer", "--digest", "--pubkey", "--data-dir"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        asyncio.run(worker(args))
+        return 0
+    console = Console(width=120)
+    rows = []
+    for n in (int(x) for x in args.rollouts.split(",")):
+        with tempfile.TemporaryDirectory(prefix="p2psync-bench-") as tmp:
+            with console.status(f"{args.size_mb:g} MB to {n} rollout(s)"):
+                rows.append(asyncio.run(run(n, int(args.size_mb * 1e6), args.chunk_kb * 1024,
+                                            Path(tmp))))  # fmt: skip
+    table = Table("rollouts", "payload", "last rollout done", "aggregate", "trainer upload",
+                  "rollouts upload", f"time / time({rows[0]['rollouts']})",
+                  title="p2psync swarm on loopback")  # fmt: skip
+    for r in rows:
+        table.add_row(str(r["rollouts"]), f"{r['payload_mb']:.0f} MB", f"{r['last_s']:.2f} s",
+                      f"{r['aggregate_mbs']:.0f} MB/s", f"{r['trainer_upload_x']:.2f}x",
+                      f"{r['rollouts_upload_x']:.2f}x", f"{r['last_s'] / rows[0]['last_s']:.2f}")  # fmt: skip
+    console.print(table)
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
