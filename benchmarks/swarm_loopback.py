@@ -88,7 +88,7 @@ async def run(n: int, size: int, chunk: int, root: Path) -> dict:
     procs = []
     for i in range(n):
         procs.append(await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--worker", "--trainer", url, "--digest", digest,
+            sys.executable, *os.environ.get("P2PSYNC_BENCH_WRAP", "").split(), __file__, "--worker", "--trainer", url, "--digest", digest,
             "--pubkey", pub, "--data-dir", str(root / f"r{i}"),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         ))  # fmt: skip

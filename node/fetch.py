@@ -61,7 +61,7 @@ class Download:
         except ChunkError:
             await self.events.put(ChunkCorrupted(peer, index))
             return
-        await asyncio.to_thread(self.node.store.put_chunk, data)
+        await asyncio.to_thread(self.node.store.put_chunk, data, self.m.chunks[index])
         self.node.count_download(len(data))
         if self.on_chunk is not None:
             self.on_chunk(len(data))

@@ -116,7 +116,7 @@ class Node:
         return self.store.state.version if self.store.state else None
 
     def known_digests(self) -> set[str]:
-        return {m.digest for m in self.store.manifests()}
+        return {m.digest for m in self.store.manifests()}  # a few hundred at most
 
     def on_announce(self, url: str | None, digests: list[str]) -> None:
         if url is not None:
@@ -222,7 +222,7 @@ class Node:
         return self.store.manifest_bytes(digest)
 
     def manifest(self, digest: str) -> Manifest | None:
-        return next((m for m in self.store.manifests() if m.digest == digest), None)
+        return self.store.manifest(digest)
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         m = self.manifest(digest)

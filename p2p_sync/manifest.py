@@ -41,6 +41,7 @@ Signatures come first, so nothing from an unsigned manifest is believed, not eve
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -126,7 +127,7 @@ class Manifest:
         doc["chunks"] = list(self.chunks)
         return {"_type": TYPE, "spec_version": SPEC_VERSION, **doc}
 
-    @property
+    @functools.cached_property  # writes the instance dict directly, so frozen is fine
     def digest(self) -> str:
         """SHA-256 of the canonical signed fields: the manifest's identity."""
         return hashlib.sha256(canonical(self.signed())).hexdigest()
