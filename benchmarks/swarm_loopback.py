@@ -43,7 +43,7 @@ async def worker(args: argparse.Namespace) -> None:
     """One rollout: learn the manifest, wait for 'go', fetch, report, keep serving."""
     policy = SwarmPolicy(SWARM, (PublicKey.from_text(args.pubkey),))
     cfg = NodeConfig(role="rollout", data_dir=Path(args.data_dir), trust=(args.pubkey,),
-                     peers=(args.trainer,), poll_interval_s=0.5, have_poll_s=0.1)  # fmt: skip
+                     peers=(args.trainer,), poll_interval_s=0.5, have_poll_s=0.2)  # fmt: skip
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
     await node.learn(args.trainer, [args.digest])
@@ -88,7 +88,7 @@ async def run(n: int, size: int, chunk: int, root: Path) -> dict:
     procs = []
     for i in range(n):
         procs.append(await asyncio.create_subprocess_exec(
-            sys.executable, *os.environ.get("P2PSYNC_BENCH_WRAP", "").split(), __file__, "--worker", "--trainer", url, "--digest", digest,
+            sys.executable, __file__, "--worker", "--trainer", url, "--digest", digest,
             "--pubkey", pub, "--data-dir", str(root / f"r{i}"),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         ))  # fmt: skip
@@ -143,7 +143,8 @@ def main() -> int:
     for r in rows:
         table.add_row(str(r["rollouts"]), f"{r['payload_mb']:.0f} MB", f"{r['last_s']:.2f} s",
                       f"{r['aggregate_mbs']:.0f} MB/s", f"{r['trainer_upload_x']:.2f}x",
-                      f"{r['rollouts_upload_x']:.2f}x", f"{r['last_s'] / rows[0]['last_s']:.2f}")  # fmt: skip
+                      f"{r['rollouts_upload_x']:.2f}x",
+                      f"{r['last_s'] / rows[0]['last_s']:.2f}")  # fmt: skip
     console.print(table)
     print(json.dumps(rows))
     return 0

@@ -82,7 +82,7 @@ class Download:
                 await asyncio.wait_for(self.starved.wait(), self.node.cfg.have_poll_s)
             except TimeoutError:
                 pass
-            await asyncio.sleep(0.02)  # at most 50 polls a second even when starved
+            await asyncio.sleep(0.05)  # at most 20 rounds a second even when starved
 
     async def _tick(self) -> None:
         while not self.done.is_set():
@@ -103,7 +103,7 @@ class Download:
                 self.node.ban(a.peer, a.reason)
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
-        if not self.sched.complete and not self.sched.requests_in_flight():
+        if not self.sched.complete and self.sched.wants_sources():
             self.starved.set()
 
     async def run(self) -> bytes:

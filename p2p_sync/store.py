@@ -35,7 +35,6 @@ from p2p_sync.chunks import chunk_hash
 from p2p_sync.errors import ManifestError, P2PSyncError
 from p2p_sync.manifest import SNAPSHOT, Manifest, ManifestLimits, parse
 
-
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 

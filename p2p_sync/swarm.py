@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 class SwarmConfig:
     """Every limit of the scheduler."""
 
-    max_requests_per_peer: int = 4
-    max_requests_total: int = 32
+    max_requests_per_peer: int = 8
+    max_requests_total: int = 64
     request_timeout_s: float = 10.0
     endgame_sources: int = 2
     score_alpha: float = 0.3
@@ -158,6 +158,11 @@ class Scheduler:
     @property
     def complete(self) -> bool:
         return not self.missing
+
+    def wants_sources(self) -> bool:
+        """Some missing chunk is not in flight and no known peer holds it: fresh have-maps
+        would help (the I/O layer polls sooner)."""
+        return any(i not in self.inflight and not self.holders[i] for i in self.missing)
 
     def requests_in_flight(self) -> int:
         return sum(len(p) for p in self.inflight.values())

@@ -201,8 +201,10 @@ class DataClient:
                     raise PeerError(f"{url}: HTTP {resp.status}")
                 if (resp.content_length or 0) > limit:
                     raise PeerError(f"{url}: response of {resp.content_length} bytes over limit")
-                body = bytearray()
-                async for piece in resp.content.iter_chunked(1 << 16):  # read() may return less
+                if resp.content_length is not None:  # the common case: one read, no copies
+                    return await resp.read()
+                body = bytearray()  # chunked encoding: accumulate up to the limit
+                async for piece in resp.content.iter_chunked(1 << 16):
                     body += piece
                     if len(body) > limit:
                         raise PeerError(f"{url}: response over {limit} bytes")
