@@ -39,7 +39,7 @@ log = logging.getLogger("p2psync.trainer")
 class TrainerNode(Node):
     """A node that seeds: each requester is shown a few chunks of its own (super-seeding)."""
 
-    OUTSTANDING = 32  # chunks handed to one requester and not yet fetched by it
+    OUTSTANDING = 256  # chunks handed to one requester and not yet fetched by it
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

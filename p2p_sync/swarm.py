@@ -266,12 +266,14 @@ class Scheduler:
     def _free(self, peer: str) -> bool:
         return len(self.peer_inflight.get(peer, ())) < self.config.max_requests_per_peer
 
-    def _best_peer(self, index: int, exclude: Iterable[str] = ()) -> str | None:
-        skip = set(exclude)
-        candidates = [p for p in self.holders.get(index, ()) if p not in skip and self._free(p)]
+    def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:
+        candidates = (self.holders.get(index, set()) & free).difference(exclude)
         if not candidates:
             return None
         return max(candidates, key=lambda p: (self.stats[p].score(), p))
+
+    def _free_peers(self) -> set[str]:
+        return {p for p in self.peer_chunks if p not in self.banned and self._free(p)}
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
         self.inflight.setdefault(index, {})[peer] = now
@@ -285,30 +287,36 @@ class Scheduler:
             self._done_reported = True
             return [DownloadCompleted()]
         budget = self.config.max_requests_total - self.requests_in_flight()
+        free = self._free_peers()
         out: list[Action] = []
-        todo = [i for i in self.missing if i not in self.inflight and self.holders[i]]
-        todo.sort(key=lambda i: (len(self.holders[i]), self._tiebreak[i]))
-        for i in todo:
-            if budget <= 0:
-                return out
-            peer = self._best_peer(i)
-            if peer is not None:
-                out.append(self._request(peer, i, now))
-                budget -= 1
+        if budget > 0 and free:
+            todo = [i for i in self.missing if i not in self.inflight and self.holders[i]]
+            todo.sort(key=lambda i: (len(self.holders[i]), self._tiebreak[i]))
+            for i in todo:
+                if budget <= 0 or not free:
+                    return out
+                peer = self._best_peer(i, free)
+                if peer is not None:
+                    out.append(self._request(peer, i, now))
+                    budget -= 1
+                    if not self._free(peer):
+                        free.discard(peer)
         if any(i not in self.inflight for i in self.missing):
             return out  # not endgame yet: some missing chunk still waits for a source
-        return out + self._endgame(now, budget)
+        return out + self._endgame(now, budget, free)
 
-    def _endgame(self, now: float, budget: int) -> list[Action]:
+    def _endgame(self, now: float, budget: int, free: set[str]) -> list[Action]:
         out: list[Action] = []
         oldest_first = sorted(self.inflight, key=lambda i: min(self.inflight[i].values()))
         for i in oldest_first:
-            if budget <= 0:
+            if budget <= 0 or not free:
                 break
             if len(self.inflight[i]) >= self.config.endgame_sources:
                 continue
-            peer = self._best_peer(i, exclude=self.inflight[i])
+            peer = self._best_peer(i, free, exclude=self.inflight[i])
             if peer is not None:
                 out.append(self._request(peer, i, now))
                 budget -= 1
+                if not self._free(peer):
+                    free.discard(peer)
         return out
