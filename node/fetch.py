@@ -61,7 +61,8 @@ class Download:
         except ChunkError:
             await self.events.put(ChunkCorrupted(peer, index))
             return
-        await asyncio.to_thread(self.node.store.put_chunk, data, self.m.chunks[index])
+        # inline: a 256 KiB page-cache write (~0.25 ms) beats a thread hop under a busy loop
+        self.node.store.put_chunk(data, self.m.chunks[index])
         self.node.count_download(len(data))
         if self.on_chunk is not None:
             self.on_chunk(len(data))
@@ -103,8 +104,9 @@ class Download:
                 self.node.ban(a.peer, a.reason)
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
-        if not self.sched.complete and self.sched.wants_sources():
-            self.starved.set()
+        if not self.sched.complete and not self.sched.requests_in_flight():
+            self.starved.set()  # idle: ask for have-maps now (not whenever a chunk lacks a
+            # source: in a young swarm that is nearly always true, and polls would swamp CPUs)
 
     async def run(self) -> bytes:
         loop = asyncio.get_running_loop()

@@ -159,11 +159,6 @@ class Scheduler:
     def complete(self) -> bool:
         return not self.missing
 
-    def wants_sources(self) -> bool:
-        """Some missing chunk is not in flight and no known peer holds it: fresh have-maps
-        would help (the I/O layer polls sooner)."""
-        return any(i not in self.inflight and not self.holders[i] for i in self.missing)
-
     def requests_in_flight(self) -> int:
         return sum(len(p) for p in self.inflight.values())
 

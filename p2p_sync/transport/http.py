@@ -123,7 +123,7 @@ class DataServer:
         if self._uploads.locked():
             raise web.HTTPServiceUnavailable(text="too many uploads in progress")
         async with self._uploads:
-            data = await asyncio.to_thread(self.node.chunk, sha)
+            data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), less than a thread hop
             if data is None:
                 raise web.HTTPNotFound(text="no such chunk here")
             self.node.count_upload(len(data))
