@@ -49,6 +49,7 @@ async def _hostile_requests(node: Node) -> dict[str, int]:
                                                                     "digests": []}),
                 "announce huge": s.post(f"{url}/announce", data=b"{" + b" " * 200_000),
                 "no such route": s.get(f"{url}/admin"),
+                "manifests bad version": s.get(f"{url}/manifests?version=x"),
                 "status after": s.get(f"{url}/status"),
             }  # fmt: skip
             for name, call in calls.items():
@@ -152,3 +153,29 @@ def test_cli_bad_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
     assert err.startswith("p2psync: error: config: trust:") and err.count("\n") == 1
     assert main(["status", "http://127.0.0.1:9"]) == 1
     assert "no status" in capsys.readouterr().err
+
+
+async def _manifests_by_version(node: Node) -> tuple[list, list, list]:
+    from p2p_sync.chunks import manifest_for
+    from p2p_sync.manifest import SNAPSHOT, sign
+
+    key = SigningKey.generate()
+    m = manifest_for(b"p" * 20_000, swarm=node.policy.swarm_id, version=0, kind=SNAPSHOT,
+                     target_state="aa" * 16, layout="bb" * 16, now=0)  # fmt: skip
+    node.store.put_manifest(m, sign(m, [key]))
+    url = await node.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for q in ("", "?version=0", "?version=1"):
+                async with s.get(f"{url}/manifests{q}") as r:
+                    out.append(await r.json())
+    finally:
+        await node.stop()
+    return out[0], out[1], out[2]
+
+
+def test_manifests_can_be_listed_by_version(tmp_path: Path) -> None:
+    everything, v0, v1 = asyncio.run(_manifests_by_version(make_node(tmp_path)))
+    assert len(everything) == 1 and v0 == everything and v1 == []
+    assert v0[0]["kind"] == "snapshot" and v0[0]["version"] == 0

@@ -7,8 +7,10 @@ Routes (all responses are small JSON except chunk bodies and metrics):
 
 =========================  ==================================================================
 GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent,
-                            503 when ``max_concurrent_uploads`` are already in progress
-GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here
+                            503 when ``max_concurrent_uploads`` are already in progress; a
+                            reader slower than ``request_timeout_s`` is cut off
+GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
+                            ``?version=N`` lists only that version's manifests
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
 GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]}
 GET  /peers                 {"peers": [base URLs this node knows]}
@@ -126,11 +128,29 @@ class DataServer:
             data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), less than a thread hop
             if data is None:
                 raise web.HTTPNotFound(text="no such chunk here")
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            response.content_length = len(data)
+            await response.prepare(request)
+            try:  # a reader too slow to take the chunk in time loses it, and frees the slot
+                async with asyncio.timeout(self.limits.request_timeout_s):
+                    await response.write(data)
+                    await response.write_eof()
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.close()
+                return response
             self.node.count_upload(len(data))
-            return web.Response(body=data, content_type="application/octet-stream")
+            return response
 
     async def get_manifests(self, request: web.Request) -> web.Response:
-        return web.json_response(self.node.manifest_index())
+        index = self.node.manifest_index()
+        if "version" in request.query:  # manifests of one version (patch, snapshot, catch-ups)
+            try:
+                version = int(request.query["version"])
+            except ValueError:
+                raise web.HTTPBadRequest(text="version must be an integer") from None
+            index = [m for m in index if m["version"] == version]
+        return web.json_response(index)
 
     async def get_manifest(self, request: web.Request) -> web.Response:
         data = self.node.manifest_bytes(self._hex_param(request, "digest"))
