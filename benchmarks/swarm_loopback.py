@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -55,12 +56,20 @@ async def worker(args: argparse.Namespace) -> None:
     )
     print(json.dumps({"ready": url}), flush=True)
     await reader.readline()  # "go"
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = (start.ru_utime, start.ru_stime)
     t0 = time.monotonic()
     await fetch_payload(node, manifest)
     elapsed = time.monotonic() - t0
     print(json.dumps({"done": elapsed, "down": node.bytes_downloaded}), flush=True)
     await reader.readline()  # EOF or "stop": keep serving peers until then
-    print(json.dumps({"up": node.bytes_uploaded}), flush=True)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(
+        json.dumps(
+            {"up": node.bytes_uploaded, "cpu": [usage.ru_utime - cpu0[0], usage.ru_stime - cpu0[1]]}
+        ),
+        flush=True,
+    )
     await node.stop()
 
 
@@ -115,6 +124,8 @@ async def run(n: int, size: int, chunk: int, root: Path) -> dict:
         "aggregate_mbs": n * size / 1e6 / wall,
         "trainer_upload_x": (trainer.bytes_uploaded - trainer_before) / size,
         "rollouts_upload_x": sum(u["up"] for u in ups) / size,
+        "rollout_cpu_user_s": sum(u["cpu"][0] for u in ups),
+        "rollout_cpu_sys_s": sum(u["cpu"][1] for u in ups),
     }  # fmt: skip
 
 
