@@ -4,14 +4,14 @@ import pytest
 import torch
 from hypothesis import settings
 
+from p2p_sync.workloads import Workload
+
 # CI replays a fixed set of examples (no flaky reds from a lucky draw); developers get fresh
 # random examples on every run, which is where new counterexamples are found.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(
     os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "default")
 )
-
-from p2p_sync.workloads import Workload
 
 
 @pytest.fixture(scope="session")
