@@ -64,12 +64,8 @@ async def worker(args: argparse.Namespace) -> None:
     print(json.dumps({"done": elapsed, "down": node.bytes_downloaded}), flush=True)
     await reader.readline()  # EOF or "stop": keep serving peers until then
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(
-        json.dumps(
-            {"up": node.bytes_uploaded, "cpu": [usage.ru_utime - cpu0[0], usage.ru_stime - cpu0[1]]}
-        ),
-        flush=True,
-    )
+    cpu = [usage.ru_utime - cpu0[0], usage.ru_stime - cpu0[1], usage.ru_nvcsw + usage.ru_nivcsw]
+    print(json.dumps({"up": node.bytes_uploaded, "cpu": cpu}), flush=True)
     await node.stop()
 
 
@@ -126,6 +122,7 @@ async def run(n: int, size: int, chunk: int, root: Path) -> dict:
         "rollouts_upload_x": sum(u["up"] for u in ups) / size,
         "rollout_cpu_user_s": sum(u["cpu"][0] for u in ups),
         "rollout_cpu_sys_s": sum(u["cpu"][1] for u in ups),
+        "rollout_context_switches": sum(u["cpu"][2] for u in ups),
     }  # fmt: skip
 
 
