@@ -13,8 +13,9 @@ switches in one atomic step: the new weights file is written first under its own
 ``state.json`` is replaced to point at it, then the old weights file is removed. On open the
 store checks itself: it removes temp files, chunks whose bytes do not match their name,
 manifests that do not parse or match their name, and weights files that state.json does not
-name; it verifies the weights file against state.json. Chunks are re-hashed on every read, so
-a chunk corrupted on disk is dropped, never served.
+name; it verifies the weights file against state.json. Chunks read from disk are re-hashed, so
+a chunk corrupted on disk is dropped, never served; recently stored or served chunks are kept,
+verified, in a bounded in-memory LRU (``memory_cache_bytes``), so relaying costs no disk read.
 
 The store trusts its caller to have verified manifests (``manifest.verify``) before putting
 them; it re-parses them on open but does not re-check signatures.
@@ -22,6 +23,7 @@ them; it re-parses them on open but does not re-check signatures.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -47,6 +49,7 @@ class StoreLimits:
     """Bounds of the local cache."""
 
     max_chunk_bytes: int = 4 * 2**30
+    memory_cache_bytes: int = 256 * 2**20  # recently stored or served chunks, kept verified
     verify_weights_on_open: bool = True
 
 
@@ -81,6 +84,8 @@ class Store:
         self.state_path = root / "state.json"
         self._manifests: dict[str, tuple[Manifest, bytes]] = {}
         self._chunks: set[str] = set()  # hashes of the chunk files present (and verified)
+        self._hot: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # LRU
+        self._hot_bytes = 0
         self.state: AcceptedState | None = None
         self.dropped: list[str] = []  # what the last self-check removed, for logs and tests
 
@@ -98,6 +103,8 @@ class Store:
         path.unlink(missing_ok=True)
         if path.parent == self.chunk_dir:
             self._chunks.discard(path.name)
+            hot = self._hot.pop(path.name, None)
+            self._hot_bytes -= len(hot) if hot is not None else 0
         self.dropped.append(f"{path.relative_to(self.root)}: {why}")
 
     def _check(self) -> None:
@@ -164,15 +171,32 @@ class Store:
         if digest not in self._chunks:
             # No fsync: chunks are re-hashed on open and on every read, so a chunk torn by a
             # power loss is dropped, never served; skipping ~1-5 ms per chunk matters at 400/s.
-            atomic_write_bytes(path, bytes(data), durable=False)
+            data = bytes(data)
+            atomic_write_bytes(path, data, durable=False)
             self._chunks.add(digest)
+            self._remember(digest, data)
         return digest
+
+    def _remember(self, digest: str, data: bytes) -> None:
+        """Keep a verified chunk in memory: relaying it then costs no disk read and no re-hash
+        (a relay serves what it just received), and memory cannot rot like a disk can."""
+        if digest in self._hot or len(data) > self.limits.memory_cache_bytes:
+            return
+        self._hot[digest] = data
+        self._hot_bytes += len(data)
+        while self._hot_bytes > self.limits.memory_cache_bytes:
+            _, old = self._hot.popitem(last=False)
+            self._hot_bytes -= len(old)
 
     def has_chunk(self, digest: str) -> bool:
         return digest in self._chunks
 
     def get_chunk(self, digest: str) -> bytes | None:
-        """The chunk's bytes, re-verified; a chunk corrupted on disk is dropped, not served."""
+        """The chunk's bytes, verified; a chunk corrupted on disk is dropped, not served."""
+        hot = self._hot.get(digest)
+        if hot is not None:
+            self._hot.move_to_end(digest)
+            return hot
         path = self.chunk_path(digest)
         try:
             data = path.read_bytes()
@@ -182,6 +206,7 @@ class Store:
         if chunk_hash(data) != digest:
             self._drop(path, "corrupted on disk")
             return None
+        self._remember(digest, data)
         return data
 
     def chunk_bytes(self) -> int:

@@ -60,10 +60,14 @@ def test_self_check_drops_partial_and_corrupt_files(tmp_path: Path) -> None:
 
 
 def test_a_chunk_corrupted_while_running_is_never_served(tmp_path: Path) -> None:
-    store = Store.open(tmp_path)
-    digest = store.put_chunk(b"x" * 1000)
-    store.chunk_path(digest).write_bytes(b"y" * 1000)
-    assert store.get_chunk(digest) is None and not store.has_chunk(digest)
+    cached = Store.open(tmp_path / "a")  # served from the verified in-memory copy
+    digest = cached.put_chunk(b"x" * 1000)
+    cached.chunk_path(digest).write_bytes(b"y" * 1000)
+    assert cached.get_chunk(digest) == b"x" * 1000
+    uncached = Store.open(tmp_path / "b", StoreLimits(memory_cache_bytes=0))  # read from disk
+    digest = uncached.put_chunk(b"x" * 1000)
+    uncached.chunk_path(digest).write_bytes(b"y" * 1000)
+    assert uncached.get_chunk(digest) is None and not uncached.has_chunk(digest)
 
 
 def test_corrupt_weights_are_reported_not_served(tmp_path: Path) -> None:
