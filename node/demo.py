@@ -62,14 +62,14 @@ def _manifests(proc: Proc) -> list[dict]:
 
 def _check(swarm: Swarm, rollouts: list[Proc], last, console: Console) -> bool:
     want = state_hash(last).hex()
+    console.print(f"trainer's last version hashes to {want}")
     ok = True
     for r in rollouts:
         assert r.export is not None
         got = state_hash(load_file(r.export / "model.safetensors")).hex()
-        same = got == want
-        ok &= same
-        mark = "[green]bit-identical[/]" if same else "[red]DIFFERENT[/]"
-        console.print(f"{r.name}: exported weights {got} {mark} to the trainer's ({want})")
+        ok &= got == want
+        mark = "[green]bit-identical[/]" if got == want else "[red]DIFFERENT[/]"
+        console.print(f"  {r.name:<13} exported weights {got} {mark}")
     return ok
 
 
