@@ -1,0 +1,74 @@
+"""The Python API in one process: Publisher.publish after each step, a Follower with a callback
+and an --on-update hook, real aiohttp servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import torch
+
+from node.config import NodeConfig
+from node.rollout import Follower
+from node.runtime import Node
+from node.trainer import Publisher, TrainerNode
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.store import Store
+from p2p_sync.tensors import state_hash
+from p2p_sync.versions import PublishPolicy
+from tests.helpers import bit_equal
+
+
+async def _sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
+    key = SigningKey.generate()
+    policy = SwarmPolicy("api", (key.public,))
+    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k",
+                      chunk_size=16 * 1024, poll_interval_s=0.2)  # fmt: skip
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    url = await trainer.start()
+    rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
+                      peers=(url,), poll_interval_s=0.2, have_poll_s=0.05)  # fmt: skip
+    rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
+    await rollout.start()
+    seen: list[tuple[int, str]] = []
+    applied = asyncio.Event()
+    hook_log = tmp_path / "hook.log"
+
+    def callback(version: int, weights: dict[str, torch.Tensor]) -> None:
+        seen.append((version, state_hash(weights).hex()))
+        applied.set()
+
+    follower = Follower(rollout, export=tmp_path / "export", callback=callback,
+                        on_update_cmd=f'echo "$P2PSYNC_VERSION $P2PSYNC_STATE_HASH" >> {hook_log}')  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(follower.run(stop))
+    publisher = Publisher(trainer, key, PublishPolicy(anchor_every=100, catchup_spans=(2,)))
+    try:
+        for v, weights in enumerate(versions):
+            manifests = await publisher.publish(weights)
+            assert {m.version for m in manifests} == {v}
+            async with asyncio.timeout(60):
+                while not seen or seen[-1][0] != v:
+                    applied.clear()
+                    await applied.wait()
+    finally:
+        stop.set()
+        await task
+        await rollout.stop()
+        await trainer.stop()
+    return {"seen": seen, "weights": follower.weights, "hook": hook_log.read_text(),
+            "export": json.loads((tmp_path / "export" / "version.json").read_text())}  # fmt: skip
+
+
+def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> None:
+    versions = tiny_versions[:4]
+    out = asyncio.run(_sync(tmp_path, versions))
+    assert [v for v, _ in out["seen"]] == [0, 1, 2, 3]
+    assert [h for _, h in out["seen"]] == [state_hash(v).hex() for v in versions]
+    assert bit_equal(out["weights"], versions[-1])
+    assert out["export"] == {"version": 3, "state_hash": state_hash(versions[-1]).hex()}
+    assert out["hook"].splitlines() == [
+        f"{i} {state_hash(v).hex()}" for i, v in enumerate(versions)
+    ]
