@@ -40,8 +40,8 @@ async def _sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict
         seen.append((version, state_hash(weights).hex()))
         applied.set()
 
-    follower = Follower(rollout, export=tmp_path / "export", callback=callback,
-                        on_update_cmd=f'echo "$P2PSYNC_VERSION $P2PSYNC_STATE_HASH" >> {hook_log}')  # fmt: skip
+    hook = f'echo "$P2PSYNC_VERSION $P2PSYNC_STATE_HASH" >> {hook_log}'
+    follower = Follower(rollout, export=tmp_path / "export", callback=callback, on_update_cmd=hook)
     stop = asyncio.Event()
     task = asyncio.create_task(follower.run(stop))
     publisher = Publisher(trainer, key, PublishPolicy(anchor_every=100, catchup_spans=(2,)))
