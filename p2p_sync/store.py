@@ -274,11 +274,12 @@ class Store:
         budget, used = self.limits.max_chunk_bytes, self.chunk_bytes()
         if used <= budget:
             return []
-        keep = {c for d in self.protected() for c in self._manifests[d][0].chunks}
+        protected = self.protected()
+        keep = {c for d in protected for c in self._manifests[d][0].chunks}
         named = {c for m in self.manifests() for c in m.chunks}
         order = [p.name for p in self.chunk_dir.iterdir() if p.name not in named]
         for m in self.manifests():
-            if m.digest not in self.protected():
+            if m.digest not in protected:
                 order += [c for c in m.chunks if c not in keep]
         dropped = []
         for digest in dict.fromkeys(order):

@@ -16,6 +16,18 @@ from p2p_sync.manifest import PATCH, SNAPSHOT, SwarmPolicy, sign
 from p2p_sync.store import Store
 
 
+def put_version(store: Store, key: SigningKey, swarm: str, version: int, payload: bytes):
+    """Store one signed artifact (a snapshot every 5th version, else a patch) and its chunks."""
+    kind = SNAPSHOT if version % 5 == 0 else PATCH
+    base = {} if kind == SNAPSHOT else {"base_version": version - 1, "base_state": "aa" * 16}
+    m = manifest_for(payload, swarm=swarm, version=version, kind=kind, target_state="bb" * 16,
+                     layout="cc" * 16, now=0, chunk_size=16 * 1024, **base)  # fmt: skip
+    for chunk in split(payload, m.chunk_size):
+        store.put_chunk(chunk)
+    store.put_manifest(m, sign(m, [key]))
+    return m
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
@@ -28,14 +40,7 @@ def main() -> int:
     store = Store.open(args.root)
     start = store.state.version + 1 if store.state else 0
     for version in range(start, start + args.max_versions):
-        payload = rnd.randbytes(rnd.randint(1, 120_000))
-        kind = SNAPSHOT if version % 5 == 0 else PATCH
-        base = {} if kind == SNAPSHOT else {"base_version": version - 1, "base_state": "aa" * 16}
-        m = manifest_for(payload, swarm=swarm, version=version, kind=kind, target_state="bb" * 16,
-                         layout="cc" * 16, now=0, chunk_size=16 * 1024, **base)  # fmt: skip
-        for chunk in split(payload, m.chunk_size):
-            store.put_chunk(chunk)
-        store.put_manifest(m, sign(m, [key]))
+        put_version(store, key, swarm, version, rnd.randbytes(rnd.randint(1, 120_000)))
         weights = rnd.randbytes(rnd.randint(1, 50_000))
         store.set_weights(version, f"{version:032x}", lambda p, w=weights: p.write_bytes(w))
         print(f"committed {version}", flush=True)

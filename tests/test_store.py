@@ -13,30 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from p2p_sync.chunks import manifest_for, split
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SNAPSHOT, SwarmPolicy, parse, sign
+from p2p_sync.manifest import SwarmPolicy, parse
 from p2p_sync.store import Store, StoreError, StoreLimits
+from tests import store_writer
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = SigningKey.generate()
 SWARM = SwarmPolicy("store", (KEY.public,)).swarm_id
 
 
-def put_version(store: Store, version: int, kind: str, size: int = 40_000):
+def put_version(store: Store, version: int, size: int = 40_000):
     payload = random.Random(version).randbytes(size)
-    base = {} if kind == SNAPSHOT else {"base_version": version - 1, "base_state": "aa" * 16}
-    m = manifest_for(payload, swarm=SWARM, version=version, kind=kind, target_state="bb" * 16,
-                     layout="cc" * 16, now=0, chunk_size=16 * 1024, **base)  # fmt: skip
-    for c in split(payload, m.chunk_size):
-        store.put_chunk(c)
-    store.put_manifest(m, sign(m, [KEY]))
-    return m, payload
+    return store_writer.put_version(store, KEY, SWARM, version, payload), payload
 
 
 def test_chunks_manifests_and_weights_survive_reopen(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
-    m, payload = put_version(store, 0, SNAPSHOT)
+    m, payload = put_version(store, 0)
     store.set_weights(0, "11" * 16, lambda p: p.write_bytes(b"weights-0"))
     store.set_weights(1, "22" * 16, lambda p: p.write_bytes(b"weights-1"))
     again = Store.open(tmp_path)
@@ -48,7 +42,7 @@ def test_chunks_manifests_and_weights_survive_reopen(tmp_path: Path) -> None:
 
 def test_self_check_drops_partial_and_corrupt_files(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
-    m, _ = put_version(store, 0, SNAPSHOT)
+    m, _ = put_version(store, 0)
     victim = store.chunk_path(m.chunks[1])
     victim.write_bytes(b"bit rot")
     (store.chunk_dir / ".x.tmp").write_bytes(b"half")
@@ -89,11 +83,11 @@ def test_store_refuses_to_go_back_a_version(tmp_path: Path) -> None:
 
 def test_eviction_keeps_the_newest_anchor_and_its_chain(tmp_path: Path) -> None:
     store = Store.open(tmp_path, StoreLimits(max_chunk_bytes=200_000))
-    manifests = [put_version(store, v, SNAPSHOT if v % 4 == 0 else PATCH)[0] for v in range(7)]
+    manifests = [put_version(store, v)[0] for v in range(7)]
     store.put_chunk(b"orphan" * 100)
     dropped = store.evict()
     assert store.chunk_bytes() <= 200_000 and dropped
-    for m in manifests[4:]:  # anchor v4 and its chain v5, v6 stay complete
+    for m in manifests[5:]:  # anchor v5 and its chain v6 stay complete
         assert store.has_payload(m)
     assert not store.has_payload(manifests[0])
 
