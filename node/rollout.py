@@ -63,6 +63,7 @@ class Follower:
             if state_hash(self.weights).hex() != state.state_hash:
                 raise P2PSyncError(f"{state.weights}: stored weights do not match their state hash")
         self.applied: list[tuple[int, float]] = []  # (version, monotonic time) for reports
+        self.refused: set[str] = set()  # manifests whose verified payload failed to apply
 
     @property
     def state(self) -> PeerState:
@@ -72,7 +73,11 @@ class Follower:
     def _plan(self) -> list[Manifest]:
         by_digest = {m.digest: m for m in self.node.store.manifests()}
         floor = self.state.version
-        arts = [artifact(m) for m in by_digest.values() if floor is None or m.version > floor]
+        arts = [
+            artifact(m)
+            for m in by_digest.values()
+            if (floor is None or m.version > floor) and m.digest not in self.refused
+        ]
         try:
             return [by_digest[a.ident] for a in plan(self.state, arts)]
         except NoPathError:
@@ -154,7 +159,8 @@ class Follower:
                 try:
                     await self.step(m)
                 except PatchError as exc:  # verified chunks, bad content: a trainer-side bug
-                    log.error("v%d refused: %s", m.version, exc)
+                    log.error("v%d refused: %s; planning around it", m.version, exc)
+                    self.refused.add(m.digest)
                     break
             try:
                 await asyncio.wait_for(self.node.new_info.wait(), 1.0)
