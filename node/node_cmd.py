@@ -53,11 +53,13 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
     try:
         if cfg.role == "trainer":
             publisher = Publisher(node, key, PublishPolicy(cfg.anchor_every, cfg.catchup_spans))
+            refresher = asyncio.create_task(publisher.refresh_loop(stop))
             if cfg.watch is not None:
                 cfg.watch.mkdir(parents=True, exist_ok=True)
                 await watch(publisher, cfg.watch, stop)
             else:
                 await stop.wait()
+            await refresher
         else:
             follower = Follower(node, pick_device(cfg.device), cfg.export, cfg.on_update)
             await follower.run(stop)

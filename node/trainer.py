@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -148,6 +149,38 @@ class Publisher:
         await self.node.announce([m.digest for m in manifests])
         self.node.new_info.set()
         return manifests
+
+    def refresh(self, now: int) -> list[Manifest]:
+        """Re-sign the newest manifest of each (version, kind, base) once half its lifetime has
+        passed: same chunks, new created/expires. Without it, an anchor older than the manifest
+        lifetime would be refused by newcomers as a freeze attack. Peers already past that
+        version ignore the re-signed copy (not newer than what they accepted)."""
+        newest: dict[tuple, Manifest] = {}
+        for m in self.node.store.manifests():
+            key = (m.version, m.kind, m.base_version)
+            if key not in newest or m.expires > newest[key].expires:
+                newest[key] = m
+        fresh = []
+        for m in newest.values():
+            if now < m.expires - (m.expires - m.created) // 2:
+                continue
+            renewed = dataclasses.replace(
+                m, created=now, expires=now + self.node.cfg.manifest_lifetime_s
+            )
+            self.node.store.put_manifest(renewed, sign(renewed, [self.key]))
+            fresh.append(renewed)
+        return fresh
+
+    async def refresh_loop(self, stop: asyncio.Event, interval: float = 600.0) -> None:
+        while not stop.is_set():
+            renewed = await asyncio.to_thread(self.refresh, int(time.time()))
+            if renewed:
+                log.info("re-signed %d manifest(s) nearing expiry", len(renewed))
+                await self.node.announce([m.digest for m in renewed])
+            try:
+                await asyncio.wait_for(stop.wait(), interval)
+            except TimeoutError:
+                pass
 
 
 async def watch(

@@ -72,3 +72,28 @@ def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> N
     assert out["hook"].splitlines() == [
         f"{i} {state_hash(v).hex()}" for i, v in enumerate(versions)
     ]
+
+
+async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:
+    from p2p_sync.manifest import verify
+
+    key = SigningKey.generate()
+    policy = SwarmPolicy("api", (key.public,))
+    cfg = NodeConfig(role="trainer", data_dir=tmp_path, key=tmp_path / "k",
+                     manifest_lifetime_s=1000)  # fmt: skip
+    node = TrainerNode(cfg, policy, Store.open(tmp_path))
+    publisher = Publisher(node, key, PublishPolicy())
+    (anchor,) = await publisher.publish(weights)
+    early = publisher.refresh(anchor.created + 100)  # not yet half-way: nothing to do
+    renewed = publisher.refresh(anchor.created + 600)
+    data = node.store.manifest_bytes(renewed[0].digest)
+    assert data is not None
+    accepted = verify(data, policy, now=anchor.created + 1500, accepted_version=None)
+    return anchor, early, renewed, accepted
+
+
+def test_trainer_re_signs_manifests_before_they_expire(tmp_path: Path, tiny_versions) -> None:
+    anchor, early, renewed, accepted = asyncio.run(_refresh(tmp_path, tiny_versions[0]))
+    assert early == [] and len(renewed) == 1
+    assert accepted.chunks == anchor.chunks and accepted.expires == anchor.created + 1600
+    assert accepted.digest != anchor.digest  # a newcomer after the old expiry can still join
