@@ -7,6 +7,11 @@ payload, aggregate throughput (N x payload / that time), the trainer's upload as
 the payload, and the ratio of time(N) to time(1).
 
     python benchmarks/swarm_loopback.py [--size-mb 100] [--rollouts 1,8] [--chunk-kb 256]
+                                        [--upload-mbps 100]
+
+Without a cap the run is CPU-bound on small machines (every process shares the same cores); with
+``--upload-mbps`` every node's upload is capped like a home link, which is the regime the swarm
+is for: then one rollout is limited by the trainer's uplink and more rollouts add their own.
 
 Targets (issue 4): aggregate >= 200 MB/s on 2 cores; 100 MB to 8 rollouts <= 3x the time to 1.
 """
@@ -44,7 +49,8 @@ async def worker(args: argparse.Namespace) -> None:
     """One rollout: learn the manifest, wait for 'go', fetch, report, keep serving."""
     policy = SwarmPolicy(SWARM, (PublicKey.from_text(args.pubkey),))
     cfg = NodeConfig(role="rollout", data_dir=Path(args.data_dir), trust=(args.pubkey,),
-                     peers=(args.trainer,), poll_interval_s=0.5, have_poll_s=0.2)  # fmt: skip
+                     peers=(args.trainer,), poll_interval_s=0.5, have_poll_s=0.2,
+                     max_upload_mbps=float(args.upload_mbps))  # fmt: skip
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
     await node.learn(args.trainer, [args.digest])
@@ -69,11 +75,13 @@ async def worker(args: argparse.Namespace) -> None:
     await node.stop()
 
 
-async def start_trainer(root: Path, size: int, chunk: int) -> tuple[TrainerNode, str, str]:
+async def start_trainer(
+    root: Path, size: int, chunk: int, upload_mbps: float = 0.0
+) -> tuple[TrainerNode, str, str]:
     key = SigningKey.generate()
     policy = SwarmPolicy(SWARM, (key.public,))
     cfg = NodeConfig(role="trainer", data_dir=root / "trainer", key=root / "k",
-                     poll_interval_s=5.0)  # fmt: skip
+                     poll_interval_s=5.0, max_upload_mbps=upload_mbps)  # fmt: skip
     store = Store.open(cfg.data_dir)
     payload = os.urandom(size)
     m = manifest_for(payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
@@ -87,14 +95,14 @@ async def start_trainer(root: Path, size: int, chunk: int) -> tuple[TrainerNode,
     return node, url, m.digest
 
 
-async def run(n: int, size: int, chunk: int, root: Path) -> dict:
-    trainer, url, digest = await start_trainer(root, size, chunk)
+async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.0) -> dict:
+    trainer, url, digest = await start_trainer(root, size, chunk, upload_mbps)
     pub = trainer.policy.keys[0].text()
     procs = []
     for i in range(n):
         procs.append(await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--worker", "--trainer", url, "--digest", digest,
-            "--pubkey", pub, "--data-dir", str(root / f"r{i}"),
+            "--pubkey", pub, "--data-dir", str(root / f"r{i}"), "--upload-mbps", str(upload_mbps),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         ))  # fmt: skip
     for p in procs:
@@ -131,6 +139,9 @@ def main() -> int:
     parser.add_argument("--size-mb", type=float, default=100)
     parser.add_argument("--rollouts", default="1,8")
     parser.add_argument("--chunk-kb", type=int, default=256)
+    parser.add_argument(
+        "--upload-mbps", type=float, default=0.0, help="per-node upload cap, Mbit/s (0: none)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--trainer", "--digest", "--pubkey", "--data-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -144,7 +155,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="p2psync-bench-") as tmp:
             with console.status(f"{args.size_mb:g} MB to {n} rollout(s)"):
                 rows.append(asyncio.run(run(n, int(args.size_mb * 1e6), args.chunk_kb * 1024,
-                                            Path(tmp))))  # fmt: skip
+                                            Path(tmp), args.upload_mbps)))  # fmt: skip
     table = Table("rollouts", "payload", "last rollout done", "aggregate", "trainer upload",
                   "rollouts upload", f"time / time({rows[0]['rollouts']})",
                   title="p2psync swarm on loopback")  # fmt: skip

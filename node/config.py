@@ -44,6 +44,7 @@ class NodeConfig:
     max_peers: int = 64
     reseed_after_s: float = 2.0
     progress: bool = False
+    max_upload_mbps: float = 0.0  # cap on chunk upload, Mbit/s (0: none)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -95,6 +96,8 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("chunk_size", "must be between 16 KiB and 64 MiB")
     if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
+    if cfg.max_upload_mbps < 0:
+        raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
     for name in ("poll_interval_s", "have_poll_s", "reseed_after_s"):
         if not getattr(cfg, name) > 0:
             raise bad(name, "must be positive")

@@ -72,7 +72,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         "role": args.role, "data_dir": args.data_dir, "listen": args.listen, "key": args.key,
         "trust": args.trust, "peers": args.peers, "watch": args.watch, "export": args.export,
         "on_update": args.on_update, "swarm": args.swarm, "device": args.device,
-        "chunk_size": args.chunk_size,
+        "chunk_size": args.chunk_size, "max_upload_mbps": args.max_upload_mbps,
     }  # fmt: skip
     cfg = load(args.config, overrides)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s",
@@ -125,6 +125,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     node.add_argument("--swarm", help="swarm name (default: default)")
     node.add_argument("--device", help="cpu, cuda or auto")
     node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
+    node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
     node.set_defaults(func=cmd_node)
 
     status = sub.add_parser("status", help="print a node's status")

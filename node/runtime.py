@@ -20,7 +20,13 @@ from node.config import NodeConfig
 from p2p_sync.errors import ManifestError, RollbackAttackError
 from p2p_sync.manifest import Manifest, SwarmPolicy, verify
 from p2p_sync.store import Store
-from p2p_sync.transport.http import DataClient, DataServer, PeerError, gather_quietly
+from p2p_sync.transport.http import (
+    DataClient,
+    DataServer,
+    HttpLimits,
+    PeerError,
+    gather_quietly,
+)
 
 log = logging.getLogger("p2psync.node")
 
@@ -49,7 +55,8 @@ class Node:
         self.peers: dict[str, int] = {}  # url -> consecutive failures
         self.banned: set[str] = set()
         self.url: str | None = None
-        self.server = DataServer(self)
+        cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
+        self.server = DataServer(self, HttpLimits(max_upload_bytes_per_s=cap))
         self.client: DataClient | None = None
         self.new_info = asyncio.Event()
         self._learning: set[str] = set()

@@ -48,3 +48,15 @@ def test_bad_chunks_are_refused_each_with_its_own_error() -> None:
     with pytest.raises(IncompletePayloadError, match="2 chunk"):
         asm.payload()
     assert asm.missing == [1, 2]
+
+
+def test_token_bucket_paces_to_its_rate() -> None:
+    from p2p_sync.ratelimit import TokenBucket
+
+    bucket = TokenBucket(rate=1000.0, burst=500.0)
+    assert bucket.reserve(500, now=0.0) == 0.0  # the burst is free
+    assert bucket.reserve(1000, now=0.0) == pytest.approx(1.0)  # then one second per 1000 B
+    assert bucket.reserve(1000, now=1.0) == pytest.approx(1.0)  # refilled 1000, still 1 s behind
+    assert bucket.reserve(10, now=10.0) == 0.0  # idle time refills up to the burst only
+    with pytest.raises(ValueError):
+        TokenBucket(rate=0, burst=1)

@@ -28,12 +28,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+
+from p2p_sync.ratelimit import TokenBucket
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -48,6 +51,7 @@ class HttpLimits:
     max_chunk_bytes: int = 64 * 2**20
     request_timeout_s: float = 10.0
     connect_timeout_s: float = 3.0
+    max_upload_bytes_per_s: float | None = None  # cap on chunk bytes served (None: no cap)
 
 
 class NodeView(Protocol):
@@ -75,6 +79,8 @@ class DataServer:
     def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
         self.node, self.limits = node, limits
         self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
+        rate = limits.max_upload_bytes_per_s
+        self._bucket = TokenBucket(rate, max(rate / 10, 1 << 20)) if rate else None
         self.app = web.Application(
             client_max_size=limits.max_request_bytes, middlewares=[self._learn_requester]
         )
@@ -128,17 +134,21 @@ class DataServer:
             data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), less than a thread hop
             if data is None:
                 raise web.HTTPNotFound(text="no such chunk here")
+            if self._bucket is not None:  # upload cap: wait our turn before sending
+                await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = len(data)
-            await response.prepare(request)
             try:  # a reader too slow to take the chunk in time loses it, and frees the slot
                 async with asyncio.timeout(self.limits.request_timeout_s):
+                    await response.prepare(request)
                     await response.write(data)
                     await response.write_eof()
             except TimeoutError:
                 if request.transport is not None:
                     request.transport.close()
                 return response
+            except (ConnectionError, aiohttp.ClientConnectionResetError):
+                return response  # the requester gave up (cancelled in endgame, or timed out)
             self.node.count_upload(len(data))
             return response
 
