@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from node.config import ConfigError, NodeConfig, load
+from node.patch_cmd import pick_device
 from node.rollout import Follower
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode, watch
@@ -32,14 +33,6 @@ def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
         return SwarmPolicy(cfg.swarm, keys, cfg.threshold), key
     except ValueError as exc:
         raise ConfigError(f"config: threshold: {exc}") from None
-
-
-def pick_device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
