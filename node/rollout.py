@@ -89,7 +89,7 @@ class Follower:
             if layout_fingerprint(layout_of(weights)).hex() != m.layout:
                 raise PatchError("snapshot layout differs from its manifest")
         else:
-            patch = codec.decode(payload)
+            patch = codec.decode(payload, workers=os.cpu_count() or 1)
             if patch.base_hash.hex() != m.base_state or patch.target_hash.hex() != m.target_state:
                 raise PatchError("patch hashes differ from its signed manifest")
             assert self.weights is not None

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -35,6 +36,9 @@ from p2p_sync.tensors import TensorSet, layout_fingerprint, layout_of, state_has
 from p2p_sync.versions import PublishPolicy, to_publish
 
 log = logging.getLogger("p2psync.trainer")
+
+# Frames are independent, and zstd and numpy release the GIL: encode on every core.
+WORKERS = os.cpu_count() or 1
 
 
 class TrainerNode(Node):
@@ -101,10 +105,10 @@ class Publisher:
             if kind == SNAPSHOT:
                 out.append((SNAPSHOT, None, save(dict(new)), None))
             elif base == version - 1 and step is not None:
-                out.append((PATCH, base, codec.encode(step), step))
+                out.append((PATCH, base, codec.encode(step, workers=WORKERS), step))
             elif base is not None and version - base <= len(self.history):
                 merged = merge(list(self.history)[-(version - base) :])
-                out.append((PATCH, base, codec.encode(merged), merged))
+                out.append((PATCH, base, codec.encode(merged, workers=WORKERS), merged))
         return out
 
     def _build(self, new: TensorSet) -> tuple[int, str, list[tuple[Manifest, bytes, bytes]]]:
