@@ -31,7 +31,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.http import PeerError
+from p2p_sync.transport.http import PeerError, gather_quietly
 
 log = logging.getLogger("p2psync.fetch")
 
@@ -73,7 +73,7 @@ class Download:
         while not self.done.is_set():
             peers = self.node.usable_peers()
             calls = [self.node.client.get_json(f"{p}/have/{self.m.digest}") for p in peers]
-            results = await asyncio.gather(*calls, return_exceptions=True)
+            results = await gather_quietly(calls)
             for peer, res in zip(peers, results):
                 if isinstance(res, dict) and isinstance(res.get("have"), list):
                     idx = frozenset(i for i in res["have"] if isinstance(i, int))

@@ -62,7 +62,6 @@ class Follower:
             self.weights = load_file(str(state.weights), device=device)
             if state_hash(self.weights).hex() != state.state_hash:
                 raise P2PSyncError(f"{state.weights}: stored weights do not match their state hash")
-        self.applied: list[tuple[int, float]] = []  # (version, monotonic time) for reports
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
 
     @property
@@ -88,15 +87,15 @@ class Follower:
             weights = {k: v.to(self.device) for k, v in load(payload).items()}
             if layout_fingerprint(layout_of(weights)).hex() != m.layout:
                 raise PatchError("snapshot layout differs from its manifest")
+            if state_hash(weights).hex() != m.target_state:
+                raise PatchError(f"v{m.version} does not hash to its signed target state")
         else:
             patch = codec.decode(payload, workers=os.cpu_count() or 1)
             if patch.base_hash.hex() != m.base_state or patch.target_hash.hex() != m.target_state:
                 raise PatchError("patch hashes differ from its signed manifest")
             assert self.weights is not None
             weights = self.weights
-            apply(weights, patch)
-        if state_hash(weights).hex() != m.target_state:
-            raise PatchError(f"v{m.version} does not hash to its signed target state")
+            apply(weights, patch)  # checks base and target hashes (the target's is signed)
         return weights
 
     def _persist(self, m: Manifest, weights: dict[str, torch.Tensor]) -> None:
@@ -143,7 +142,6 @@ class Follower:
         await asyncio.to_thread(self._persist, m, weights)
         self.weights = weights
         self.node.set_version(m.version)
-        self.applied.append((m.version, time.monotonic()))
         log.info("v%d applied (%s, %s bytes) in %.2fs", m.version, m.kind,
                  f"{m.payload_size:,}", time.monotonic() - t0)  # fmt: skip
         if self.callback is not None:

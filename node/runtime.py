@@ -95,9 +95,6 @@ class Node:
             self.peers[url] = 0
             self.metrics.peers.set(len(self.peers))
 
-    def saw_peer(self, url: str) -> None:
-        self.add_peer(url)
-
     def ban(self, url: str, reason: str) -> None:
         if url not in self.banned:
             log.warning("banned %s: %s", url, reason)
@@ -122,15 +119,12 @@ class Node:
     def accepted_version(self) -> int | None:
         return self.store.state.version if self.store.state else None
 
-    def known_digests(self) -> set[str]:
-        return {m.digest for m in self.store.manifests()}  # a few hundred at most
-
     def on_announce(self, url: str | None, digests: list[str]) -> None:
         if url is not None:
             self.add_peer(url)
         source = url if url is not None and url not in self.banned else None
         if source is not None:
-            fresh = [d for d in digests if d not in self.known_digests()]
+            fresh = [d for d in digests if not self.store.has_manifest(d)]
             if fresh:
                 self._tasks.append(asyncio.create_task(self.learn(source, fresh)))
 
@@ -139,7 +133,7 @@ class Node:
         assert self.client is not None
         accepted = []
         for digest in digests:
-            if digest in self._learning or digest in self.known_digests():
+            if digest in self._learning or self.store.has_manifest(digest):
                 continue
             self._learning.add(digest)
             try:
@@ -176,7 +170,7 @@ class Node:
         if self.client is None or not digests:
             return
         peers = [p for p in self.usable_peers() if p not in exclude]
-        await gather_quietly([self.client.announce(p, self.url, digests) for p in peers])
+        await gather_quietly([self.client.announce(p, digests) for p in peers])
 
     async def _poll_loop(self) -> None:
         """Pull fallback: every poll interval, ask each peer for its manifests and peers."""
@@ -205,14 +199,13 @@ class Node:
     def _fresh_from_index(self, index: Any) -> list[str]:
         if not isinstance(index, list):
             return []
-        floor = self.accepted_version
-        known, out = self.known_digests(), []
+        floor, out = self.accepted_version, []
         for entry in index[:10_000]:
             if not isinstance(entry, dict) or not isinstance(entry.get("digest"), str):
                 continue
             version = entry.get("version")
             if isinstance(version, int) and (floor is None or version > floor):
-                if entry["digest"] not in known:
+                if not self.store.has_manifest(entry["digest"]):
                     out.append(entry["digest"])
         return out
 
@@ -263,7 +256,7 @@ class Node:
             "banned": sorted(self.banned),
             "bytes_uploaded": self.bytes_uploaded,
             "bytes_downloaded": self.bytes_downloaded,
-            "manifests": len(self.store.manifests()),
+            "manifests": self.store.manifest_count(),
         }
 
     def metrics_text(self) -> bytes:

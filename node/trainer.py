@@ -95,12 +95,9 @@ class Publisher:
         return state.version + 1 if state else 0
 
     def _payloads(
-        self, version: int, new: TensorSet
+        self, version: int, new: TensorSet, step: Patch | None
     ) -> list[tuple[str, int | None, bytes, Patch | None]]:
         out: list[tuple[str, int | None, bytes, Patch | None]] = []
-        step = diff(self.prev, new) if self.prev is not None and version > 0 else None
-        if step is not None:
-            self.history.append(step)
         for kind, base in to_publish(version, self.policy):
             if kind == SNAPSHOT:
                 out.append((SNAPSHOT, None, save(dict(new)), None))
@@ -114,10 +111,13 @@ class Publisher:
     def _build(self, new: TensorSet) -> tuple[int, str, list[tuple[Manifest, bytes, bytes]]]:
         """CPU-heavy part (diff, encode, hash, sign), run in a worker thread."""
         version = self.next_version
-        target = state_hash(new).hex()
+        step = diff(self.prev, new) if self.prev is not None and version > 0 else None
+        if step is not None:
+            self.history.append(step)
+        target = (step.target_hash if step else state_hash(new)).hex()  # diff hashed it already
         layout = layout_fingerprint(layout_of(new)).hex()
         built = []
-        for kind, base, payload, patch in self._payloads(version, new):
+        for kind, base, payload, patch in self._payloads(version, new, step):
             extra = {}
             if kind == PATCH:
                 assert patch is not None
@@ -134,8 +134,8 @@ class Publisher:
     def _store(self, version: int, target: str, new: TensorSet, built: list) -> None:
         store = self.node.store
         for m, signed, payload in built:
-            for chunk in split(payload, m.chunk_size):
-                store.put_chunk(chunk)
+            for digest, chunk in zip(m.chunks, split(payload, m.chunk_size), strict=True):
+                store.put_chunk(chunk, digest)  # hashed moments ago for the manifest
             store.put_manifest(m, signed)
         host = {k: v.detach().cpu().contiguous() for k, v in new.items()}
         store.set_weights(version, target, lambda p: save_file(host, str(p)))

@@ -169,8 +169,8 @@ class Store:
         digest = digest or chunk_hash(data)
         path = self.chunk_path(digest)
         if digest not in self._chunks:
-            # No fsync: chunks are re-hashed on open and on every read, so a chunk torn by a
-            # power loss is dropped, never served; skipping ~1-5 ms per chunk matters at 400/s.
+            # No fsync: chunks are re-hashed on open and on every read from disk, so a chunk
+            # torn by a power loss is dropped, never served; skipping ~1-5 ms per chunk matters.
             data = bytes(data)
             atomic_write_bytes(path, data, durable=False)
             self._chunks.add(digest)
@@ -221,6 +221,12 @@ class Store:
 
     def manifests(self) -> list[Manifest]:
         return sorted((m for m, _ in self._manifests.values()), key=lambda m: (m.version, m.kind))
+
+    def has_manifest(self, digest: str) -> bool:
+        return digest in self._manifests
+
+    def manifest_count(self) -> int:
+        return len(self._manifests)
 
     def manifest(self, digest: str) -> Manifest | None:
         entry = self._manifests.get(digest)

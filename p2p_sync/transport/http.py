@@ -66,7 +66,7 @@ class NodeView(Protocol):
     def metrics_text(self) -> bytes: ...
     def count_upload(self, nbytes: int) -> None: ...
     def on_announce(self, url: str | None, digests: list[str]) -> None: ...
-    def saw_peer(self, url: str) -> None: ...
+    def add_peer(self, url: str) -> None: ...
 
 
 def _requester(request: web.Request) -> str | None:
@@ -102,7 +102,7 @@ class DataServer:
         the trainer becomes known to everyone (via the trainer's /peers list)."""
         url = _requester(request)
         if url is not None and valid_peer_url(url):
-            self.node.saw_peer(url)
+            self.node.add_peer(url)
         return await handler(request)
 
     async def start(self, host: str, port: int) -> int:
@@ -214,12 +214,12 @@ class DataClient:
     """Client side of the data plane, with size and time limits on every response."""
 
     def __init__(self, self_url: str | None, limits: HttpLimits = HttpLimits()) -> None:
-        self.limits = limits
-        self.headers = {"X-P2PSync-Peer": self_url} if self_url else {}
+        self.limits, self.self_url = limits, self_url
+        headers = {"X-P2PSync-Peer": self_url} if self_url else {}
         timeout = aiohttp.ClientTimeout(
             total=limits.request_timeout_s, sock_connect=limits.connect_timeout_s
         )
-        self.session = aiohttp.ClientSession(timeout=timeout, headers=self.headers)
+        self.session = aiohttp.ClientSession(timeout=timeout, headers=headers)
 
     async def close(self) -> None:
         await self.session.close()
@@ -252,10 +252,10 @@ class DataClient:
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         return await self._get(url, limit or self.limits.max_chunk_bytes)
 
-    async def announce(self, peer: str, self_url: str | None, digests: list[str]) -> None:
+    async def announce(self, peer: str, digests: list[str]) -> None:
         try:
             async with self.session.post(
-                f"{peer}/announce", json={"url": self_url, "digests": digests}
+                f"{peer}/announce", json={"url": self.self_url, "digests": digests}
             ) as resp:
                 if resp.status != 202:
                     raise PeerError(f"{peer}: announce got HTTP {resp.status}")
