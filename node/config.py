@@ -6,7 +6,7 @@ Errors name the field: ``config: peers: 'ftp://x' is not http://host:port``.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,6 @@ class NodeConfig:
     reseed_after_s: float = 2.0
     progress: bool = False
     max_upload_mbps: float = 0.0  # cap on chunk upload, Mbit/s (0: none)
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -114,7 +113,7 @@ def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
     values.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in fields(NodeConfig)} - {"extra"}
+    known = {f.name for f in fields(NodeConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError(f"config: {unknown[0]}: unknown setting")
@@ -125,7 +124,7 @@ def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
         raise ConfigError(f"config: bad value ({exc})") from None
     for f in fields(NodeConfig):
         value, default = getattr(cfg, f.name), getattr(NodeConfig(), f.name)
-        if default is not None and f.name != "extra" and not isinstance(value, type(default)):
+        if default is not None and not isinstance(value, type(default)):
             if not (isinstance(default, float) and isinstance(value, int)):
                 raise ConfigError(f"config: {f.name}: expected {type(default).__name__}")
     _check(cfg)

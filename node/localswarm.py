@@ -59,7 +59,6 @@ class Swarm:
     root: Path
     chunk_size: int = 16 * 1024
     procs: list[Proc] = field(default_factory=list)
-    extra_env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.key_path = self.root / "trainer.key"
@@ -70,7 +69,7 @@ class Swarm:
         self._published = 0
 
     def _spawn(self, name: str, args: list[str], data_dir: Path, export: Path | None) -> Proc:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.extra_env}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         log = open(self.root / f"{name}.log", "ab")
         popen = subprocess.Popen(
             [sys.executable, "-m", "node.cli", "node", "--data-dir", str(data_dir),
@@ -86,11 +85,9 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def start_trainer(self, anchor_every: int = 100, extra_toml: str = "") -> Proc:
+    def start_trainer(self, anchor_every: int = 100) -> Proc:
         cfg = self.root / "trainer.toml"
-        cfg.write_text(
-            f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n{extra_toml}"
-        )
+        cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
         self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
                                               "--watch", str(self.watch), "--config", str(cfg)],
                                    self.root / "trainer", None)  # fmt: skip
