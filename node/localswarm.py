@@ -1,5 +1,6 @@
 """A local swarm of real node processes on loopback: used by the demo, the integration tests
-and the loopback benchmark.
+and the loopback benchmark. A ``Placement`` runs a node elsewhere (the emulated tier puts each
+in its own network namespace).
 
 Every wait is a bounded poll of a condition with a deadline, never a bare sleep.
 """
@@ -42,6 +43,23 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, step: flo
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a node process runs and how this process reaches it; the default is loopback.
+
+    The emulated tier (``simulations/emulated.py``) puts each node in its own network namespace:
+    ``prefix=("ip", "netns", "exec", ns)``, ``listen="10.x.y.z:0"``, and a ``get`` that makes
+    its HTTP requests from inside that namespace.
+    """
+
+    prefix: tuple[str, ...] = ()
+    listen: str = "127.0.0.1:0"
+    get: Callable[[str], dict | None] = get_json
+
+
+LOOPBACK = Placement()
+
+
 @dataclass
 class Proc:
     name: str
@@ -49,9 +67,10 @@ class Proc:
     url: str
     data_dir: Path
     export: Path | None = None
+    get: Callable[[str], dict | None] = get_json
 
     def status(self) -> dict | None:
-        return get_json(f"{self.url}/status")
+        return self.get(f"{self.url}/status")
 
 
 @dataclass
@@ -68,12 +87,15 @@ class Swarm:
         self.trainer: Proc | None = None
         self._published = 0
 
-    def _spawn(self, name: str, args: list[str], data_dir: Path, export: Path | None) -> Proc:
+    def _spawn(
+        self, name: str, args: list[str], data_dir: Path, export: Path | None,
+        at: Placement = LOOPBACK,
+    ) -> Proc:  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         log = open(self.root / f"{name}.log", "ab")
         popen = subprocess.Popen(
-            [sys.executable, "-m", "node.cli", "node", "--data-dir", str(data_dir),
-             "--listen", "127.0.0.1:0", *args],
+            [*at.prefix, sys.executable, "-m", "node.cli", "node", "--data-dir", str(data_dir),
+             "--listen", at.listen, *args],
             stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT, text=True,
         )  # fmt: skip
         assert popen.stdout is not None
@@ -81,19 +103,21 @@ class Swarm:
         if "listening on " not in line:
             raise AssertionError(f"{name} did not start: {line!r}; see {self.root / name}.log")
         url = line.split("listening on ")[1].split()[0]
-        proc = Proc(name, popen, url, data_dir, export)
+        proc = Proc(name, popen, url, data_dir, export, at.get)
         self.procs.append(proc)
         return proc
 
-    def start_trainer(self, anchor_every: int = 100) -> Proc:
+    def start_trainer(self, anchor_every: int = 100, at: Placement = LOOPBACK) -> Proc:
         cfg = self.root / "trainer.toml"
         cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
         self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
                                               "--watch", str(self.watch), "--config", str(cfg)],
-                                   self.root / "trainer", None)  # fmt: skip
+                                   self.root / "trainer", None, at)  # fmt: skip
         return self.trainer
 
-    def start_rollout(self, name: str, peers: list[str], data_dir: Path | None = None) -> Proc:
+    def start_rollout(
+        self, name: str, peers: list[str], data_dir: Path | None = None, at: Placement = LOOPBACK
+    ) -> Proc:
         data_dir = data_dir or self.root / name
         export = self.root / f"{name}-export"
         return self._spawn(
@@ -110,6 +134,7 @@ class Swarm:
             ],
             data_dir,
             export,
+            at,
         )
 
     def publish(self, weights: dict[str, torch.Tensor]) -> None:
