@@ -1,0 +1,428 @@
+"""libp2p control plane: identity, bootstrap, Kademlia discovery and gossipsub announcements.
+
+py-libp2p 0.8.1 is Trio-native and the node is asyncio, so each node runs ONE libp2p host in a
+dedicated thread under ``trio.run`` and talks to it through a small bridge (architecture guide,
+section 3: ~110 us a call, asyncio loop lag unaffected). asyncio -> Trio: ``TrioToken.
+run_sync_soon`` starts the call in the host's nursery; Trio -> asyncio: ``loop.
+call_soon_threadsafe`` hands results and events back. Nothing else crosses the thread boundary.
+
+Only standard libp2p protocols run on the host (TCP + Noise + yamux, identify, ping, Kademlia
+``/ipfs/kad/1.0.0``, gossipsub ``/meshsub/1.x``), so other libp2p implementations can join the
+control plane. Bulk chunk bytes never flow here (HTTP is 10x cheaper, see transport/http.py).
+
+How a node finds the swarm and its data plane:
+
+- It dials its ``--bootstrap`` multiaddrs, adds them to its Kademlia routing table and runs a
+  self lookup; Kademlia answers carry standard *signed peer records* (libp2p envelopes, signed by
+  each peer's libp2p identity key) which py-libp2p verifies before storing.
+- Each node advertises its HTTP data-plane URL as an extra address of its own peer record,
+  ``/ip4/<host>/tcp/<port>/http``. So the URL travels inside the record its libp2p identity
+  signed, and an intermediary cannot point peers at someone else's server. Those addresses are
+  never dialed as libp2p addresses (a dial filter drops them).
+- It keeps at most ``max_connections`` libp2p connections, topping up from the routing table.
+
+Announcements are judged by ``p2p_sync.announce.judge`` inside gossipsub's validation step, so
+a forged or replayed message is never forwarded; its sender is blacklisted after
+``max_rejects`` rejected messages. The libp2p identity key lives in the node's data dir
+(``p2p-identity.key``, libp2p protobuf format, mode 0600), separate from the trainer's signing
+key: a restarted node keeps its peer id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.identity_utils import load_identity, save_identity
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p_sync.announce import Decision, Verdict
+
+log = logging.getLogger("p2psync.p2p")
+IDENTITY_FILE = "p2p-identity.key"
+
+
+class P2PError(Exception):
+    """libp2p could not start or a bridged call failed (the node falls back to --peers)."""
+
+
+@dataclass(frozen=True)
+class P2PSettings:
+    """Everything the libp2p host needs; every limit lives here."""
+
+    listen: str  # multiaddr, e.g. /ip4/127.0.0.1/tcp/0
+    identity_path: Path
+    topic: str
+    http_url: str | None = None  # advertised in the signed peer record
+    bootstrap: tuple[str, ...] = ()
+    max_connections: int = 16
+    max_rejects: int = 3  # rejected messages before a peer is blacklisted
+    maintain_s: float = 1.0  # dial / harvest tick
+    refresh_s: float = 30.0  # Kademlia self-lookup period
+    dial_timeout_s: float = 5.0
+    start_timeout_s: float = 30.0
+    seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
+
+
+# ---------------------------------------------------------------- addresses (pure)
+
+
+def _ip_proto(host: str) -> str:
+    try:
+        return "ip6" if ipaddress.ip_address(host.strip("[]")).version == 6 else "ip4"
+    except ValueError:
+        return "dns4"
+
+
+def http_multiaddr(url: str) -> str:
+    """``http://h:p`` -> ``/ip4/h/tcp/p/http`` (how a data-plane URL rides in a peer record)."""
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    return f"/{_ip_proto(host)}/{host.strip('[]')}/tcp/{int(port)}/http"
+
+
+def url_from_multiaddr(addr: str) -> str | None:
+    """The inverse of :func:`http_multiaddr` (None for any other kind of address)."""
+    parts = addr.split("/")
+    if len(parts) < 6 or parts[3] != "tcp" or parts[5] != "http":
+        return None
+    if parts[1] not in ("ip4", "ip6", "dns4", "dns6") or not parts[4].isdigit():
+        return None
+    host = f"[{parts[2]}]" if parts[1] == "ip6" else parts[2]
+    return f"http://{host}:{parts[4]}"
+
+
+def default_listen(http_host: str) -> str:
+    """A free TCP port on the HTTP listen host."""
+    return f"/{_ip_proto(http_host)}/{http_host.strip('[]')}/tcp/0"
+
+
+def load_or_create_identity(path: Path) -> Any:
+    """The node's libp2p key pair, created on first start (mode 0600) and reused afterwards."""
+    if path.exists():
+        try:
+            return load_identity(path)
+        except (ValueError, OSError) as exc:
+            raise P2PError(f"{path}: unreadable libp2p identity ({exc})") from None
+    key_pair = create_new_key_pair()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_identity(key_pair, path)
+    return key_pair
+
+
+# ---------------------------------------------------------------- host
+
+
+Judge = Callable[[bytes, Callable[[str], bool]], Decision]
+OnAccept = Callable[[Decision, "str | None", int], None]
+
+
+class P2PHost:
+    """One libp2p host in its own Trio thread; every public method is called from asyncio."""
+
+    def __init__(
+        self,
+        settings: P2PSettings,
+        judge: Judge,
+        on_accept: OnAccept,
+        on_peer_url: Callable[[str], None],
+        known: Callable[[str], bool] = lambda digest: False,
+    ) -> None:
+        self.settings = settings
+        self._judge, self._on_accept, self._on_peer_url, self._known = (
+            judge, on_accept, on_peer_url, known,
+        )  # fmt: skip
+        self.key_pair = load_or_create_identity(settings.identity_path)
+        self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
+        self.addr: str | None = None
+        self.counts = collections.Counter[str]()
+        self._rejects = collections.Counter[ID]()
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stop: trio.Event | None = None
+        self._host: Any = None
+        self._pubsub: Any = None
+        self._dht: Any = None
+
+    # ------------------------------------------------------------ asyncio side
+
+    async def start(self) -> str:
+        """Start the host; returns its dialable multiaddr (with ``/p2p/<peer-id>``)."""
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[str] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="libp2p",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        try:
+            self.addr = await asyncio.wait_for(ready, self.settings.start_timeout_s)
+        except (TimeoutError, Exception) as exc:
+            await self.stop()
+            raise P2PError(f"libp2p did not start: {type(exc).__name__} {exc}") from None
+        return self.addr
+
+    async def stop(self) -> None:
+        """Cancel everything in the Trio thread and join it (sockets closed, no thread left)."""
+        if self._thread is None:
+            return
+        if self._token is not None and self._stop is not None:
+            try:
+                self._token.run_sync_soon(self._stop.set)
+            except trio.RunFinishedError:
+                pass
+        thread, self._thread = self._thread, None
+        await asyncio.to_thread(thread.join, self.settings.start_timeout_s)
+        if thread.is_alive():
+            log.warning("libp2p thread did not stop within %ss", self.settings.start_timeout_s)
+
+    async def call(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run ``await fn(*args)`` in the Trio thread and return its result here (the bridge)."""
+        loop, token, nursery = self._loop, self._token, self._nursery
+        if loop is None or token is None or nursery is None:
+            raise P2PError("libp2p is not running")
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        async def runner() -> None:
+            try:
+                result = await fn(*args)
+            except Exception as exc:  # handed to the caller, not lost in the Trio thread
+                loop.call_soon_threadsafe(settle, False, exc)
+            else:
+                loop.call_soon_threadsafe(settle, True, result)
+
+        try:
+            token.run_sync_soon(nursery.start_soon, runner)
+        except trio.RunFinishedError:
+            raise P2PError("libp2p has stopped") from None
+        return await future
+
+    async def publish(self, data: bytes) -> None:
+        await self.call(self._pubsub.publish, self.settings.topic, data)
+
+    def status(self) -> dict[str, Any]:
+        host = self._host
+        return {
+            "peer_id": self.peer_id,
+            "addr": self.addr,
+            "connected": len(host.get_connected_peers()) if host else 0,
+            "routing_table": self._dht.get_routing_table_size() if self._dht else 0,
+            "http_peers": len(self._urls),
+            "accepted": self.counts["accept"],
+            "rejected": self.counts["reject"],
+            "ignored": self.counts["ignore"],
+            "blacklisted": len(self._pubsub.blacklisted_peers) if self._pubsub else 0,
+        }
+
+    # ------------------------------------------------------------ Trio side
+
+    def _run(self, ready: asyncio.Future[str]) -> None:
+        loop = self._loop
+        assert loop is not None
+
+        def fail(exc: BaseException) -> None:
+            if not ready.done():
+                ready.set_exception(P2PError(f"{type(exc).__name__}: {exc}"))
+
+        try:
+            trio.run(self._main, ready)
+        except BaseException as exc:  # reported to start(); the thread ends cleanly
+            loop.call_soon_threadsafe(fail, exc)
+            log.debug("libp2p thread ended: %r", exc)
+        finally:
+            self._token = self._nursery = None
+
+    def _new_host(self) -> Any:
+        s = self.settings
+        extra = [multiaddr.Multiaddr(http_multiaddr(s.http_url))] if s.http_url else []
+        conn = ConnectionConfig(
+            max_connections=s.max_connections * 2, high_watermark=s.max_connections * 2,
+            low_watermark=s.max_connections, min_connections=1,
+            max_connections_per_peer=1, dial_timeout=s.dial_timeout_s,
+        )  # fmt: skip
+        return new_host(key_pair=self.key_pair, addrs_factory=lambda addrs: [*addrs, *extra],
+                        connection_config=conn)  # fmt: skip
+
+    async def _main(self, ready: asyncio.Future[str]) -> None:
+        host = self._host = self._new_host()
+        gossipsub = GossipSub(
+            protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
+            degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
+            heartbeat_initial_delay=0.1, do_px=True,
+        )  # fmt: skip
+        pubsub = self._pubsub = Pubsub(host, gossipsub)
+        dht = self._dht = KadDHT(host, DHTMode.SERVER)
+        _never_dial_http(host)
+        self._stop = trio.Event()
+        try:
+            await self._serve(host, pubsub, gossipsub, dht, ready)
+        finally:
+            pubsub.seen_messages.stop()  # py-libp2p's seen-cache sweeper is a real thread
+
+    async def _serve(self, host: Any, pubsub: Any, gossipsub: Any, dht: Any, ready: Any) -> None:
+        assert self._stop is not None and self._loop is not None
+        async with (
+            host.run(listen_addrs=[multiaddr.Multiaddr(self.settings.listen)]),
+            background_trio_service(pubsub),
+            background_trio_service(gossipsub),
+            background_trio_service(dht),
+            trio.open_nursery() as nursery,
+        ):
+            await pubsub.wait_until_ready()
+            pubsub.set_topic_validator(self.settings.topic, self._validate, False)
+            subscription = await pubsub.subscribe(self.settings.topic)
+            self._token, self._nursery = trio.lowlevel.current_trio_token(), nursery
+            nursery.start_soon(self._drain, subscription)
+            nursery.start_soon(self._maintain)
+            self._loop.call_soon_threadsafe(_resolve, ready, self._dialable(host))
+            await self._stop.wait()
+            nursery.cancel_scope.cancel()
+
+    def _dialable(self, host: Any) -> str:
+        for addr in host.get_addrs():
+            names = {p.name for p in addr.protocols()}
+            if "tcp" in names and "http" not in names:
+                return str(addr)
+        raise P2PError("host has no dialable TCP address")
+
+    async def _drain(self, subscription: Any) -> None:
+        """Delivered messages were already handed over by the validator; keep the queue empty."""
+        while True:
+            await subscription.get()
+
+    def _validate(self, forwarder: ID, msg: Any) -> bool:
+        """Gossipsub validation hook: Accept forwards, anything else drops (Reject penalizes)."""
+        if self._host is not None and forwarder == self._host.get_id():
+            return True  # our own publication
+        decision = self._judge(bytes(msg.data), lambda d: d in self._seen or self._known(d))
+        self.counts[decision.verdict.value] += 1
+        if decision.verdict is Verdict.REJECT:
+            self._penalize(forwarder, decision.reason)
+            return False
+        if decision.verdict is Verdict.IGNORE:
+            return False
+        assert decision.announcement is not None
+        for digest in decision.announcement.digests:
+            self._seen[digest] = None
+        while len(self._seen) > self.settings.seen_digests:
+            self._seen.popitem(last=False)
+        now_ms = int(time.time() * 1000)
+        sender = self._urls.get(str(forwarder))
+        self._loop.call_soon_threadsafe(self._on_accept, decision, sender, now_ms)  # type: ignore[union-attr]
+        return True
+
+    def _penalize(self, peer: ID, reason: str) -> None:
+        self._rejects[peer] += 1
+        log.warning("rejected announcement from %s: %s", peer, reason)
+        if self._rejects[peer] >= self.settings.max_rejects and self._pubsub is not None:
+            if not self._pubsub.is_peer_blacklisted(peer):
+                log.warning("blacklisted %s after %d rejected messages", peer, self._rejects[peer])
+                self._pubsub.add_to_blacklist(peer)
+
+    async def _maintain(self) -> None:
+        """Keep joined: bootstrap dials, periodic Kademlia refresh, bounded top-up, URL harvest."""
+        next_refresh = 0.0
+        while True:
+            await self._dial_bootstrap()
+            await self._feed_routing_table()
+            if trio.current_time() >= next_refresh:
+                with trio.move_on_after(self.settings.dial_timeout_s * 2):
+                    await self._dht.refresh_routing_table()
+                next_refresh = trio.current_time() + self.settings.refresh_s
+            await self._top_up()
+            self._harvest_urls()
+            await trio.sleep(self.settings.maintain_s)
+
+    async def _dial_bootstrap(self) -> None:
+        connected = set(self._host.get_connected_peers())
+        for text in self.settings.bootstrap:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(text))
+            if info.peer_id in connected or info.peer_id == self._host.get_id():
+                continue
+            with trio.move_on_after(self.settings.dial_timeout_s):
+                try:
+                    await self._host.connect(info)
+                    await self._dht.add_peer(info.peer_id)
+                except Exception as exc:  # unreachable for now: retried next tick
+                    log.debug("bootstrap %s: %s", text, exc)
+
+    async def _feed_routing_table(self) -> None:
+        """Peers that dialed us go into the routing table, so lookups can return them."""
+        for peer in list(self._host.get_connected_peers())[: self.settings.max_connections * 2]:
+            try:
+                await self._dht.add_peer(peer)
+            except Exception as exc:
+                log.debug("routing table add %s: %s", peer, exc)
+
+    async def _top_up(self) -> None:
+        """Dial known peers until ``max_connections`` are connected (a bounded set)."""
+        host, me = self._host, self._host.get_id()
+        connected = set(host.get_connected_peers())
+        budget = self.settings.max_connections - len(connected)
+        for peer in list(host.get_peerstore().peers_with_addrs()):
+            if budget <= 0:
+                return
+            if peer == me or peer in connected or self._pubsub.is_peer_blacklisted(peer):
+                continue
+            if all(url_from_multiaddr(str(a)) for a in host.get_peerstore().addrs(peer)):
+                continue  # only a data-plane address: nothing libp2p can dial
+            with trio.move_on_after(self.settings.dial_timeout_s):
+                try:
+                    await host.get_network().dial_peer(peer)
+                    budget -= 1
+                except Exception as exc:
+                    log.debug("dial %s: %s", peer, exc)
+
+    def _harvest_urls(self) -> None:
+        """HTTP URLs from signed peer records (verified by py-libp2p when they were consumed)."""
+        store = self._host.get_peerstore()
+        for peer in store.peer_ids():
+            envelope = store.get_peer_record(peer)
+            if envelope is None or peer == self._host.get_id():
+                continue
+            for addr in envelope.record().addrs:
+                url = url_from_multiaddr(str(addr))
+                if url is not None and self._urls.get(str(peer)) != url:
+                    self._urls[str(peer)] = url
+                    self._loop.call_soon_threadsafe(self._on_peer_url, url)  # type: ignore[union-attr]
+
+
+def _resolve(future: asyncio.Future[str], value: str) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _never_dial_http(host: Any) -> None:
+    """Peer records carry our HTTP URL as an address; libp2p must not try to dial it."""
+    gate = host.get_network().connection_gate
+    allowed = gate.is_allowed
+
+    async def is_allowed(addr: multiaddr.Multiaddr) -> bool:
+        if any(p.name == "http" for p in addr.protocols()):
+            return False
+        return await allowed(addr)
+
+    gate.is_allowed = is_allowed
