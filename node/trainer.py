@@ -5,11 +5,9 @@ drives it from ``--watch DIR``. Per version it publishes what ``versions.Publish
 (1-step patch, periodic anchor snapshot, aligned merged catch-up patches), stores and serves
 the chunks, persists the weights, and announces the manifests to its peers.
 
-Seeding: the trainer hands each requester chunks of its own in its have-map (topped up to
-``OUTSTANDING`` not yet fetched), like BitTorrent's super-seeding, and shows a chunk to someone
-else only once ``reseed_after_s`` has passed since it was handed out (so a requester that
-vanished cannot stall the swarm). Rollouts take everything else from each other, so the
-trainer's upload stays near one copy of the payload however many rollouts there are.
+Seeding: the trainer's have-map answers come from ``p2p_sync.seeding.SuperSeeder`` (each
+requester is shown chunks of its own), so the trainer's upload stays near one copy of the
+payload however many rollouts there are.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from p2p_sync.chunks import manifest_for, split
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import Patch, diff, merge
+from p2p_sync.seeding import SuperSeeder
 from p2p_sync.tensors import TensorSet, layout_fingerprint, layout_of, state_hash
 from p2p_sync.versions import PublishPolicy, to_publish
 
@@ -48,32 +47,19 @@ class TrainerNode(Node):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.served: collections.Counter[str] = collections.Counter()
-        self.owner: dict[str, tuple[str | None, float]] = {}  # chunk -> (requester, since)
+        self.seeder = SuperSeeder(self.OUTSTANDING, self.cfg.reseed_after_s)
 
     def chunk(self, sha256: str) -> bytes | None:
         data = super().chunk(sha256)
         if data is not None:
-            self.served[sha256] += 1
+            self.seeder.note_served(sha256)
         return data
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         m = self.manifest(digest)
         if m is None:
             return None
-        now, stale_after = time.monotonic(), self.cfg.reseed_after_s
-        mine = [c for c in m.chunks if self.owner.get(c, (0,))[0] == requester]
-        budget = self.OUTSTANDING - sum(1 for c in mine if not self.served[c])
-        out = []
-        for i, c in enumerate(m.chunks):
-            owner = self.owner.get(c)
-            if owner is not None and owner[0] == requester:
-                out.append(i)
-            elif (owner is None or now - owner[1] > stale_after) and budget > 0:
-                # unclaimed, or claimed long ago and still asked for: hand it to this requester
-                self.owner[c], budget = (requester, now), budget - 1
-                out.append(i)
-        return out
+        return self.seeder.offer(m.chunks, requester, time.monotonic())
 
 
 class Publisher:

@@ -6,7 +6,8 @@ same events and carry out the same actions, so what the simulator shows is true 
 
 Events (inputs, past tense): :class:`PeerHad` (a peer's have-map, or part of it),
 :class:`PeerLost`, :class:`ChunkVerified`, :class:`ChunkCorrupted` (bytes failed the signed
-hash), :class:`ChunkFailed` (transport error or refusal), :class:`TimerFired`.
+hash), :class:`ChunkFailed` (transport error, or the peer lacks the chunk it claimed),
+:class:`PeerBusy` (the peer refused for lack of upload slots), :class:`TimerFired`.
 
 Actions (outputs): :class:`RequestChunk`, :class:`CancelRequest`, :class:`PeerBanned`,
 :class:`DownloadCompleted`.
@@ -24,6 +25,8 @@ Policy:
   scheduler knows exactly who sent which bytes). Timeouts and errors only lower a peer's score
   (and an error drops the chunk from its claimed have-map): a slow honest peer that is the
   last source of a chunk must stay usable, or the download could never finish.
+* a busy peer (all its upload slots taken) is no failure: it keeps its have-map and is left
+  alone for ``busy_backoff_s``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class SwarmConfig:
     request_timeout_s: float = 10.0
     endgame_sources: int = 2
     score_alpha: float = 0.3
+    busy_backoff_s: float = 0.05
     seed: int = 0
 
 
@@ -83,11 +87,17 @@ class ChunkFailed:
 
 
 @dataclass(frozen=True)
+class PeerBusy:
+    peer: str
+    index: int
+
+
+@dataclass(frozen=True)
 class TimerFired:
     pass
 
 
-Event = PeerHad | PeerLost | ChunkVerified | ChunkCorrupted | ChunkFailed | TimerFired
+Event = PeerHad | PeerLost | ChunkVerified | ChunkCorrupted | ChunkFailed | PeerBusy | TimerFired
 
 # ---------------------------------------------------------------- actions
 
@@ -146,6 +156,8 @@ class Scheduler:
         self.peer_inflight: dict[str, set[int]] = {}
         self.banned: set[str] = set()
         self.stats: dict[str, PeerStats] = {}
+        self.busy_until: dict[str, float] = {}
+        self._n_inflight = 0
         self._done_reported = False
         salt = self.config.seed.to_bytes(8, "little", signed=True)
         self._tiebreak = {
@@ -160,7 +172,7 @@ class Scheduler:
         return not self.missing
 
     def requests_in_flight(self) -> int:
-        return sum(len(p) for p in self.inflight.values())
+        return self._n_inflight
 
     # ------------------------------------------------------------ events
 
@@ -177,6 +189,9 @@ class Scheduler:
             actions += self._ban(event.peer, f"served chunk {event.index} failing its hash")
         elif isinstance(event, ChunkFailed):
             actions += self._failed(event.peer, event.index)
+        elif isinstance(event, PeerBusy):
+            if self._drop_request(event.peer, event.index) is not None:
+                self.busy_until[event.peer] = now + self.config.busy_backoff_s
         elif isinstance(event, TimerFired):
             actions += self._timeouts(now)
         return actions + self._schedule(now)
@@ -195,18 +210,20 @@ class Scheduler:
         for i in self.peer_chunks.pop(peer, set()):
             self.holders.get(i, set()).discard(peer)
         cancelled = []
-        for i in self.peer_inflight.pop(peer, set()):
-            self.inflight.get(i, {}).pop(peer, None)
-            if not self.inflight.get(i):
-                self.inflight.pop(i, None)
+        for i in list(self.peer_inflight.get(peer, ())):
+            self._drop_request(peer, i)
             cancelled.append(CancelRequest(peer, i))
+        self.peer_inflight.pop(peer, None)
         return cancelled
 
     def _drop_request(self, peer: str, index: int) -> float | None:
         started = self.inflight.get(index, {}).pop(peer, None)
-        if index in self.inflight and not self.inflight[index]:
+        if started is None:
+            return None
+        if not self.inflight[index]:
             del self.inflight[index]
-        self.peer_inflight.get(peer, set()).discard(index)
+        self.peer_inflight[peer].discard(index)
+        self._n_inflight -= 1
         return started
 
     def _verified(self, ev: ChunkVerified, now: float) -> list[Action]:
@@ -220,10 +237,11 @@ class Scheduler:
         if ev.index not in self.missing:
             return []
         self.missing.discard(ev.index)
-        self.holders.pop(ev.index, None)
-        losers = list(self.inflight.pop(ev.index, {}))
+        for peer in self.holders.pop(ev.index, ()):  # have-maps keep only what is still missing
+            self.peer_chunks[peer].discard(ev.index)
+        losers = list(self.inflight.get(ev.index, {}))
         for peer in losers:  # endgame: the other copies are no longer needed
-            self.peer_inflight.get(peer, set()).discard(ev.index)
+            self._drop_request(peer, ev.index)
         return [CancelRequest(p, ev.index) for p in losers]
 
     def _failed(self, peer: str, index: int) -> list[Action]:
@@ -267,12 +285,18 @@ class Scheduler:
             return None
         return max(candidates, key=lambda p: (self.stats[p].score(), p))
 
-    def _free_peers(self) -> set[str]:
-        return {p for p in self.peer_chunks if p not in self.banned and self._free(p)}
+    def _free_peers(self, now: float) -> set[str]:
+        busy = self.busy_until
+        return {
+            p
+            for p, chunks in self.peer_chunks.items()
+            if chunks and self._free(p) and busy.get(p, 0.0) <= now and p not in self.banned
+        }
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
         self.inflight.setdefault(index, {})[peer] = now
         self.peer_inflight.setdefault(peer, set()).add(index)
+        self._n_inflight += 1
         return RequestChunk(peer, index)
 
     def _schedule(self, now: float) -> list[Action]:
@@ -281,13 +305,13 @@ class Scheduler:
                 return []
             self._done_reported = True
             return [DownloadCompleted()]
-        budget = self.config.max_requests_total - self.requests_in_flight()
-        free = self._free_peers()
+        budget = self.config.max_requests_total - self._n_inflight
+        if budget <= 0:
+            return []
+        free = self._free_peers(now)
         out: list[Action] = []
-        if budget > 0 and free:
-            todo = [i for i in self.missing if i not in self.inflight and self.holders[i]]
-            todo.sort(key=lambda i: (len(self.holders[i]), self._tiebreak[i]))
-            for i in todo:
+        if free and len(self.inflight) < len(self.missing):
+            for i in self._rarest_first(free, budget):
                 if budget <= 0 or not free:
                     return out
                 peer = self._best_peer(i, free)
@@ -296,9 +320,25 @@ class Scheduler:
                     budget -= 1
                     if not self._free(peer):
                         free.discard(peer)
-        if any(i not in self.inflight for i in self.missing):
+        if len(self.inflight) < len(self.missing):
             return out  # not endgame yet: some missing chunk still waits for a source
         return out + self._endgame(now, budget, free)
+
+    def _rarest_first(self, free: set[str], budget: int) -> list[int]:
+        """Missing, unrequested chunks some free peer holds, rarest first (have-maps hold only
+        missing chunks, so this costs what the free peers offer, not the whole payload)."""
+        cands: set[int] = set()
+        for p in free:
+            cands.update(self.peer_chunks[p])
+        cands.difference_update(self.inflight)
+        holders, tiebreak = self.holders, self._tiebreak
+
+        def rarity(i: int) -> tuple[int, bytes]:
+            return len(holders[i]), tiebreak[i]
+
+        if budget == 1 and cands:
+            return [min(cands, key=rarity)]
+        return sorted(cands, key=rarity)
 
     def _endgame(self, now: float, budget: int, free: set[str]) -> list[Action]:
         out: list[Action] = []

@@ -1,0 +1,50 @@
+"""Super-seeding: which chunks a seed shows to each requester (sans-I/O, clock passed in).
+
+A seed that shows every requester every chunk uploads the same popular chunks many times over
+while the swarm's own upload capacity sits idle. Like BitTorrent's super-seeding, the seed hands
+each requester a few chunks of its own (up to ``outstanding`` handed out and not yet served) and
+shows a chunk to someone else only once ``reseed_after_s`` has passed since it was handed out, so
+a requester that vanished cannot stall the swarm. Everything else the requesters take from each
+other, and the seed's upload stays near one copy of the payload however many peers there are.
+
+The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
+same method, so what it shows of seeding is true of the node.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SuperSeeder:
+    """Hands out chunks (identified by any hashable key) to requesters."""
+
+    outstanding: int = 256
+    reseed_after_s: float = 2.0
+    owner: dict[Hashable, tuple[Hashable, float]] = field(default_factory=dict)
+    served: collections.Counter[Hashable] = field(default_factory=collections.Counter)
+
+    def note_served(self, key: Hashable) -> None:
+        """The seed uploaded chunk ``key`` (to anyone)."""
+        self.served[key] += 1
+
+    def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
+        """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones."""
+        budget = self.outstanding
+        for key in keys:
+            owner = self.owner.get(key)
+            if owner is not None and owner[0] == requester and not self.served[key]:
+                budget -= 1
+        out = []
+        for i, key in enumerate(keys):
+            owner = self.owner.get(key)
+            if owner is not None and owner[0] == requester:
+                out.append(i)
+            elif (owner is None or now - owner[1] > self.reseed_after_s) and budget > 0:
+                # unclaimed, or claimed long ago and still asked for: hand it to this requester
+                self.owner[key], budget = (requester, now), budget - 1
+                out.append(i)
+        return out

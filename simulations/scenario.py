@@ -1,0 +1,163 @@
+"""Simulation scenarios: one frozen dataclass holding every knob, loaded from TOML.
+
+A scenario file names any subset of the fields below; the rest keep their defaults. Errors
+name the field: ``scenario: peers: must be >= 1``. Links can be made uneven with ``[[links]]``
+tables, each giving a ``fraction`` of the rollout peers their own ``uplink_mbps`` /
+``downlink_mbps`` (the rest keep the scenario-wide values).
+
+Churn: in every version, ``churn_fraction`` of the honest rollouts go offline at a uniform time
+within the version's lower bound and come back ``churn_downtime`` (as a fraction of that bound)
+later with their store intact; half of them crash silently (peers notice by time-outs), half
+exit (connections reset, peers notice at once). Adversaries never fetch; all of them claim
+every chunk: ``corrupt`` peers serve bytes that fail the hash, ``stall`` peers accept requests
+and never answer, ``liar`` peers answer "not found".
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from p2p_sync.errors import P2PSyncError
+from p2p_sync.swarm import SwarmConfig
+
+_SWARM = SwarmConfig()
+
+
+class ScenarioError(P2PSyncError):
+    """A scenario file or value is invalid (the message names the field)."""
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    fraction: float
+    uplink_mbps: float
+    downlink_mbps: float
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "scenario"
+    peers: int = 100  # rollout peers (the trainer comes on top)
+    payload_mb: float = 100.0  # one 1-step patch (MB = 1e6 bytes)
+    versions: int = 1
+    uplink_mbps: float = 1000.0
+    downlink_mbps: float = 1000.0
+    trainer_uplink_mbps: float = 1000.0
+    latency_ms: float = 10.0  # one way, between any two nodes
+    churn_fraction: float = 0.0
+    churn_downtime: float = 0.25
+    corrupt_fraction: float = 0.0
+    stall_fraction: float = 0.0
+    liar_fraction: float = 0.0
+    seed: int = 0
+    chunk_kb: int = 256
+    max_peers: int = 32  # overlay: how many neighbours each node picks
+    trainer_peers: int = 64  # neighbours the trainer serves
+    upload_slots: int = 16  # concurrent uploads per node (the data plane's limit)
+    outstanding: int = 256  # super-seeding: chunks handed to one requester at a time
+    reseed_after_s: float = 2.0
+    max_requests_per_peer: int = _SWARM.max_requests_per_peer
+    max_requests_total: int = _SWARM.max_requests_total
+    request_timeout_s: float = _SWARM.request_timeout_s
+    endgame_sources: int = _SWARM.endgame_sources
+    tick_s: float = 0.25  # the node's scheduler timer
+    time_limit_factor: float = 50.0  # give up on a version after this many lower bounds
+    links: tuple[LinkClass, ...] = field(default=())
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_kb * 1024
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self.payload_mb * 1e6)
+
+    def swarm_config(self, seed: int) -> SwarmConfig:
+        return SwarmConfig(
+            max_requests_per_peer=self.max_requests_per_peer,
+            max_requests_total=self.max_requests_total,
+            request_timeout_s=self.request_timeout_s,
+            endgame_sources=self.endgame_sources,
+            seed=seed,
+        )
+
+
+def _bad(name: str, why: str) -> ScenarioError:
+    return ScenarioError(f"scenario: {name}: {why}")
+
+
+_POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps", "tick_s",
+             "request_timeout_s", "time_limit_factor", "reseed_after_s")  # fmt: skip
+_AT_LEAST_ONE = ("peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "upload_slots",
+                 "outstanding", "max_requests_per_peer", "max_requests_total",
+                 "endgame_sources")  # fmt: skip
+_FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
+
+
+def check(s: Scenario) -> Scenario:
+    for name in _POSITIVE:
+        if not getattr(s, name) > 0:
+            raise _bad(name, "must be positive")
+    for name in _AT_LEAST_ONE:
+        if getattr(s, name) < 1:
+            raise _bad(name, "must be >= 1")
+    for name in _FRACTIONS:
+        if not 0 <= getattr(s, name) <= 1:
+            raise _bad(name, "must be between 0 and 1")
+    if s.latency_ms < 0 or s.churn_downtime < 0:
+        raise _bad("latency_ms" if s.latency_ms < 0 else "churn_downtime", "must be >= 0")
+    if s.corrupt_fraction + s.stall_fraction + s.liar_fraction >= 1:
+        raise _bad("corrupt_fraction", "adversaries must leave at least one honest peer")
+    if sum(c.fraction for c in s.links) > 1:
+        raise _bad("links", "fractions add up to more than 1")
+    return s
+
+
+def _links(value: Any) -> tuple[LinkClass, ...]:
+    if not isinstance(value, list):
+        raise _bad("links", "must be an array of tables ([[links]])")
+    out = []
+    for i, item in enumerate(value):
+        try:
+            cls = LinkClass(**item)
+            ok = 0 <= cls.fraction <= 1 and cls.uplink_mbps > 0 and cls.downlink_mbps > 0
+        except TypeError:
+            ok = False
+        if not ok:
+            raise _bad(f"links[{i}]", "needs fraction in [0, 1] and positive uplink/downlink_mbps")
+        out.append(cls)
+    return tuple(out)
+
+
+def from_dict(values: dict[str, Any], name: str = "scenario") -> Scenario:
+    known = {f.name: f for f in fields(Scenario)}
+    for key in values:
+        if key not in known:
+            raise _bad(key, "unknown setting")
+    kwargs: dict[str, Any] = {"name": name}
+    for key, value in values.items():
+        if key == "links":
+            kwargs[key] = _links(value)
+            continue
+        default = getattr(Scenario(), key)
+        if isinstance(default, bool) or not isinstance(value, (type(default), int)):
+            raise _bad(key, f"expected {type(default).__name__}, got {value!r}")
+        if isinstance(default, int) and not isinstance(value, int):
+            raise _bad(key, f"expected int, got {value!r}")
+        kwargs[key] = type(default)(value) if isinstance(default, float) else value
+    return check(replace(Scenario(), **kwargs))
+
+
+def load(path: Path, **overrides: Any) -> Scenario:
+    """The scenario in the TOML file at ``path``, with non-None ``overrides`` on top."""
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ScenarioError(f"scenario: cannot read {path} ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"scenario: {path} is not valid TOML ({exc})") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return from_dict(values, values.pop("name", Path(path).stem))

@@ -1,0 +1,464 @@
+"""The swarm on a virtual clock: the real scheduler, planner and seeder, over a modelled network.
+
+Every rollout's download is a :class:`p2p_sync.swarm.Scheduler` fed the events the node's
+driver (``node/fetch.py``) would feed it; the trainer's have-map answers come from
+:class:`p2p_sync.seeding.SuperSeeder`, as in ``node/trainer.py``; each download is chosen by
+:func:`p2p_sync.versions.plan`. What is modelled instead of run: the wire (``network.py``:
+shared links plus a one-way latency on every message and on the last byte of every transfer)
+and the node's messaging, as follows.
+
+* Announcements: a version reaches a peer one latency per overlay hop after it is published
+  (announcements are relayed by every node), plus one round trip to fetch the manifest.
+* Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
+  long poll); the answer comes after a round trip, and from then on the neighbour pushes each
+  newly verified chunk, coalesced while a push is on its way (one latency).
+* Requests: a request arrives after one latency. The serving node refuses when all its
+  ``upload_slots`` are taken (``PeerBusy``), answers "not found" for a chunk it lacks
+  (``ChunkFailed``), else streams the chunk over the network model; the receiver checks it
+  (``ChunkVerified`` or, from a corrupt peer, ``ChunkCorrupted``).
+* Churn, adversaries: see ``scenario.py``.
+
+Overlay: every node picks ``max_peers // 2`` random others (links are both ways, so the mean
+degree is about ``max_peers``); the trainer serves ``trainer_peers`` random rollouts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from p2p_sync.seeding import SuperSeeder
+from p2p_sync.swarm import (
+    CancelRequest,
+    ChunkCorrupted,
+    ChunkFailed,
+    ChunkVerified,
+    DownloadCompleted,
+    Event,
+    PeerBanned,
+    PeerBusy,
+    PeerHad,
+    PeerLost,
+    RequestChunk,
+    Scheduler,
+    TimerFired,
+)
+from p2p_sync.versions import PATCH, Artifact, PeerState, plan
+from simulations.clock import Clock
+from simulations.network import Network, Transfer
+from simulations.scenario import Scenario
+
+TRAINER = 0
+HONEST, CORRUPT, STALL, LIAR = "honest", "corrupt", "stall", "liar"
+MBPS = 1e6 / 8  # bytes/s in one Mbit/s
+
+
+@dataclass
+class Peer:
+    idx: int
+    role: str
+    uplink: float
+    downlink: float
+    neighbors: set[int] = field(default_factory=set)
+    online: bool = True
+    silent_crash: bool = False
+    state: PeerState = field(default_factory=PeerState)
+    have: dict[str, set[int]] = field(default_factory=dict)
+    sched: Scheduler | None = None
+    artifact: Artifact | None = None
+    requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
+    subscribers: set[int] = field(default_factory=set)
+    banned: set[int] = field(default_factory=set)
+    generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
+    done_at: float | None = None
+
+
+@dataclass
+class VersionResult:
+    version: int
+    lower_bound_s: float
+    star_time_s: float
+    completion_s: list[float]
+    converged: int
+    honest: int
+    trainer_upload_bytes: float
+    received_bytes: float
+    useful_bytes: float
+    churned: int
+
+
+@dataclass
+class Ban:
+    by: int
+    peer: int
+    role: str
+    reason: str
+
+
+class SwarmSim:
+    """One scenario's swarm. :meth:`run_version` publishes and distributes one version."""
+
+    def __init__(self, scenario: Scenario, progress: Callable[[str], None] | None = None) -> None:
+        self.sc = scenario
+        self.rng = random.Random(scenario.seed)
+        self.clock = Clock()
+        self.lat = scenario.latency_ms / 1000
+        self.peers = self._make_peers()
+        self.net = Network(self.clock, [p.uplink for p in self.peers],
+                           [p.downlink for p in self.peers])  # fmt: skip
+        self._wire_overlay()
+        self.depth = self._depths()
+        self.seeder = SuperSeeder(scenario.outstanding, scenario.reseed_after_s)
+        self.artifacts: list[Artifact] = []
+        self.pending_have: dict[tuple[int, int], set[int]] = {}
+        self.bans: list[Ban] = []
+        self.results: list[VersionResult] = []
+        self.progress = progress
+        self.honest = [p for p in self.peers[1:] if p.role == HONEST]
+        self._remaining = 0
+
+    # ------------------------------------------------------------ set-up
+
+    def _make_peers(self) -> list[Peer]:
+        sc, rng = self.sc, self.rng
+        n = sc.peers
+        roles = [HONEST] * n
+        slots = list(range(n))
+        rng.shuffle(slots)
+        at = 0
+        for role, frac in ((CORRUPT, sc.corrupt_fraction), (STALL, sc.stall_fraction),
+                           (LIAR, sc.liar_fraction)):  # fmt: skip
+            k = round(frac * n)
+            for s in slots[at : at + k]:
+                roles[s] = role
+            at += k
+        links = [(sc.uplink_mbps, sc.downlink_mbps)] * n
+        rng.shuffle(slots)
+        at = 0
+        for cls in sc.links:
+            k = round(cls.fraction * n)
+            for s in slots[at : at + k]:
+                links[s] = (cls.uplink_mbps, cls.downlink_mbps)
+            at += k
+        trainer = Peer(TRAINER, "trainer", sc.trainer_uplink_mbps * MBPS, 1e12)
+        state0 = PeerState(0, "s0")
+        trainer.state = state0
+        rollouts = [
+            Peer(i + 1, roles[i], links[i][0] * MBPS, links[i][1] * MBPS, state=state0)
+            for i in range(n)
+        ]
+        return [trainer, *rollouts]
+
+    def _wire_overlay(self) -> None:
+        n, rng = len(self.peers), self.rng
+        picks = max(1, self.sc.max_peers // 2)
+        for p in self.peers[1:]:
+            for q in rng.sample(range(1, n), min(picks + 1, n - 1)):
+                if q != p.idx and len(p.neighbors) < picks:
+                    p.neighbors.add(q)
+                    self.peers[q].neighbors.add(p.idx)
+        for q in rng.sample(range(1, n), min(self.sc.trainer_peers, n - 1)):
+            self.peers[TRAINER].neighbors.add(q)
+            self.peers[q].neighbors.add(TRAINER)
+
+    def _depths(self) -> list[int]:
+        depth = [-1] * len(self.peers)
+        depth[TRAINER] = 0
+        queue = deque([TRAINER])
+        while queue:
+            p = queue.popleft()
+            for q in self.peers[p].neighbors:
+                if depth[q] < 0:
+                    depth[q] = depth[p] + 1
+                    queue.append(q)
+        return depth
+
+    # ------------------------------------------------------------ bounds
+
+    def bounds(self) -> tuple[float, float]:
+        """(Kumar-Ross lower bound, star time) for one payload to every honest rollout."""
+        f, us = self.sc.payload_bytes, self.peers[TRAINER].uplink
+        n = len(self.honest)
+        d_min = min(p.downlink for p in self.honest)
+        total_up = us + sum(p.uplink for p in self.honest)
+        return max(f / us, f / d_min, n * f / total_up), max(n * f / us, f / d_min)
+
+    # ------------------------------------------------------------ a version
+
+    def run_version(self, version: int) -> VersionResult:
+        sc, clock = self.sc, self.clock
+        bound, star = self.bounds()
+        t0 = clock.now
+        art = Artifact(version, PATCH, version - 1, f"s{version - 1}", f"s{version}",
+                       sc.payload_bytes, ident=f"v{version}")  # fmt: skip
+        self.artifacts.append(art)
+        self.peers[TRAINER].have[art.ident] = set(range(self._n_chunks(art)))
+        self.peers[TRAINER].state = PeerState(version, art.target_state)
+        up0 = self.net.bytes_sent[TRAINER]
+        rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
+        self._remaining = 0
+        for p in self.honest:
+            p.done_at = None
+            self._remaining += 1
+            clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
+        churned = self._schedule_churn(t0, bound)
+        deadline = t0 + sc.time_limit_factor * bound
+        clock.run(lambda: self._remaining == 0, deadline, max_events=50_000_000)
+        done = [p.done_at - t0 for p in self.honest if p.done_at is not None]
+        result = VersionResult(
+            version, bound, star, sorted(done), len(done), len(self.honest),
+            self.net.bytes_sent[TRAINER] - up0,
+            sum(self.net.bytes_received[p.idx] for p in self.honest) - rx0,
+            float(sc.payload_bytes) * len(done), churned,
+        )  # fmt: skip
+        self._settle_version()
+        self.results.append(result)
+        return result
+
+    def _settle_version(self) -> None:
+        """Let stragglers' churn end, so the next version starts from a quiet swarm."""
+        for p in self.peers[1:]:
+            if not p.online:
+                self._rejoin(p, p.generation)
+            if p.sched is not None:  # gave up on this version (time limit): drop the download
+                self._drop_download(p)
+
+    def _n_chunks(self, art: Artifact) -> int:
+        return -(-art.size // self.sc.chunk_bytes)
+
+    def _chunk_size(self, art: Artifact, index: int) -> int:
+        return min(self.sc.chunk_bytes, art.size - index * self.sc.chunk_bytes)
+
+    # ------------------------------------------------------------ downloads
+
+    def _learn(self, p: Peer) -> None:
+        if p.online and p.sched is None and p.done_at is None:
+            self._start_download(p)
+
+    def _start_download(self, p: Peer) -> None:
+        steps = plan(p.state, self.artifacts)
+        if not steps:
+            self._finish(p)
+            return
+        art = steps[0]
+        p.artifact = art
+        p.generation += 1
+        have = p.have.setdefault(art.ident, set())
+        seed = self.sc.seed * 1_000_003 + p.idx * 1009 + art.version
+        p.sched = Scheduler(self._n_chunks(art), self.sc.swarm_config(seed), have)
+        self._feed(p, TimerFired())
+        for q in p.neighbors:
+            if q not in p.banned:
+                self._subscribe(p, q)
+        self.clock.after(self.sc.tick_s, self._tick, p, p.generation)
+
+    def _tick(self, p: Peer, gen: int) -> None:
+        if p.generation == gen and p.sched is not None:
+            self._feed(p, TimerFired())
+            self.clock.after(self.sc.tick_s, self._tick, p, gen)
+
+    def _feed(self, p: Peer, event: Event) -> None:
+        sched = p.sched
+        if sched is None:
+            return
+        for action in sched.handle(event, self.clock.now):
+            if isinstance(action, RequestChunk):
+                self._request(p, action.peer, action.index)
+            elif isinstance(action, CancelRequest):
+                self._cancel(p, action.peer, action.index)
+            elif isinstance(action, PeerBanned):
+                p.banned.add(action.peer)
+                q = self.peers[action.peer]
+                self.bans.append(Ban(p.idx, q.idx, q.role, action.reason))
+            elif isinstance(action, DownloadCompleted):
+                self._completed(p)
+                return
+
+    def _completed(self, p: Peer) -> None:
+        assert p.artifact is not None
+        p.state = p.state.after(p.artifact)  # the real planner's rule: only onto its base
+        self._drop_download(p)
+        self._start_download(p)  # next step of the plan, or done
+
+    def _finish(self, p: Peer) -> None:
+        if p.done_at is None and p.role == HONEST:
+            p.done_at = self.clock.now
+            self._remaining -= 1
+
+    def _drop_download(self, p: Peer) -> None:
+        for (q, _i), t in p.requests.items():
+            if t is not None:
+                self.net.cancel(t)
+        p.requests.clear()
+        p.sched, p.artifact = None, None
+        p.generation += 1
+
+    # ------------------------------------------------------------ have-maps
+
+    def _visible(self, q: Peer, p: Peer, art: Artifact) -> set[int] | list[int]:
+        if q.role in (CORRUPT, STALL, LIAR):
+            return range(self._n_chunks(art))  # type: ignore[return-value]
+        if q.idx == TRAINER:
+            keys = [(art.ident, i) for i in range(self._n_chunks(art))]
+            return self.seeder.offer(keys, p.idx, self.clock.now)
+        return q.have.get(art.ident, set())
+
+    def _subscribe(self, p: Peer, q_idx: int) -> None:
+        self.clock.after(self.lat, self._subscribed, p, q_idx, p.generation)
+
+    def _subscribed(self, p: Peer, q_idx: int, gen: int) -> None:
+        q = self.peers[q_idx]
+        if not q.online or p.generation != gen or p.artifact is None:
+            return
+        q.subscribers.add(p.idx)
+        self.clock.after(self.lat, self._deliver_have, p, q_idx, gen,
+                         frozenset(self._visible(q, p, p.artifact)))  # fmt: skip
+
+    def _deliver_have(self, p: Peer, q_idx: int, gen: int, indices: frozenset[int]) -> None:
+        if p.generation == gen and p.online and q_idx not in p.banned and indices:
+            self._feed(p, PeerHad(q_idx, indices))
+
+    def _push_have(self, q: Peer, p_idx: int, index: int) -> None:
+        key = (q.idx, p_idx)
+        pending = self.pending_have.get(key)
+        if pending is not None:
+            pending.add(index)
+            return
+        self.pending_have[key] = {index}
+        self.clock.after(self.lat, self._flush_have, key)
+
+    def _flush_have(self, key: tuple[int, int]) -> None:
+        indices = self.pending_have.pop(key)
+        p = self.peers[key[1]]
+        if p.sched is not None and p.online and key[0] not in p.banned:
+            self._feed(p, PeerHad(key[0], frozenset(indices)))
+
+    def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
+        for s in q.subscribers:
+            p = self.peers[s]
+            if p.artifact is art and p.sched is not None and index in p.sched.missing:
+                self._push_have(q, s, index)
+
+    # ------------------------------------------------------------ requests
+
+    def _request(self, p: Peer, q_idx: int, index: int) -> None:
+        p.requests[(q_idx, index)] = None
+        self.clock.after(self.lat, self._arrive, p, q_idx, index, p.generation)
+
+    def _cancel(self, p: Peer, q_idx: int, index: int) -> None:
+        t = p.requests.pop((q_idx, index), None)
+        if t is not None:
+            self.net.cancel(t)
+
+    def _reply(self, p: Peer, gen: int, event: Event) -> None:
+        self.clock.after(self.lat, self._answer, p, gen, event)
+
+    def _answer(self, p: Peer, gen: int, event: Event) -> None:
+        key = (event.peer, event.index)  # type: ignore[union-attr]
+        if p.generation == gen and p.online and key in p.requests:
+            del p.requests[key]
+            self._feed(p, event)
+
+    def _arrive(self, p: Peer, q_idx: int, index: int, gen: int) -> None:
+        if p.generation != gen or (q_idx, index) not in p.requests:
+            return  # cancelled on the way
+        q, art = self.peers[q_idx], p.artifact
+        assert art is not None
+        if not q.online:
+            if not q.silent_crash:
+                self._reply(p, gen, ChunkFailed(q_idx, index))  # connection refused
+            return  # a silent host: the request times out
+        if q.role == STALL:
+            return
+        if q.role == LIAR or (q.role != CORRUPT and index not in q.have.get(art.ident, ())):
+            self._reply(p, gen, ChunkFailed(q_idx, index))
+            return
+        if len(self.net.out[q_idx]) >= self.sc.upload_slots:
+            self._reply(p, gen, PeerBusy(q_idx, index))
+            return
+        if q_idx == TRAINER:
+            self.seeder.note_served((art.ident, index))
+        size = self._chunk_size(art, index)
+        transfer = self.net.start(q_idx, p.idx, size,
+                                  lambda: self._delivered(p, q, art, index, gen))  # fmt: skip
+        p.requests[(q_idx, index)] = transfer
+
+    def _delivered(self, p: Peer, q: Peer, art: Artifact, index: int, gen: int) -> None:
+        if q.idx == TRAINER and p.online:
+            self._reoffer(p, art)
+        if q.role == CORRUPT:
+            event: Event = ChunkCorrupted(q.idx, index)
+        else:
+            event = ChunkVerified(q.idx, index, self._chunk_size(art, index))
+        self.clock.after(self.lat, self._received, p, art, gen, event)
+
+    def _received(self, p: Peer, art: Artifact, gen: int, event: Event) -> None:
+        key = (event.peer, event.index)  # type: ignore[union-attr]
+        if p.generation != gen or not p.online or key not in p.requests:
+            return
+        del p.requests[key]
+        if isinstance(event, ChunkVerified):
+            have = p.have[art.ident]
+            if event.index not in have:
+                have.add(event.index)
+                self._announce_chunk(p, art, event.index)
+        self._feed(p, event)
+
+    def _reoffer(self, p: Peer, art: Artifact) -> None:
+        """The trainer served ``p`` one of its chunks: top up what it shows ``p``."""
+        trainer = self.peers[TRAINER]
+        if p.idx in trainer.subscribers and p.artifact is art:
+            for i in self._visible(trainer, p, art):
+                if p.sched is not None and i in p.sched.missing:
+                    self._push_have(trainer, p.idx, i)
+
+    # ------------------------------------------------------------ churn
+
+    def _schedule_churn(self, t0: float, bound: float) -> int:
+        k = round(self.sc.churn_fraction * len(self.honest))
+        for n, p in enumerate(self.rng.sample(self.honest, k)):
+            leave = t0 + self.rng.uniform(0, bound)
+            self.clock.at(leave, self._leave, p, n % 2 == 0, bound * self.sc.churn_downtime)
+        return k
+
+    def _leave(self, p: Peer, silent: bool, downtime: float) -> None:
+        if not p.online:
+            return
+        p.online, p.silent_crash = False, silent
+        self._drop_download(p)
+        for t in list(self.net.out[p.idx]):  # uploads in progress die with the node
+            self.net.cancel(t)
+            if not silent:
+                r = self.peers[t.dst]
+                self._reply_failed_transfer(r, p.idx, t)
+        for s in p.subscribers:
+            r = self.peers[s]
+            if not silent and r.sched is not None:
+                self.clock.after(self.lat, self._lost, r, p.idx, r.generation)
+        p.subscribers.clear()
+        self.clock.after(downtime, self._rejoin, p, p.generation)
+
+    def _reply_failed_transfer(self, r: Peer, q_idx: int, t: Transfer) -> None:
+        for (q, i), tr in r.requests.items():
+            if tr is t and q == q_idx:
+                r.requests[(q, i)] = None
+                self._reply(r, r.generation, ChunkFailed(q, i))
+                return
+
+    def _lost(self, r: Peer, q_idx: int, gen: int) -> None:
+        if r.generation == gen and r.online:
+            self._feed(r, PeerLost(q_idx))
+
+    def _rejoin(self, p: Peer, gen: int) -> None:
+        if p.online or p.generation != gen:
+            return
+        p.online, p.silent_crash = True, False
+        if p.done_at is None and p.sched is None and p.state.version is not None:
+            if p.state.version < self.peers[TRAINER].state.version:  # type: ignore[operator]
+                self._start_download(p)
+        for s in p.neighbors:  # it reconnects: neighbours still fetching ask for its have-map
+            r = self.peers[s]
+            if r.sched is not None and s not in p.banned and p.idx not in r.banned:
+                self._subscribe(r, p.idx)
