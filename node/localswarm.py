@@ -72,6 +72,10 @@ class Proc:
     def status(self) -> dict | None:
         return self.get(f"{self.url}/status")
 
+    def multiaddr(self) -> str | None:
+        """The node's dialable libp2p address (None with --no-p2p)."""
+        return (self.status() or {}).get("multiaddr")
+
 
 @dataclass
 class Swarm:
@@ -107,17 +111,21 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def start_trainer(self, anchor_every: int = 100, at: Placement = LOOPBACK) -> Proc:
+    def start_trainer(
+        self, anchor_every: int = 100, at: Placement = LOOPBACK, extra: tuple[str, ...] = ()
+    ) -> Proc:
         cfg = self.root / "trainer.toml"
         cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
         self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
-                                              "--watch", str(self.watch), "--config", str(cfg)],
+                                              "--watch", str(self.watch), "--config", str(cfg),
+                                              *extra],
                                    self.root / "trainer", None, at)  # fmt: skip
         return self.trainer
 
     def start_rollout(
-        self, name: str, peers: list[str], data_dir: Path | None = None, at: Placement = LOOPBACK
-    ) -> Proc:
+        self, name: str, peers: list[str], data_dir: Path | None = None, at: Placement = LOOPBACK,
+        extra: tuple[str, ...] = (),
+    ) -> Proc:  # fmt: skip
         data_dir = data_dir or self.root / name
         export = self.root / f"{name}-export"
         return self._spawn(
@@ -131,11 +139,19 @@ class Swarm:
                 ",".join(peers),
                 "--export",
                 str(export),
+                *extra,
             ],
             data_dir,
             export,
             at,
         )
+
+    def start_bootstrap(
+        self, name: str = "bootstrap", at: Placement = LOOPBACK, extra: tuple[str, ...] = ()
+    ) -> Proc:
+        """A libp2p bootstrap node (DHT server, gossip relay, no weights) for this swarm."""
+        args = ["--role", "bootstrap", "--trust", str(self.pub), *extra]
+        return self._spawn(name, args, self.root / name, None, at)
 
     def publish(self, weights: dict[str, torch.Tensor]) -> None:
         """Drop the next version into the trainer's watch dir (written aside, then renamed)."""
