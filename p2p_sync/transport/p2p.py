@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ipaddress
 import logging
 import threading
@@ -80,6 +81,7 @@ class P2PSettings:
     dial_timeout_s: float = 5.0
     start_timeout_s: float = 30.0
     seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
+    dht: bool = True  # False: a leaf that runs no Kademlia and links only to its bootstrap peers
 
 
 # ---------------------------------------------------------------- addresses (pure)
@@ -170,6 +172,7 @@ class P2PHost:
     async def start(self) -> str:
         """Start the host; returns its dialable multiaddr (with ``/p2p/<peer-id>``)."""
         self._loop = asyncio.get_running_loop()
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its failures reach us as errors
         ready: asyncio.Future[str] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="libp2p",
                                         daemon=True)  # fmt: skip
@@ -271,10 +274,10 @@ class P2PHost:
         gossipsub = GossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
             degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
-            heartbeat_initial_delay=0.1, do_px=True,
+            heartbeat_initial_delay=0.1, do_px=False,
         )  # fmt: skip
         pubsub = self._pubsub = Pubsub(host, gossipsub)
-        dht = self._dht = KadDHT(host, DHTMode.SERVER)
+        dht = self._dht = KadDHT(host, DHTMode.SERVER) if self.settings.dht else None
         _never_dial_http(host)
         self._stop = trio.Event()
         try:
@@ -288,7 +291,7 @@ class P2PHost:
             host.run(listen_addrs=[multiaddr.Multiaddr(self.settings.listen)]),
             background_trio_service(pubsub),
             background_trio_service(gossipsub),
-            background_trio_service(dht),
+            background_trio_service(dht) if dht is not None else _nothing(),
             trio.open_nursery() as nursery,
         ):
             await pubsub.wait_until_ready()
@@ -347,6 +350,10 @@ class P2PHost:
         next_refresh = 0.0
         while True:
             await self._dial_bootstrap()
+            if self._dht is None:  # a leaf: bootstrap links only
+                self._harvest_urls()
+                await trio.sleep(self.settings.maintain_s)
+                continue
             await self._feed_routing_table()
             if trio.current_time() >= next_refresh:
                 with trio.move_on_after(self.settings.dial_timeout_s * 2):
@@ -365,7 +372,8 @@ class P2PHost:
             with trio.move_on_after(self.settings.dial_timeout_s):
                 try:
                     await self._host.connect(info)
-                    await self._dht.add_peer(info.peer_id)
+                    if self._dht is not None:
+                        await self._dht.add_peer(info.peer_id)
                 except Exception as exc:  # unreachable for now: retried next tick
                     log.debug("bootstrap %s: %s", text, exc)
 
@@ -408,6 +416,11 @@ class P2PHost:
                 if url is not None and self._urls.get(str(peer)) != url:
                     self._urls[str(peer)] = url
                     self._loop.call_soon_threadsafe(self._on_peer_url, url)  # type: ignore[union-attr]
+
+
+@contextlib.asynccontextmanager
+async def _nothing() -> Any:
+    yield
 
 
 def _resolve(future: asyncio.Future[str], value: str) -> None:
