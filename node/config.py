@@ -5,6 +5,7 @@ Errors name the field: ``config: peers: 'ftp://x' is not http://host:port``.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -13,7 +14,8 @@ from typing import Any
 from p2p_sync.errors import P2PSyncError
 from p2p_sync.transport.http import valid_peer_url
 
-ROLES = ("trainer", "rollout")
+ROLES = ("trainer", "rollout", "bootstrap")
+MULTIADDR = re.compile(r"^(/[A-Za-z0-9.\-_:\[\]]+)+$")
 
 
 class ConfigError(P2PSyncError):
@@ -45,6 +47,16 @@ class NodeConfig:
     reseed_after_s: float = 2.0
     progress: bool = False
     max_upload_mbps: float = 0.0  # cap on chunk upload, Mbit/s (0: none)
+    # libp2p control plane (transport/p2p.py): discovery and gossip announcements
+    p2p: bool = True  # False (--no-p2p): HTTP only, peers from --peers
+    p2p_listen: str | None = None  # multiaddr; default: a free TCP port on the --listen host
+    bootstrap: tuple[str, ...] = ()  # multiaddrs with /p2p/<peer-id>
+    p2p_max_connections: int = 16
+    p2p_max_rejects: int = 3  # rejected announcements before the sender is blacklisted
+    p2p_refresh_s: float = 30.0  # Kademlia self-lookup period
+    p2p_start_timeout_s: float = 30.0
+    announce_max_age_s: int = 600  # older announcements are rejected as replays
+    announce_per_s: float = 2.0  # trainer's gossip rate (py-libp2p drops > 10 msg/s per peer)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -53,7 +65,7 @@ class NodeConfig:
 
 
 _PATHS = {"data_dir", "key", "watch", "export"}
-_TUPLES = {"trust", "peers", "catchup_spans"}
+_TUPLES = {"trust", "peers", "catchup_spans", "bootstrap"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -97,9 +109,25 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
-    for name in ("poll_interval_s", "have_poll_s", "reseed_after_s"):
+    for name in ("poll_interval_s", "have_poll_s", "reseed_after_s", "p2p_refresh_s",
+                 "p2p_start_timeout_s", "announce_per_s", "announce_max_age_s"):  # fmt: skip
         if not getattr(cfg, name) > 0:
             raise bad(name, "must be positive")
+    _check_p2p(cfg, bad)
+
+
+def _check_p2p(cfg: NodeConfig, bad: Any) -> None:
+    for addr in cfg.bootstrap:
+        if not MULTIADDR.match(addr) or "/p2p/" not in addr:
+            raise bad("bootstrap", f"{addr!r} is not a multiaddr ending in /p2p/<peer-id>")
+    if cfg.p2p_listen is not None and not MULTIADDR.match(cfg.p2p_listen):
+        raise bad("p2p_listen", f"{cfg.p2p_listen!r} is not a multiaddr like /ip4/HOST/tcp/PORT")
+    if cfg.role == "bootstrap" and not cfg.p2p:
+        raise bad("p2p", "a bootstrap node is a libp2p node: drop --no-p2p")
+    if cfg.role == "bootstrap" and not cfg.trust:
+        raise bad("trust", "a bootstrap needs --trust (to check announcements before relaying)")
+    if cfg.p2p_max_connections < 1 or cfg.p2p_max_rejects < 1:
+        raise bad("p2p_max_connections", "connection and reject limits must be >= 1")
 
 
 def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:

@@ -40,11 +40,15 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
     store = await asyncio.to_thread(Store.open, cfg.data_dir)
     node_cls = TrainerNode if cfg.role == "trainer" else Node
     node = node_cls(cfg, policy, store)
+    node.signer = key  # the trainer signs its gossip announcements with its manifest key
     url = await node.start()
     print(f"p2psync {cfg.role} listening on {url} (swarm {policy.swarm_id[:16]}, "
           f"version {store.state.version if store.state else 'none'})", flush=True)  # fmt: skip
+    print(f"p2psync libp2p {node.multiaddr or 'off (HTTP peers only)'}", flush=True)
     try:
-        if cfg.role == "trainer":
+        if cfg.role == "bootstrap":
+            await stop.wait()
+        elif cfg.role == "trainer":
             publisher = Publisher(node, key, PublishPolicy(cfg.anchor_every, cfg.catchup_spans))
             refresher = asyncio.create_task(publisher.refresh_loop(stop))
             if cfg.watch is not None:
@@ -66,6 +70,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         "trust": args.trust, "peers": args.peers, "watch": args.watch, "export": args.export,
         "on_update": args.on_update, "swarm": args.swarm, "device": args.device,
         "chunk_size": args.chunk_size, "max_upload_mbps": args.max_upload_mbps,
+        "p2p": False if args.no_p2p else None, "p2p_listen": args.p2p_listen,
+        "bootstrap": args.bootstrap,
     }  # fmt: skip
     cfg = load(args.config, overrides)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s",
@@ -104,11 +110,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    node = sub.add_parser("node", help="run a trainer or rollout node")
-    node.add_argument("--role", choices=["trainer", "rollout"])
+    node = sub.add_parser("node", help="run a trainer, rollout or bootstrap node")
+    node.add_argument("--role", choices=["trainer", "rollout", "bootstrap"])
     node.add_argument("--config", type=Path, help="TOML file; flags override it")
     node.add_argument("--data-dir", type=Path)
-    node.add_argument("--listen", help="HOST:PORT for the HTTP data plane (port 0: any free)")
+    node.add_argument(
+        "--listen",
+        help="HOST:PORT for HTTP: the data plane (bootstrap: status and "
+        "metrics only); port 0: any free",
+    )
     node.add_argument("--key", type=Path, help="trainer: signing key file (p2psync keygen)")
     node.add_argument("--trust", action="append", help="trusted public key or .pub (repeatable)")
     node.add_argument("--peers", help="comma-separated http://host:port of known peers")
@@ -119,6 +129,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     node.add_argument("--device", help="cpu, cuda or auto")
     node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
     node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
+    node.add_argument(
+        "--bootstrap",
+        action="append",
+        help="libp2p multiaddr .../p2p/<peer-id> of a bootstrap node (repeatable)",
+    )
+    node.add_argument("--p2p-listen", help="libp2p multiaddr (default: free port, --listen host)")
+    node.add_argument("--no-p2p", action="store_true", help="no libp2p: HTTP peers from --peers")
     node.set_defaults(func=cmd_node)
 
     status = sub.add_parser("status", help="print a node's status")

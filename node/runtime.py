@@ -5,6 +5,12 @@ Trainer and rollout share this; each adds its own loop (``trainer.Publisher``,
 peers' ``/peers`` lists (peer exchange), so one shared list bootstraps everyone. New versions
 spread by push (``POST /announce``, relayed once by every node that accepts the manifest) with a
 periodic pull of ``/manifests`` as the fallback for anything missed.
+
+With libp2p (``transport/p2p.py``, on unless ``--no-p2p``) the peer source and the push path
+are pluggable additions, not a second code path: HTTP URLs from signed peer records feed
+``add_peer``; the trainer's signed gossip announcements, judged in the libp2p thread, feed
+the same store / ``learn`` path; and a newly discovered peer is asked for its head at once.
+HTTP pushes then go only to peers not reachable by gossip.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from node.config import NodeConfig
+from p2p_sync import announce
 from p2p_sync.errors import ManifestError, RollbackAttackError
+from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import Manifest, SwarmPolicy, verify
+from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.store import Store
 from p2p_sync.transport.http import (
     DataClient,
@@ -63,6 +73,13 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
+        self.signer: SigningKey | None = None  # set on the trainer: signs gossip announcements
+        self.p2p: Any = None  # transport.p2p.P2PHost once libp2p is up
+        self.multiaddr: str | None = None
+        self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
+        self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
+        self._announce_limits = announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s)
+        self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
         if store.state is not None:
             self.metrics.version.set(store.state.version)
 
@@ -75,10 +92,37 @@ class Node:
         self.client = DataClient(self.url)
         for peer in self.cfg.peers:
             self.add_peer(peer)
-        self._tasks.append(asyncio.create_task(self._poll_loop(), name="poll"))
+        if self.cfg.p2p:
+            await self._start_p2p()
+        if self.cfg.role != "bootstrap":  # a bootstrap holds no weights: nothing to poll for
+            self._tasks.append(asyncio.create_task(self._poll_loop(), name="poll"))
         return self.url
 
+    async def _start_p2p(self) -> None:
+        """libp2p is an addition: if it cannot start, the node carries on from --peers."""
+        try:
+            from p2p_sync.transport import p2p  # imported here: --no-p2p nodes never load it
+
+            host, port = self.cfg.host_port
+            settings = p2p.P2PSettings(
+                listen=self.cfg.p2p_listen or p2p.default_listen(self.cfg.advertise_host or host),
+                identity_path=self.cfg.data_dir / p2p.IDENTITY_FILE,
+                topic=announce.topic(self.policy.swarm_id), http_url=self.url,
+                bootstrap=self.cfg.bootstrap, max_connections=self.cfg.p2p_max_connections,
+                max_rejects=self.cfg.p2p_max_rejects, refresh_s=self.cfg.p2p_refresh_s,
+                start_timeout_s=self.cfg.p2p_start_timeout_s,
+            )  # fmt: skip
+            node = p2p.P2PHost(settings, self._judge, self._on_gossip, self._on_p2p_peer,
+                               self.store.has_manifest)  # fmt: skip
+            self.multiaddr = await node.start()
+        except Exception as exc:  # any failure (import, identity file, bind): HTTP only
+            log.warning("libp2p unavailable, using --peers only: %s", exc)
+            return
+        self.p2p = node
+
     async def stop(self) -> None:
+        if self.p2p is not None:
+            await self.p2p.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -167,10 +211,92 @@ class Node:
         return manifest
 
     async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
+        """Tell peers about manifests: gossip for our own publications (relays pass
+        ``exclude``; gossipsub relays by itself), HTTP push to peers gossip does not reach."""
         if self.client is None or not digests:
             return
-        peers = [p for p in self.usable_peers() if p not in exclude]
+        if self.p2p is not None and self.signer is not None and not exclude:
+            await self._gossip(digests)
+        peers = [p for p in self.usable_peers() if p not in exclude and p not in self._p2p_urls]
         await gather_quietly([self.client.announce(p, digests) for p in peers])
+
+    # ------------------------------------------------------------ gossip (libp2p)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(coro))
+
+    async def _gossip(self, digests: list[str]) -> None:
+        """One signed announcement per version, at most ``announce_per_s`` a second (gossipsub
+        silently drops bursts above ~10 msg/s per peer), manifests inline when small."""
+        by_version: dict[int, list[str]] = {}
+        for digest in digests:
+            m = self.store.manifest(digest)
+            if m is not None:
+                by_version.setdefault(m.version, []).append(digest)
+        for version, group in sorted(by_version.items()):
+            for start in range(0, len(group), self._announce_limits.max_digests):
+                await self._gossip_one(
+                    version, group[start : start + self._announce_limits.max_digests]
+                )
+
+    async def _gossip_one(self, version: int, digests: list[str]) -> None:
+        assert self.signer is not None and self.url is not None
+        wait = self._gossip_rate.reserve(1, time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)  # rate limit, not synchronization
+        a = announce.Announcement(self.policy.swarm_id, version, tuple(digests),
+                                  int(time.time() * 1000), (self.url,))  # fmt: skip
+        inline = [b for b in map(self.store.manifest_bytes, digests) if b is not None]
+        data = announce.encode(a, [self.signer], inline, self._announce_limits)
+        try:
+            await self.p2p.publish(data)
+        except Exception as exc:  # gossip is best effort: the pull path still covers peers
+            log.warning("gossip publish of v%d failed: %s", version, exc)
+
+    def _judge(self, data: bytes, known: Callable[[str], bool]) -> announce.Decision:
+        """Runs in the libp2p thread, inside gossipsub validation (pure: no store writes)."""
+        now_ms = int(time.time() * 1000)
+        return announce.judge(data, self.policy, now_ms, known, self._announce_limits)
+
+    def _on_gossip(self, decision: announce.Decision, sender: str | None, at_ms: int) -> None:
+        """An accepted announcement: keep its inline manifests, fetch the others by digest."""
+        a = decision.announcement
+        assert a is not None
+        self.announce_latency_ms[a.version] = at_ms - a.issued_ms
+        while len(self.announce_latency_ms) > 64:
+            del self.announce_latency_ms[min(self.announce_latency_ms)]
+        if self.cfg.role == "bootstrap":
+            return
+        floor, stored = self.accepted_version, []
+        for m, raw in decision.manifests:
+            if not self.store.has_manifest(m.digest) and (floor is None or m.version > floor):
+                self.store.put_manifest(m, raw)
+                stored.append(m.digest)
+        if stored:
+            self.new_info.set()
+            self._spawn(self.announce(stored, exclude=set(a.sources)))
+        inline = {m.digest for m, _ in decision.manifests}
+        missing = [d for d in a.digests if d not in inline and not self.store.has_manifest(d)]
+        source = sender or next(iter(a.sources), None)
+        if missing and source is not None and source not in self.banned:
+            self._spawn(self.learn(source, missing))
+
+    def _on_p2p_peer(self, url: str) -> None:
+        """A data-plane URL from a signed peer record: add it, and ask it for its head now."""
+        if len(self._p2p_urls) < 4 * self.cfg.max_peers:
+            self._p2p_urls.add(url)
+        known = url in self.peers
+        self.add_peer(url)
+        if not known and url in self.peers and self.cfg.role != "bootstrap":
+            self._spawn(self._ask_head(url))
+
+    async def _ask_head(self, peer: str) -> None:
+        assert self.client is not None
+        (index,) = await gather_quietly([self.client.get_json(f"{peer}/manifests")])
+        fresh = self._fresh_from_index(index)
+        if fresh:
+            await self.learn(peer, fresh)
 
     async def _poll_loop(self) -> None:
         """Pull fallback: every poll interval, ask each peer for its manifests and peers."""
@@ -257,6 +383,9 @@ class Node:
             "bytes_uploaded": self.bytes_uploaded,
             "bytes_downloaded": self.bytes_downloaded,
             "manifests": self.store.manifest_count(),
+            "multiaddr": self.multiaddr,
+            "p2p": self.p2p.status() if self.p2p is not None else None,
+            "announce_latency_ms": {str(v): ms for v, ms in self.announce_latency_ms.items()},
         }
 
     def metrics_text(self) -> bytes:
