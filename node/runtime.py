@@ -105,7 +105,8 @@ class Node:
 
             host, port = self.cfg.host_port
             settings = p2p.P2PSettings(
-                listen=self.cfg.p2p_listen or p2p.default_listen(self.cfg.advertise_host or host),
+                listen=self.cfg.p2p_listen or p2p.default_listen(host),
+                advertise_host=self.cfg.advertise_host,
                 identity_path=self.cfg.data_dir / p2p.IDENTITY_FILE,
                 topic=announce.topic(self.policy.swarm_id), http_url=self.url,
                 bootstrap=self.cfg.bootstrap, max_connections=self.cfg.p2p_max_connections,

@@ -73,6 +73,7 @@ class P2PSettings:
     identity_path: Path
     topic: str
     http_url: str | None = None  # advertised in the signed peer record
+    advertise_host: str | None = None  # the host others dial, when listening on 0.0.0.0 or NAT
     bootstrap: tuple[str, ...] = ()
     max_connections: int = 16
     max_rejects: int = 3  # rejected messages before a peer is blacklisted
@@ -266,8 +267,11 @@ class P2PHost:
             low_watermark=s.max_connections, min_connections=1,
             max_connections_per_peer=1, dial_timeout=s.dial_timeout_s,
         )  # fmt: skip
-        return new_host(key_pair=self.key_pair, addrs_factory=lambda addrs: [*addrs, *extra],
-                        connection_config=conn)  # fmt: skip
+
+        def advertised(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+            return [*_rehost(addrs, s.advertise_host), *extra]
+
+        return new_host(key_pair=self.key_pair, addrs_factory=advertised, connection_config=conn)
 
     async def _main(self, ready: asyncio.Future[str]) -> None:
         host = self._host = self._new_host()
@@ -416,6 +420,21 @@ class P2PHost:
                 if url is not None and self._urls.get(str(peer)) != url:
                     self._urls[str(peer)] = url
                     self._loop.call_soon_threadsafe(self._on_peer_url, url)  # type: ignore[union-attr]
+
+
+def _rehost(addrs: list[multiaddr.Multiaddr], host: str | None) -> list[multiaddr.Multiaddr]:
+    """Listen addresses as others should dial them (``advertise_host`` replaces the IP)."""
+    if host is None:
+        return addrs
+    out: list[multiaddr.Multiaddr] = []
+    for addr in addrs:
+        parts = str(addr).split("/")
+        if len(parts) > 3 and parts[1] in ("ip4", "ip6", "dns4", "dns6"):
+            parts[1], parts[2] = _ip_proto(host), host.strip("[]")
+        rehosted = multiaddr.Multiaddr("/".join(parts))
+        if rehosted not in out:
+            out.append(rehosted)
+    return out
 
 
 @contextlib.asynccontextmanager
