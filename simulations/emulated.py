@@ -1,0 +1,264 @@
+"""Emulated tier (issue 6, item 3): a real swarm in network namespaces over tbf-shaped links.
+
+Why: loopback runs every node at memory speed, so they say nothing about how the swarm uses
+bandwidth. Here each node process (1 trainer + N-1 rollouts, started by ``node.localswarm``)
+runs in its own namespace behind a link shaped to e.g. 100 Mbit/s each way
+(``simulations.netns``), and every version's completion time is compared with the Kumar-Ross
+lower bound for distributing F bytes from one seed to N receivers::
+
+    T >= max(F / u_s, F / d_min, N * F / (u_s + sum u_i))
+
+(u_s: the trainer's uplink, u_i: the rollouts' uplinks, d_min: the slowest downlink). F is the
+payload each rollout must fetch for that version (the 1-step patch, or the snapshot for v0).
+
+Payload: random bf16 tensors of ``payload_mb`` in total, every element rewritten each version
+(exponent capped so no NaN/Inf), so each version's patch is about as large as the weights and
+nearly incompressible: the worst case for the network, and a known F.
+
+    python -m simulations.emulated --hosts 8 --mbps 100 --payload-mb 20 --versions 3
+
+Needs root and iproute2 (see ``simulations.netns``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from node.localswarm import Placement, Proc, Swarm, get_json, wait_for
+from p2p_sync.tensors import state_hash
+from simulations.netns import Host, LinkShape, RateSample, Topology, TopologyConfig, measure_rate
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    """One emulated run. Every limit lives here."""
+
+    hosts: int = 8  # 1 trainer + hosts-1 rollouts
+    mbps: float = 100.0  # every host's uplink and downlink
+    payload_mb: float = 20.0  # MB (10^6 B) of weights, all rewritten every version
+    versions: int = 3
+    tensors: int = 4  # the payload is split over this many tensors
+    chunk_size: int = 256 * 1024
+    burst_bytes: int = 64 * 1024
+    latency_ms: float = 20.0
+    rate_probe_mb: float = 0.0  # measure one host-to-host transfer first (0: skip)
+    start_timeout_s: float = 120.0  # every node process up
+    version_timeout_s: float = 300.0  # one version from publish to every rollout
+    poll_s: float = 0.05  # /status polling period (bounds the timing resolution)
+    anchor_every: int = 10_000  # no anchor snapshots: each version is one 1-step patch
+    # flags for every node: the HTTP data plane with --peers is what this tier measures; libp2p
+    # (discovery, gossip) would only add start-up time and CPU to every process
+    node_args: tuple[str, ...] = ("--no-p2p",)
+    seed: int = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self.payload_mb * 1e6)
+
+    def link(self) -> LinkShape:
+        return LinkShape(self.mbps, None, self.burst_bytes, self.latency_ms)
+
+
+@dataclass(frozen=True)
+class VersionResult:
+    """Figures of one version (times in seconds, sizes in bytes)."""
+
+    version: int
+    payload: int  # F: what each rollout had to fetch (payload_size of its manifest)
+    end_to_end_s: float  # file dropped in the trainer's watch dir -> every rollout has it
+    distribution_s: float  # trainer has published it -> every rollout has it
+    lower_bound_s: float  # Kumar-Ross for F
+    trainer_up: int  # trainer's chunk upload during this version
+    rollouts_down: int  # sum of rollouts' chunk download during this version
+
+    @property
+    def ratio(self) -> float:
+        """Distribution time over the lower bound (1.0 is optimal)."""
+        return self.distribution_s / self.lower_bound_s
+
+
+@dataclass
+class EmulationResult:
+    cfg: EmulationConfig
+    versions: list[VersionResult] = field(default_factory=list)
+    converged: bool = False  # every rollout's state hash equals the last version's
+    link: RateSample | None = None
+
+
+def kumar_ross(payload: int, seed_up: float, uploads: list[float], min_down: float) -> float:
+    """Minimum time (s) to give ``payload`` bytes from one seed to ``len(uploads)`` receivers;
+    rates in bytes/s (Kumar & Ross, "Peer-assisted file distribution", 2006)."""
+    n = len(uploads)
+    return max(payload / seed_up, payload / min_down, n * payload / (seed_up + sum(uploads)))
+
+
+def random_versions(cfg: EmulationConfig) -> list[dict[str, torch.Tensor]]:
+    """``cfg.versions`` state dicts of random bf16, every element different each version.
+
+    Bit 14 (the exponent's top bit) is cleared so no value is NaN or Inf: |x| < 2."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    per = cfg.payload_bytes // 2 // cfg.tensors
+    out = []
+    for _ in range(cfg.versions):
+        out.append({
+            f"layer{i}.weight": (torch.randint(0, 2**16, (per,), generator=gen, dtype=torch.int32)
+                                 & 0xBFFF).to(torch.int16).view(torch.bfloat16)
+            for i in range(cfg.tensors)
+        })  # fmt: skip
+    return out
+
+
+def placement(topo: Topology, host: Host) -> Placement:
+    """Run a node inside ``host``, listening on its address; poll it from inside too."""
+
+    def get(url: str) -> dict | None:
+        return topo.call(host, get_json, url)
+
+    return Placement(tuple(topo.exec_argv(host)), f"{host.ip}:0", get)
+
+
+def _start(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tuple[Proc, list[Proc]]:
+    """Trainer on host 0, then every rollout in parallel (each pays a torch import)."""
+    trainer = swarm.start_trainer(cfg.anchor_every, placement(topo, topo.hosts[0]), cfg.node_args)
+    with concurrent.futures.ThreadPoolExecutor(len(topo.hosts)) as pool:
+        futures = [
+            pool.submit(swarm.start_rollout, f"r{h.index}", [trainer.url], None,
+                        placement(topo, h), cfg.node_args)
+            for h in topo.hosts[1:]
+        ]  # fmt: skip
+        rollouts = [f.result(timeout=cfg.start_timeout_s) for f in futures]
+    return trainer, rollouts
+
+
+def _payload_of(trainer: Proc, version: int) -> int:
+    """F: size of the artifact a follower fetches (the 1-step patch; v0: the snapshot)."""
+    manifests = trainer.get(f"{trainer.url}/manifests?version={version}") or []
+    if version == 0:
+        wanted = [m["payload_size"] for m in manifests if m["kind"] == "snapshot"]
+    else:
+        wanted = [m["payload_size"] for m in manifests if m.get("base_version") == version - 1]
+    if not wanted:
+        raise RuntimeError(f"trainer lists no artifact for v{version}: {manifests}")
+    return wanted[0]
+
+
+def _counters(procs: list[Proc], key: str) -> list[int]:
+    return [(p.status() or {}).get(key, 0) for p in procs]
+
+
+def _one_version(
+    swarm: Swarm, trainer: Proc, rollouts: list[Proc], v: int, weights: dict,
+    cfg: EmulationConfig,
+) -> VersionResult:  # fmt: skip
+    """Publish ``weights`` as version ``v``, time it until every rollout holds it."""
+    up0, down0 = _counters([trainer], "bytes_uploaded")[0], _counters(rollouts, "bytes_downloaded")
+    seen: dict[str, float] = {}
+
+    def reached() -> bool:
+        now = time.monotonic()
+        for p in [trainer, *rollouts]:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited ({p.popen.returncode}) during v{v}; "
+                                   f"see {swarm.root / p.name}.log")  # fmt: skip
+            if p.name not in seen and (p.status() or {}).get("version") == v:
+                seen[p.name] = now
+        return len(seen) == 1 + len(rollouts)
+
+    t0 = time.monotonic()
+    swarm.publish(weights)
+    wait_for(reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s)
+    done = max(seen.values())
+    payload = _payload_of(trainer, v)
+    rate = cfg.mbps * 1e6 / 8
+    return VersionResult(
+        version=v, payload=payload, end_to_end_s=done - t0,
+        distribution_s=done - seen[trainer.name],
+        lower_bound_s=kumar_ross(payload, rate, [rate] * len(rollouts), rate),
+        trainer_up=_counters([trainer], "bytes_uploaded")[0] - up0,
+        rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
+    )  # fmt: skip
+
+
+def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
+    """The run itself, on a topology already built (the caller owns its cleanup)."""
+    result = EmulationResult(cfg)
+    if cfg.rate_probe_mb > 0:
+        nbytes = int(cfg.rate_probe_mb * 1e6)
+        result.link = measure_rate(topo, topo.hosts[0], topo.hosts[1], nbytes)
+    versions = random_versions(cfg)
+    swarm = Swarm(root, chunk_size=cfg.chunk_size)
+    try:
+        trainer, rollouts = _start(swarm, topo, cfg)
+        for v, weights in enumerate(versions):
+            result.versions.append(_one_version(swarm, trainer, rollouts, v, weights, cfg))
+        want = state_hash(versions[-1]).hex()
+        result.converged = all((p.status() or {}).get("state_hash") == want for p in rollouts)
+    finally:
+        swarm.stop()
+    return result
+
+
+def run(cfg: EmulationConfig, root: Path) -> EmulationResult:
+    """Build the shaped topology, run the swarm in it, delete the topology whatever happens."""
+    if cfg.hosts < 2:
+        raise ValueError("an emulated swarm needs at least 2 hosts (a trainer and a rollout)")
+    with Topology(TopologyConfig(hosts=cfg.hosts, shape=cfg.link())) as topo:
+        return run_in(topo, root, cfg)
+
+
+def table(result: EmulationResult) -> str:
+    """Plain-text report, one row per version."""
+    c = result.cfg
+    lines = [f"{c.hosts} hosts (1 trainer + {c.hosts - 1} rollouts) at {c.mbps:g} Mbit/s up and "
+             f"down, {c.payload_mb:g} MB payload, chunk {c.chunk_size // 1024} KiB"]  # fmt: skip
+    if result.link is not None:
+        s = result.link
+        lines.append(f"link check: {s.goodput_mbps:.1f} Mbit/s TCP goodput = {s.wire_mbps:.1f} "
+                     f"Mbit/s on the wire (configured {s.configured_mbps:g})")  # fmt: skip
+    head = ("version", "F (MB)", "lower bd s", "distrib. s", "x bound", "end-to-end s",
+            "trainer up/F", "rollouts down/F")  # fmt: skip
+    lines.append("  ".join(f"{h:>12}" for h in head))
+    for r in result.versions:
+        row = (f"v{r.version}", f"{r.payload / 1e6:.2f}", f"{r.lower_bound_s:.2f}",
+               f"{r.distribution_s:.2f}", f"{r.ratio:.2f}", f"{r.end_to_end_s:.2f}",
+               f"{r.trainer_up / r.payload:.2f}", f"{r.rollouts_down / r.payload:.2f}")  # fmt: skip
+        lines.append("  ".join(f"{x:>12}" for x in row))
+    lines.append(f"every rollout bit-exact with the trainer: {result.converged}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    d = EmulationConfig()
+    ap.add_argument("--hosts", type=int, default=d.hosts)
+    ap.add_argument("--mbps", type=float, default=d.mbps)
+    ap.add_argument("--payload-mb", type=float, default=d.payload_mb)
+    ap.add_argument("--versions", type=int, default=d.versions)
+    ap.add_argument("--chunk-kb", type=int, default=d.chunk_size // 1024)
+    ap.add_argument("--rate-probe-mb", type=float, default=10.0, help="0: skip the link check")
+    ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
+    args = ap.parse_args(argv)
+    cfg = EmulationConfig(
+        hosts=args.hosts, mbps=args.mbps, payload_mb=args.payload_mb, versions=args.versions,
+        chunk_size=args.chunk_kb * 1024, rate_probe_mb=args.rate_probe_mb,
+    )  # fmt: skip
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        result = run(cfg, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="p2psync-emu-") as tmp:
+            result = run(cfg, Path(tmp))
+    print(table(result))
+    return 0 if result.converged else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
