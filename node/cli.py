@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from node import node_cmd, patch_cmd, trust_cmd
+from node import node_cmd, patch_cmd, sim_cmd, trust_cmd
 from p2p_sync import __version__
 from p2p_sync.errors import P2PSyncError
 
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     patch_cmd.add_parser(sub)
     trust_cmd.add_parsers(sub)
     node_cmd.add_parsers(sub)
+    sim_cmd.add_parser(sub)
     return parser
 
 

@@ -16,7 +16,13 @@ Policy:
 
 * rarest-first: unrequested chunks are taken in order of how few usable peers hold them (ties
   broken by a seeded hash, so peers spread over different chunks);
-* several sources at once, bounded per peer and overall;
+* several sources at once, bounded per peer and overall; the per-peer bound shrinks as sources
+  grow (``max_requests_total / sources``, within [``min_requests_per_peer``,
+  ``max_requests_per_peer``]): deep pipelines to one peer when it is the only source, requests
+  spread thin over many when a swarm offers many (a deep queue at one uploader delays every
+  chunk it holds, and so every relay behind it);
+* a chunk goes to the free holder with the fewest of our requests in flight, then the best
+  score (spreading load beats chasing the fastest peer: its queue makes it slow);
 * a request older than ``request_timeout_s`` is cancelled and re-requested elsewhere;
 * endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
   ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
@@ -42,7 +48,8 @@ from dataclasses import dataclass, field
 class SwarmConfig:
     """Every limit of the scheduler."""
 
-    max_requests_per_peer: int = 8
+    max_requests_per_peer: int = 8  # with few sources; many sources share the total
+    min_requests_per_peer: int = 2
     max_requests_total: int = 64
     request_timeout_s: float = 10.0
     endgame_sources: int = 2
@@ -158,6 +165,7 @@ class Scheduler:
         self.stats: dict[str, PeerStats] = {}
         self.busy_until: dict[str, float] = {}
         self._n_inflight = 0
+        self._per_peer = self.config.max_requests_per_peer
         self._done_reported = False
         salt = self.config.seed.to_bytes(8, "little", signed=True)
         self._tiebreak = {
@@ -277,13 +285,20 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
 
     def _free(self, peer: str) -> bool:
-        return len(self.peer_inflight.get(peer, ())) < self.config.max_requests_per_peer
+        return len(self.peer_inflight.get(peer, ())) < self._per_peer
+
+    def _per_peer_limit(self) -> int:
+        c = self.config
+        sources = sum(1 for chunks in self.peer_chunks.values() if chunks) or 1
+        share = -(-c.max_requests_total // sources)
+        return min(c.max_requests_per_peer, max(c.min_requests_per_peer, share))
 
     def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:
         candidates = (self.holders.get(index, set()) & free).difference(exclude)
         if not candidates:
             return None
-        return max(candidates, key=lambda p: (self.stats[p].score(), p))
+        load, stats = self.peer_inflight, self.stats
+        return min(candidates, key=lambda p: (len(load.get(p, ())), -stats[p].score(), p))
 
     def _free_peers(self, now: float) -> set[str]:
         busy = self.busy_until
@@ -308,6 +323,7 @@ class Scheduler:
         budget = self.config.max_requests_total - self._n_inflight
         if budget <= 0:
             return []
+        self._per_peer = self._per_peer_limit()
         free = self._free_peers(now)
         out: list[Action] = []
         if free and len(self.inflight) < len(self.missing):

@@ -27,21 +27,27 @@ class Clock:
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + delay, fn, *args)
 
-    def run(self, until: Callable[[], bool], deadline: float, max_events: int) -> bool:
-        """Run events until ``until()`` holds (True), or time/event budget runs out (False)."""
+    def run(self, until: Callable[[], bool], deadline: float, max_events: int,
+            every: Callable[[], None] | None = None) -> bool:  # fmt: skip
+        """Run events until ``until()`` holds (True), or time/event budget runs out (False).
+
+        ``every`` is called every 20,000 events (progress display).
+        """
         heap, pop = self._heap, heapq.heappop
-        budget = max_events
-        while heap and budget > 0:
-            if until():
-                return True
-            t, _, fn, args = heap[0]
-            if t > deadline:
-                break
-            pop(heap)
-            self.now = t
-            fn(*args)
-            budget -= 1
-        self.events_run += max_events - budget
+        ran = 0
+        try:
+            while heap and ran < max_events and not until():
+                t, _, fn, args = heap[0]
+                if t > deadline:
+                    break
+                pop(heap)
+                self.now = t
+                fn(*args)
+                ran += 1
+                if every is not None and ran % 20_000 == 0:
+                    every()
+        finally:
+            self.events_run += ran
         return until()
 
     def pending(self) -> int:

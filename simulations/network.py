@@ -51,7 +51,7 @@ class Network:
         t = Transfer(src, dst, float(nbytes), on_done, since=self.clock.now)
         self.out[src].add(t)
         self.into[dst].add(t)
-        self._rerate(src, dst)
+        self._rerate(src, dst)  # t's rate goes from 0 to its share: "faster", so it is armed
         return t
 
     def cancel(self, t: Transfer) -> None:
@@ -75,24 +75,32 @@ class Network:
         self.bytes_sent[t.src] += moved
         self.bytes_received[t.dst] += moved
 
-    def _rate(self, t: Transfer) -> float:
-        return min(
-            self.uplink[t.src] / len(self.out[t.src]), self.downlink[t.dst] / len(self.into[t.dst])
-        )
-
     def _rerate(self, src: int, dst: int) -> None:
-        for t in (*self.out[src], *self.into[dst]):
-            rate = self._rate(t)
+        """New shares for every transfer at ``src``'s uplink or ``dst``'s downlink.
+
+        A transfer keeps one finish event in the clock. A slower rate pushes its finish later:
+        the old event is left in place and, when it fires early, re-arms itself (cheaper than
+        a heap entry per change). A faster rate needs a new, earlier event.
+        """
+        now, up, down, out, into = self.clock.now, self.uplink, self.downlink, self.out, self.into
+        for t in (*out[src], *into[dst]):
+            rate = min(up[t.src] / len(out[t.src]), down[t.dst] / len(into[t.dst]))
             if rate == t.rate:
                 continue
+            faster = rate > t.rate
             self._settle(t)
-            t.rate, t.gen = rate, t.gen + 1
-            self.clock.after(t.remaining / rate, self._finish, t, t.gen)
+            t.rate = rate
+            if faster:
+                t.gen += 1
+                self.clock.at(now + t.remaining / rate, self._finish, t, t.gen)
 
     def _finish(self, t: Transfer, gen: int) -> None:
         if gen != t.gen:
             return
         self._settle(t)
+        if t.remaining > 1e-6 * max(t.sent, 1.0):  # slowed down since this event was set
+            self.clock.at(self.clock.now + t.remaining / t.rate, self._finish, t, gen)
+            return
         t.remaining = 0.0
         self._remove(t)
         t.on_done()

@@ -57,9 +57,11 @@ class Scenario:
     max_peers: int = 32  # overlay: how many neighbours each node picks
     trainer_peers: int = 64  # neighbours the trainer serves
     upload_slots: int = 16  # concurrent uploads per node (the data plane's limit)
+    upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
     outstanding: int = 256  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0
     max_requests_per_peer: int = _SWARM.max_requests_per_peer
+    min_requests_per_peer: int = _SWARM.min_requests_per_peer
     max_requests_total: int = _SWARM.max_requests_total
     request_timeout_s: float = _SWARM.request_timeout_s
     endgame_sources: int = _SWARM.endgame_sources
@@ -78,6 +80,7 @@ class Scenario:
     def swarm_config(self, seed: int) -> SwarmConfig:
         return SwarmConfig(
             max_requests_per_peer=self.max_requests_per_peer,
+            min_requests_per_peer=self.min_requests_per_peer,
             max_requests_total=self.max_requests_total,
             request_timeout_s=self.request_timeout_s,
             endgame_sources=self.endgame_sources,
@@ -92,7 +95,7 @@ def _bad(name: str, why: str) -> ScenarioError:
 _POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps", "tick_s",
              "request_timeout_s", "time_limit_factor", "reseed_after_s")  # fmt: skip
 _AT_LEAST_ONE = ("peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "upload_slots",
-                 "outstanding", "max_requests_per_peer", "max_requests_total",
+                 "outstanding", "max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
                  "endgame_sources")  # fmt: skip
 _FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
 

@@ -70,6 +70,7 @@ class Peer:
     artifact: Artifact | None = None
     requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
     subscribers: set[int] = field(default_factory=set)
+    queue: deque[tuple[Peer, int, int]] = field(default_factory=deque)  # waiting for a slot
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
     done_at: float | None = None
@@ -100,7 +101,9 @@ class Ban:
 class SwarmSim:
     """One scenario's swarm. :meth:`run_version` publishes and distributes one version."""
 
-    def __init__(self, scenario: Scenario, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, scenario: Scenario, progress: Callable[[int, int, int], None] | None = None
+    ) -> None:
         self.sc = scenario
         self.rng = random.Random(scenario.seed)
         self.clock = Clock()
@@ -205,7 +208,14 @@ class SwarmSim:
             clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
         churned = self._schedule_churn(t0, bound)
         deadline = t0 + sc.time_limit_factor * bound
-        clock.run(lambda: self._remaining == 0, deadline, max_events=50_000_000)
+        every = None
+        if self.progress is not None:
+            progress = self.progress
+
+            def every() -> None:
+                progress(version, len(self.honest) - self._remaining, len(self.honest))
+
+        clock.run(lambda: self._remaining == 0, deadline, 200_000_000, every)
         done = [p.done_at - t0 for p in self.honest if p.done_at is not None]
         result = VersionResult(
             version, bound, star, sorted(done), len(done), len(self.honest),
@@ -288,9 +298,10 @@ class SwarmSim:
             self._remaining -= 1
 
     def _drop_download(self, p: Peer) -> None:
-        for (q, _i), t in p.requests.items():
+        for (q, _i), t in list(p.requests.items()):
             if t is not None:
                 self.net.cancel(t)
+                self._next_in_queue(self.peers[q])
         p.requests.clear()
         p.sched, p.artifact = None, None
         p.generation += 1
@@ -351,6 +362,7 @@ class SwarmSim:
         t = p.requests.pop((q_idx, index), None)
         if t is not None:
             self.net.cancel(t)
+            self._next_in_queue(self.peers[q_idx])
 
     def _reply(self, p: Peer, gen: int, event: Event) -> None:
         self.clock.after(self.lat, self._answer, p, gen, event)
@@ -376,8 +388,17 @@ class SwarmSim:
             self._reply(p, gen, ChunkFailed(q_idx, index))
             return
         if len(self.net.out[q_idx]) >= self.sc.upload_slots:
-            self._reply(p, gen, PeerBusy(q_idx, index))
+            if len(q.queue) >= self.sc.upload_queue:
+                self._reply(p, gen, PeerBusy(q_idx, index))
+            else:
+                q.queue.append((p, index, gen))
             return
+        self._serve(q, p, index, gen)
+
+    def _serve(self, q: Peer, p: Peer, index: int, gen: int) -> None:
+        art = p.artifact
+        assert art is not None
+        q_idx = q.idx
         if q_idx == TRAINER:
             self.seeder.note_served((art.ident, index))
         size = self._chunk_size(art, index)
@@ -385,7 +406,15 @@ class SwarmSim:
                                   lambda: self._delivered(p, q, art, index, gen))  # fmt: skip
         p.requests[(q_idx, index)] = transfer
 
+    def _next_in_queue(self, q: Peer) -> None:
+        """An upload slot of ``q`` freed: serve the oldest queued request still wanted."""
+        while q.queue and q.online and len(self.net.out[q.idx]) < self.sc.upload_slots:
+            p, index, gen = q.queue.popleft()
+            if p.generation == gen and (q.idx, index) in p.requests:
+                self._serve(q, p, index, gen)
+
     def _delivered(self, p: Peer, q: Peer, art: Artifact, index: int, gen: int) -> None:
+        self._next_in_queue(q)
         if q.idx == TRAINER and p.online:
             self._reoffer(p, art)
         if q.role == CORRUPT:
@@ -428,6 +457,10 @@ class SwarmSim:
             return
         p.online, p.silent_crash = False, silent
         self._drop_download(p)
+        for r, index, gen in p.queue:  # queued requests die with it (reset, or silence)
+            if not silent and r.generation == gen:
+                self._reply(r, gen, ChunkFailed(p.idx, index))
+        p.queue.clear()
         for t in list(self.net.out[p.idx]):  # uploads in progress die with the node
             self.net.cancel(t)
             if not silent:

@@ -1,0 +1,148 @@
+"""What a simulation run reports: ``report.json``, ``summary.md`` and two PNG plots.
+
+``report.json`` keys (times in seconds, sizes in bytes; "honest" = rollouts that are neither
+corrupt, stalling nor lying):
+
+* ``peers``, ``honest_peers``, ``payload_bytes``, ``versions``
+* ``honest_converged_fraction``: honest rollouts that reached the version, over all versions
+* ``completion_time_s``: ``{"per_version": [last honest peer, ...], "worst": max}``
+* ``completion_p50_s``: median honest peer per version
+* ``lower_bound_s``: Kumar-Ross bound per version, max(F/u_s, F/d_min, N*F/(u_s + sum u_i))
+  over the N honest rollouts (adversaries upload nothing useful, so they do not count)
+* ``ratio_to_bound``: worst completion / bound, per version and worst
+* ``star_time_s``: the trainer sending the payload to every honest rollout itself
+* ``trainer_upload_bytes``: per version and total; ``trainer_upload_ratio``: worst per version
+  over the payload
+* ``redundant_bytes``: bytes honest rollouts received beyond one payload each (cancelled
+  endgame copies, corrupt chunks, transfers cut by churn)
+* ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
+* ``uploaded_bytes_per_peer``, ``wall_clock_s``, ``events``, ``scenario`` (every knob)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from simulations.swarm_sim import HONEST, SwarmSim, VersionResult
+
+
+def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
+    res: list[VersionResult] = sim.results
+    payload = sim.sc.payload_bytes
+    last = [r.completion_s[-1] if r.converged == r.honest else float("inf") for r in res]
+    bounds = [r.lower_bound_s for r in res]
+    ratios = [c / b for c, b in zip(last, bounds)]
+    up = [r.trainer_upload_bytes for r in res]
+    false_bans = [b for b in sim.bans if b.role not in ("corrupt", "stall", "liar")]
+    return {
+        "scenario": {k: v for k, v in dataclasses.asdict(sim.sc).items()},
+        "peers": sim.sc.peers,
+        "honest_peers": len(sim.honest),
+        "payload_bytes": payload,
+        "versions": len(res),
+        "honest_converged_fraction": sum(r.converged for r in res) / sum(r.honest for r in res),
+        "completion_time_s": {"per_version": last, "worst": max(last)},
+        "completion_p50_s": [statistics.median(r.completion_s or [float("inf")]) for r in res],
+        "lower_bound_s": bounds,
+        "ratio_to_bound": {"per_version": ratios, "worst": max(ratios)},
+        "star_time_s": [r.star_time_s for r in res],
+        "trainer_upload_bytes": {"per_version": up, "total": sum(up)},
+        "trainer_upload_ratio": max(up) / payload,
+        "redundant_bytes": sum(r.received_bytes - r.useful_bytes for r in res),
+        "churned_per_version": [r.churned for r in res],
+        "bans": len(sim.bans),
+        "false_bans": len(false_bans),
+        "ban_reasons": sorted({b.reason.split(" chunk")[0] for b in sim.bans}),
+        "uploaded_bytes_per_peer": {
+            "trainer": sim.net.bytes_sent[0],
+            "honest": [sim.net.bytes_sent[p.idx] for p in sim.peers[1:] if p.role == HONEST],
+        },
+        "wall_clock_s": wall_clock_s,
+        "events": sim.clock.events_run,
+    }
+
+
+def summary_md(report: dict[str, Any]) -> str:
+    sc = report["scenario"]
+    mb = report["payload_bytes"] / 1e6
+    lines = [
+        f"# Simulation: {sc['name']}",
+        "",
+        f"{report['peers']} rollouts ({report['honest_peers']} honest) + 1 trainer, "
+        f"{report['versions']} version(s) of a {mb:g} MB patch, links {sc['uplink_mbps']:g}/"
+        f"{sc['downlink_mbps']:g} Mbit/s up/down (trainer up {sc['trainer_uplink_mbps']:g}), "
+        f"latency {sc['latency_ms']:g} ms, churn {sc['churn_fraction']:.0%}, corrupt "
+        f"{sc['corrupt_fraction']:.0%}, stall {sc['stall_fraction']:.0%}, liars "
+        f"{sc['liar_fraction']:.0%}, seed {sc['seed']}.",
+        "",
+        "| version | last honest peer (s) | median (s) | lower bound (s) | ratio | star (s) "
+        "| trainer upload / payload |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i in range(report["versions"]):
+        lines.append(
+            f"| {i + 1} | {report['completion_time_s']['per_version'][i]:.3f} "
+            f"| {report['completion_p50_s'][i]:.3f} | {report['lower_bound_s'][i]:.3f} "
+            f"| {report['ratio_to_bound']['per_version'][i]:.2f} "
+            f"| {report['star_time_s'][i]:.2f} "
+            f"| {report['trainer_upload_bytes']['per_version'][i] / report['payload_bytes']:.2f} |"
+        )
+    lines += [
+        "",
+        f"- honest peers converged: {report['honest_converged_fraction']:.1%}",
+        f"- worst completion / lower bound: {report['ratio_to_bound']['worst']:.2f}",
+        f"- redundant bytes: {report['redundant_bytes'] / 1e6:.1f} MB",
+        f"- bans: {report['bans']} (false bans: {report['false_bans']})",
+        f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plots(sim: SwarmSim, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    paths = [out / "completion_cdf.png", out / "upload_per_peer.png"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in sim.results:
+        xs = r.completion_s
+        ax.step(xs, [(i + 1) / r.honest for i in range(len(xs))], where="post",
+                label=f"v{r.version}")  # fmt: skip
+    ax.axvline(sim.results[0].lower_bound_s, color="k", linestyle="--", label="lower bound")
+    ax.set_xlabel("time since publish (s)")
+    ax.set_ylabel("fraction of honest rollouts with the version")
+    ax.set_title(f"{sim.sc.name}: completion CDF")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    payload = sim.sc.payload_bytes * len(sim.results)
+    ups = sorted((sim.net.bytes_sent[p.idx] / payload for p in sim.peers[1:] if p.role == HONEST),
+                 reverse=True)  # fmt: skip
+    ax.bar(range(len(ups)), ups, width=1.0, label="honest rollouts")
+    ax.axhline(sim.net.bytes_sent[0] / payload, color="r", label="trainer")
+    ax.set_xlabel("rollouts, by bytes uploaded")
+    ax.set_ylabel("uploaded / payload (all versions)")
+    ax.set_title(f"{sim.sc.name}: upload per peer")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write(sim: SwarmSim, report: dict[str, Any], out: Path, with_plots: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "summary.md").write_text(summary_md(report))
+    if with_plots:
+        plots(sim, out)
