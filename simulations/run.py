@@ -16,7 +16,6 @@ from simulations import report
 from simulations.scenario import Scenario
 from simulations.swarm_sim import SwarmSim, VersionResult
 
-
 Progress = Callable[[int, int, int], None]  # (version, honest peers done, honest peers)
 
 

@@ -95,8 +95,8 @@ def _bad(name: str, why: str) -> ScenarioError:
 _POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps", "tick_s",
              "request_timeout_s", "time_limit_factor", "reseed_after_s")  # fmt: skip
 _AT_LEAST_ONE = ("peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "upload_slots",
-                 "outstanding", "max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
-                 "endgame_sources")  # fmt: skip
+                 "upload_queue", "outstanding", "max_requests_per_peer", "min_requests_per_peer",
+                 "max_requests_total", "endgame_sources")  # fmt: skip
 _FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
 
 
