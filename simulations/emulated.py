@@ -128,14 +128,19 @@ def placement(topo: Topology, host: Host) -> Placement:
 def _start(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tuple[Proc, list[Proc]]:
     """Trainer on host 0, then every rollout in parallel (each pays a torch import)."""
     trainer = swarm.start_trainer(cfg.anchor_every, placement(topo, topo.hosts[0]), cfg.node_args)
-    with concurrent.futures.ThreadPoolExecutor(len(topo.hosts)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(len(topo.hosts))
+    deadline = time.monotonic() + cfg.start_timeout_s
+    try:
         futures = [
             pool.submit(swarm.start_rollout, f"r{h.index}", [trainer.url], None,
                         placement(topo, h), cfg.node_args)
             for h in topo.hosts[1:]
         ]  # fmt: skip
-        rollouts = [f.result(timeout=cfg.start_timeout_s) for f in futures]
-    return trainer, rollouts
+        return trainer, [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
+    finally:
+        # no waiting: a start still blocked on a silent process ends when the topology's
+        # cleanup kills that process
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _payload_of(trainer: Proc, version: int) -> int:
@@ -150,12 +155,20 @@ def _payload_of(trainer: Proc, version: int) -> int:
     return wanted[0]
 
 
+def lower_bound(topo: Topology, payload: int) -> float:
+    """Kumar-Ross bound (s) for ``payload`` bytes from host 0 to all others, at their tbf rates
+    (Mbit/s counted on Ethernet frames, so payload bytes alone can only reach ~96% of it)."""
+    up = [h.shape.mbps * 1e6 / 8 for h in topo.hosts]
+    down = min(h.shape.down for h in topo.hosts[1:]) * 1e6 / 8
+    return kumar_ross(payload, up[0], up[1:], down)
+
+
 def _counters(procs: list[Proc], key: str) -> list[int]:
     return [(p.status() or {}).get(key, 0) for p in procs]
 
 
 def _one_version(
-    swarm: Swarm, trainer: Proc, rollouts: list[Proc], v: int, weights: dict,
+    swarm: Swarm, topo: Topology, trainer: Proc, rollouts: list[Proc], v: int, weights: dict,
     cfg: EmulationConfig,
 ) -> VersionResult:  # fmt: skip
     """Publish ``weights`` as version ``v``, time it until every rollout holds it."""
@@ -177,18 +190,18 @@ def _one_version(
     wait_for(reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s)
     done = max(seen.values())
     payload = _payload_of(trainer, v)
-    rate = cfg.mbps * 1e6 / 8
     return VersionResult(
         version=v, payload=payload, end_to_end_s=done - t0,
         distribution_s=done - seen[trainer.name],
-        lower_bound_s=kumar_ross(payload, rate, [rate] * len(rollouts), rate),
+        lower_bound_s=lower_bound(topo, payload),
         trainer_up=_counters([trainer], "bytes_uploaded")[0] - up0,
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
     )  # fmt: skip
 
 
 def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
-    """The run itself, on a topology already built (the caller owns its cleanup)."""
+    """The run itself, on a topology already built (the caller owns its cleanup): trainer on
+    host 0, a rollout on each other host; ``cfg``'s topology fields are not used here."""
     result = EmulationResult(cfg)
     if cfg.rate_probe_mb > 0:
         nbytes = int(cfg.rate_probe_mb * 1e6)
@@ -198,7 +211,7 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
     try:
         trainer, rollouts = _start(swarm, topo, cfg)
         for v, weights in enumerate(versions):
-            result.versions.append(_one_version(swarm, trainer, rollouts, v, weights, cfg))
+            result.versions.append(_one_version(swarm, topo, trainer, rollouts, v, weights, cfg))
         want = state_hash(versions[-1]).hex()
         result.converged = all((p.status() or {}).get("state_hash") == want for p in rollouts)
     finally:

@@ -76,7 +76,9 @@ class TopologyConfig:
     hosts: int = 8
     shape: LinkShape = LinkShape()
     shapes: tuple[LinkShape, ...] = ()
-    subnet: str | None = None  # "10.a.b" (a /24); None: a random 10.x.y, unlikely to collide
+    # "10.a.b" (a /24). Topologies never share a bridge or a route, so equal subnets in
+    # parallel runs are harmless; a random one just keeps logs of parallel runs apart.
+    subnet: str | None = None
     prefix: str | None = None  # namespace name prefix; None: PREFIX_ROOT + pid + random
     cmd_timeout_s: float = 15.0  # one ip/tc command
     max_hosts: int = 250

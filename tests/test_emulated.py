@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from node.localswarm import wait_for
-from simulations.emulated import EmulationConfig, run_in
+from simulations.emulated import EmulationConfig, run_in, table
 from simulations.netns import (
     PREFIX_ROOT,
     LinkShape,
@@ -73,6 +73,7 @@ def test_tbf_shapes_links_to_the_configured_rate(own_prefix: str) -> None:
 def test_swarm_in_namespaces_converges_within_bounds(own_prefix: str, tmp_path: Path) -> None:
     with Topology(TopologyConfig(hosts=SWARM.hosts, shape=SWARM.link())) as topo:
         result = run_in(topo, tmp_path, SWARM)
+    print(table(result))  # shown on failure (and with -s)
     assert result.converged  # every rollout's state hash is the last version's
     for v in result.versions:
         why = f"v{v.version}: {v}"
