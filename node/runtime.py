@@ -279,9 +279,18 @@ class Node:
             self._spawn(self.announce(stored, exclude=set(a.sources)))
         inline = {m.digest for m, _ in decision.manifests}
         missing = [d for d in a.digests if d not in inline and not self.store.has_manifest(d)]
-        source = sender or next(iter(a.sources), None)
-        if missing and source is not None and source not in self.banned:
-            self._spawn(self.learn(source, missing))
+        if missing:  # too big to ride inline: fetch by digest, from the sender or a source
+            peers = [p for p in dict.fromkeys([sender, *a.sources]) if p and p not in self.banned]
+            self._spawn(self._learn_any(peers, missing))
+
+    async def _learn_any(self, peers: list[str], digests: list[str]) -> None:
+        """The forwarder may not hold the manifests yet (it judged, then forwarded at once):
+        fall back to the announced sources."""
+        for peer in peers:
+            digests = [d for d in digests if not self.store.has_manifest(d)]
+            if not digests:
+                return
+            await self.learn(peer, digests)
 
     def _on_p2p_peer(self, url: str) -> None:
         """A data-plane URL from a signed peer record: add it, and ask it for its head now."""

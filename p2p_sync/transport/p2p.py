@@ -159,6 +159,7 @@ class P2PHost:
         self._rejects = collections.Counter[ID]()
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
+        self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -228,17 +229,23 @@ class P2PHost:
         await self.call(self._pubsub.publish, self.settings.topic, data)
 
     def status(self) -> dict[str, Any]:
-        host = self._host
+        """Counters, plus a snapshot the Trio thread refreshes every maintenance tick (so this
+        thread never iterates py-libp2p's structures while they change)."""
         return {
             "peer_id": self.peer_id,
             "addr": self.addr,
-            "connected": len(host.get_connected_peers()) if host else 0,
-            "routing_table": self._dht.get_routing_table_size() if self._dht else 0,
+            **self._snapshot,
             "http_peers": len(self._urls),
             "accepted": self.counts["accept"],
             "rejected": self.counts["reject"],
             "ignored": self.counts["ignore"],
-            "blacklisted": len(self._pubsub.blacklisted_peers) if self._pubsub else 0,
+        }
+
+    def _take_snapshot(self) -> None:
+        self._snapshot = {
+            "connected": len(self._host.get_connected_peers()),
+            "routing_table": self._dht.get_routing_table_size() if self._dht else 0,
+            "blacklisted": len(self._pubsub.get_blacklisted_peers()),
         }
 
     # ------------------------------------------------------------ Trio side
@@ -348,6 +355,7 @@ class P2PHost:
             if not self._pubsub.is_peer_blacklisted(peer):
                 log.warning("blacklisted %s after %d rejected messages", peer, self._rejects[peer])
                 self._pubsub.add_to_blacklist(peer)
+                self._take_snapshot()
 
     async def _maintain(self) -> None:
         """Keep joined: bootstrap dials, periodic Kademlia refresh, bounded top-up, URL harvest."""
@@ -356,6 +364,7 @@ class P2PHost:
             await self._dial_bootstrap()
             if self._dht is None:  # a leaf: bootstrap links only
                 self._harvest_urls()
+                self._take_snapshot()
                 await trio.sleep(self.settings.maintain_s)
                 continue
             await self._feed_routing_table()
@@ -365,6 +374,7 @@ class P2PHost:
                 next_refresh = trio.current_time() + self.settings.refresh_s
             await self._top_up()
             self._harvest_urls()
+            self._take_snapshot()
             await trio.sleep(self.settings.maintain_s)
 
     async def _dial_bootstrap(self) -> None:
