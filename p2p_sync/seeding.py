@@ -3,8 +3,9 @@
 A seed that shows every requester every chunk uploads the same popular chunks many times over
 while the swarm's own upload capacity sits idle. Like BitTorrent's super-seeding, the seed hands
 each requester a few chunks of its own (up to ``outstanding`` handed out and not yet served) and
-shows a chunk to someone else only once ``reseed_after_s`` has passed since it was handed out, so
-a requester that vanished cannot stall the swarm. Everything else the requesters take from each
+shows a chunk to someone else only if it was never fetched within ``reseed_after_s`` of being
+handed out, so a requester that vanished cannot stall the swarm (a chunk that was fetched is
+in the swarm already: handing it out again would only add to the seed's upload). Everything else the requesters take from each
 other, and the seed's upload stays near one copy of the payload however many peers there are.
 
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
@@ -33,18 +34,19 @@ class SuperSeeder:
 
     def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
         """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones."""
-        budget = self.outstanding
+        budget, served = self.outstanding, self.served
         for key in keys:
             owner = self.owner.get(key)
-            if owner is not None and owner[0] == requester and not self.served[key]:
+            if owner is not None and owner[0] == requester and not served[key]:
                 budget -= 1
         out = []
         for i, key in enumerate(keys):
             owner = self.owner.get(key)
             if owner is not None and owner[0] == requester:
                 out.append(i)
-            elif (owner is None or now - owner[1] > self.reseed_after_s) and budget > 0:
-                # unclaimed, or claimed long ago and still asked for: hand it to this requester
+            elif (owner is None or (not served[key] and now - owner[1] > self.reseed_after_s)) \
+                    and budget > 0:  # fmt: skip
+                # unclaimed, or handed out long ago and never fetched (its owner went quiet)
                 self.owner[key], budget = (requester, now), budget - 1
                 out.append(i)
         return out

@@ -21,8 +21,9 @@ Policy:
   ``max_requests_per_peer``]): deep pipelines to one peer when it is the only source, requests
   spread thin over many when a swarm offers many (a deep queue at one uploader delays every
   chunk it holds, and so every relay behind it);
-* a chunk goes to the free holder with the fewest of our requests in flight, then the best
-  score (spreading load beats chasing the fastest peer: its queue makes it slow);
+* a chunk goes to the free holder with the best score per request we already have in flight
+  there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
+  peer that timed out or crawls is not chosen just because it is idle);
 * a request older than ``request_timeout_s`` is cancelled and re-requested elsewhere;
 * endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
   ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
@@ -298,7 +299,7 @@ class Scheduler:
         if not candidates:
             return None
         load, stats = self.peer_inflight, self.stats
-        return min(candidates, key=lambda p: (len(load.get(p, ())), -stats[p].score(), p))
+        return max(candidates, key=lambda p: (stats[p].score() / (1 + len(load.get(p, ()))), p))
 
     def _free_peers(self, now: float) -> set[str]:
         busy = self.busy_until

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from simulations.clock import Clock
 
 
-@dataclass(eq=False)  # identity, not value: transfers live in sets
+@dataclass(eq=False)  # identity, not value: transfers are dict keys
 class Transfer:
     src: int
     dst: int
@@ -42,15 +42,16 @@ class Network:
     def __init__(self, clock: Clock, uplink: list[float], downlink: list[float]) -> None:
         self.clock = clock
         self.uplink, self.downlink = uplink, downlink
-        self.out: list[set[Transfer]] = [set() for _ in uplink]
-        self.into: list[set[Transfer]] = [set() for _ in uplink]
+        # dicts, not sets: insertion order keeps runs reproducible (sets order by address)
+        self.out: list[dict[Transfer, None]] = [{} for _ in uplink]
+        self.into: list[dict[Transfer, None]] = [{} for _ in uplink]
         self.bytes_sent = [0.0] * len(uplink)
         self.bytes_received = [0.0] * len(uplink)
 
     def start(self, src: int, dst: int, nbytes: float, on_done: Callable[[], None]) -> Transfer:
         t = Transfer(src, dst, float(nbytes), on_done, since=self.clock.now)
-        self.out[src].add(t)
-        self.into[dst].add(t)
+        self.out[src][t] = None
+        self.into[dst][t] = None
         self._rerate(src, dst)  # t's rate goes from 0 to its share: "faster", so it is armed
         return t
 
@@ -62,8 +63,8 @@ class Network:
         self._remove(t)
 
     def _remove(self, t: Transfer) -> None:
-        self.out[t.src].discard(t)
-        self.into[t.dst].discard(t)
+        self.out[t.src].pop(t, None)
+        self.into[t.dst].pop(t, None)
         t.gen += 1  # its pending finish event is stale now
         self._rerate(t.src, t.dst)
 
