@@ -47,6 +47,14 @@ class NodeConfig:
     reseed_after_s: float = 2.0
     progress: bool = False
     max_upload_mbps: float = 0.0  # cap on chunk upload, Mbit/s (0: none)
+    # Swarm knobs (p2p_sync.swarm / seeding / transport.http; `p2psync simulate` takes the same
+    # names): defaults suit small swarms; configs/simulations/*.toml show large-swarm values.
+    max_requests_per_peer: int = 8
+    min_requests_per_peer: int = 2
+    max_requests_total: int = 64
+    max_concurrent_uploads: int = 16
+    upload_queue: int = 64
+    seed_outstanding: int = 256  # trainer: chunks handed to one requester at a time
     # libp2p control plane (transport/p2p.py): discovery and gossip announcements
     p2p: bool = True  # False (--no-p2p): HTTP only, peers from --peers
     p2p_listen: str | None = None  # multiaddr; default: a free TCP port on the --listen host
@@ -107,6 +115,10 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("chunk_size", "must be between 16 KiB and 64 MiB")
     if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
+    for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
+                 "max_concurrent_uploads", "upload_queue", "seed_outstanding"):  # fmt: skip
+        if getattr(cfg, name) < 1:
+            raise bad(name, "must be >= 1")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
     for name in ("poll_interval_s", "have_poll_s", "reseed_after_s", "p2p_refresh_s",

@@ -25,13 +25,14 @@ from p2p_sync.swarm import (
     DownloadCompleted,
     Event,
     PeerBanned,
+    PeerBusy,
     PeerHad,
     RequestChunk,
     Scheduler,
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.http import PeerError, gather_quietly
+from p2p_sync.transport.http import PeerBusyError, PeerError
 
 log = logging.getLogger("p2psync.fetch")
 
@@ -47,7 +48,7 @@ class Download:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.requests: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.done = asyncio.Event()
-        self.starved = asyncio.Event()  # nothing in flight: ask for have-maps right away
+        self.followers: dict[str, asyncio.Task[None]] = {}
 
     async def _get(self, peer: str, index: int) -> None:
         assert self.node.client is not None
@@ -55,6 +56,9 @@ class Download:
         try:  # one byte over the expected length, so an oversized body is seen and punished
             data = await self.node.client.get_bytes(url, self.m.chunk_length(index) + 1)
             verify_chunk(self.m, index, data)
+        except PeerBusyError:
+            await self.events.put(PeerBusy(peer, index))
+            return
         except PeerError:
             await self.events.put(ChunkFailed(peer, index))
             return
@@ -63,27 +67,40 @@ class Download:
             return
         # inline: a 256 KiB page-cache write (~0.25 ms) beats a thread hop under a busy loop
         self.node.store.put_chunk(data, self.m.chunks[index])
+        self.node.notify_have()
         self.node.count_download(len(data))
         if self.on_chunk is not None:
             self.on_chunk(len(data))
         await self.events.put(ChunkVerified(peer, index, len(data)))
 
-    async def _poll_haves(self) -> None:
+    async def _follow(self, peer: str) -> None:
+        """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
         assert self.node.client is not None
-        while not self.done.is_set():
-            peers = self.node.usable_peers()
-            calls = [self.node.client.get_json(f"{p}/have/{self.m.digest}") for p in peers]
-            results = await gather_quietly(calls)
-            for peer, res in zip(peers, results):
-                if isinstance(res, dict) and isinstance(res.get("have"), list):
-                    idx = frozenset(i for i in res["have"] if isinstance(i, int))
-                    await self.events.put(PeerHad(peer, idx))
-            self.starved.clear()
+        known, failures = -1, 0
+        while not self.done.is_set() and peer in self.node.peers and failures < 3:
+            query = "" if known < 0 else f"?known={known}"  # the first answer comes at once
             try:
-                await asyncio.wait_for(self.starved.wait(), self.node.cfg.have_poll_s)
-            except TimeoutError:
-                pass
-            await asyncio.sleep(0.05)  # at most 20 rounds a second even when starved
+                res = await self.node.client.get_json(f"{peer}/have/{self.m.digest}{query}")
+            except PeerError:
+                failures += 1
+                await asyncio.sleep(self.node.cfg.have_poll_s * failures)
+                continue
+            if not (isinstance(res, dict) and isinstance(res.get("have"), list)):
+                failures += 1
+                continue
+            failures = 0
+            have = [i for i in res["have"] if isinstance(i, int)]
+            known = len(have)
+            await self.events.put(PeerHad(peer, frozenset(have)))
+
+    async def _poll_haves(self) -> None:
+        """Keep one have-map follower per usable peer (peers come and go during a download)."""
+        while not self.done.is_set():
+            for peer in self.node.usable_peers():
+                task = self.followers.get(peer)
+                if task is None or task.done():
+                    self.followers[peer] = asyncio.create_task(self._follow(peer))
+            await asyncio.sleep(self.node.cfg.have_poll_s)
 
     async def _tick(self) -> None:
         while not self.done.is_set():
@@ -104,9 +121,6 @@ class Download:
                 self.node.ban(a.peer, a.reason)
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
-        if not self.sched.complete and not self.sched.requests_in_flight():
-            self.starved.set()  # idle: ask for have-maps now (not whenever a chunk lacks a
-            # source: in a young swarm that is nearly always true, and polls would swamp CPUs)
 
     async def run(self) -> bytes:
         loop = asyncio.get_running_loop()
@@ -118,7 +132,7 @@ class Download:
                 self._act(self.sched.handle(event, loop.time()))
         finally:
             self.done.set()
-            pending = [*helpers, *self.requests.values()]
+            pending = [*helpers, *self.requests.values(), *self.followers.values()]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -136,5 +150,11 @@ async def fetch_payload(
 ) -> bytes:
     # A random tie-break seed per download: peers start on different chunks, so they have
     # something to trade from the first second.
-    config = config or SwarmConfig(seed=random.getrandbits(31))
+    cfg = node.cfg
+    config = config or SwarmConfig(
+        max_requests_per_peer=cfg.max_requests_per_peer,
+        min_requests_per_peer=cfg.min_requests_per_peer,
+        max_requests_total=cfg.max_requests_total,
+        seed=random.getrandbits(31),
+    )
     return await Download(node, manifest, config, on_chunk).run()

@@ -66,11 +66,14 @@ class Node:
         self.banned: set[str] = set()
         self.url: str | None = None
         cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
-        self.server = DataServer(self, HttpLimits(max_upload_bytes_per_s=cap))
+        limits = HttpLimits(max_concurrent_uploads=cfg.max_concurrent_uploads,
+                            upload_queue=cfg.upload_queue, max_upload_bytes_per_s=cap)  # fmt: skip
+        self.server = DataServer(self, limits)
         self.client: DataClient | None = None
         self.new_info = asyncio.Event()
         self._learning: set[str] = set()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
         self.signer: SigningKey | None = None  # set on the trainer: signs gossip announcements
@@ -359,6 +362,19 @@ class Node:
 
     def manifest(self, digest: str) -> Manifest | None:
         return self.store.manifest(digest)
+
+    def notify_have(self) -> None:
+        """A have-map changed: wake the long polls of ``GET /have?known=N``."""
+        news, self._have_news = self._have_news, asyncio.Event()
+        news.set()
+
+    async def have_changed(self, timeout: float) -> None:
+        news = self._have_news
+        try:
+            async with asyncio.timeout(timeout):
+                await news.wait()
+        except TimeoutError:
+            pass
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         m = self.manifest(digest)

@@ -43,16 +43,15 @@ WORKERS = os.cpu_count() or 1
 class TrainerNode(Node):
     """A node that seeds: each requester is shown a few chunks of its own (super-seeding)."""
 
-    OUTSTANDING = 256  # chunks handed to one requester and not yet fetched by it
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.seeder = SuperSeeder(self.OUTSTANDING, self.cfg.reseed_after_s)
+        self.seeder = SuperSeeder(self.cfg.seed_outstanding, self.cfg.reseed_after_s)
 
     def chunk(self, sha256: str) -> bytes | None:
         data = super().chunk(sha256)
         if data is not None:
             self.seeder.note_served(sha256)
+            self.notify_have()  # its requester may be offered more now
         return data
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:

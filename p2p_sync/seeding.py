@@ -5,8 +5,9 @@ while the swarm's own upload capacity sits idle. Like BitTorrent's super-seeding
 each requester a few chunks of its own (up to ``outstanding`` handed out and not yet served) and
 shows a chunk to someone else only if it was never fetched within ``reseed_after_s`` of being
 handed out, so a requester that vanished cannot stall the swarm (a chunk that was fetched is
-in the swarm already: handing it out again would only add to the seed's upload). Everything else the requesters take from each
-other, and the seed's upload stays near one copy of the payload however many peers there are.
+in the swarm already: handing it out again would only add to the seed's upload). Everything
+else the requesters take from each other, and the seed's upload stays near one copy of the
+payload however many peers there are.
 
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
 same method, so what it shows of seeding is true of the node.

@@ -56,9 +56,9 @@ class Scenario:
     chunk_kb: int = 256
     max_peers: int = 32  # overlay: how many neighbours each node picks
     trainer_peers: int = 64  # neighbours the trainer serves
-    upload_slots: int = 16  # concurrent uploads per node (the data plane's limit)
+    max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
-    outstanding: int = 256  # super-seeding: chunks handed to one requester at a time
+    seed_outstanding: int = 256  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0
     max_requests_per_peer: int = _SWARM.max_requests_per_peer
     min_requests_per_peer: int = _SWARM.min_requests_per_peer
@@ -94,9 +94,11 @@ def _bad(name: str, why: str) -> ScenarioError:
 
 _POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps", "tick_s",
              "request_timeout_s", "time_limit_factor", "reseed_after_s")  # fmt: skip
-_AT_LEAST_ONE = ("peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "upload_slots",
-                 "upload_queue", "outstanding", "max_requests_per_peer", "min_requests_per_peer",
-                 "max_requests_total", "endgame_sources")  # fmt: skip
+_AT_LEAST_ONE = (
+    "peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "max_concurrent_uploads",
+    "upload_queue", "seed_outstanding", "max_requests_per_peer", "min_requests_per_peer",
+    "max_requests_total", "endgame_sources",
+)  # fmt: skip
 _FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
 
 

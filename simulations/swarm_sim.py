@@ -13,7 +13,7 @@ and the node's messaging, as follows.
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
 * Requests: a request arrives after one latency. The serving node refuses when all its
-  ``upload_slots`` are taken (``PeerBusy``), answers "not found" for a chunk it lacks
+  ``max_concurrent_uploads`` are taken (``PeerBusy``), answers "not found" for a chunk it lacks
   (``ChunkFailed``), else streams the chunk over the network model; the receiver checks it
   (``ChunkVerified`` or, from a corrupt peer, ``ChunkCorrupted``).
 * Churn, adversaries: see ``scenario.py``.
@@ -113,7 +113,7 @@ class SwarmSim:
                            [p.downlink for p in self.peers])  # fmt: skip
         self._wire_overlay()
         self.depth = self._depths()
-        self.seeder = SuperSeeder(scenario.outstanding, scenario.reseed_after_s)
+        self.seeder = SuperSeeder(scenario.seed_outstanding, scenario.reseed_after_s)
         self.artifacts: list[Artifact] = []
         self.pending_have: dict[tuple[int, int], set[int]] = {}
         self.bans: list[Ban] = []
@@ -387,7 +387,7 @@ class SwarmSim:
         if q.role == LIAR or (q.role != CORRUPT and index not in q.have.get(art.ident, ())):
             self._reply(p, gen, ChunkFailed(q_idx, index))
             return
-        if len(self.net.out[q_idx]) >= self.sc.upload_slots:
+        if len(self.net.out[q_idx]) >= self.sc.max_concurrent_uploads:
             if len(q.queue) >= self.sc.upload_queue:
                 self._reply(p, gen, PeerBusy(q_idx, index))
             else:
@@ -408,7 +408,7 @@ class SwarmSim:
 
     def _next_in_queue(self, q: Peer) -> None:
         """An upload slot of ``q`` freed: serve the oldest queued request still wanted."""
-        while q.queue and q.online and len(self.net.out[q.idx]) < self.sc.upload_slots:
+        while q.queue and q.online and len(self.net.out[q.idx]) < self.sc.max_concurrent_uploads:
             p, index, gen = q.queue.popleft()
             if p.generation == gen and (q.idx, index) in p.requests:
                 self._serve(q, p, index, gen)

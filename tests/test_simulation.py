@@ -18,7 +18,7 @@ from simulations.scenario import ScenarioError, from_dict, load
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
-SMALL = dict(chunk_kb=64, max_requests_per_peer=1, min_requests_per_peer=1, outstanding=8,
+SMALL = dict(chunk_kb=64, max_requests_per_peer=1, min_requests_per_peer=1, seed_outstanding=8,
              latency_ms=1.0)  # fmt: skip
 
 
@@ -71,7 +71,8 @@ def scenario(**kw):
 def test_one_rollout_gets_the_payload_at_link_speed() -> None:
     # one source: the scheduler's default deep pipeline (8 requests) hides the round trips
     sc = scenario(peers=1, payload_mb=8.0, uplink_mbps=80.0, downlink_mbps=80.0,
-                  trainer_uplink_mbps=80.0, max_requests_per_peer=8, outstanding=256)  # fmt: skip
+                  trainer_uplink_mbps=80.0, max_requests_per_peer=8,
+                  seed_outstanding=256)  # fmt: skip
     _, rep = simulate(sc)
     bound = rep["lower_bound_s"][0]
     assert bound == pytest.approx(8 * MB / (80e6 / 8))
@@ -137,8 +138,8 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
     scen.write_text("peers = 12\npayload_mb = 1.0\nchunk_kb = 64\nversions = 2\n"
                     "corrupt_fraction = 0.1\n")  # fmt: skip
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "node.cli", "simulate", str(scen), "--out",
-                          str(out), "--quiet"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    cmd = [sys.executable, "-m", "node.cli", "simulate", str(scen), "--out", str(out), "--quiet"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "report.json").read_text())
     for key in ("peers", "honest_converged_fraction", "completion_time_s", "lower_bound_s",
@@ -154,8 +155,8 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
 def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
     scen = tmp_path / "s.toml"
     scen.write_text("peers = -3\n")
-    res = subprocess.run([sys.executable, "-m", "node.cli", "simulate", str(scen), "--out",
-                          str(tmp_path / "o")], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    cmd = [sys.executable, "-m", "node.cli", "simulate", str(scen), "--out", str(tmp_path / "o")]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 1
     assert res.stderr.strip() == "p2psync: error: scenario: peers: must be >= 1"
 
@@ -169,3 +170,18 @@ def test_ci_scenario() -> None:
     assert rep["ratio_to_bound"]["worst"] <= 1.5, rep["ratio_to_bound"]
     assert rep["trainer_upload_ratio"] <= 2.0
     assert rep["false_bans"] == 0 and rep["bans"] > 0
+
+
+def test_scenario_defaults_are_the_nodes_defaults() -> None:
+    """A scenario that sets no knob simulates nodes run with no config: same names, same values."""
+    from node.config import NodeConfig
+    from p2p_sync.swarm import SwarmConfig
+
+    sc, node, swarm = from_dict({}), NodeConfig(), SwarmConfig()
+    for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
+                 "max_concurrent_uploads", "upload_queue", "seed_outstanding", "reseed_after_s",
+                 "chunk_kb"):  # fmt: skip
+        want = node.chunk_size // 1024 if name == "chunk_kb" else getattr(node, name)
+        assert getattr(sc, name) == want, name
+    for name in ("request_timeout_s", "endgame_sources"):
+        assert getattr(sc, name) == getattr(swarm, name), name

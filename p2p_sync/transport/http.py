@@ -6,13 +6,18 @@ py-libp2p ~50-90 MiB/s at ~11 CPU-s/GiB (architecture guide, section 3).
 Routes (all responses are small JSON except chunk bodies and metrics):
 
 =========================  ==================================================================
-GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent,
-                            503 when ``max_concurrent_uploads`` are already in progress; a
-                            reader slower than ``request_timeout_s`` is cut off
+GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent; at
+                            most ``max_concurrent_uploads`` at once, up to ``upload_queue``
+                            more wait their turn, beyond that (or after waiting
+                            ``request_timeout_s``) 503; a reader slower than
+                            ``request_timeout_s`` is cut off
 GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
                             ``?version=N`` lists only that version's manifests
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
-GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]}
+GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]};
+                            with ``?known=N`` a long poll: the answer waits (up to
+                            ``have_wait_s``) until the list is no longer N long, so news
+                            of a chunk reaches peers one latency after it is verified
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...]} -> 202
 GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
@@ -52,6 +57,8 @@ class HttpLimits:
     request_timeout_s: float = 10.0
     connect_timeout_s: float = 3.0
     max_upload_bytes_per_s: float | None = None  # cap on chunk bytes served (None: no cap)
+    upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
+    have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
 
 
 class NodeView(Protocol):
@@ -60,6 +67,7 @@ class NodeView(Protocol):
     def manifest_index(self) -> list[dict[str, Any]]: ...
     def manifest_bytes(self, digest: str) -> bytes | None: ...
     def have(self, digest: str, requester: str | None) -> list[int] | None: ...
+    async def have_changed(self, timeout: float) -> None: ...
     def chunk(self, sha256: str) -> bytes | None: ...
     def peer_urls(self) -> list[str]: ...
     def status(self) -> dict[str, Any]: ...
@@ -79,6 +87,7 @@ class DataServer:
     def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
         self.node, self.limits = node, limits
         self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
+        self._queued = 0
         rate = limits.max_upload_bytes_per_s
         self._bucket = TokenBucket(rate, max(rate / 10, 1 << 20)) if rate else None
         self.app = web.Application(
@@ -126,31 +135,48 @@ class DataServer:
             raise web.HTTPBadRequest(text=f"{name} must be 64 lowercase hex digits")
         return value
 
+    async def _upload_slot(self) -> None:
+        """Wait for an upload slot (bounded queue, bounded wait) or refuse with 503."""
+        if self._uploads.locked() and self._queued >= self.limits.upload_queue:
+            raise web.HTTPServiceUnavailable(text="upload queue full")
+        self._queued += 1
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                await self._uploads.acquire()
+        except TimeoutError:
+            raise web.HTTPServiceUnavailable(text="no upload slot in time") from None
+        finally:
+            self._queued -= 1
+
     async def get_chunk(self, request: web.Request) -> web.StreamResponse:
         sha = self._hex_param(request, "sha")
-        if self._uploads.locked():
-            raise web.HTTPServiceUnavailable(text="too many uploads in progress")
-        async with self._uploads:
-            data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), less than a thread hop
-            if data is None:
-                raise web.HTTPNotFound(text="no such chunk here")
-            if self._bucket is not None:  # upload cap: wait our turn before sending
-                await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
-            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-            response.content_length = len(data)
-            try:  # a reader too slow to take the chunk in time loses it, and frees the slot
-                async with asyncio.timeout(self.limits.request_timeout_s):
-                    await response.prepare(request)
-                    await response.write(data)
-                    await response.write_eof()
-            except TimeoutError:
-                if request.transport is not None:
-                    request.transport.close()
-                return response
-            except (ConnectionError, aiohttp.ClientConnectionResetError):
-                return response  # the requester gave up (cancelled in endgame, or timed out)
-            self.node.count_upload(len(data))
+        await self._upload_slot()
+        try:
+            return await self._send_chunk(request, sha)
+        finally:
+            self._uploads.release()
+
+    async def _send_chunk(self, request: web.Request, sha: str) -> web.StreamResponse:
+        data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), less than a thread hop
+        if data is None:
+            raise web.HTTPNotFound(text="no such chunk here")
+        if self._bucket is not None:  # upload cap: wait our turn before sending
+            await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        response.content_length = len(data)
+        try:  # a reader too slow to take the chunk in time loses it, and frees the slot
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                await response.prepare(request)
+                await response.write(data)
+                await response.write_eof()
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.close()
             return response
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            return response  # the requester gave up (cancelled in endgame, or timed out)
+        self.node.count_upload(len(data))
+        return response
 
     async def get_manifests(self, request: web.Request) -> web.Response:
         index = self.node.manifest_index()
@@ -169,7 +195,18 @@ class DataServer:
         return web.Response(body=data, content_type="application/json")
 
     async def get_have(self, request: web.Request) -> web.Response:
-        have = self.node.have(self._hex_param(request, "digest"), _requester(request))
+        digest, requester = self._hex_param(request, "digest"), _requester(request)
+        known = request.query.get("known")
+        if known is not None and not (known.isdigit() and len(known) < 9):
+            raise web.HTTPBadRequest(text="known must be a small non-negative integer")
+        have = self.node.have(digest, requester)
+        deadline = time.monotonic() + self.limits.have_wait_s
+        while have is not None and known is not None and len(have) == int(known):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await self.node.have_changed(left)
+            have = self.node.have(digest, requester)
         if have is None:
             raise web.HTTPNotFound(text="no such manifest here")
         return web.json_response({"have": have})
@@ -210,6 +247,10 @@ class PeerError(Exception):
     """A peer did not answer as the protocol says (transport error, bad status, bad body)."""
 
 
+class PeerBusyError(PeerError):
+    """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
+
+
 class DataClient:
     """Client side of the data plane, with size and time limits on every response."""
 
@@ -227,6 +268,8 @@ class DataClient:
     async def _get(self, url: str, limit: int) -> bytes:
         try:
             async with self.session.get(url) as resp:
+                if resp.status == 503:
+                    raise PeerBusyError(f"{url}: busy")
                 if resp.status != 200:
                     raise PeerError(f"{url}: HTTP {resp.status}")
                 if (resp.content_length or 0) > limit:
