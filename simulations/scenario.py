@@ -54,7 +54,7 @@ class Scenario:
     liar_fraction: float = 0.0
     seed: int = 0
     chunk_kb: int = 256
-    max_peers: int = 32  # overlay: how many neighbours each node picks
+    max_peers: int = 64  # overlay: neighbours of every rollout (the node's peer-list bound)
     trainer_peers: int = 64  # neighbours the trainer serves
     max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)

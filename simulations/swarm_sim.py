@@ -18,8 +18,9 @@ and the node's messaging, as follows.
   (``ChunkVerified`` or, from a corrupt peer, ``ChunkCorrupted``).
 * Churn, adversaries: see ``scenario.py``.
 
-Overlay: every node picks ``max_peers // 2`` random others (links are both ways, so the mean
-degree is about ``max_peers``); the trainer serves ``trainer_peers`` random rollouts.
+Overlay: a near-regular random graph in which every rollout has ``max_peers`` neighbours (as a
+node's peer list fills up through peer exchange); the trainer serves ``trainer_peers`` random
+rollouts.
 """
 
 from __future__ import annotations
@@ -155,13 +156,29 @@ class SwarmSim:
         return [trainer, *rollouts]
 
     def _wire_overlay(self) -> None:
-        n, rng = len(self.peers), self.rng
-        picks = max(1, self.sc.max_peers // 2)
-        for p in self.peers[1:]:
-            for q in rng.sample(range(1, n), min(picks + 1, n - 1)):
-                if q != p.idx and len(p.neighbors) < picks:
-                    p.neighbors.add(q)
-                    self.peers[q].neighbors.add(p.idx)
+        """A near-regular random graph of degree ``max_peers`` (a node learns peers through
+        peer exchange until its list is full, so every node ends up with a full list)."""
+        n, rng, want = len(self.peers), self.rng, min(self.sc.max_peers, len(self.peers) - 2)
+        open_ = list(range(1, n))  # rollouts with room for another neighbour
+        order = open_[:]
+        rng.shuffle(order)
+        for p_idx in order:
+            p = self.peers[p_idx]
+            for _ in range(4 * want):  # bounded: a few unlucky draws leave a node one short
+                if len(p.neighbors) >= want or len(open_) < 2:
+                    break
+                k = rng.randrange(len(open_))
+                q_idx = open_[k]
+                q = self.peers[q_idx]
+                if q_idx == p_idx or q_idx in p.neighbors:
+                    continue
+                p.neighbors.add(q_idx)
+                q.neighbors.add(p_idx)
+                if len(q.neighbors) >= want:
+                    open_[k] = open_[-1]
+                    open_.pop()
+            if p_idx in open_ and len(p.neighbors) >= want:
+                open_.remove(p_idx)
         for q in rng.sample(range(1, n), min(self.sc.trainer_peers, n - 1)):
             self.peers[TRAINER].neighbors.add(q)
             self.peers[q].neighbors.add(TRAINER)
