@@ -19,7 +19,7 @@ from simulations.scenario import ScenarioError, from_dict, load
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
 SMALL = dict(chunk_kb=64, max_requests_per_peer=1, min_requests_per_peer=1, seed_outstanding=8,
-             latency_ms=1.0)  # fmt: skip
+             max_peers=16, latency_ms=1.0)  # fmt: skip
 
 
 def run_transfers(up: list[float], down: list[float], flows: list[tuple[int, int, float]]):
