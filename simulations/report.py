@@ -103,41 +103,46 @@ def summary_md(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plots(sim: SwarmSim, out: Path) -> list[Path]:
+def _figure(path: Path, title: str, xlabel: str, ylabel: str, draw) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    paths = [out / "completion_cdf.png", out / "upload_per_peer.png"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for r in sim.results:
-        xs = r.completion_s
-        ax.step(xs, [(i + 1) / r.honest for i in range(len(xs))], where="post",
-                label=f"v{r.version}")  # fmt: skip
-    ax.axvline(sim.results[0].lower_bound_s, color="k", linestyle="--", label="lower bound")
-    ax.set_xlabel("time since publish (s)")
-    ax.set_ylabel("fraction of honest rollouts with the version")
-    ax.set_title(f"{sim.sc.name}: completion CDF")
+    draw(ax)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+    return path
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+
+def plots(sim: SwarmSim, out: Path) -> list[Path]:
+    """Completion CDF per version against the bound; bytes uploaded per peer."""
+
+    def cdf(ax) -> None:
+        for r in sim.results:
+            ys = [(i + 1) / r.honest for i in range(len(r.completion_s))]
+            ax.step(r.completion_s, ys, where="post", label=f"v{r.version}")
+        ax.axvline(sim.results[0].lower_bound_s, color="k", linestyle="--", label="lower bound")
+
     payload = sim.sc.payload_bytes * len(sim.results)
     ups = sorted((sim.net.bytes_sent[p.idx] / payload for p in sim.peers[1:] if p.role == HONEST),
                  reverse=True)  # fmt: skip
-    ax.bar(range(len(ups)), ups, width=1.0, label="honest rollouts")
-    ax.axhline(sim.net.bytes_sent[0] / payload, color="r", label="trainer")
-    ax.set_xlabel("rollouts, by bytes uploaded")
-    ax.set_ylabel("uploaded / payload (all versions)")
-    ax.set_title(f"{sim.sc.name}: upload per peer")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths
+
+    def uploads(ax) -> None:
+        ax.bar(range(len(ups)), ups, width=1.0, label="honest rollouts")
+        ax.axhline(sim.net.bytes_sent[0] / payload, color="r", label="trainer")
+
+    name = sim.sc.name
+    return [
+        _figure(out / "completion_cdf.png", f"{name}: completion CDF", "time since publish (s)",
+                "fraction of honest rollouts with the version", cdf),
+        _figure(out / "upload_per_peer.png", f"{name}: upload per peer",
+                "rollouts, by bytes uploaded", "uploaded / payload (all versions)", uploads),
+    ]  # fmt: skip
 
 
 def write(sim: SwarmSim, report: dict[str, Any], out: Path, with_plots: bool = True) -> None:
