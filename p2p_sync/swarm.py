@@ -24,7 +24,10 @@ Policy:
 * a chunk goes to the free holder with the best score per request we already have in flight
   there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
   peer that timed out or crawls is not chosen just because it is idle);
-* a request older than ``request_timeout_s`` is cancelled and re-requested elsewhere;
+* a request is cancelled and re-requested elsewhere once it is ``timeout_factor`` times older
+  than this download's typical chunk time (an EWMA over verified chunks, queueing at the
+  uploader included), within [``min_request_timeout_s``, ``request_timeout_s``]; a peer that
+  crashed silently thus holds a chunk for a fraction of a second, not ``request_timeout_s``;
 * endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
   ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
 * per-peer score: an EWMA of measured throughput, divided by (1 + failures);
@@ -53,6 +56,8 @@ class SwarmConfig:
     min_requests_per_peer: int = 2
     max_requests_total: int = 64
     request_timeout_s: float = 10.0
+    min_request_timeout_s: float = 0.5
+    timeout_factor: float = 4.0
     endgame_sources: int = 2
     score_alpha: float = 0.3
     busy_backoff_s: float = 0.05
@@ -166,6 +171,7 @@ class Scheduler:
         self.stats: dict[str, PeerStats] = {}
         self.busy_until: dict[str, float] = {}
         self._n_inflight = 0
+        self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._per_peer = self.config.max_requests_per_peer
         self._done_reported = False
         salt = self.config.seed.to_bytes(8, "little", signed=True)
@@ -239,8 +245,11 @@ class Scheduler:
         started = self._drop_request(ev.peer, ev.index)
         stats = self.stats.setdefault(ev.peer, PeerStats())
         if started is not None:
-            rate = ev.nbytes / max(now - started, 1e-6)
+            took = max(now - started, 1e-6)
+            rate = ev.nbytes / took
             a = self.config.score_alpha
+            ct = self._chunk_time
+            self._chunk_time = took if ct is None else a * took + (1 - a) * ct
             stats.throughput = rate if not stats.verified else a * rate + (1 - a) * stats.throughput
         stats.verified += 1
         if ev.index not in self.missing:
@@ -270,11 +279,15 @@ class Scheduler:
 
     def _timeouts(self, now: float) -> list[Action]:
         actions: list[Action] = []
+        c = self.config
+        limit = c.request_timeout_s
+        if self._chunk_time is not None:
+            limit = min(limit, max(c.min_request_timeout_s, c.timeout_factor * self._chunk_time))
         expired = [
             (peer, i)
             for i, peers in self.inflight.items()
             for peer, started in peers.items()
-            if now - started >= self.config.request_timeout_s
+            if now - started >= limit
         ]
         for peer, i in expired:
             if peer in self.banned or self._drop_request(peer, i) is None:

@@ -13,6 +13,8 @@ corrupt, stalling nor lying):
 * ``star_time_s``: the trainer sending the payload to every honest rollout itself
 * ``trainer_upload_bytes``: per version and total; ``trainer_upload_ratio``: worst per version
   over the payload
+* ``churned_per_version``; ``stayed_online_completion_s``: the last honest peer among those
+  that did not churn (a peer away for part of the version finishes late by construction)
 * ``redundant_bytes``: bytes honest rollouts received beyond one payload each (cancelled
   endgame copies, corrupt chunks, transfers cut by churn)
 * ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
@@ -54,6 +56,7 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
         "trainer_upload_ratio": max(up) / payload,
         "redundant_bytes": sum(r.received_bytes - r.useful_bytes for r in res),
         "churned_per_version": [r.churned for r in res],
+        "stayed_online_completion_s": [r.stayed_online_last_s for r in res],
         "bans": len(sim.bans),
         "false_bans": len(false_bans),
         "ban_reasons": sorted({b.reason.split(" chunk")[0] for b in sim.bans}),

@@ -89,6 +89,7 @@ class VersionResult:
     received_bytes: float
     useful_bytes: float
     churned: int
+    stayed_online_last_s: float  # last honest peer among those that did not churn
 
 
 @dataclass
@@ -224,6 +225,7 @@ class SwarmSim:
             self._remaining += 1
             clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
         churned = self._schedule_churn(t0, bound)
+        churned_idx = {p.idx for p in churned}
         deadline = t0 + sc.time_limit_factor * bound
         every = None
         if self.progress is not None:
@@ -234,11 +236,13 @@ class SwarmSim:
 
         clock.run(lambda: self._remaining == 0, deadline, 200_000_000, every)
         done = [p.done_at - t0 for p in self.honest if p.done_at is not None]
+        stayed = [p.done_at - t0 for p in self.honest
+                  if p.done_at is not None and p.idx not in churned_idx]  # fmt: skip
         result = VersionResult(
             version, bound, star, sorted(done), len(done), len(self.honest),
             self.net.bytes_sent[TRAINER] - up0,
             sum(self.net.bytes_received[p.idx] for p in self.honest) - rx0,
-            float(sc.payload_bytes) * len(done), churned,
+            float(sc.payload_bytes) * len(done), len(churned), max(stayed, default=float("nan")),
         )  # fmt: skip
         self._settle_version()
         self.results.append(result)
@@ -462,12 +466,13 @@ class SwarmSim:
 
     # ------------------------------------------------------------ churn
 
-    def _schedule_churn(self, t0: float, bound: float) -> int:
+    def _schedule_churn(self, t0: float, bound: float) -> list[Peer]:
         k = round(self.sc.churn_fraction * len(self.honest))
-        for n, p in enumerate(self.rng.sample(self.honest, k)):
+        chosen = self.rng.sample(self.honest, k)
+        for n, p in enumerate(chosen):
             leave = t0 + self.rng.uniform(0, bound)
             self.clock.at(leave, self._leave, p, n % 2 == 0, bound * self.sc.churn_downtime)
-        return k
+        return chosen
 
     def _leave(self, p: Peer, silent: bool, downtime: float) -> None:
         if not p.online:
