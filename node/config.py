@@ -52,9 +52,10 @@ class NodeConfig:
     max_requests_per_peer: int = 8
     min_requests_per_peer: int = 2
     max_requests_total: int = 64
+    min_request_timeout_s: float = 2.0  # adaptive request timeout floor (see p2p_sync.swarm)
     max_concurrent_uploads: int = 16
     upload_queue: int = 64
-    seed_outstanding: int = 256  # trainer: chunks handed to one requester at a time
+    seed_outstanding: int = 8  # trainer: chunks handed to one requester at a time
     # libp2p control plane (transport/p2p.py): discovery and gossip announcements
     p2p: bool = True  # False (--no-p2p): HTTP only, peers from --peers
     p2p_listen: str | None = None  # multiaddr; default: a free TCP port on the --listen host
@@ -121,8 +122,9 @@ def _check(cfg: NodeConfig) -> None:
             raise bad(name, "must be >= 1")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
-    for name in ("poll_interval_s", "have_poll_s", "reseed_after_s", "p2p_refresh_s",
-                 "p2p_start_timeout_s", "announce_per_s", "announce_max_age_s"):  # fmt: skip
+    for name in ("poll_interval_s", "have_poll_s", "reseed_after_s", "min_request_timeout_s",
+                 "p2p_refresh_s", "p2p_start_timeout_s", "announce_per_s",
+                 "announce_max_age_s"):  # fmt: skip
         if not getattr(cfg, name) > 0:
             raise bad(name, "must be positive")
     _check_p2p(cfg, bad)

@@ -155,6 +155,7 @@ async def fetch_payload(
         max_requests_per_peer=cfg.max_requests_per_peer,
         min_requests_per_peer=cfg.min_requests_per_peer,
         max_requests_total=cfg.max_requests_total,
+        min_request_timeout_s=cfg.min_request_timeout_s,
         seed=random.getrandbits(31),
     )
     return await Download(node, manifest, config, on_chunk).run()

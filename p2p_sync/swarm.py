@@ -56,7 +56,7 @@ class SwarmConfig:
     min_requests_per_peer: int = 2
     max_requests_total: int = 64
     request_timeout_s: float = 10.0
-    min_request_timeout_s: float = 0.5
+    min_request_timeout_s: float = 2.0
     timeout_factor: float = 4.0
     endgame_sources: int = 2
     score_alpha: float = 0.3

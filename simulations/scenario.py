@@ -58,12 +58,14 @@ class Scenario:
     trainer_peers: int = 64  # neighbours the trainer serves
     max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
-    seed_outstanding: int = 256  # super-seeding: chunks handed to one requester at a time
+    seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0
     max_requests_per_peer: int = _SWARM.max_requests_per_peer
     min_requests_per_peer: int = _SWARM.min_requests_per_peer
     max_requests_total: int = _SWARM.max_requests_total
     request_timeout_s: float = _SWARM.request_timeout_s
+    min_request_timeout_s: float = _SWARM.min_request_timeout_s
+    timeout_factor: float = _SWARM.timeout_factor
     endgame_sources: int = _SWARM.endgame_sources
     tick_s: float = 0.25  # the node's scheduler timer
     time_limit_factor: float = 50.0  # give up on a version after this many lower bounds
@@ -83,6 +85,8 @@ class Scenario:
             min_requests_per_peer=self.min_requests_per_peer,
             max_requests_total=self.max_requests_total,
             request_timeout_s=self.request_timeout_s,
+            min_request_timeout_s=self.min_request_timeout_s,
+            timeout_factor=self.timeout_factor,
             endgame_sources=self.endgame_sources,
             seed=seed,
         )
@@ -93,7 +97,8 @@ def _bad(name: str, why: str) -> ScenarioError:
 
 
 _POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps", "tick_s",
-             "request_timeout_s", "time_limit_factor", "reseed_after_s")  # fmt: skip
+             "request_timeout_s", "min_request_timeout_s", "timeout_factor", "time_limit_factor",
+             "reseed_after_s")  # fmt: skip
 _AT_LEAST_ONE = (
     "peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "max_concurrent_uploads",
     "upload_queue", "seed_outstanding", "max_requests_per_peer", "min_requests_per_peer",

@@ -180,7 +180,7 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     sc, node, swarm = from_dict({}), NodeConfig(), SwarmConfig()
     for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
                  "max_concurrent_uploads", "upload_queue", "seed_outstanding", "reseed_after_s",
-                 "chunk_kb", "max_peers"):  # fmt: skip
+                 "chunk_kb", "max_peers", "min_request_timeout_s"):  # fmt: skip
         want = node.chunk_size // 1024 if name == "chunk_kb" else getattr(node, name)
         assert getattr(sc, name) == want, name
     for name in ("request_timeout_s", "endgame_sources"):
