@@ -174,7 +174,7 @@ class Node:
         if source is not None:
             fresh = [d for d in digests if not self.store.has_manifest(d)]
             if fresh:
-                self._tasks.append(asyncio.create_task(self.learn(source, fresh)))
+                self._spawn(self.learn(source, fresh))
 
     async def learn(self, peer: str, digests: list[str]) -> list[Manifest]:
         """Fetch, verify and keep manifests ``peer`` offers; relay the accepted ones onward."""
