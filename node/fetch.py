@@ -87,6 +87,7 @@ class Download:
                 continue
             if not (isinstance(res, dict) and isinstance(res.get("have"), list)):
                 failures += 1
+                await asyncio.sleep(self.node.cfg.have_poll_s * failures)
                 continue
             failures = 0
             have = [i for i in res["have"] if isinstance(i, int)]
