@@ -49,6 +49,3 @@ class Clock:
         finally:
             self.events_run += ran
         return until()
-
-    def pending(self) -> int:
-        return len(self._heap)

@@ -41,7 +41,7 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
     up = [r.trainer_upload_bytes for r in res]
     false_bans = [b for b in sim.bans if b.role not in ("corrupt", "stall", "liar")]
     return {
-        "scenario": {k: v for k, v in dataclasses.asdict(sim.sc).items()},
+        "scenario": dataclasses.asdict(sim.sc),
         "peers": sim.sc.peers,
         "honest_peers": len(sim.honest),
         "payload_bytes": payload,

@@ -170,4 +170,5 @@ def load(path: Path, **overrides: Any) -> Scenario:
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"scenario: {path} is not valid TOML ({exc})") from None
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return from_dict(values, values.pop("name", Path(path).stem))
+    name = values.pop("name", Path(path).stem)
+    return from_dict(values, name)

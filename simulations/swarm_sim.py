@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from p2p_sync.seeding import SuperSeeder
@@ -329,9 +329,10 @@ class SwarmSim:
 
     # ------------------------------------------------------------ have-maps
 
-    def _visible(self, q: Peer, p: Peer, art: Artifact) -> set[int] | list[int]:
+    def _visible(self, q: Peer, p: Peer, art: Artifact) -> Collection[int]:
+        """What ``q`` shows ``p`` of ``art``: adversaries claim everything."""
         if q.role in (CORRUPT, STALL, LIAR):
-            return range(self._n_chunks(art))  # type: ignore[return-value]
+            return range(self._n_chunks(art))
         if q.idx == TRAINER:
             keys = [(art.ident, i) for i in range(self._n_chunks(art))]
             return self.seeder.offer(keys, p.idx, self.clock.now)
