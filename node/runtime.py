@@ -81,6 +81,7 @@ class Node:
         self.multiaddr: str | None = None
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
         self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
+        self._started_at = store.state.version if store.state else None  # version at start
         self._announce_limits = announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s)
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
         if store.state is not None:
@@ -117,7 +118,7 @@ class Node:
                 start_timeout_s=self.cfg.p2p_start_timeout_s,
             )  # fmt: skip
             node = p2p.P2PHost(settings, self._judge, self._on_gossip, self._on_p2p_peer,
-                               self.store.has_manifest)  # fmt: skip
+                               self.store.has_manifest, self._heard)  # fmt: skip
             self.multiaddr = await node.start()
         except Exception as exc:  # any failure (import, identity file, bind): HTTP only
             log.warning("libp2p unavailable, using --peers only: %s", exc)
@@ -263,13 +264,22 @@ class Node:
         now_ms = int(time.time() * 1000)
         return announce.judge(data, self.policy, now_ms, known, self._announce_limits)
 
+    def _heard(self, decision: announce.Decision, at_ms: int) -> None:
+        """Gossip brought a genuine announcement (new, or news we already had by HTTP): keep
+        how long it took from the trainer's signature, the first time per version."""
+        a = decision.announcement
+        assert a is not None
+        if self._started_at is not None and a.version <= self._started_at:
+            return  # news from before this process started (history re-sent to a newcomer)
+        self.announce_latency_ms.setdefault(a.version, at_ms - a.issued_ms)
+        while len(self.announce_latency_ms) > 64:
+            del self.announce_latency_ms[min(self.announce_latency_ms)]
+
     def _on_gossip(self, decision: announce.Decision, sender: str | None, at_ms: int) -> None:
         """An accepted announcement: keep its inline manifests, fetch the others by digest."""
         a = decision.announcement
         assert a is not None
-        self.announce_latency_ms[a.version] = at_ms - a.issued_ms
-        while len(self.announce_latency_ms) > 64:
-            del self.announce_latency_ms[min(self.announce_latency_ms)]
+        self._heard(decision, at_ms)
         if self.cfg.role == "bootstrap":
             return
         floor, stored = self.accepted_version, []

@@ -113,6 +113,10 @@ def test_swarm_from_one_bootstrap_address(swarm: Swarm, versions, tmp_path: Path
     rollouts = [swarm.start_rollout(f"r{i}", [], extra=join) for i in range(8)]
     wait_for(lambda: all(trainer.url in (r.status() or {}).get("peers", []) for r in rollouts),
              60, "every rollout to learn the trainer's URL from its signed record")  # fmt: skip
+    # news counts as gossip-borne only once a node is in the topic's mesh (heartbeat: 1 s);
+    # before that a rollout may hear of v0 through an HTTP push or its head query instead
+    wait_for(lambda: all(p2p(p).get("mesh_peers", 0) >= 1 for p in [trainer, *rollouts]),
+             60, "every node to join the announcement topic's gossip mesh")  # fmt: skip
 
     for v in range(5):
         swarm.publish(versions[v])

@@ -147,8 +147,10 @@ class P2PHost:
         on_accept: OnAccept,
         on_peer_url: Callable[[str], None],
         known: Callable[[str], bool] = lambda digest: False,
+        on_known: Callable[[Decision, int], None] | None = None,
     ) -> None:
         self.settings = settings
+        self._on_known = on_known  # a genuine announcement of news we already had, and when
         self._judge, self._on_accept, self._on_peer_url, self._known = (
             judge, on_accept, on_peer_url, known,
         )  # fmt: skip
@@ -246,6 +248,7 @@ class P2PHost:
             "connected": len(self._host.get_connected_peers()),
             "routing_table": self._dht.get_routing_table_size() if self._dht else 0,
             "blacklisted": len(self._pubsub.get_blacklisted_peers()),
+            "mesh_peers": len(self._pubsub.router.mesh.get(self.settings.topic, ())),
         }
 
     # ------------------------------------------------------------ Trio side
@@ -337,6 +340,10 @@ class P2PHost:
             self._penalize(forwarder, decision.reason)
             return False
         if decision.verdict is Verdict.IGNORE:
+            if self._on_known is not None and decision.announcement is not None:
+                self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
+                    self._on_known, decision, int(time.time() * 1000)
+                )
             return False
         assert decision.announcement is not None
         for digest in decision.announcement.digests:
