@@ -37,7 +37,7 @@ from node.config import NodeConfig  # noqa: E402
 from node.fetch import fetch_payload  # noqa: E402
 from node.runtime import Node  # noqa: E402
 from node.trainer import TrainerNode  # noqa: E402
-from p2p_sync.chunks import manifest_for, split  # noqa: E402
+from p2p_sync.chunks import manifest_for  # noqa: E402
 from p2p_sync.keys import PublicKey, SigningKey  # noqa: E402
 from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
@@ -87,8 +87,7 @@ async def start_trainer(
     m = manifest_for(payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
                      target_state="00" * 16, layout="00" * 16, now=int(time.time()),
                      chunk_size=chunk)  # fmt: skip
-    for c in split(payload, chunk):
-        store.put_chunk(c)
+    store.put_payload(m, payload)
     store.put_manifest(m, sign(m, [key]))
     node = TrainerNode(cfg, policy, store)
     url = await node.start()

@@ -43,7 +43,7 @@ class Download:
     def __init__(self, node: Node, manifest: Manifest, config: SwarmConfig,
                  on_chunk: Callable[[int], None] | None = None) -> None:  # fmt: skip
         self.node, self.m, self.on_chunk = node, manifest, on_chunk
-        have = [i for i, c in enumerate(manifest.chunks) if node.store.has_chunk(c)]
+        have = node.store.have_indices(manifest)
         self.sched = Scheduler(len(manifest.chunks), config, have)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.requests: dict[tuple[str, int], asyncio.Task[None]] = {}

@@ -390,7 +390,7 @@ class Node:
         m = self.manifest(digest)
         if m is None:
             return None
-        return [i for i, c in enumerate(m.chunks) if self.store.has_chunk(c)]
+        return self.store.have_indices(m)
 
     def chunk(self, sha256: str) -> bytes | None:
         return self.store.get_chunk(sha256)

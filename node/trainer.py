@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save, save_file
 from node.runtime import Node
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
-from p2p_sync.chunks import manifest_for, split
+from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import Patch, diff, merge
@@ -119,8 +119,7 @@ class Publisher:
     def _store(self, version: int, target: str, new: TensorSet, built: list) -> None:
         store = self.node.store
         for m, signed, payload in built:
-            for digest, chunk in zip(m.chunks, split(payload, m.chunk_size), strict=True):
-                store.put_chunk(chunk, digest)  # hashed moments ago for the manifest
+            store.put_payload(m, payload)  # hashed moments ago for the manifest
             store.put_manifest(m, signed)
         host = {k: v.detach().cpu().contiguous() for k, v in new.items()}
         store.set_weights(version, target, lambda p: save_file(host, str(p)))

@@ -57,6 +57,7 @@ class Scenario:
     max_peers: int = 64  # overlay: neighbours of every rollout (the node's peer-list bound)
     trainer_peers: int = 64  # neighbours the trainer serves
     max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
+    trainer_max_concurrent_uploads: int = 16  # the trainer node's own limit
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
     seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0
@@ -101,6 +102,7 @@ _POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps"
              "reseed_after_s")  # fmt: skip
 _AT_LEAST_ONE = (
     "peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "max_concurrent_uploads",
+    "trainer_max_concurrent_uploads",
     "upload_queue", "seed_outstanding", "max_requests_per_peer", "min_requests_per_peer",
     "max_requests_total", "endgame_sources",
 )  # fmt: skip

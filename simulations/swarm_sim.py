@@ -409,7 +409,7 @@ class SwarmSim:
         if q.role == LIAR or (q.role != CORRUPT and index not in q.have.get(art.ident, ())):
             self._reply(p, gen, ChunkFailed(q_idx, index))
             return
-        if len(self.net.out[q_idx]) >= self.sc.max_concurrent_uploads:
+        if len(self.net.out[q_idx]) >= self._slots(q_idx):
             if len(q.queue) >= self.sc.upload_queue:
                 self._reply(p, gen, PeerBusy(q_idx, index))
             else:
@@ -428,9 +428,13 @@ class SwarmSim:
                                   lambda: self._delivered(p, q, art, index, gen))  # fmt: skip
         p.requests[(q_idx, index)] = transfer
 
+    def _slots(self, q_idx: int) -> int:
+        sc = self.sc
+        return sc.trainer_max_concurrent_uploads if q_idx == TRAINER else sc.max_concurrent_uploads
+
     def _next_in_queue(self, q: Peer) -> None:
         """An upload slot of ``q`` freed: serve the oldest queued request still wanted."""
-        while q.queue and q.online and len(self.net.out[q.idx]) < self.sc.max_concurrent_uploads:
+        while q.queue and q.online and len(self.net.out[q.idx]) < self._slots(q.idx):
             p, index, gen = q.queue.popleft()
             if p.generation == gen and (q.idx, index) in p.requests:
                 self._serve(q, p, index, gen)

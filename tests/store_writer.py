@@ -10,20 +10,25 @@ import argparse
 import random
 import sys
 
-from p2p_sync.chunks import manifest_for, split
+from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.store import Store
 
 
-def put_version(store: Store, key: SigningKey, swarm: str, version: int, payload: bytes):
-    """Store one signed artifact (a snapshot every 5th version, else a patch) and its chunks."""
+def manifest(key: SigningKey, swarm: str, version: int, payload: bytes) -> Manifest:
+    """A snapshot every 5th version, else a patch, in 16 KiB chunks."""
     kind = SNAPSHOT if version % 5 == 0 else PATCH
     base = {} if kind == SNAPSHOT else {"base_version": version - 1, "base_state": "aa" * 16}
-    m = manifest_for(payload, swarm=swarm, version=version, kind=kind, target_state="bb" * 16,
-                     layout="cc" * 16, now=0, chunk_size=16 * 1024, **base)  # fmt: skip
-    for chunk in split(payload, m.chunk_size):
-        store.put_chunk(chunk)
+    return manifest_for(payload, swarm=swarm, version=version, kind=kind,
+                        target_state="bb" * 16, layout="cc" * 16, now=0, chunk_size=16 * 1024,
+                        **base)  # fmt: skip
+
+
+def put_version(store: Store, key: SigningKey, swarm: str, version: int, payload: bytes):
+    """Store one signed artifact and its payload (the pack first, as the trainer does)."""
+    m = manifest(key, swarm, version, payload)
+    store.put_payload(m, payload)
     store.put_manifest(m, sign(m, [key]))
     return m
 

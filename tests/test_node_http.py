@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import aiohttp
@@ -15,8 +16,9 @@ from node.cli import main
 from node.config import ConfigError, NodeConfig, load
 from node.localswarm import ROOT
 from node.runtime import Node
+from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
 from p2p_sync.store import Store
 
 HEX = "ab" * 32
@@ -30,7 +32,12 @@ def make_node(tmp_path: Path) -> Node:
 
 async def _hostile_requests(node: Node) -> dict[str, int]:
     url = await node.start()
-    digest = node.store.put_chunk(b"z" * 100)
+    key = SigningKey.generate()
+    m = manifest_for(b"z" * 100, swarm="t", version=0, kind=SNAPSHOT, target_state="00" * 16,
+                     layout="00" * 16, now=int(time.time()), chunk_size=16 * 1024)  # fmt: skip
+    node.store.put_payload(m, b"z" * 100)
+    node.store.put_manifest(m, sign(m, [key]))
+    digest = m.chunks[0]
     out = {}
     try:
         async with aiohttp.ClientSession() as s:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy, parse
+from p2p_sync.manifest import SwarmPolicy, parse, sign
 from p2p_sync.store import Store, StoreError, StoreLimits
 from tests import store_writer
 
@@ -40,28 +40,62 @@ def test_chunks_manifests_and_weights_survive_reopen(tmp_path: Path) -> None:
     assert len(list(again.weights_dir.iterdir())) == 1 and again.dropped == []
 
 
+def rot(store: Store, m, index: int) -> None:
+    """Overwrite the start of chunk ``index`` in ``m``'s pack (bit rot, or a torn write)."""
+    with open(store.pack_path(m.digest), "r+b") as f:
+        f.seek(index * m.chunk_size)
+        f.write(b"bit rot")
+
+
 def test_self_check_drops_partial_and_corrupt_files(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
-    m, _ = put_version(store, 0)
-    victim = store.chunk_path(m.chunks[1])
-    victim.write_bytes(b"bit rot")
-    (store.chunk_dir / ".x.tmp").write_bytes(b"half")
+    m, payload = put_version(store, 0)
+    rot(store, m, 1)
+    (store.pack_dir / ".x.tmp").write_bytes(b"half")
+    (store.pack_dir / ("ee" * 32)).write_bytes(b"a pack no manifest names")
     (store.manifest_dir / ("00" * 32 + ".json")).write_bytes(b"{not json")
     again = Store.open(tmp_path)
-    assert not victim.exists() and not (store.chunk_dir / ".x.tmp").exists()
-    assert len(again.dropped) == 3 and again.manifests() == [m]
+    assert not (store.pack_dir / ".x.tmp").exists() and not (store.pack_dir / ("ee" * 32)).exists()
+    assert len(again.dropped) == 4 and again.manifests() == [m]
+    assert not again.has_chunk(m.chunks[1]) and again.has_chunk(m.chunks[0])
+    assert again.have_indices(m) == [i for i in range(len(m.chunks)) if i != 1]
     assert again.payload(m) is None  # incomplete now: never served half-verified
+    again.put_chunk(payload[m.chunk_size : 2 * m.chunk_size], m.chunks[1])  # fetched again
+    assert Store.open(tmp_path).payload(m) == payload
+
+
+def test_chunks_of_a_download_land_in_a_sparse_pack(tmp_path: Path) -> None:
+    store = Store.open(tmp_path)
+    payload = random.Random(7).randbytes(100_000)
+    m = store_writer.manifest(KEY, SWARM, 7, payload)
+    store.put_manifest(m, sign(m, [KEY]))
+    for i in (5, 0, 3):  # out of order, as a swarm delivers them
+        store.put_chunk(payload[i * m.chunk_size : (i + 1) * m.chunk_size])
+    again = Store.open(tmp_path)
+    assert again.have_indices(m) == [0, 3, 5] and again.dropped == []  # holes are not rot
+    for i in range(len(m.chunks)):
+        if i not in (0, 3, 5):
+            again.put_chunk(payload[i * m.chunk_size : (i + 1) * m.chunk_size], m.chunks[i])
+    assert again.payload(m) == payload
+    assert store.pack_path(m.digest).read_bytes() == payload  # a complete pack is the payload
+
+
+def test_a_chunk_no_manifest_names_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="no known manifest"):
+        Store.open(tmp_path).put_chunk(b"stray" * 100)
 
 
 def test_a_chunk_corrupted_while_running_is_never_served(tmp_path: Path) -> None:
     cached = Store.open(tmp_path / "a")  # served from the verified in-memory copy
-    digest = cached.put_chunk(b"x" * 1000)
-    cached.chunk_path(digest).write_bytes(b"y" * 1000)
-    assert cached.get_chunk(digest) == b"x" * 1000
+    m, payload = put_version(cached, 0)
+    rot(cached, m, 0)
+    assert cached.get_chunk(m.chunks[0]) == payload[: m.chunk_size]
     uncached = Store.open(tmp_path / "b", StoreLimits(memory_cache_bytes=0))  # read from disk
-    digest = uncached.put_chunk(b"x" * 1000)
-    uncached.chunk_path(digest).write_bytes(b"y" * 1000)
-    assert uncached.get_chunk(digest) is None and not uncached.has_chunk(digest)
+    m, payload = put_version(uncached, 0)
+    rot(uncached, m, 0)
+    assert uncached.get_chunk(m.chunks[0]) is None and not uncached.has_chunk(m.chunks[0])
+    assert uncached.get_chunk(m.chunks[1]) == payload[m.chunk_size : 2 * m.chunk_size]
+    assert uncached.payload(m) is None
 
 
 def test_corrupt_weights_are_reported_not_served(tmp_path: Path) -> None:
@@ -84,17 +118,13 @@ def test_store_refuses_to_go_back_a_version(tmp_path: Path) -> None:
 def test_eviction_keeps_the_newest_anchor_and_its_chain(tmp_path: Path) -> None:
     store = Store.open(tmp_path, StoreLimits(max_chunk_bytes=200_000))
     manifests = [put_version(store, v)[0] for v in range(7)]
-    store.put_chunk(b"orphan" * 100)
     dropped = store.evict()
     assert store.chunk_bytes() <= 200_000 and dropped
+    assert dropped == [m.digest for m in manifests[: len(dropped)]]  # oldest first
+    assert not any(store.pack_path(d).exists() for d in dropped)
     for m in manifests[5:]:  # anchor v5 and its chain v6 stay complete
         assert store.has_payload(m)
     assert not store.has_payload(manifests[0])
-
-
-def chunk_files_verify(store: Store) -> bool:
-    return all(hashlib.sha256(p.read_bytes()).hexdigest() == p.name
-               for p in store.chunk_dir.iterdir())  # fmt: skip
 
 
 def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path) -> None:
@@ -118,9 +148,10 @@ def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path)
         proc.wait(timeout=30)
         proc.stdout.close()
         store = Store.open(tmp_path)
-        assert all(d.endswith(("partial write", "not the accepted weights")) for d in store.dropped)
-        assert chunk_files_verify(store)
-        assert not [p for d in (store.root, store.chunk_dir, store.manifest_dir)
+        allowed = ("partial write", "not the accepted weights", "no manifest names this pack")
+        assert all(d.endswith(allowed) for d in store.dropped), store.dropped
+        assert all(store.has_payload(m) for m in store.manifests())  # pack first, then manifest
+        assert not [p for d in (store.root, store.pack_dir, store.manifest_dir)
                     for p in d.iterdir() if p.name.endswith(".tmp")]  # fmt: skip
         for p in store.manifest_dir.iterdir():
             assert parse(p.read_bytes())[0].digest + ".json" == p.name
