@@ -329,15 +329,17 @@ class Store:
         """The reassembled payload if every chunk is present and verifies. A complete pack is
         read in one go and re-hashed slot by slot; safe to call from a worker thread (it reads
         the in-memory cache but does not reorder it)."""
-        n = len(manifest.chunks)
-        if len(self._valid.get(manifest.digest, ())) == n:
+        hot = [self._hot.get(c) for c in manifest.chunks]
+        if all(h is not None for h in hot):  # verified copies in memory: no disk, no re-hash
+            return b"".join(h for h in hot if h is not None)
+        if len(self._valid.get(manifest.digest, ())) == len(manifest.chunks):
             try:
                 data = self.pack_path(manifest.digest).read_bytes()[: manifest.payload_size]
             except FileNotFoundError:
                 data = b""
             if len(data) == manifest.payload_size and self._all_slots_match(manifest, data):
                 return data
-        parts = [self._hot.get(c) or self._peek(c) for c in manifest.chunks]
+        parts = [h or self._peek(c) for h, c in zip(hot, manifest.chunks, strict=True)]
         if any(p is None for p in parts):
             return None
         return b"".join(p for p in parts if p is not None)
