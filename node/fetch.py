@@ -123,7 +123,7 @@ class Download:
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
 
-    async def run(self) -> bytes:
+    async def run(self) -> memoryview:
         loop = asyncio.get_running_loop()
         helpers = [asyncio.create_task(self._poll_haves()), asyncio.create_task(self._tick())]
         try:
@@ -148,7 +148,7 @@ async def fetch_payload(
     manifest: Manifest,
     config: SwarmConfig | None = None,
     on_chunk: Callable[[int], None] | None = None,
-) -> bytes:
+) -> memoryview:
     # A random tie-break seed per download: peers start on different chunks, so they have
     # something to trade from the first second.
     cfg = node.cfg

@@ -82,9 +82,9 @@ class Follower:
         except NoPathError:
             return []
 
-    def _apply(self, m: Manifest, payload: bytes) -> dict[str, torch.Tensor]:
+    def _apply(self, m: Manifest, payload: memoryview) -> dict[str, torch.Tensor]:
         if m.kind == SNAPSHOT:
-            weights = {k: v.to(self.device) for k, v in load(payload).items()}
+            weights = {k: v.to(self.device) for k, v in load(bytes(payload)).items()}
             if layout_fingerprint(layout_of(weights)).hex() != m.layout:
                 raise PatchError("snapshot layout differs from its manifest")
             if state_hash(weights).hex() != m.target_state:
@@ -126,7 +126,7 @@ class Follower:
         if rc:
             log.warning("--on-update command exited with %s for v%d", rc, m.version)
 
-    async def _fetch(self, m: Manifest) -> bytes:
+    async def _fetch(self, m: Manifest) -> memoryview:
         """Fetch with a live rich progress bar when asked (or when stderr is a terminal)."""
         if not (self.node.cfg.progress or sys.stderr.isatty()):
             return await fetch_payload(self.node, m)
