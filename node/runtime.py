@@ -16,6 +16,7 @@ HTTP pushes then go only to peers not reachable by gossip.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -100,6 +101,11 @@ class Node:
             await self._start_p2p()
         if self.cfg.role != "bootstrap":  # a bootstrap holds no weights: nothing to poll for
             self._tasks.append(asyncio.create_task(self._poll_loop(), name="poll"))
+        # Everything alive now (torch, libp2p, aiohttp, the weights' tensors) lives as long as
+        # the node: move it out of the collector's sight. Full collections otherwise walk those
+        # millions of objects again and again while chunks stream in (measured: 8 loopback
+        # rollouts fetch 100 MB in 3.3 s instead of 4.0 s).
+        gc.freeze()
         return self.url
 
     async def _start_p2p(self) -> None:

@@ -16,9 +16,8 @@ GET  /manifests             [{digest, version, kind, base_version, payload_size}
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
 GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]};
                             with ``?known=N`` a long poll: the answer waits (up to
-                            ``have_wait_s``) until the list is no longer N long, then
-                            ``have_batch_s`` more to gather a burst, so news of a chunk
-                            reaches peers about one latency after it is verified
+                            ``have_wait_s``) until the list is no longer N long, so news
+                            of a chunk reaches peers one latency after it is verified
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...]} -> 202
 GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
@@ -60,7 +59,6 @@ class HttpLimits:
     max_upload_bytes_per_s: float | None = None  # cap on chunk bytes served (None: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
-    have_batch_s: float = 0  # once a long-polled have-map grows, gather news this long
 
 
 class NodeView(Protocol):
@@ -203,17 +201,11 @@ class DataServer:
             raise web.HTTPBadRequest(text="known must be a small non-negative integer")
         have = self.node.have(digest, requester)
         deadline = time.monotonic() + self.limits.have_wait_s
-        waited = False
         while have is not None and known is not None and len(have) == int(known):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             await self.node.have_changed(left)
-            have, waited = self.node.have(digest, requester), True
-        if waited and have is not None and len(have) != int(known or 0):
-            # Chunks arrive in bursts (a fast link verifies one every millisecond or so): one
-            # answer per burst instead of one per chunk saves a request cycle on both sides.
-            await asyncio.sleep(self.limits.have_batch_s)
             have = self.node.have(digest, requester)
         if have is None:
             raise web.HTTPNotFound(text="no such manifest here")
