@@ -44,6 +44,7 @@ class NodeConfig:
     poll_interval_s: float = 1.0
     have_poll_s: float = 0.2
     max_peers: int = 64
+    store_max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
     reseed_after_s: float = 2.0
     progress: bool = False
     max_upload_mbps: float = 0.0  # cap on chunk upload, Mbit/s (0: none)
@@ -120,6 +121,8 @@ def _check(cfg: NodeConfig) -> None:
                  "max_concurrent_uploads", "upload_queue", "seed_outstanding"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise bad(name, "must be >= 1")
+    if not cfg.store_max_gb > 0:
+        raise bad("store_max_gb", "must be positive")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
     for name in ("poll_interval_s", "have_poll_s", "reseed_after_s", "min_request_timeout_s",

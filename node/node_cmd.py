@@ -20,7 +20,7 @@ from node.trainer import Publisher, TrainerNode, watch
 from p2p_sync.errors import P2PSyncError
 from p2p_sync.keys import load_public_key, load_signing_key
 from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.store import Store
+from p2p_sync.store import Store, StoreLimits
 from p2p_sync.versions import PublishPolicy
 
 
@@ -37,7 +37,8 @@ def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
 
 async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
     policy, key = policy_for(cfg)
-    store = await asyncio.to_thread(Store.open, cfg.data_dir)
+    limits = StoreLimits(max_chunk_bytes=int(cfg.store_max_gb * 1e9))
+    store = await asyncio.to_thread(Store.open, cfg.data_dir, limits)
     node_cls = TrainerNode if cfg.role == "trainer" else Node
     node = node_cls(cfg, policy, store)
     node.signer = key  # the trainer signs its gossip announcements with its manifest key

@@ -141,6 +141,7 @@ class Follower:
         weights = await asyncio.to_thread(self._apply, m, payload)
         await asyncio.to_thread(self._persist, m, weights)
         self.weights = weights
+        self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
         self.node.set_version(m.version)
         log.info("v%d applied (%s, %s bytes) in %.2fs", m.version, m.kind,
                  f"{m.payload_size:,}", time.monotonic() - t0)  # fmt: skip

@@ -379,6 +379,12 @@ class Node:
     def manifest(self, digest: str) -> Manifest | None:
         return self.store.manifest(digest)
 
+    def evict(self) -> None:
+        """Keep the chunk packs within the store's budget (after each new version)."""
+        dropped = self.store.evict()
+        if dropped:
+            log.info("evicted %d old artifacts to stay within the store budget", len(dropped))
+
     def notify_have(self) -> None:
         """A have-map changed: wake the long polls of ``GET /have?known=N``."""
         news, self._have_news = self._have_news, asyncio.Event()

@@ -130,6 +130,7 @@ class Publisher:
         new = {k: v.detach() for k, v in state_dict.items()}
         version, target, built = await asyncio.to_thread(self._build, new)
         await asyncio.to_thread(self._store, version, target, new, built)
+        self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
         self.node.set_version(version)
         manifests = [m for m, _, _ in built]
         log.info("published v%d: %s", version,

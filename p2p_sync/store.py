@@ -391,8 +391,10 @@ class Store:
     # ------------------------------------------------------------ eviction
 
     def protected(self) -> set[str]:
-        """Digests of manifests catch-up still needs: the newest anchor and every later one."""
-        snaps = [m for m in self.manifests() if m.kind == SNAPSHOT and self.has_payload(m)]
+        """Digests of manifests catch-up still needs: the newest anchor and every later one.
+        The newest anchor known, held or not: a rollout that follows patches never fetches
+        anchors, and a newcomer starts from the newest anchor anyway (the trainer holds it)."""
+        snaps = [m for m in self.manifests() if m.kind == SNAPSHOT]
         floor = max((m.version for m in snaps), default=0)
         return {m.digest for m in self.manifests() if m.version >= floor}
 

@@ -15,22 +15,27 @@ from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.store import Store
+from p2p_sync.store import Store, StoreLimits
 from p2p_sync.tensors import state_hash
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal
 
 
-async def _sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
+async def _sync(
+    tmp_path: Path,
+    versions: list[dict[str, torch.Tensor]],
+    limits: StoreLimits = StoreLimits(),
+    publish: PublishPolicy = PublishPolicy(anchor_every=100, catchup_spans=(2,)),
+) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
     tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k",
                       chunk_size=16 * 1024, poll_interval_s=0.2)  # fmt: skip
-    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir, limits))
     url = await trainer.start()
     rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
                       peers=(url,), poll_interval_s=0.2, have_poll_s=0.05)  # fmt: skip
-    rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
+    rollout = Node(rcfg, policy, Store.open(rcfg.data_dir, limits))
     await rollout.start()
     seen: list[tuple[int, str]] = []
     applied = asyncio.Event()
@@ -44,7 +49,7 @@ async def _sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict
     follower = Follower(rollout, export=tmp_path / "export", callback=callback, on_update_cmd=hook)
     stop = asyncio.Event()
     task = asyncio.create_task(follower.run(stop))
-    publisher = Publisher(trainer, key, PublishPolicy(anchor_every=100, catchup_spans=(2,)))
+    publisher = Publisher(trainer, key, publish)
     try:
         for v, weights in enumerate(versions):
             manifests = await publisher.publish(weights)
@@ -59,7 +64,8 @@ async def _sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict
         await rollout.stop()
         await trainer.stop()
     return {"seen": seen, "weights": follower.weights, "hook": hook_log.read_text(),
-            "export": json.loads((tmp_path / "export" / "version.json").read_text())}  # fmt: skip
+            "export": json.loads((tmp_path / "export" / "version.json").read_text()),
+            "stores": (trainer.store, rollout.store)}  # fmt: skip
 
 
 def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> None:
@@ -72,6 +78,21 @@ def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> N
     assert out["hook"].splitlines() == [
         f"{i} {state_hash(v).hex()}" for i, v in enumerate(versions)
     ]
+
+
+def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    versions = tiny_versions[:5]
+    out = asyncio.run(_sync(tmp_path, versions, StoreLimits(max_chunk_bytes=1),
+                            PublishPolicy(anchor_every=3, catchup_spans=(2,))))  # fmt: skip
+    assert bit_equal(out["weights"], versions[-1])
+    for store in out["stores"]:
+        kept = {m.version for m in store.manifests() if store.has_payload(m)}
+        assert kept and min(kept) == 3  # anchor v3 and what follows it: all a newcomer needs
+        assert not list(store.pack_dir.glob("*")) or all(
+            store.pack_path(m.digest).exists() == store.has_payload(m) for m in store.manifests()
+        )
 
 
 async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:
