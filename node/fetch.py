@@ -16,6 +16,7 @@ from node.runtime import Node
 from p2p_sync.chunks import verify_chunk
 from p2p_sync.errors import ChunkError
 from p2p_sync.manifest import Manifest
+from p2p_sync.store import StoreError
 from p2p_sync.swarm import (
     Action,
     CancelRequest,
@@ -35,13 +36,21 @@ from p2p_sync.swarm import (
 from p2p_sync.transport.http import PeerBusyError, PeerError
 
 log = logging.getLogger("p2psync.fetch")
+MAX_ATTEMPTS = 3  # downloads of one payload when stored chunks fail their hash on re-read
 
 
 class Download:
     """One payload in flight."""
 
-    def __init__(self, node: Node, manifest: Manifest, config: SwarmConfig,
-                 on_chunk: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node: Node,
+        manifest: Manifest,
+        config: SwarmConfig,
+        on_chunk: Callable[[int], None] | None = None,
+        attempt: int = 1,
+    ) -> None:
+        self.attempt = attempt
         self.node, self.m, self.on_chunk = node, manifest, on_chunk
         have = node.store.have_indices(manifest)
         self.sched = Scheduler(len(manifest.chunks), config, have)
@@ -138,9 +147,14 @@ class Download:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         payload = await asyncio.to_thread(self.node.store.payload, self.m)
-        if payload is None:  # a stored chunk vanished (disk corruption): fetch again
-            return await Download(self.node, self.m, self.sched.config, self.on_chunk).run()
-        return payload
+        if payload is not None:
+            return payload
+        if self.attempt >= MAX_ATTEMPTS:  # the disk keeps losing what we store: stop, loudly
+            raise StoreError(f"{self.m.digest}: chunks stored for this payload keep failing "
+                             f"their hash on disk ({self.attempt} downloads)")  # fmt: skip
+        # a stored chunk vanished or rotted on disk: fetch what is missing again
+        return await Download(self.node, self.m, self.sched.config, self.on_chunk,
+                              self.attempt + 1).run()  # fmt: skip
 
 
 async def fetch_payload(

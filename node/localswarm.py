@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from p2p_sync.keys import SigningKey, write_keypair
 
 ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 120.0  # a node process prints its URL within seconds; a hang must not block
 
 
 def get_json(url: str, timeout: float = 2.0) -> dict | None:
@@ -103,7 +105,13 @@ class Swarm:
             stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT, text=True,
         )  # fmt: skip
         assert popen.stdout is not None
-        line = popen.stdout.readline()  # "p2psync <role> listening on http://...: blocks until up
+        # "p2psync <role> listening on http://...", printed once up: wait a bounded time for it
+        ready, _, _ = select.select([popen.stdout], [], [], START_TIMEOUT_S)
+        if not ready:
+            popen.kill()
+            raise AssertionError(f"{name} did not start in {START_TIMEOUT_S:.0f} s; "
+                                 f"see {self.root / name}.log")  # fmt: skip
+        line = popen.stdout.readline()
         if "listening on " not in line:
             raise AssertionError(f"{name} did not start: {line!r}; see {self.root / name}.log")
         url = line.split("listening on ")[1].split()[0]

@@ -186,3 +186,44 @@ def test_manifests_can_be_listed_by_version(tmp_path: Path) -> None:
     everything, v0, v1 = asyncio.run(_manifests_by_version(make_node(tmp_path)))
     assert len(everything) == 1 and v0 == everything and v1 == []
     assert v0[0]["kind"] == "snapshot" and v0[0]["version"] == 0
+
+
+async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
+    from node.fetch import MAX_ATTEMPTS, fetch_payload
+    from node.trainer import TrainerNode
+    from p2p_sync.store import StoreError
+
+    key = SigningKey.generate()
+    policy = SwarmPolicy("rot", (key.public,))
+    payload = b"q" * 100_000
+    m = manifest_for(payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
+                     target_state="aa" * 16, layout="bb" * 16, now=int(time.time()),
+                     chunk_size=16 * 1024)  # fmt: skip
+    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    trainer.store.put_payload(m, payload)
+    trainer.store.put_manifest(m, sign(m, [key]))
+    url = await trainer.start()
+    rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
+                      peers=(url,), p2p=False)  # fmt: skip
+    rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
+    rollout.store.put_manifest(m, sign(m, [key]))
+    calls = []
+    rollout.store.payload = lambda _m: calls.append(_m) and None  # type: ignore[method-assign]
+    await rollout.start()
+    try:
+        with pytest.raises(StoreError) as err:
+            await asyncio.wait_for(fetch_payload(rollout, m), 60)
+    finally:
+        await rollout.stop()
+        await trainer.stop()
+    assert len(calls) == MAX_ATTEMPTS
+    return str(err.value), trainer.bytes_uploaded
+
+
+def test_a_disk_that_keeps_losing_chunks_stops_the_download_with_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    message, uploaded = asyncio.run(_fetch_from_a_rotting_disk(tmp_path))
+    assert "keep failing their hash on disk (3 downloads)" in message
+    assert uploaded == 100_000  # chunks already held are not fetched again
