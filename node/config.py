@@ -42,6 +42,7 @@ class NodeConfig:
     catchup_spans: tuple[int, ...] = (4, 16)
     manifest_lifetime_s: int = 7 * 86400
     poll_interval_s: float = 1.0
+    poll_fanout: int = 8  # peers asked per poll round (the --peers given, then random others)
     have_poll_s: float = 0.2
     max_peers: int = 64
     store_max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
@@ -118,7 +119,8 @@ def _check(cfg: NodeConfig) -> None:
     if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
     for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
-                 "max_concurrent_uploads", "upload_queue", "seed_outstanding"):  # fmt: skip
+                 "max_concurrent_uploads", "upload_queue", "seed_outstanding",
+                 "poll_fanout"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise bad(name, "must be >= 1")
     if not cfg.store_max_gb > 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import random
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -328,14 +329,24 @@ class Node:
             await self.learn(peer, fresh)
 
     async def _poll_loop(self) -> None:
-        """Pull fallback: every poll interval, ask each peer for its manifests and peers."""
+        """Pull fallback: every poll interval, ask some peers for their manifests and peers."""
         while True:
             await self.poll_once()
             await asyncio.sleep(self.cfg.poll_interval_s)
 
+    def _poll_targets(self) -> list[str]:
+        """The peers given at start, plus a random few of the rest (``poll_fanout`` in all):
+        news travels by announcement and gossip, so the poll is a fallback, and asking 64
+        peers a second each would cost the swarm thousands of requests a second."""
+        usable = self.usable_peers()
+        given = [p for p in usable if p in self.cfg.peers]
+        others = [p for p in usable if p not in self.cfg.peers]
+        room = max(self.cfg.poll_fanout - len(given), 0)
+        return given + random.sample(others, min(room, len(others)))
+
     async def poll_once(self) -> None:
         assert self.client is not None
-        peers = self.usable_peers()
+        peers = self._poll_targets()
         indexes = await gather_quietly([self.client.get_json(f"{p}/manifests") for p in peers])
         lists = await gather_quietly([self.client.get_json(f"{p}/peers") for p in peers])
         for peer, index, plist in zip(peers, indexes, lists):

@@ -227,3 +227,21 @@ def test_a_disk_that_keeps_losing_chunks_stops_the_download_with_a_clear_error(
     message, uploaded = asyncio.run(_fetch_from_a_rotting_disk(tmp_path))
     assert "keep failing their hash on disk (3 downloads)" in message
     assert uploaded == 100_000  # chunks already held are not fetched again
+
+
+def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> None:
+    given = "http://127.0.0.1:7000"
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), peers=(given,),
+                     poll_fanout=4)  # fmt: skip
+    node = Node(cfg, SwarmPolicy("t", (SigningKey.generate().public,)), Store.open(tmp_path))
+    others = [f"http://127.0.0.1:{7001 + i}" for i in range(20)]
+    for url in [given, *others]:
+        node.add_peer(url)
+    node.ban(others[0], "test")
+    seen: set[str] = set()
+    for _ in range(40):
+        targets = node._poll_targets()
+        assert targets[0] == given and len(targets) == len(set(targets)) == 4
+        assert others[0] not in targets
+        seen.update(targets[1:])
+    assert len(seen) > 10  # rounds sample different peers
