@@ -258,14 +258,10 @@ class Store:
         if hot is not None:
             self._hot.move_to_end(digest)
             return hot
-        for mdigest, index in self._locate(digest):
-            if index not in self._valid.get(mdigest, ()):
-                continue
-            data = self._read_slot(mdigest, index, digest)
-            if data is not None:
-                self._remember(digest, data)
-                return data
-        return None
+        data = self._peek(digest)
+        if data is not None:
+            self._remember(digest, data)
+        return data
 
     def _read_slot(self, mdigest: str, index: int, digest: str) -> bytes | None:
         m = self._manifests[mdigest][0]
@@ -361,6 +357,7 @@ class Store:
         return ok
 
     def _peek(self, digest: str) -> bytes | None:
+        """Read a chunk from any valid pack slot, verified, without touching the cache."""
         for mdigest, index in self._locate(digest):
             if index in self._valid.get(mdigest, ()):
                 data = self._read_slot(mdigest, index, digest)
