@@ -144,7 +144,17 @@ class Store:
                 if chunk_hash(data) == want:
                     valid.add(i)
                 elif data.strip(b"\0"):  # not a hole never written: bytes that rotted or tore
-                    self.dropped.append(f"packs/{m.digest} chunk {i}: does not match its hash")
+                    self._invalidate(m.digest, i, "does not match its hash")
+
+    def _invalidate(self, mdigest: str, index: int, why: str) -> None:
+        """Slot ``index`` of a pack no longer counts as held (its bytes failed their hash)."""
+        self._valid.get(mdigest, set()).discard(index)
+        self.dropped.append(f"packs/{mdigest} chunk {index}: {why}")
+
+    @staticmethod
+    def _slot(m: Manifest, index: int) -> slice:
+        start = index * m.chunk_size
+        return slice(start, start + m.chunk_length(index))
 
     def _load_manifest(self, path: Path) -> None:
         data = path.read_bytes()
@@ -207,8 +217,7 @@ class Store:
         self._index(manifest)
         view = memoryview(payload)
         for i, c in enumerate(manifest.chunks):  # the seed serves these next: keep them hot
-            start = i * manifest.chunk_size
-            self._remember(c, bytes(view[start : start + manifest.chunk_length(i)]))
+            self._remember(c, bytes(view[self._slot(manifest, i)]))
 
     def put_chunk(self, data: bytes | memoryview, digest: str | None = None) -> str:
         """Store a verified chunk of a known manifest (idempotent); returns its hash. Pass
@@ -222,7 +231,7 @@ class Store:
             data = bytes(data)
             mdigest, index = max(where, key=lambda w: self._manifests[w[0]][0].version)
             m = self._manifests[mdigest][0]
-            self._write_slot(m, index * m.chunk_size, data)
+            self._write_slot(m, self._slot(m, index).start, data)
             self._valid.setdefault(mdigest, set()).add(index)
             self._remember(digest, data)
         return digest
@@ -265,15 +274,15 @@ class Store:
 
     def _read_slot(self, mdigest: str, index: int, digest: str) -> bytes | None:
         m = self._manifests[mdigest][0]
+        slot = self._slot(m, index)
         try:
             with open(self.pack_path(mdigest), "rb") as f:
-                f.seek(index * m.chunk_size)
-                data = f.read(m.chunk_length(index))
+                f.seek(slot.start)
+                data = f.read(slot.stop - slot.start)
         except FileNotFoundError:
             data = b""
         if chunk_hash(data) != digest:
-            self._valid[mdigest].discard(index)
-            self.dropped.append(f"packs/{mdigest} chunk {index}: corrupted on disk")
+            self._invalidate(mdigest, index, "corrupted on disk")
             return None
         return data
 
@@ -350,9 +359,8 @@ class Store:
     def _all_slots_match(self, m: Manifest, view: memoryview) -> bool:
         ok = True
         for i, c in enumerate(m.chunks):
-            if chunk_hash(view[i * m.chunk_size : i * m.chunk_size + m.chunk_length(i)]) != c:
-                self._valid[m.digest].discard(i)
-                self.dropped.append(f"packs/{m.digest} chunk {i}: corrupted on disk")
+            if chunk_hash(view[self._slot(m, i)]) != c:
+                self._invalidate(m.digest, i, "corrupted on disk")
                 ok = False
         return ok
 
