@@ -99,7 +99,7 @@ so version-1 frames stay decodable by the same decoder.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -109,24 +109,40 @@ import zstandard
 
 from p2p_sync.errors import (
     BadMagicError,
+    BaseMismatchError,
     CorruptFrameError,
     CountMismatchError,
     IndexOutOfRangeError,
+    LayoutMismatchError,
     MalformedPatchError,
+    MissingBaseError,
     TrailingDataError,
     TruncatedPatchError,
     UnsupportedFormatError,
 )
 from p2p_sync.patch import Patch, TensorDelta
-from p2p_sync.tensors import DTYPE_CODES, DTYPES_BY_CODE, TensorSpec, bits_dtype, layout_fingerprint
+from p2p_sync.tensors import (
+    DTYPE_CODES,
+    DTYPES_BY_CODE,
+    Layout,
+    TensorSet,
+    TensorSpec,
+    bits_dtype,
+    flat_bits,
+    layout_fingerprint,
+    layout_of,
+    state_hash,
+)
 
 MAGIC = b"P2PPATCH"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
 _HEADER = struct.Struct("<8sHHIII16s16s16s")
 HEADER_SIZE = _HEADER.size  # 72
 
-UNCHANGED, SPARSE, DENSE = 0, 1, 2
+UNCHANGED, SPARSE, DENSE, CLASSED = 0, 1, 2, 3
+# The codings each format version may use: a version-1 file never holds a coding-3 frame.
+CODINGS_BY_VERSION = {1: (UNCHANGED, SPARSE, DENSE), 2: (UNCHANGED, SPARSE, DENSE, CLASSED)}
 _ROW_HEAD = struct.Struct("<H")
 _ROW_TYPE = struct.Struct("<BB")
 _ROW_TAIL = struct.Struct("<BQQ")
@@ -421,6 +437,351 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+# ---------------------------------------------------------------- exponent classes (coding 3)
+
+# Mantissa width in bits of each float dtype: an element's class is the low 4 bits of the
+# exponent field just above it. Other dtypes have no exponent and cannot use coding 3.
+MANTISSA_BITS: dict[torch.dtype, int] = {
+    torch.bfloat16: 7,
+    torch.float16: 10,
+    torch.float32: 23,
+    torch.float64: 52,
+    torch.float8_e4m3fn: 3,
+    torch.float8_e5m2: 2,
+}
+N_CLASSES = 16
+_CLASS_ROW = struct.Struct("<QBB")
+_CLASS_TAIL = struct.Struct("<Q")
+_CLASSED_HEAD = _CLASS_ROW.size * N_CLASSES + _CLASS_TAIL.size + 2 * _VALUE_HEAD.size
+_COMPLEMENT, _GROUP = 1, 2
+_MAX_RICE = 63
+# A class whose changed fraction is at least this sends its values in group 1: there the deltas
+# span several ulps (the step is large against the ulp), elsewhere nearly all are +-1.
+GROUP1_FRACTION = 1 / 4
+
+_POP8 = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+# _SEL8[b, j]: the bit index of the j-th set bit of byte b (0 where b has fewer set bits).
+_SEL8 = np.zeros((256, 8), dtype=np.uint8)
+for _b in range(256):
+    for _j, _bit in enumerate(i for i in range(8) if _b >> i & 1):
+        _SEL8[_b, _j] = _bit
+
+
+def classed_dtype(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` can be coded by exponent class (coding 3)."""
+    return dtype in MANTISSA_BITS
+
+
+def element_classes(base_bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """The exponent field (and for some dtypes the sign above it) of every base element, as
+    uint8, zero-padded to a whole number of 64-element words. Only its low 4 bits, the class,
+    are ever read, so no masking pass is spent on the rest."""
+    u = base_bits.view(f"<u{base_bits.dtype.itemsize}")
+    n = u.size
+    out = np.zeros(-(-n // 64) * 64, np.uint8)
+    if u.dtype.itemsize == 1:
+        np.right_shift(u, MANTISSA_BITS[dtype], out=out[:n])
+    else:
+        out[:n] = u >> MANTISSA_BITS[dtype]  # the store truncates to the low byte
+    return out
+
+
+@dataclass(frozen=True)
+class ClassMap:
+    """Which base elements fall in which class, as 64-element membership words.
+
+    ``words[c, w]`` bit i: element 64w+i has class c; ``counts[c, w]``: its popcount;
+    ``members[c]``: class c's size.
+    """
+
+    words: np.ndarray
+    counts: np.ndarray
+    members: np.ndarray
+
+
+def class_map(base_bits: np.ndarray, dtype: torch.dtype) -> ClassMap:
+    """Build the membership words of all 16 classes: four bit planes of the class packed to
+    bits, then 24 word-wide ANDs (1/64 of a pass each), much cheaper than 16 full compares."""
+    n = base_bits.size
+    classes = element_classes(base_bits, dtype)
+    nw = classes.size // 64
+    planes = np.empty((4, nw), np.uint64)
+    octets = planes.view(np.uint8)
+    tmp = np.empty(classes.size, np.uint8)
+    for j in range(4):
+        np.bitwise_and(classes, 1 << j, out=tmp)
+        octets[j] = np.packbits(tmp.view(bool), bitorder="little")
+    inverse = ~planes
+    pairs = np.empty((2, 4, nw), np.uint64)
+    for half in range(2):
+        lo, hi = 2 * half, 2 * half + 1
+        for v, (x, y) in enumerate(((inverse, inverse), (planes, inverse),
+                                    (inverse, planes), (planes, planes))):  # fmt: skip
+            np.bitwise_and(x[lo], y[hi], out=pairs[half, v])
+    words = np.empty((N_CLASSES, nw), np.uint64)
+    for c in range(N_CLASSES):
+        np.bitwise_and(pairs[0, c & 3], pairs[1, c >> 2], out=words[c])
+    if n % 64:
+        words[:, -1] &= np.uint64((1 << (n % 64)) - 1)
+    elif n == 0:
+        words = words[:, :0]
+    counts = np.bitwise_count(words)
+    return ClassMap(words, counts, counts.sum(axis=1, dtype=np.int64))
+
+
+def class_ranks(words: np.ndarray, counts: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Rank of each position among its class's members (``words`` is that class's row of
+    :func:`class_words`, ``counts`` its per-word popcounts)."""
+    before = np.cumsum(counts, dtype=np.int64) - counts
+    blk = pos >> 6
+    below = np.left_shift(np.uint64(1), (pos & 63).astype(np.uint64)) - np.uint64(1)
+    return before[blk] + np.bitwise_count(words[blk] & below)
+
+
+def _word_of(counts: np.ndarray, ranks: np.ndarray, members: int) -> tuple[np.ndarray, np.ndarray]:
+    """(word index, rank within that word) of each sorted rank. Expanding the counts costs
+    about a nanosecond per member, a binary search ~40 per rank: take the cheaper."""
+    if members < 24 * ranks.size:
+        words = np.repeat(np.arange(counts.size), counts)[ranks]
+        first = np.cumsum(counts, dtype=np.int64) - counts
+        return words, ranks - first[words]
+    cum = np.cumsum(counts, dtype=np.int64)
+    words = np.searchsorted(cum, ranks, side="right")
+    return words, ranks - (cum[words] - counts[words])
+
+
+_U64 = np.uint64
+_SWAR1, _SWAR2, _SWAR4 = _U64(0x5555555555555555), _U64(0x3333333333333333), _U64(0x0F0F0F0F0F0F0F0F)
+_BYTES1, _BYTES_HI = _U64(0x0101010101010101), _U64(0x8080808080808080)
+_SEL8_FLAT = _SEL8.reshape(-1).astype(np.uint64)
+
+
+def _select_in_word(w: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Bit index of the j-th set bit of each word, branch-free over whole arrays (SWAR): byte
+    popcounts, their prefix sums by one multiply, the byte by a bytewise compare, then a table."""
+    x = w - ((w >> _U64(1)) & _SWAR1)
+    x = (x & _SWAR2) + ((x >> _U64(2)) & _SWAR2)
+    prefix = ((x + (x >> _U64(4))) & _SWAR4) * _BYTES1  # byte i: set bits in bytes 0..i
+    ju = j.astype(np.uint64)
+    shift = np.bitwise_count(((ju * _BYTES1) | _BYTES_HI) - prefix & _BYTES_HI).astype(np.uint64)
+    shift <<= _U64(3)
+    before = ((prefix << _U64(8)) >> shift) & _U64(0xFF)
+    octet = (w >> shift) & _U64(0xFF)
+    return (shift + _SEL8_FLAT[(octet << _U64(3)) + ju - before]).astype(np.int64)
+
+
+def class_select(
+    words: np.ndarray, counts: np.ndarray, members: int, ranks: np.ndarray
+) -> np.ndarray:
+    """Inverse of :func:`class_ranks`: the flat position of each sorted rank (< members)."""
+    if ranks.size == 0:
+        return ranks
+    blk, j = _word_of(counts, ranks, members)
+    return (blk << 6) + _select_in_word(words[blk], j)
+
+
+def _complement(ranks: np.ndarray, members: int) -> np.ndarray:
+    keep = np.ones(members, dtype=bool)
+    keep[ranks] = False
+    return np.flatnonzero(keep)
+
+
+def _rice_k(gaps: np.ndarray) -> int:
+    """The Rice parameter that minimises this class's bits (ties to the smaller)."""
+    if gaps.size == 0:
+        return 0
+    guess = int(np.log2(float(gaps.mean()) + 1))
+    best, best_cost = 0, None
+    for k in range(max(0, guess - 2), min(_MAX_RICE, guess + 2) + 1):
+        cost = int(np.sum(gaps >> k)) + gaps.size * (1 + k)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = k, cost
+    return best
+
+
+def _unary(quotients: np.ndarray) -> bytes:
+    """q zero bits then a one bit per entry, LSB-first."""
+    if quotients.size == 0:
+        return b""
+    ends = np.cumsum(quotients + 1) - 1
+    bits = np.zeros(int(ends[-1]) + 1, dtype=bool)
+    bits[ends] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+def _bit_planes(values: np.ndarray, k: int) -> bytes:
+    """Planes 0..k-1 of non-negative values: plane j packs bit j of every value, LSB-first."""
+    if k == 0 or values.size == 0:
+        return b""
+    octets = values.astype("<u8").view(np.uint8).reshape(-1, 8)
+    bits = np.unpackbits(octets, axis=1, count=k, bitorder="little")
+    return np.packbits(bits.T, axis=1, bitorder="little").tobytes()
+
+
+@dataclass(frozen=True)
+class _ClassCode:
+    """One class's part of a coding-3 frame."""
+
+    coded: int
+    k: int
+    mode: int
+    remainders: bytes
+    quotients: np.ndarray
+
+
+def _code_class(ranks: np.ndarray, members: int) -> _ClassCode:
+    mode = _GROUP if ranks.size >= GROUP1_FRACTION * members and ranks.size else 0
+    if 2 * ranks.size > members:
+        ranks, mode = _complement(ranks, members), mode | _COMPLEMENT
+    gaps = np.diff(ranks, prepend=-1) - 1
+    k = _rice_k(gaps)
+    rem = _bit_planes(gaps & ((1 << k) - 1), k)
+    return _ClassCode(ranks.size, k, mode, rem, gaps >> k)
+
+
+def _classed_streams(delta: TensorDelta, base_bits: np.ndarray) -> list[bytes]:
+    pos, d = (_np(t) for t in delta.to_sparse())
+    cmap = class_map(base_bits, delta.spec.dtype)
+    shift = MANTISSA_BITS[delta.spec.dtype]
+    cls = (base_bits.view(f"<u{base_bits.dtype.itemsize}")[pos] >> shift) & 15
+    order = np.argsort(cls.astype(np.uint8), kind="stable")
+    bounds = np.searchsorted(cls[order], np.arange(N_CLASSES + 1))
+    codes, groups = [], ([], [])
+    for c in range(N_CLASSES):
+        idx = order[bounds[c] : bounds[c + 1]]
+        ranks = class_ranks(cmap.words[c], cmap.counts[c], pos[idx]) if idx.size else idx
+        code = _code_class(ranks, int(cmap.members[c]))
+        codes.append(code)
+        groups[code.mode >> 1].append(d[idx])
+    unary = _unary(np.concatenate([c.quotients for c in codes]))
+    values = [encode_values(np.concatenate(g) if g else d[:0]) for g in groups]
+    head = b"".join(_CLASS_ROW.pack(c.coded, c.k, c.mode) for c in codes)
+    head += _CLASS_TAIL.pack(len(unary)) + values[0][0] + values[1][0]
+    return [head, unary, b"".join(c.remainders for c in codes), *values[0][1], *values[1][1]]
+
+
+@dataclass(frozen=True)
+class _ClassHead:
+    """A coding-3 frame's fixed header, checked against the base's class sizes."""
+
+    coded: np.ndarray
+    k: np.ndarray
+    mode: np.ndarray
+    unary_size: int
+    values: tuple[tuple[int, int], tuple[int, int]]
+
+
+def _classed_head(raw: memoryview, width: int, name: str) -> _ClassHead:
+    if len(raw) < _CLASSED_HEAD:
+        raise CountMismatchError(f"{name}: frame ends before its class table")
+    rows = [_CLASS_ROW.unpack_from(raw, i * _CLASS_ROW.size) for i in range(N_CLASSES)]
+    coded, k, mode = (np.array(col, dtype=np.int64) for col in zip(*rows))
+    if int(k.max()) > _MAX_RICE or int(mode.max()) > (_COMPLEMENT | _GROUP):
+        raise MalformedPatchError(f"{name}: class table holds a Rice parameter or mode out of range")
+    off = _CLASS_ROW.size * N_CLASSES
+    (unary,) = _CLASS_TAIL.unpack_from(raw, off)
+    off += _CLASS_TAIL.size
+    v0 = _value_head(raw[off:], width, name)
+    v1 = _value_head(raw[off + _VALUE_HEAD.size :], width, name)
+    return _ClassHead(coded, k, mode, unary, (v0, v1))
+
+
+def _class_changes(head: _ClassHead, members: np.ndarray, n: int, name: str) -> np.ndarray:
+    """Changed elements per class; refuses a table that does not fit the base's classes."""
+    if np.any(head.coded > members):
+        raise CountMismatchError(f"{name}: a class codes more entries than the base holds")
+    changed = np.where(head.mode & _COMPLEMENT, members - head.coded, head.coded)
+    if int(changed.sum()) != n:
+        raise CountMismatchError(f"{name}: classes change {int(changed.sum())}, table says {n}")
+    return changed
+
+
+def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
+    """Quotients from the unary stream: exactly ``total`` one bits, zero padding only."""
+    bits = np.unpackbits(np.frombuffer(buf, np.uint8), bitorder="little")
+    ones = np.flatnonzero(bits)
+    if ones.size != total or (total and int(ones[-1]) < bits.size - 8) or (not total and len(buf)):
+        raise CountMismatchError(f"{name}: unary stream holds {ones.size} codes, expected {total}")
+    return np.diff(ones, prepend=-1) - 1
+
+
+def _read_planes(buf: memoryview, m: int, k: int) -> np.ndarray:
+    """Inverse of :func:`_bit_planes`: k planes of ceil(m/8) bytes back to m values."""
+    if k == 0:
+        return np.zeros(m, dtype=np.int64)
+    planes = np.frombuffer(buf, np.uint8, k * ((m + 7) // 8)).reshape(k, -1)
+    bits = np.unpackbits(planes, axis=1, count=m, bitorder="little")
+    octets = np.zeros((m, 8), dtype=np.uint8)
+    octets[:, : (k + 7) // 8] = np.packbits(bits, axis=0, bitorder="little").T
+    return octets.view("<i8").reshape(m)
+
+
+def _class_ranks_from(q: np.ndarray, rem: np.ndarray, k: int, members: int, name: str) -> np.ndarray:
+    """Ranks from Rice parts, refusing any that would leave the class (checked before the
+    running sum, so hostile input cannot overflow it)."""
+    if q.size == 0:
+        return q
+    if int(q.max()) > members >> k:
+        raise IndexOutOfRangeError(f"{name}: a position gap exceeds its class's {members} members")
+    gaps = (q << k) | rem
+    if float(gaps.sum(dtype=np.float64)) + gaps.size > members:
+        raise IndexOutOfRangeError(f"{name}: positions run past its class's {members} members")
+    ranks = np.cumsum(gaps + 1) - 1
+    if int(ranks[-1]) >= members:
+        raise IndexOutOfRangeError(f"{name}: position outside its class's {members} members")
+    return ranks
+
+
+def _classed_size(head: _ClassHead, changed: np.ndarray, width: int) -> tuple[int, int, list[int]]:
+    """(remainder bytes, value bytes, group sizes) implied by the header and the base."""
+    rem = int(np.sum(head.k * ((head.coded + 7) // 8)))
+    group = (head.mode & _GROUP) != 0
+    sizes = [int(changed[~group].sum()), int(changed[group].sum())]
+    vals = sum(_value_body_size(m, width, *head.values[g]) for g, m in enumerate(sizes))
+    return rem, vals, sizes
+
+
+def _decode_classed(raw: memoryview, spec: TensorSpec, n: int, base_bits: np.ndarray) -> TensorDelta:
+    name, width = spec.name, spec.itemsize
+    head = _classed_head(raw, width, name)
+    cmap = class_map(base_bits, spec.dtype)
+    members = cmap.members
+    changed = _class_changes(head, members, n, name)
+    rem_size, val_size, groups = _classed_size(head, changed, width)
+    _check_size(raw, _CLASSED_HEAD + head.unary_size + rem_size + val_size, n, name)
+    off = _CLASSED_HEAD
+    q_all = _read_unary(raw[off : off + head.unary_size], int(head.coded.sum()), name)
+    off += head.unary_size
+    values = []
+    voff = off + rem_size
+    for g, m in enumerate(groups):
+        bits, n_esc = head.values[g]
+        size = _value_body_size(m, width, bits, n_esc)
+        values.append(_decode_value_body(raw[voff : voff + size], m, width, bits, n_esc, name))
+        voff += size
+    positions, deltas, qoff, used = [], [], 0, [0, 0]
+    for c in range(N_CLASSES):
+        m, k, mode, size = int(head.coded[c]), int(head.k[c]), int(head.mode[c]), int(members[c])
+        if not changed[c]:
+            off += k * ((m + 7) // 8)  # a complement class whose members all stay
+            qoff += m
+            continue
+        rem = _read_planes(raw[off:], m, k)
+        off += k * ((m + 7) // 8)
+        ranks = _class_ranks_from(q_all[qoff : qoff + m], rem, k, size, name)
+        qoff += m
+        if mode & _COMPLEMENT:
+            ranks = _complement(ranks, size)
+        positions.append(class_select(cmap.words[c], cmap.counts[c], size, ranks))
+        g = mode >> 1
+        deltas.append(values[g][used[g] : used[g] + ranks.size])
+        used[g] += ranks.size
+    pos, d = np.concatenate(positions), np.concatenate(deltas)
+    order = np.argsort(pos, kind="stable")
+    return TensorDelta(spec, torch.from_numpy(pos[order]),
+                       torch.from_numpy(d[order]).view(bits_dtype(spec.dtype)))  # fmt: skip
+
+
 def _sparse_streams(delta: TensorDelta) -> list[bytes]:
     pos, d = delta.to_sparse()
     pos_head, pos_body = encode_positions(_np(pos), delta.spec.numel)
@@ -433,10 +794,17 @@ def _dense_streams(delta: TensorDelta) -> list[bytes]:
     return [head, *body]
 
 
-def encode_frame(delta: TensorDelta, level: int) -> tuple[int, int, bytes]:
-    """(coding, count, frame) for one tensor: the smaller of the sparse and dense codings."""
+def encode_frame(
+    delta: TensorDelta, level: int, base_bits: np.ndarray | None = None
+) -> tuple[int, int, bytes]:
+    """(coding, count, frame) for one tensor: the smallest of the codings it may use. Coding 3
+    needs the base's bits; without them (or for a dtype with no exponent) it is not tried."""
     count = delta.count
     best = (SPARSE, _compress(_sparse_streams(delta), level))
+    if base_bits is not None and classed_dtype(delta.spec.dtype):
+        classed = _compress(_classed_streams(delta, base_bits), level)
+        if len(classed) < len(best[1]):
+            best = (CLASSED, classed)
     if count >= DENSE_TRY_FRACTION * delta.spec.numel:
         dense = _compress(_dense_streams(delta), level)
         if len(dense) < len(best[1]):
@@ -462,6 +830,8 @@ def _frame_bound(row: FrameInfo) -> int:
     width, n = row.spec.itemsize, row.count
     if row.coding == DENSE:
         return _VALUE_HEAD.size + row.spec.numel * 2 * width
+    if row.coding == CLASSED:  # unary bits are at most one per code plus one per element
+        return _CLASSED_HEAD + (n + row.spec.numel) // 8 + 1 + n * (8 + 2 * width)
     return _SPARSE_HEAD.size + _VALUE_HEAD.size + n * (2 + 8 + 2 * width)
 
 
@@ -492,9 +862,15 @@ def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
     return TensorDelta(spec, None, torch.from_numpy(d).view(bits_dtype(spec.dtype)))
 
 
-def decode_frame(row: FrameInfo, frame: memoryview) -> TensorDelta:
-    """Decode and fully validate one tensor's frame."""
+def decode_frame(
+    row: FrameInfo, frame: memoryview, base_bits: np.ndarray | None = None
+) -> TensorDelta:
+    """Decode and fully validate one tensor's frame (coding 3 needs the base's bits)."""
     raw = _decompress(frame, _frame_bound(row), row.spec.name)
+    if row.coding == CLASSED:
+        if base_bits is None:
+            raise MissingBaseError(f"{row.spec.name}: exponent-class frame needs the base weights")
+        return _decode_classed(raw, row.spec, row.count, base_bits)
     if row.coding == DENSE:
         return _decode_dense(raw, row.spec, row.count)
     return _decode_sparse(raw, row.spec, row.count)
@@ -516,15 +892,49 @@ def _row_bytes(spec: TensorSpec, coding: int, count: int, size: int) -> bytes:
     )
 
 
-def encode(patch: Patch, level: int = DEFAULT_LEVEL, workers: int = 1) -> bytes:
-    """Serialize ``patch``; with ``workers > 1`` tensor frames are compressed in parallel."""
-    patch.validate()
-    changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
+def _check_base(base: TensorSet, layout: Layout, want: bytes, known: bytes | None) -> None:
+    """Coding 3 is only meaningful against the exact base: the classes come from its bits.
+    ``known`` is the caller's record of the base's state hash (saves hashing it again)."""
+    if layout_of(base) != layout:
+        raise LayoutMismatchError("base weights do not have the patch's layout (names, shapes, dtypes)")
+    have = known if known is not None else state_hash(base)
+    if have != want:
+        raise BaseMismatchError(f"base weights hash to {have.hex()}, patch was made for {want.hex()}")
+
+
+def _base_bits(base: TensorSet | None, spec: TensorSpec) -> np.ndarray | None:
+    """The base tensor's bit patterns on the host (a copy only when it lives on a GPU)."""
+    if base is None or not classed_dtype(spec.dtype):
+        return None
+    return flat_bits(base[spec.name].detach()).cpu().contiguous().numpy()
+
+
+def _map(fn: Callable, items: list, workers: int) -> list:
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:
-            frames = list(pool.map(lambda d: encode_frame(d, level), changed))
-    else:
-        frames = [encode_frame(d, level) for d in changed]
+            return list(pool.map(fn, items))
+    return [fn(x) for x in items]
+
+
+def encode(
+    patch: Patch,
+    level: int = DEFAULT_LEVEL,
+    workers: int = 1,
+    base: TensorSet | None = None,
+    base_hash: bytes | None = None,
+) -> bytes:
+    """Serialize ``patch``; with ``workers > 1`` tensor frames are compressed in parallel.
+
+    With ``base`` (the weights the patch applies to, read only) float tensors may take the
+    exponent-class coding (format version 2); without it every frame is a version-1 coding, as
+    is the file. ``base_hash``: the caller's record of ``base``'s state hash, if it has one.
+    """
+    patch.validate()
+    if base is not None:
+        _check_base(base, patch.layout, patch.base_hash, base_hash)
+    changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
+    frames = _map(lambda d: encode_frame(d, level, _base_bits(base, d.spec)), changed, workers)
+    version = 2 if any(f[0] == CLASSED for f in frames) else 1
     by_name = {d.spec.name: f for d, f in zip(changed, frames)}
     rows = []
     for spec in patch.layout:
@@ -533,7 +943,7 @@ def encode(patch: Patch, level: int = DEFAULT_LEVEL, workers: int = 1) -> bytes:
     table_raw = b"".join(rows)
     table = _compress([table_raw], level)
     header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, 0, len(patch.layout), len(table), len(table_raw),
+        MAGIC, version, 0, len(patch.layout), len(table), len(table_raw),
         patch.fingerprint, patch.base_hash, patch.target_hash,
     )  # fmt: skip
     return b"".join([header, table, *(by_name[d.spec.name][2] for d in changed)])
@@ -576,11 +986,15 @@ def _parse_row(reader: _Reader, limits: CodecLimits) -> tuple[TensorSpec, int, i
     return TensorSpec(name, tuple(shape), DTYPES_BY_CODE[code]), coding, count, size
 
 
-def _check_row(spec: TensorSpec, coding: int, count: int, size: int, limits: CodecLimits) -> None:
+def _check_row(
+    spec: TensorSpec, coding: int, count: int, size: int, limits: CodecLimits, version: int
+) -> None:
     if spec.numel > limits.max_tensor_elements:
         raise MalformedPatchError(f"{spec.name}: {spec.numel} elements exceed the limit")
-    if coding not in (UNCHANGED, SPARSE, DENSE):
-        raise UnsupportedFormatError(f"{spec.name}: unknown coding {coding}")
+    if coding not in CODINGS_BY_VERSION[version]:
+        raise UnsupportedFormatError(f"{spec.name}: unknown coding {coding} in format {version}")
+    if coding == CLASSED and not classed_dtype(spec.dtype):
+        raise MalformedPatchError(f"{spec.name}: coding 3 needs a float dtype, not {spec.dtype}")
     if count > spec.numel:
         raise CountMismatchError(f"{spec.name}: {count} changes in {spec.numel} elements")
     if (coding == UNCHANGED) != (count == 0) or (coding == UNCHANGED) != (size == 0):
@@ -600,11 +1014,13 @@ def _read_table(data: memoryview, n: int, zsize: int, rawsize: int, limits: Code
     return bytes(table)
 
 
-def _parse_rows(table: bytes, n: int, first_offset: int, limits: CodecLimits) -> list[FrameInfo]:
+def _parse_rows(
+    table: bytes, n: int, first_offset: int, limits: CodecLimits, version: int
+) -> list[FrameInfo]:
     reader, rows, offset, prev = _Reader(table), [], first_offset, None
     for _ in range(n):
         spec, coding, count, size = _parse_row(reader, limits)
-        _check_row(spec, coding, count, size, limits)
+        _check_row(spec, coding, count, size, limits, version)
         key = spec.name.encode("utf-8")
         if prev is not None and key <= prev:
             raise MalformedPatchError(f"table rows not in strict name order at {spec.name!r}")
@@ -632,7 +1048,7 @@ def read_header(data: bytes | memoryview, limits: CodecLimits = CodecLimits()) -
     if flags:
         raise UnsupportedFormatError(f"unknown header flags 0x{flags:04x}")
     table = _read_table(data, n, zsize, rawsize, limits)
-    rows = _parse_rows(table, n, HEADER_SIZE + zsize, limits)
+    rows = _parse_rows(table, n, HEADER_SIZE + zsize, limits, version)
     if layout_fingerprint(tuple(r.spec for r in rows)) != fp:
         raise MalformedPatchError("table layout does not match the header's fingerprint")
     end = rows[-1].offset + rows[-1].size if rows else HEADER_SIZE + zsize
@@ -643,23 +1059,38 @@ def read_header(data: bytes | memoryview, limits: CodecLimits = CodecLimits()) -
     return PatchInfo(version, fp, base, target, tuple(rows), len(data))
 
 
-def _decode_rows(data: memoryview, rows: Iterable[FrameInfo], workers: int) -> list[TensorDelta]:
+def _decode_rows(
+    data: memoryview, rows: list[FrameInfo], workers: int, base: TensorSet | None
+) -> list[TensorDelta]:
     def one(row: FrameInfo) -> TensorDelta:
-        return decode_frame(row, data[row.offset : row.offset + row.size])
+        bits = _base_bits(base, row.spec) if row.coding == CLASSED else None
+        return decode_frame(row, data[row.offset : row.offset + row.size], bits)
 
-    rows = list(rows)
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(one, rows))
-    return [one(r) for r in rows]
+    return _map(one, rows, workers)
 
 
 def decode(
-    data: bytes | memoryview, limits: CodecLimits = CodecLimits(), workers: int = 1
+    data: bytes | memoryview,
+    limits: CodecLimits = CodecLimits(),
+    workers: int = 1,
+    base: TensorSet | None = None,
+    base_hash: bytes | None = None,
 ) -> Patch:
-    """Parse a patch, validating every field and frame before returning it."""
+    """Parse a patch, validating every field and frame before returning it.
+
+    A patch with exponent-class frames (coding 3) decodes only against its base: pass the
+    weights it applies to as ``base`` (read, never written); their layout and state hash are
+    checked first (``base_hash``: the caller's record of its state hash, saves that pass).
+    Without such frames ``base`` is not needed and not looked at.
+    """
     data = memoryview(data)
     info = read_header(data, limits)
     changed = [r for r in info.rows if r.coding != UNCHANGED]
-    deltas = _decode_rows(data, changed, workers)
+    if any(r.coding == CLASSED for r in changed):
+        if base is None:
+            raise MissingBaseError("patch has exponent-class frames; decoding needs its base weights")
+        _check_base(base, info.layout, info.base_hash, base_hash)
+    else:
+        base = None
+    deltas = _decode_rows(data, changed, workers, base)
     return Patch(info.layout, info.base_hash, info.target_hash, {d.spec.name: d for d in deltas})

@@ -120,3 +120,7 @@ class IncompletePayloadError(ChunkError):
 
 class NoPathError(P2PSyncError):
     """No chain of announced artifacts leads from the local state to the head."""
+
+
+class MissingBaseError(PatchError):
+    """The patch codes positions by the base's exponents, and no base weights were given."""
