@@ -39,6 +39,7 @@ class NodeConfig:
     device: str = "auto"
     chunk_size: int = 256 * 1024
     anchor_every: int = 10
+    checkpoint_every: int = 10  # full weights written every N versions (else one log line each)
     catchup_spans: tuple[int, ...] = (4, 16)
     manifest_lifetime_s: int = 7 * 86400
     poll_interval_s: float = 1.0
@@ -120,7 +121,7 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
     for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
                  "max_concurrent_uploads", "upload_queue", "seed_outstanding",
-                 "poll_fanout"):  # fmt: skip
+                 "poll_fanout", "checkpoint_every"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise bad(name, "must be >= 1")
     if not cfg.store_max_gb > 0:

@@ -132,7 +132,8 @@ class Download:
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
 
-    async def run(self) -> memoryview:
+    async def run(self) -> None:
+        """Fetch every missing chunk; on return the whole payload is in the store, verified."""
         loop = asyncio.get_running_loop()
         helpers = [asyncio.create_task(self._poll_haves()), asyncio.create_task(self._tick())]
         try:
@@ -146,15 +147,14 @@ class Download:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        payload = await asyncio.to_thread(self.node.store.payload, self.m)
-        if payload is not None:
-            return payload
+        if await asyncio.to_thread(self.node.store.verify_pack, self.m):
+            return
         if self.attempt >= MAX_ATTEMPTS:  # the disk keeps losing what we store: stop, loudly
             raise StoreError(f"{self.m.digest}: chunks stored for this payload keep failing "
                              f"their hash on disk ({self.attempt} downloads)")  # fmt: skip
         # a stored chunk vanished or rotted on disk: fetch what is missing again
-        return await Download(self.node, self.m, self.sched.config, self.on_chunk,
-                              self.attempt + 1).run()  # fmt: skip
+        await Download(self.node, self.m, self.sched.config, self.on_chunk,
+                       self.attempt + 1).run()  # fmt: skip
 
 
 async def fetch_payload(
@@ -162,7 +162,7 @@ async def fetch_payload(
     manifest: Manifest,
     config: SwarmConfig | None = None,
     on_chunk: Callable[[int], None] | None = None,
-) -> memoryview:
+) -> None:
     # A random tie-break seed per download: peers start on different chunks, so they have
     # something to trade from the first second.
     cfg = node.cfg
@@ -173,4 +173,4 @@ async def fetch_payload(
         min_request_timeout_s=cfg.min_request_timeout_s,
         seed=random.getrandbits(31),
     )
-    return await Download(node, manifest, config, on_chunk).run()
+    await Download(node, manifest, config, on_chunk).run()

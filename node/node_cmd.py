@@ -50,7 +50,10 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
         if cfg.role == "bootstrap":
             await stop.wait()
         elif cfg.role == "trainer":
-            publisher = Publisher(node, key, PublishPolicy(cfg.anchor_every, cfg.catchup_spans))
+            publisher = await asyncio.to_thread(
+                Publisher, node, key, PublishPolicy(cfg.anchor_every, cfg.catchup_spans),
+                cfg.checkpoint_every,
+            )  # fmt: skip
             refresher = asyncio.create_task(publisher.refresh_loop(stop))
             if cfg.watch is not None:
                 cfg.watch.mkdir(parents=True, exist_ok=True)
@@ -58,8 +61,12 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
             else:
                 await stop.wait()
             await refresher
+            await asyncio.to_thread(publisher.close)
         else:
-            follower = Follower(node, pick_device(cfg.device), cfg.export, cfg.on_update)
+            follower = await asyncio.to_thread(
+                Follower, node, pick_device(cfg.device), cfg.export, cfg.on_update,
+                checkpoint_every=cfg.checkpoint_every,
+            )  # fmt: skip
             await follower.run(stop)
     finally:
         await node.stop()

@@ -1,10 +1,18 @@
-"""The rollout role: follow the swarm's head, fetch, verify, apply, persist, hand off.
+"""The rollout role: follow the swarm's head, fetch, verify, apply in place, log, hand off.
 
 Loop: whenever new manifests arrive (announcement or poll), plan the cheapest valid path from
 the local state to the head (``versions.plan``), fetch each artifact's chunks from every peer
-that has them (``fetch``), verify, apply, persist atomically, then hand the weights off: the
-``on_update`` callback (Python API), ``--export DIR`` (``model.safetensors`` then
-``version.json``, each atomic) and the ``--on-update CMD`` hook.
+that has them (``fetch``), then apply it **in place** to the weights this node holds (its own,
+or an engine's live tensors: ``attach``), on their device. Per version the durable cost is the
+patch's pack plus one fsynced log line (``Store.record``); full weights are written only every
+``checkpoint_every`` versions and at clean shutdown. A restart rebuilds the head from the
+checkpoint and the logged patches (``p2p_sync.restore``).
+
+Hand-off, best first: an engine in this process applies pending versions itself, between
+generation batches (``hold=True``: fetched versions wait in ``pending`` until
+``apply_pending``); else the ``on_update`` callback; ``--export DIR`` (``model.safetensors``
+then ``version.json``, each atomic: one full write per version, because a reloading engine
+needs the file) and the ``--on-update CMD`` hook.
 """
 
 from __future__ import annotations
@@ -15,32 +23,48 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
-from safetensors.torch import load, load_file, save_file
 
 from node.fetch import fetch_payload
 from node.runtime import Node
-from p2p_sync import codec
-from p2p_sync.atomic import atomic_write_bytes, atomic_write_with
-from p2p_sync.errors import NoPathError, P2PSyncError, PatchError
+from p2p_sync.atomic import atomic_write_bytes
+from p2p_sync.errors import LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.manifest import SNAPSHOT, Manifest
-from p2p_sync.patch import apply
-from p2p_sync.tensors import layout_fingerprint, layout_of, state_hash
+from p2p_sync.patch import check_layout
+from p2p_sync.restore import apply_artifact, load_snapshot, restore
+from p2p_sync.tensors import layout_of, state_hash
 from p2p_sync.versions import Artifact, PeerState, plan
+from p2p_sync.weights_io import save_weights
 
 log = logging.getLogger("p2psync.rollout")
 
 UpdateCallback = Callable[[int, dict[str, torch.Tensor]], None]
+WORKERS = os.cpu_count() or 1
 
 
 def artifact(m: Manifest) -> Artifact:
     return Artifact(m.version, m.kind, m.base_version, m.base_state, m.target_state,
                     m.payload_size, m.digest)  # fmt: skip
+
+
+@dataclass
+class Update:
+    """One version handed off: what it cost and when (seconds; ``at`` is wall-clock time)."""
+
+    version: int
+    kind: str
+    payload_bytes: int
+    fetch_s: float = 0.0
+    apply_s: float = 0.0  # decode + in-place apply + target hash check: the engine's pause
+    persist_s: float = 0.0  # log record, plus a checkpoint every checkpoint_every versions
+    export_s: float = 0.0
+    at: float = 0.0
 
 
 class Follower:
@@ -53,59 +77,190 @@ class Follower:
         export: Path | None = None,
         on_update_cmd: str | None = None,
         callback: UpdateCallback | None = None,
+        checkpoint_every: int = 10,
+        hold: bool = False,
+        into: Mapping[str, torch.Tensor] | None = None,
     ):
         self.node, self.device = node, device
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
+        self.checkpoint_every, self.hold = checkpoint_every, hold
         self.weights: dict[str, torch.Tensor] | None = None
-        state = node.store.state
-        if state is not None:
-            self.weights = load_file(str(state.weights), device=device)
-            if state_hash(self.weights).hex() != state.state_hash:
-                raise P2PSyncError(f"{state.weights}: stored weights do not match their state hash")
+        self.into = dict(into) if into is not None else None  # an engine's tensors, if attached
+        restored = restore(node.store, device, self.into, WORKERS)
+        if restored is not None:
+            self.weights = restored.weights
+            log.info("restored v%d (%d logged patches replayed)", restored.state.version,
+                     restored.replayed)  # fmt: skip
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
+        self.pending: list[tuple[Manifest, float]] = []  # fetched, not yet applied (hold mode)
+        self.ready = asyncio.Event()  # set while ``pending`` is not empty
+        self.advanced = asyncio.Event()  # replaced (after being set) at every applied version
+        self.updates: list[Update] = []  # the last few hand-offs, newest last
+        self._lock = asyncio.Lock()  # one apply at a time (engine call vs. the loop)
+        self._checkpointing: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ state
 
     @property
     def state(self) -> PeerState:
+        """The state the weights hold (what was applied and logged)."""
         s = self.node.store.state
         return PeerState(s.version, s.state_hash) if s else PeerState()
 
+    @property
+    def planned(self) -> PeerState:
+        """The state after the fetched-but-pending versions: where fetching continues from."""
+        if self.pending:
+            m = self.pending[-1][0]
+            return PeerState(m.version, m.target_state)
+        return self.state
+
     def _plan(self) -> list[Manifest]:
         by_digest = {m.digest: m for m in self.node.store.manifests()}
-        floor = self.state.version
+        start = self.planned
         arts = [
             artifact(m)
             for m in by_digest.values()
-            if (floor is None or m.version > floor) and m.digest not in self.refused
+            if (start.version is None or m.version > start.version) and m.digest not in self.refused
         ]
         try:
-            return [by_digest[a.ident] for a in plan(self.state, arts)]
+            return [by_digest[a.ident] for a in plan(start, arts)]
         except NoPathError:
             return []
 
-    def _apply(self, m: Manifest, payload: memoryview) -> dict[str, torch.Tensor]:
-        if m.kind == SNAPSHOT:
-            weights = {k: v.to(self.device) for k, v in load(bytes(payload)).items()}
-            if layout_fingerprint(layout_of(weights)).hex() != m.layout:
-                raise PatchError("snapshot layout differs from its manifest")
-            if state_hash(weights).hex() != m.target_state:
-                raise PatchError(f"v{m.version} does not hash to its signed target state")
-        else:
-            patch = codec.decode(payload, workers=os.cpu_count() or 1)
-            if patch.base_hash.hex() != m.base_state or patch.target_hash.hex() != m.target_state:
-                raise PatchError("patch hashes differ from its signed manifest")
-            assert self.weights is not None
-            weights = self.weights
-            apply(weights, patch)  # checks base and target hashes (the target's is signed)
-        return weights
+    # ------------------------------------------------------------ attaching an engine
 
-    def _persist(self, m: Manifest, weights: dict[str, torch.Tensor]) -> None:
-        host = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-        if self.export is not None:  # first, so a reported version always has its export
-            self.export.mkdir(parents=True, exist_ok=True)
-            atomic_write_with(self.export / "model.safetensors", lambda p: save_file(host, str(p)))
-            doc = {"version": m.version, "state_hash": m.target_state}
-            atomic_write_bytes(self.export / "version.json", json.dumps(doc).encode())
-        self.node.store.set_weights(m.version, m.target_state, lambda p: save_file(host, str(p)))
+    def attach(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Hand patches to an engine's live tensors from now on. Names, shapes and dtypes must
+        match the swarm's layout (checked before anything is written; the message names the
+        tensor). If this node already holds weights they are copied into the engine's tensors
+        once, and the node's own copy is dropped: the model is never held twice."""
+        target = dict(tensors)
+        if self.weights is not None:
+            check_layout(layout_of(self.weights), layout_of(target), "engine model")
+            with torch.no_grad():
+                for name, t in self.weights.items():
+                    target[name].copy_(t)
+            self.weights = target
+        self.into = target
+
+    # ------------------------------------------------------------ applying
+
+    def _apply_one(self, m: Manifest) -> dict[str, torch.Tensor]:
+        """Apply a fetched, verified artifact to the weights (in place), in a worker thread."""
+        if m.kind == SNAPSHOT:  # into the tensors already held: never two copies of the model
+            target = self.into if self.into is not None else self.weights
+            try:
+                return load_snapshot(self.node.store, m, self.device, target)
+            except PatchError:
+                if target is not None:  # they may be half-overwritten: rebuild the last state
+                    restored = restore(self.node.store, self.device, target, WORKERS)
+                    self.weights = restored.weights if restored is not None else None
+                raise
+        if self.weights is None:
+            raise PatchError(f"v{m.version}: a patch needs weights to apply to")
+        current = self.state.state_hash
+        assert current is not None
+        apply_artifact(self.node.store, m, self.weights, current, WORKERS)
+        return self.weights
+
+    async def _checkpoint_done(self) -> None:
+        if self._checkpointing is not None:
+            await self._checkpointing
+            self._checkpointing = None
+
+    async def _checkpoint(self, version: int, target: str) -> None:
+        weights = self.weights
+        assert weights is not None
+        await asyncio.to_thread(self.node.store.set_checkpoint, version, target,
+                                lambda p: save_weights(p, weights))  # fmt: skip
+
+    async def _persist(self, m: Manifest) -> None:
+        """Log the version (one small fsynced line); checkpoint every ``checkpoint_every``
+        versions past the replay base, in the background (the next apply waits for it)."""
+        store = self.node.store
+        store.record(m.version, m.target_state, m.digest)
+        base, _ = store.replay_chain()
+        if base is None or m.version - base.version >= self.checkpoint_every:
+            self._checkpointing = asyncio.create_task(self._checkpoint(m.version, m.target_state))
+
+    async def _export(self, m: Manifest) -> None:
+        if self.export is None:
+            return
+        weights, export = self.weights, self.export
+        assert weights is not None
+        export.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(save_weights, export / "model.safetensors", weights)
+        doc = {"version": m.version, "state_hash": m.target_state}
+        atomic_write_bytes(export / "version.json", json.dumps(doc).encode())
+
+    async def _advance(self, m: Manifest, fetch_s: float) -> Update:
+        """Apply one fetched artifact, log it and hand it off."""
+        up = Update(m.version, m.kind, m.payload_size, fetch_s=fetch_s)
+        await self._checkpoint_done()  # a checkpoint reads the weights: never mutate under it
+        t0 = time.perf_counter()
+        self.weights = await asyncio.to_thread(self._apply_one, m)
+        t1 = time.perf_counter()
+        await self._persist(m)
+        t2 = time.perf_counter()
+        await self._export(m)
+        up.apply_s, up.persist_s, up.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        up.at = time.time()
+        self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
+        self.node.set_version(m.version)
+        self._note(up)
+        if self.callback is not None:
+            self.callback(m.version, self.weights)
+        await self._hook(m)
+        return up
+
+    def _note(self, up: Update) -> None:
+        news, self.advanced = self.advanced, asyncio.Event()
+        news.set()
+        self.updates = [*self.updates[-15:], up]
+        self.node.last_update = asdict(up)
+        log.info("v%d applied (%s, %s bytes): fetch %.2fs, apply %.3fs, persist %.3fs, "
+                 "export %.2fs", up.version, up.kind, f"{up.payload_bytes:,}", up.fetch_s,
+                 up.apply_s, up.persist_s, up.export_s)  # fmt: skip
+
+    async def apply_pending(self) -> list[Update]:
+        """Apply every fetched version now, in order (hold mode: the engine calls this between
+        generation batches). A version that fails to apply is refused and dropped with the
+        rest of the pending path; the weights stay at the last good version."""
+        try:
+            return await self._apply_all()
+        finally:
+            self.ready.clear()
+            self.node.new_info.set()  # re-plan from where the weights are now
+
+    async def _apply_all(self) -> list[Update]:
+        async with self._lock:
+            done = []
+            while self.pending:
+                m, fetch_s = self.pending.pop(0)
+                try:
+                    done.append(await self._advance(m, fetch_s))
+                except LayoutMismatchError:  # the engine's model does not fit: its error
+                    self.pending.clear()
+                    raise
+                except PatchError as exc:
+                    log.error("v%d refused: %s; planning around it", m.version, exc)
+                    self.refused.add(m.digest)
+                    self.pending.clear()
+            return done
+
+    async def close(self) -> None:
+        """Clean shutdown: finish a running checkpoint, then checkpoint the head unless the
+        replay base already is the head (a restart then replays nothing)."""
+        await self._checkpoint_done()
+        store, state = self.node.store, self.node.store.state
+        base, _ = store.replay_chain()
+        if self.weights is not None and state is not None and base is not None \
+                and base.version < state.version:  # fmt: skip
+            if state_hash(self.weights).hex() == state.state_hash:  # never checkpoint a torn state
+                await self._checkpoint(state.version, state.state_hash)
+
+    # ------------------------------------------------------------ the loop
 
     async def _hook(self, m: Manifest) -> None:
         if not self.cmd:
@@ -126,42 +281,42 @@ class Follower:
         if rc:
             log.warning("--on-update command exited with %s for v%d", rc, m.version)
 
-    async def _fetch(self, m: Manifest) -> memoryview:
+    async def _fetch(self, m: Manifest) -> None:
         """Fetch with a live rich progress bar when asked (or when stderr is a terminal)."""
         if not (self.node.cfg.progress or sys.stderr.isatty()):
             return await fetch_payload(self.node, m)
         columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
         with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"v{m.version} {m.kind}", total=m.payload_size)
-            return await fetch_payload(self.node, m, on_chunk=lambda n: bar.advance(task, n))
+            await fetch_payload(self.node, m, on_chunk=lambda n: bar.advance(task, n))
 
     async def step(self, m: Manifest) -> None:
-        t0 = time.monotonic()
-        payload = await self._fetch(m)
-        weights = await asyncio.to_thread(self._apply, m, payload)
-        await asyncio.to_thread(self._persist, m, weights)
-        self.weights = weights
-        self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
-        self.node.set_version(m.version)
-        log.info("v%d applied (%s, %s bytes) in %.2fs", m.version, m.kind,
-                 f"{m.payload_size:,}", time.monotonic() - t0)  # fmt: skip
-        if self.callback is not None:
-            self.callback(m.version, weights)
-        await self._hook(m)
+        t0 = time.perf_counter()
+        await self._fetch(m)
+        fetch_s = time.perf_counter() - t0
+        if self.hold:
+            self.pending.append((m, fetch_s))
+            self.ready.set()
+            return
+        async with self._lock:
+            await self._advance(m, fetch_s)
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            self.node.new_info.clear()
-            for m in self._plan():
-                if stop.is_set():
-                    return
+        try:
+            while not stop.is_set():
+                self.node.new_info.clear()
+                for m in self._plan():
+                    if stop.is_set():
+                        return
+                    try:
+                        await self.step(m)
+                    except PatchError as exc:  # verified chunks, bad content: a trainer bug
+                        log.error("v%d refused: %s; planning around it", m.version, exc)
+                        self.refused.add(m.digest)
+                        break
                 try:
-                    await self.step(m)
-                except PatchError as exc:  # verified chunks, bad content: a trainer-side bug
-                    log.error("v%d refused: %s; planning around it", m.version, exc)
-                    self.refused.add(m.digest)
-                    break
-            try:
-                await asyncio.wait_for(self.node.new_info.wait(), 1.0)
-            except TimeoutError:
-                pass
+                    await asyncio.wait_for(self.node.new_info.wait(), 1.0)
+                except TimeoutError:
+                    pass
+        finally:
+            await self.close()

@@ -83,6 +83,8 @@ class Node:
         self.multiaddr: str | None = None
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
         self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
+        self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
+        self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
         self._announce_limits = announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s)
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
@@ -445,6 +447,8 @@ class Node:
             "multiaddr": self.multiaddr,
             "p2p": self.p2p.status() if self.p2p is not None else None,
             "announce_latency_ms": {str(v): ms for v, ms in self.announce_latency_ms.items()},
+            "last_publish": self.last_publish,
+            "last_update": self.last_update,
         }
 
     def metrics_text(self) -> bytes:

@@ -2,7 +2,26 @@
 
 The library half: everything a trainer or a rollout engine imports. Modules hold one concept
 each: ``tensors`` (named tensor sets, layout fingerprints, state hashes), ``patch`` (diff, apply,
-merge), ``codec`` (the wire format), ``workloads`` (the built-in model that produces versions).
+merge), ``codec`` (the wire format), ``store`` (checkpoint, log and chunk packs), ``restore``
+(rebuilding weights from them), ``workloads`` (the built-in model that produces versions).
+
+The entry points for a training loop and an inference engine::
+
+    from p2p_sync import Trainer, Rollout
+
+They live in ``node.api`` (they run a node: sockets, an event loop) and are loaded on first
+use, so importing the protocol core never pulls in asyncio or a network stack.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["HandOff", "Rollout", "Trainer", "Update"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from node import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'p2p_sync' has no attribute {name!r}")

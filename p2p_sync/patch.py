@@ -12,7 +12,7 @@ changed positions and deltas travel to the host.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,7 +155,7 @@ class Patch:
             delta.validate()
 
 
-def _check_layout(expected: Layout, actual: Layout, what: str) -> None:
+def check_layout(expected: Layout, actual: Layout, what: str) -> None:
     if expected == actual:
         return
     want = {s.name: s for s in expected}
@@ -206,17 +206,19 @@ def diff_tensor(
     return _diff_host(spec, old.contiguous(), cur.contiguous(), scratch)
 
 
-def diff(base: TensorSet, new: TensorSet) -> Patch:
-    """The patch that turns ``base`` into ``new`` (equal layouts required)."""
+def diff(base: TensorSet, new: TensorSet, base_hash: bytes | None = None) -> Patch:
+    """The patch that turns ``base`` into ``new`` (equal layouts required). ``base_hash``, when
+    the caller knows it, saves hashing the whole base again."""
     layout = layout_of(base)
-    _check_layout(layout, layout_of(new), "new version")
+    check_layout(layout, layout_of(new), "new version")
     deltas = {}
     scratch = np.empty(max((s.numel for s in layout), default=0), dtype=bool)
     for spec in layout:
         delta = diff_tensor(spec, base[spec.name], new[spec.name], scratch)
         if delta is not None:
             deltas[spec.name] = delta
-    return Patch(layout, state_hash(base), state_hash(new), deltas)
+    known = base_hash if base_hash is not None else state_hash(base)
+    return Patch(layout, known, state_hash(new), deltas)
 
 
 def _require_contiguous(t: torch.Tensor, name: str) -> None:
@@ -237,28 +239,53 @@ def _add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
         flat[delta.positions.to(flat.device, non_blocking=True)] += deltas
 
 
+def _distinct(weights: TensorSet, names: Iterable[str]) -> list[str]:
+    """``names`` less those whose memory another name already covers (tied weights, e.g. an
+    LM head sharing the embedding's storage): patched once, or the delta would add twice."""
+    seen: set[tuple[int, int, torch.dtype]] = set()
+    out = []
+    for name in names:
+        t = weights[name]
+        key = (t.data_ptr(), t.numel(), t.dtype) if t.numel() else (id(t), 0, t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
+
+
 def _add_all(weights: TensorSet, patch: Patch, sign: int) -> None:
     with torch.no_grad():
-        for name, delta in patch.deltas.items():
-            _add_delta(flat_bits(weights[name]), delta, sign)
+        for name in _distinct(weights, patch.deltas):
+            _add_delta(flat_bits(weights[name]), patch.deltas[name], sign)
 
 
-def apply(weights: TensorSet, patch: Patch, verify_target: bool = True) -> None:
-    """Apply ``patch`` to ``weights`` in place, all-or-nothing.
-
-    Everything is checked before the first write: the layout, every position's range and the
-    base state hash. If the result does not hash to the target (only possible with a patch
-    whose content is inconsistent with its own header), the writes are undone exactly and
-    :class:`TargetMismatchError` is raised, so the weights are never left half-changed.
-    """
-    _check_layout(patch.layout, layout_of(weights), "weights")
+def check_applicable(weights: TensorSet, patch: Patch) -> None:
+    """Raise before any write unless ``patch`` fits ``weights``: same names, shapes and dtypes
+    (the message names the first tensor that differs), positions in range, tensors patchable
+    in place."""
+    check_layout(patch.layout, layout_of(weights), "weights")
     patch.validate()
     for name in patch.deltas:
         _require_contiguous(weights[name], name)
-    if state_hash(weights) != patch.base_hash:
+
+
+def apply(
+    weights: TensorSet, patch: Patch, verify_target: bool = True, base_hash: bytes | None = None
+) -> None:
+    """Apply ``patch`` to ``weights`` in place, all-or-nothing.
+
+    Everything is checked before the first write: the layout, every position's range and the
+    base state hash. ``base_hash`` is the caller's record of what ``weights`` hash to (a node
+    that verified its last apply knows it): passing it saves one pass over the whole model. If
+    the result does not hash to the target (only possible with a patch whose content is
+    inconsistent with its own header, or a wrong ``base_hash``), the writes are undone exactly
+    and :class:`TargetMismatchError` is raised, so the weights are never left half-changed.
+    """
+    check_applicable(weights, patch)
+    have = base_hash if base_hash is not None else state_hash(weights)
+    if have != patch.base_hash:
         raise BaseMismatchError(
-            f"weights hash to {state_hash(weights).hex()}, "
-            f"patch was made for base {patch.base_hash.hex()}"
+            f"weights hash to {have.hex()}, patch was made for base {patch.base_hash.hex()}"
         )
     _add_all(weights, patch, +1)
     if verify_target and state_hash(weights) != patch.target_hash:
@@ -302,7 +329,7 @@ def merge(patches: Sequence[Patch]) -> Patch:
         raise ValueError("merge needs at least one patch")
     first = patches[0]
     for prev, nxt in zip(patches, patches[1:]):
-        _check_layout(first.layout, nxt.layout, "patch to merge")
+        check_layout(first.layout, nxt.layout, "patch to merge")
         if prev.target_hash != nxt.base_hash:
             raise ChainBrokenError(
                 f"patch with base {nxt.base_hash.hex()} does not follow "

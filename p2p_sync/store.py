@@ -1,12 +1,22 @@
-"""Durable local store: verified manifests, their payloads' chunks, the current weights.
+"""Durable local store: verified manifests, their payloads' chunks, a checkpoint and a log.
 
 Layout under the data dir::
 
     manifests/<digest>.json          signed manifests as received (digest = Manifest.digest)
     packs/<manifest digest>          that manifest's payload, each chunk at its offset
                                      (chunk_index * chunk_size); sparse while downloading
-    weights/<file-sha256>.safetensors  the accepted weights
-    state.json                       {"version", "state_hash", "weights", "weights_sha256"}
+    weights/v<version>-<hash>.safetensors  the checkpoint's full weights
+    checkpoint.json                  {"version", "state_hash", "weights"}
+    log.jsonl                        one line per accepted version past the checkpoint:
+                                     {"version", "state_hash", "manifest"}
+
+The accepted state is a database's: a **checkpoint plus a log**. The verified artifacts in the
+packs are the log's contents; ``log.jsonl`` records, per version, the state it reached and the
+artifact that got it there (a few dozen bytes, fsynced). Full weights are written only at a
+checkpoint (every few versions, and at clean shutdown), so a version costs disk writes in
+proportion to its patch, not to the model. Recovery (``p2p_sync.restore``) loads the
+checkpoint, or the newest logged snapshot, and re-applies the logged patches, checking every
+step against its signed state hash. Eviction never drops a pack the log names.
 
 Why one pack file per manifest and not one file per chunk: on ext4, creating a file costs
 far more than writing its 256 KiB (inode allocation, directory entry, rename): with eight
@@ -14,27 +24,30 @@ rollouts on one disk, per-chunk files took over half of all CPU time in the loop
 benchmark. A pack is one file written with ``pwrite`` at each chunk's offset; a completed
 pack is the payload itself.
 
-Crash safety: manifests, weights and state are written through ``atomic`` (temp file, fsync,
-rename, fsync dir), so a crash at any instant leaves each old or new, never half-written. The
-accepted state switches in one atomic step: the new weights file is written first under its
-own name, then ``state.json`` is replaced to point at it, then the old weights file is
-removed. Chunks are not fsynced: a pack slot is trusted only after its bytes hash to the name
-the signed manifest gives it, on open and on every read from disk, so a slot torn by a crash
-(or never written: packs are sparse) is simply absent. On open the store checks itself: it
-removes temp files, manifests that do not parse or match their name, packs no manifest names,
-and weights files that state.json does not name; it re-hashes every pack slot and verifies the
-weights file against state.json. Recently stored or served chunks are kept, verified, in a
-bounded in-memory LRU (``memory_cache_bytes``), so relaying costs no disk read.
+Crash safety: manifests, checkpoint weights and ``checkpoint.json`` are written through
+``atomic`` (temp file, fsync, rename, fsync dir), so a crash at any instant leaves each old or
+new, never half-written. A checkpoint switches in one step: the new weights file is written
+first under its own name, then ``checkpoint.json`` is replaced to point at it, then the old
+file is removed and the log is rewritten without the records it covers. A log append is one
+``write`` + fsync; a line torn by a crash is dropped on open. Chunks are not fsynced: a pack
+slot is trusted only after its bytes hash to the name the signed manifest gives it, on open
+and on every read from disk, so a slot torn by a crash (or never written: packs are sparse)
+is simply absent, and replay re-fetches it. On open the store checks itself: it removes temp
+files, manifests that do not parse or match their name, packs no manifest names, and weights
+files the checkpoint does not name; it re-hashes every pack slot. The checkpoint's weights
+are verified when loaded (against the signed state hash), not on open: opening stays O(1) in
+the model size. Recently stored or served chunks are kept, verified, in a bounded in-memory
+LRU (``memory_cache_bytes``), so relaying costs no disk read.
 
 The store trusts its caller to have verified manifests (``manifest.verify``) and chunks
 (``chunks.verify_chunk``) before putting them; it re-parses manifests on open but does not
-re-check signatures.
+re-check signatures. One owner: a node's store is used from the event loop's thread (and
+read-only ``payload`` calls from a worker while that thread waits for it).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import mmap
 import os
@@ -61,23 +74,25 @@ class StoreLimits:
 
     max_chunk_bytes: int = 4 * 2**30
     memory_cache_bytes: int = 32 * 2**20  # recently stored or served chunks, kept verified
-    verify_weights_on_open: bool = True
 
 
 @dataclass(frozen=True)
 class AcceptedState:
+    """An accepted version: its signed state hash and the artifact that led to it (None for a
+    checkpoint the log no longer covers)."""
+
+    version: int
+    state_hash: str
+    manifest: str | None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Full weights of one version on disk; verified against ``state_hash`` when loaded."""
+
     version: int
     state_hash: str
     weights: Path
-    weights_sha256: str
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _is_temp(path: Path) -> bool:
@@ -92,13 +107,16 @@ class Store:
         self.pack_dir = root / "packs"
         self.manifest_dir = root / "manifests"
         self.weights_dir = root / "weights"
-        self.state_path = root / "state.json"
+        self.checkpoint_path = root / "checkpoint.json"
+        self.legacy_state_path = root / "state.json"
+        self.log_path = root / "log.jsonl"
         self._manifests: dict[str, tuple[Manifest, bytes]] = {}
         self._where: dict[str, list[tuple[str, int]]] = {}  # chunk hash -> (manifest, index)
         self._valid: dict[str, set[int]] = {}  # manifest digest -> slots verified in its pack
         self._hot: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # LRU
         self._hot_bytes = 0
-        self.state: AcceptedState | None = None
+        self.checkpoint: Checkpoint | None = None
+        self.log: list[AcceptedState] = []  # records past the checkpoint, oldest first
         self.dropped: list[str] = []  # what the last self-check removed, for logs and tests
 
     @classmethod
@@ -130,10 +148,20 @@ class Store:
                 self._drop(p, "no manifest names this pack")
             else:
                 self._verify_pack(entry[0])
-        self.state = self._load_state()
+        self.checkpoint = self._load_checkpoint()
+        self.log = self._load_log()
         for p in self.weights_dir.iterdir():
-            if self.state is None or p != self.state.weights:
-                self._drop(p, "not the accepted weights")
+            if self.checkpoint is None or p != self.checkpoint.weights:
+                self._drop(p, "not the checkpoint")
+
+    def verify_pack(self, m: Manifest) -> bool:
+        """Re-hash every slot of ``m``'s pack from disk, reading block by block (not mapped: a
+        multi-GB snapshot then never enters this process's memory); True if all match."""
+        try:
+            self._verify_pack(m)
+        except FileNotFoundError:
+            self._valid.pop(m.digest, None)
+        return len(self._valid.get(m.digest, ())) == len(m.chunks)
 
     def _verify_pack(self, m: Manifest) -> None:
         """Re-hash every slot of ``m``'s pack: the slots that match are the chunks we hold."""
@@ -168,26 +196,6 @@ class Store:
             return
         self._register(manifest, data)
 
-    def _load_state(self) -> AcceptedState | None:
-        if not self.state_path.exists():
-            return None
-        try:
-            doc = json.loads(self.state_path.read_bytes())
-            state = AcceptedState(
-                int(doc["version"]), str(doc["state_hash"]),
-                self.weights_dir / str(doc["weights"]), str(doc["weights_sha256"]),
-            )  # fmt: skip
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StoreError(f"{self.state_path}: unreadable accepted state ({exc})") from None
-        if not state.weights.exists():
-            raise StoreError(f"{self.state_path}: names missing weights {state.weights.name}")
-        if (
-            self.limits.verify_weights_on_open
-            and _file_sha256(state.weights) != state.weights_sha256
-        ):
-            raise StoreError(f"{state.weights}: weights file is corrupt (hash mismatch)")
-        return state
-
     # ------------------------------------------------------------ chunks
 
     def pack_path(self, manifest_digest: str) -> Path:
@@ -218,6 +226,15 @@ class Store:
         view = memoryview(payload)
         for i, c in enumerate(manifest.chunks):  # the seed serves these next: keep them hot
             self._remember(c, bytes(view[self._slot(manifest, i)]))
+
+    def put_pack_file(self, manifest: Manifest, path: Path) -> None:
+        """Adopt a payload file written (and hashed, for ``manifest``) by this node as its pack,
+        by rename: a multi-GB snapshot is never copied. Same order rule as ``put_payload``."""
+        if os.stat(path).st_size != manifest.payload_size:
+            raise ValueError(f"{path} is not {manifest.payload_size} bytes")
+        os.replace(path, self.pack_path(manifest.digest))
+        self._valid[manifest.digest] = set(range(len(manifest.chunks)))
+        self._index(manifest)
 
     def put_chunk(self, data: bytes | memoryview, digest: str | None = None) -> str:
         """Store a verified chunk of a known manifest (idempotent); returns its hash. Pass
@@ -373,35 +390,149 @@ class Store:
                     return data
         return None
 
-    # ------------------------------------------------------------ accepted weights
+    # ------------------------------------------------------------ accepted state: checkpoint + log
 
-    def set_weights(self, version: int, state_hash: str, write: Callable[[Path], None]) -> None:
-        """Make (version, weights) the accepted state, atomically; ``write(path)`` writes the
-        safetensors file. Refuses to go back to an older version."""
-        if self.state is not None and version < self.state.version:
-            raise StoreError(f"refusing to replace v{self.state.version} with older v{version}")
-        tmp_name = self.weights_dir / f"incoming-{version}.safetensors"
-        atomic_write_with(tmp_name, write)
-        digest = _file_sha256(tmp_name)
-        final = self.weights_dir / f"{digest}.safetensors"
-        os.replace(tmp_name, final)
-        fsync_dir(self.weights_dir)
-        doc = {"version": version, "state_hash": state_hash, "weights": final.name,
-               "weights_sha256": digest}  # fmt: skip
-        atomic_write_bytes(self.state_path, json.dumps(doc).encode())
-        old, self.state = self.state, AcceptedState(version, state_hash, final, digest)
+    @property
+    def state(self) -> AcceptedState | None:
+        """The accepted head: the newest log record, else the checkpoint."""
+        if self.log:
+            return self.log[-1]
+        c = self.checkpoint
+        return AcceptedState(c.version, c.state_hash, None) if c else None
+
+    def record(self, version: int, state_hash: str, manifest_digest: str) -> None:
+        """Append (version, state, artifact) to the log, durably: the weights now hold
+        ``version``, reached by applying that verified artifact to the previous state. One small
+        fsynced line per version; the weights themselves are written only at checkpoints."""
+        head = self.state
+        if head is not None and version <= head.version:
+            raise StoreError(f"refusing to replace v{head.version} with older v{version}")
+        if manifest_digest not in self._manifests:
+            raise StoreError(f"no known manifest {manifest_digest} to log for v{version}")
+        rec = AcceptedState(version, state_hash, manifest_digest)
+        line = json.dumps({"version": version, "state_hash": state_hash,
+                           "manifest": manifest_digest}) + "\n"  # fmt: skip
+        with open(self.log_path, "ab") as f:
+            f.write(line.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        self.log.append(rec)
+
+    def set_checkpoint(self, version: int, state_hash: str, write: Callable[[Path], None]) -> None:
+        """Make the weights of ``version`` the checkpoint, atomically; ``write(path)`` writes the
+        safetensors file. The new file is written under its own name first, then
+        ``checkpoint.json`` is replaced to point at it, then the old file and the log records it
+        covers go: a crash at any instant leaves the old checkpoint or the new one."""
+        if self.checkpoint is not None and version < self.checkpoint.version:
+            raise StoreError(f"refusing to replace checkpoint v{self.checkpoint.version} "
+                             f"with older v{version}")  # fmt: skip
+        final = self.weights_dir / f"v{version}-{state_hash[:32]}.safetensors"
+        atomic_write_with(final, write)
+        doc = {"version": version, "state_hash": state_hash, "weights": final.name}
+        atomic_write_bytes(self.checkpoint_path, json.dumps(doc).encode())
+        old, self.checkpoint = self.checkpoint, Checkpoint(version, state_hash, final)
         if old is not None and old.weights != final:
             old.weights.unlink(missing_ok=True)
+        self._rewrite_log([r for r in self.log if r.version > version])
+
+    def drop_checkpoint(self, why: str) -> None:
+        """Forget a checkpoint whose weights failed their hash: the node starts over from an
+        anchor (re-fetched), never from unverified weights."""
+        if self.checkpoint is None:
+            return
+        self.checkpoint_path.unlink(missing_ok=True)
+        fsync_dir(self.root)
+        self._drop(self.checkpoint.weights, why)
+        self.checkpoint = None
+
+    def truncate_log(self, version: int, why: str) -> None:
+        """Drop the record of ``version`` and every later one (a logged artifact failed on
+        replay): the node re-fetches from the last state it can rebuild."""
+        kept = [r for r in self.log if r.version < version]
+        if len(kept) != len(self.log):
+            self.dropped.append(f"log from v{version}: {why}")
+            self._rewrite_log(kept)
+
+    def _rewrite_log(self, records: list[AcceptedState]) -> None:
+        lines = "".join(json.dumps({"version": r.version, "state_hash": r.state_hash,
+                                    "manifest": r.manifest}) + "\n" for r in records)  # fmt: skip
+        atomic_write_bytes(self.log_path, lines.encode())
+        self.log = list(records)
+
+    def replay_chain(self) -> tuple[Checkpoint | Manifest | None, list[Manifest]]:
+        """What rebuilds the accepted weights: a base (the checkpoint, or the newest logged
+        snapshot whose payload is held) and the logged patches after it, in order."""
+        base: Checkpoint | Manifest | None = self.checkpoint
+        start = 0
+        for i, rec in enumerate(self.log):
+            m = self.manifest(rec.manifest) if rec.manifest else None
+            if m is not None and m.kind == SNAPSHOT and self.has_payload(m):
+                base, start = m, i + 1
+        chain = []
+        for rec in self.log[start:]:
+            m = self.manifest(rec.manifest) if rec.manifest else None
+            if m is None:
+                break
+            chain.append(m)
+        return base, chain
+
+    def _load_checkpoint(self) -> Checkpoint | None:
+        path = self.checkpoint_path
+        if not path.exists() and self.legacy_state_path.exists():
+            os.replace(self.legacy_state_path, path)  # data dirs from before the log
+        if not path.exists():
+            return None
+        try:
+            doc = json.loads(path.read_bytes())
+            ckpt = Checkpoint(int(doc["version"]), str(doc["state_hash"]),
+                              self.weights_dir / str(doc["weights"]))  # fmt: skip
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"{path}: unreadable checkpoint ({exc})") from None
+        if not ckpt.weights.is_file():
+            self._drop(path, f"names missing weights {ckpt.weights.name}")
+            return None
+        return ckpt
+
+    def _load_log(self) -> list[AcceptedState]:
+        """The log's records past the checkpoint. A torn last line (a crash mid-append) and
+        anything naming an unknown manifest end the log there; the file is rewritten clean."""
+        if not self.log_path.exists():
+            return []
+        floor = self.checkpoint.version if self.checkpoint else -1
+        records: list[AcceptedState] = []
+        lines = self.log_path.read_bytes().split(b"\n")
+        for line in lines[:-1]:  # a complete record ends with a newline
+            rec = self._parse_record(line)
+            if rec is None or (records and rec.version <= records[-1].version):
+                self.dropped.append(f"log: unreadable record after {len(records)}")
+                break
+            if rec.version > floor:
+                records.append(rec)
+        else:
+            if not lines[-1]:
+                return records
+        self._rewrite_log(records)
+        return records
+
+    def _parse_record(self, line: bytes) -> AcceptedState | None:
+        try:
+            doc = json.loads(line)
+            rec = AcceptedState(int(doc["version"]), str(doc["state_hash"]), str(doc["manifest"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return rec if rec.manifest in self._manifests else None
 
     # ------------------------------------------------------------ eviction
 
     def protected(self) -> set[str]:
-        """Digests of manifests catch-up still needs: the newest anchor and every later one.
-        The newest anchor known, held or not: a rollout that follows patches never fetches
-        anchors, and a newcomer starts from the newest anchor anyway (the trainer holds it)."""
+        """Digests of manifests still needed: every artifact the log names (replay rebuilds the
+        weights from them), and for catch-up the newest anchor and every later one. The newest
+        anchor known, held or not: a rollout that follows patches never fetches anchors, and a
+        newcomer starts from the newest anchor anyway (the trainer holds it)."""
         snaps = [m for m in self.manifests() if m.kind == SNAPSHOT]
         floor = max((m.version for m in snaps), default=0)
-        return {m.digest for m in self.manifests() if m.version >= floor}
+        logged = {r.manifest for r in self.log if r.manifest is not None}
+        return logged | {m.digest for m in self.manifests() if m.version >= floor}
 
     def evict(self) -> list[str]:
         """Drop whole packs of unprotected artifacts, oldest version first, until the chunks

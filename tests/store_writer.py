@@ -1,6 +1,9 @@
 """A process that keeps writing to a Store until killed (for the crash-safety test).
 
-Prints ``committed <version>`` after each accepted version is durable. Stops by itself after
+Like a node: per version it stores a real artifact (a patch of a small bf16 tensor set, or a
+snapshot), logs it, and checkpoints the full weights every third version; at start it rebuilds
+its weights from the store (checkpoint + replay). Prints ``committed <version>`` after each
+accepted version is durable. Stops by itself after
 ``--max-versions`` versions so it can never run away.
 """
 
@@ -10,10 +13,18 @@ import argparse
 import random
 import sys
 
+import torch
+from safetensors.torch import save
+
+from p2p_sync import codec
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.patch import diff
+from p2p_sync.restore import restore
 from p2p_sync.store import Store
+from p2p_sync.tensors import layout_fingerprint, layout_of, state_hash
+from p2p_sync.weights_io import save_weights
 
 
 def manifest(key: SigningKey, swarm: str, version: int, payload: bytes) -> Manifest:
@@ -33,6 +44,39 @@ def put_version(store: Store, key: SigningKey, swarm: str, version: int, payload
     return m
 
 
+def _next(weights: dict[str, torch.Tensor], rnd: random.Random) -> dict[str, torch.Tensor]:
+    """The next version: a few hundred bf16 elements nudged by one ulp or so."""
+    new = {k: v.clone() for k, v in weights.items()}
+    for t in new.values():
+        bits = t.view(torch.int16).reshape(-1)
+        idx = torch.tensor(rnd.sample(range(bits.numel()), 300))
+        bits[idx] += torch.tensor([rnd.choice((-2, -1, 1, 2)) for _ in range(300)], dtype=torch.int16)
+    return new
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f"w{i}": torch.randn(64, 96, generator=g).to(torch.bfloat16) for i in range(3)}
+
+
+def publish(store: Store, key: SigningKey, swarm: str, version: int,
+            prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]) -> Manifest:  # fmt: skip
+    """Store one real artifact (a snapshot every 5th version, else the patch from ``prev``)."""
+    target, layout = state_hash(new).hex(), layout_fingerprint(layout_of(new)).hex()
+    if prev is None or version % 5 == 0:
+        payload, extra = save(new), {}
+    else:
+        patch = diff(prev, new)
+        payload, extra = codec.encode(patch), {"base_version": version - 1,
+                                               "base_state": patch.base_hash.hex()}
+    kind = SNAPSHOT if not extra else PATCH
+    m = manifest_for(payload, swarm=swarm, version=version, kind=kind, target_state=target,
+                     layout=layout, now=0, chunk_size=16 * 1024, **extra)  # fmt: skip
+    store.put_payload(m, payload)
+    store.put_manifest(m, sign(m, [key]))
+    return m
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
@@ -43,11 +87,16 @@ def main() -> int:
     key = SigningKey.generate()
     swarm = SwarmPolicy("crash", (key.public,)).swarm_id
     store = Store.open(args.root)
-    start = store.state.version + 1 if store.state else 0
+    restored = restore(store)
+    prev = restored.weights if restored else None
+    start = restored.state.version + 1 if restored else 0
     for version in range(start, start + args.max_versions):
-        put_version(store, key, swarm, version, rnd.randbytes(rnd.randint(1, 120_000)))
-        weights = rnd.randbytes(rnd.randint(1, 50_000))
-        store.set_weights(version, f"{version:032x}", lambda p, w=weights: p.write_bytes(w))
+        new = _next(prev, rnd) if prev is not None else _initial()
+        m = publish(store, key, swarm, version, prev, new)
+        store.record(version, m.target_state, m.digest)
+        if version % 3 == 0:  # checkpoints now and then, as a node does every K versions
+            store.set_checkpoint(version, m.target_state, lambda p, w=new: save_weights(p, w))
+        prev = new
         print(f"committed {version}", flush=True)
     return 0
 

@@ -15,6 +15,7 @@ from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.restore import restore
 from p2p_sync.store import Store, StoreLimits
 from p2p_sync.tensors import state_hash
 from p2p_sync.versions import PublishPolicy
@@ -26,6 +27,7 @@ async def _sync(
     versions: list[dict[str, torch.Tensor]],
     limits: StoreLimits = StoreLimits(),
     publish: PublishPolicy = PublishPolicy(anchor_every=100, catchup_spans=(2,)),
+    checkpoint_every: int = 10,
 ) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
@@ -46,10 +48,12 @@ async def _sync(
         applied.set()
 
     hook = f'echo "$P2PSYNC_VERSION $P2PSYNC_STATE_HASH" >> {hook_log}'
-    follower = Follower(rollout, export=tmp_path / "export", callback=callback, on_update_cmd=hook)
+    follower = Follower(rollout, export=tmp_path / "export", callback=callback, on_update_cmd=hook,
+                        checkpoint_every=checkpoint_every)  # fmt: skip
     stop = asyncio.Event()
     task = asyncio.create_task(follower.run(stop))
-    publisher = Publisher(trainer, key, publish)
+    publisher = Publisher(trainer, key, publish, checkpoint_every)
+    held: list = []  # per store, before the clean shutdown: (logged versions, payloads held)
     try:
         for v, weights in enumerate(versions):
             manifests = await publisher.publish(weights)
@@ -58,14 +62,18 @@ async def _sync(
                 while not seen or seen[-1][0] != v:
                     applied.clear()
                     await applied.wait()
+        for store in (trainer.store, rollout.store):
+            held.append(([r.version for r in store.log],
+                         {m.version for m in store.manifests() if store.has_payload(m)}))
     finally:
         stop.set()
         await task
+        publisher.close()
         await rollout.stop()
         await trainer.stop()
     return {"seen": seen, "weights": follower.weights, "hook": hook_log.read_text(),
             "export": json.loads((tmp_path / "export" / "version.json").read_text()),
-            "stores": (trainer.store, rollout.store)}  # fmt: skip
+            "stores": (trainer.store, rollout.store), "held": held}  # fmt: skip
 
 
 def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> None:
@@ -85,7 +93,8 @@ def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
 ) -> None:
     versions = tiny_versions[:5]
     out = asyncio.run(_sync(tmp_path, versions, StoreLimits(max_chunk_bytes=1),
-                            PublishPolicy(anchor_every=3, catchup_spans=(2,))))  # fmt: skip
+                            PublishPolicy(anchor_every=3, catchup_spans=(2,)),
+                            checkpoint_every=1))  # fmt: skip
     assert bit_equal(out["weights"], versions[-1])
     for store in out["stores"]:
         kept = {m.version for m in store.manifests() if store.has_payload(m)}
@@ -93,6 +102,31 @@ def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
         assert not list(store.pack_dir.glob("*")) or all(
             store.pack_path(m.digest).exists() == store.has_payload(m) for m in store.manifests()
         )
+
+
+def test_eviction_keeps_every_artifact_replay_needs(tmp_path: Path, tiny_versions: list) -> None:
+    versions = tiny_versions[:5]
+    out = asyncio.run(_sync(tmp_path, versions, StoreLimits(max_chunk_bytes=1),
+                            PublishPolicy(anchor_every=100, catchup_spans=()),
+                            checkpoint_every=100))  # fmt: skip
+    for logged, held in out["held"]:  # no checkpoint since v0: the v0 anchor and every patch
+        assert logged == [0, 1, 2, 3, 4] and held == {0, 1, 2, 3, 4}
+
+
+def test_a_restart_replays_the_log_and_writes_weights_only_at_checkpoints(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    versions = tiny_versions[:6]
+    out = asyncio.run(_sync(tmp_path, versions, publish=PublishPolicy(anchor_every=100,
+                            catchup_spans=()), checkpoint_every=2))  # fmt: skip
+    for store in out["stores"]:
+        again = Store.open(store.root)
+        # clean shutdown checkpointed the head: v5 (checkpoints at v2, v4, then at close)
+        assert again.checkpoint is not None and again.checkpoint.version == 5 and not again.log
+        assert len(list(again.weights_dir.iterdir())) == 1
+        restored = restore(again)
+        assert restored is not None and restored.replayed == 0
+        assert bit_equal(restored.weights, versions[-1])
 
 
 async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:

@@ -1,0 +1,144 @@
+"""Rebuild the accepted weights from the store: checkpoint (or logged snapshot) + logged patches.
+
+This is recovery in a checkpoint-and-log design: the store's log names, per accepted version,
+the verified artifact that produced it; the checkpoint holds full weights of some earlier
+version. Replaying the logged patches in order on the checkpoint gives the head, and each step
+is checked against its signed state hash, so a rebuilt state is exactly an accepted one.
+
+What cannot be verified is never applied: a checkpoint whose weights do not hash to its
+recorded state is dropped (the node starts over from an anchor); a logged patch whose payload
+is gone or fails its chunk hashes ends the replay there, and the log is cut back to the last
+state rebuilt, so the node re-fetches the rest from its peers.
+
+Also here: loading a snapshot payload (a complete pack is a safetensors file) into fresh
+tensors or into an engine's live ones, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from p2p_sync import codec
+from p2p_sync.errors import P2PSyncError, PatchError
+from p2p_sync.manifest import Manifest
+from p2p_sync.patch import apply
+from p2p_sync.store import AcceptedState, Checkpoint, Store
+from p2p_sync.tensors import layout_fingerprint, layout_of, state_hash
+from p2p_sync.weights_io import WeightsFileError, load_into, load_weights
+
+log = logging.getLogger("p2psync.restore")
+
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class Restored:
+    """Weights rebuilt from the store, and the accepted state they hold."""
+
+    weights: Weights
+    state: AcceptedState
+    replayed: int  # logged patches re-applied on top of the base
+
+
+def load_file_weights(
+    path: object, expected_state: str, device: str, into: Mapping[str, torch.Tensor] | None
+) -> Weights:
+    """Weights from a safetensors file, checked against ``expected_state`` (hex). With ``into``,
+    the tensors are overwritten in place (an engine's live model) and returned."""
+    if into is not None:
+        load_into(path, into)  # type: ignore[arg-type]
+        weights = dict(into)
+    else:
+        weights = load_weights(path, device)  # type: ignore[arg-type]
+    got = state_hash(weights).hex()
+    if got != expected_state:
+        raise PatchError(f"{path}: weights hash to {got}, expected {expected_state}")
+    return weights
+
+
+def load_snapshot(
+    store: Store, m: Manifest, device: str = "cpu", into: Mapping[str, torch.Tensor] | None = None
+) -> Weights:
+    """A snapshot artifact's weights, read from its verified pack, checked against the signed
+    layout and target state."""
+    if not store.verify_pack(m):
+        raise PatchError(f"v{m.version} snapshot: payload not held (or corrupt on disk)")
+    try:
+        weights = load_file_weights(store.pack_path(m.digest), m.target_state, device, into)
+    except WeightsFileError as exc:
+        raise PatchError(f"v{m.version} snapshot: {exc}") from None
+    if layout_fingerprint(layout_of(weights)).hex() != m.layout:
+        raise PatchError(f"v{m.version} snapshot: layout differs from its manifest")
+    return weights
+
+
+def apply_artifact(
+    store: Store, m: Manifest, weights: Weights, current: str, workers: int = 1
+) -> None:
+    """Apply the verified patch artifact ``m`` to ``weights`` (known to hash to ``current``) in
+    place, checking its header against the signed manifest and the result against the signed
+    target state. Raises PatchError (weights untouched) on any mismatch."""
+    payload = store.payload(m)
+    if payload is None:
+        raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")
+    patch = codec.decode(payload, workers=workers)
+    if patch.base_hash.hex() != m.base_state or patch.target_hash.hex() != m.target_state:
+        raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
+    apply(weights, patch, base_hash=bytes.fromhex(current))
+
+
+def _load_base(
+    store: Store, base: Checkpoint | Manifest, device: str, into: Mapping | None
+) -> Weights | None:
+    try:
+        if isinstance(base, Checkpoint):
+            return load_file_weights(base.weights, base.state_hash, device, into)
+        return load_snapshot(store, base, device, into)
+    except (PatchError, WeightsFileError) as exc:
+        log.warning("cannot rebuild from v%d: %s", base.version, exc)
+        if isinstance(base, Checkpoint):
+            store.drop_checkpoint(f"failed verification on load ({exc})")
+        else:
+            store.truncate_log(base.version, f"snapshot failed verification ({exc})")
+        return None
+
+
+def restore(
+    store: Store,
+    device: str = "cpu",
+    into: Mapping[str, torch.Tensor] | None = None,
+    workers: int = 1,
+) -> Restored | None:
+    """Rebuild the deepest verified state the store allows (None: nothing to rebuild from, the
+    node joins as a newcomer). Cuts the log back where a logged artifact cannot be replayed."""
+    for _ in range(len(store.log) + 2):  # each failed base removes one; bounded
+        base, chain = store.replay_chain()
+        if base is None:
+            if store.log:
+                store.truncate_log(store.log[0].version, "no checkpoint or snapshot to replay on")
+            return None
+        weights = _load_base(store, base, device, into)
+        if weights is not None:
+            return _replay(store, base, chain, weights, workers)
+    raise P2PSyncError(f"{store.root}: could not rebuild any accepted state")
+
+
+def _replay(
+    store: Store, base: Checkpoint | Manifest, chain: list[Manifest], weights: Weights, workers: int
+) -> Restored:
+    current = base.state_hash if isinstance(base, Checkpoint) else base.target_state
+    state = AcceptedState(base.version, current, None if isinstance(base, Checkpoint) else base.digest)
+    for n, m in enumerate(chain):
+        try:
+            apply_artifact(store, m, weights, current, workers)
+        except PatchError as exc:
+            log.warning("replay stops before v%d: %s; re-fetching from peers", m.version, exc)
+            store.truncate_log(m.version, f"logged patch failed on replay ({exc})")
+            return Restored(weights, state, n)
+        current = m.target_state
+        state = AcceptedState(m.version, current, m.digest)
+    return Restored(weights, state, len(chain))

@@ -1,0 +1,182 @@
+"""The embedding API with a real Hugging Face causal LM (a tiny LLaMA built locally, never
+downloaded), and recovery from a damaged checkpoint or log: real nodes on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.config import NodeConfig
+from node.rollout import Follower
+from node.runtime import Node
+from node.trainer import TrainerNode
+from p2p_sync import Rollout, Trainer
+from p2p_sync.errors import LayoutMismatchError
+from p2p_sync.keys import SigningKey, write_keypair
+from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.store import Store
+from tests import store_writer
+from tests.helpers import bit_equal
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_llama(seed: int) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def train_step(model: torch.nn.Module, master: dict[str, torch.Tensor], step: int) -> None:
+    """An AdamW-like step on fp32 master weights, copied into the bf16 model (what RL
+    post-training does): only some bf16 elements change bits."""
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            m = master[name]
+            m.add_(torch.randn(m.shape, generator=g).sign(), alpha=-3e-3)
+            p.copy_(m)
+
+
+def generate(model: torch.nn.Module) -> list[int]:
+    prompt = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    return out[0].tolist()
+
+
+def test_engine_model_follows_the_trainer_in_place(tmp_path: Path) -> None:
+    key = SigningKey.generate()
+    pub = write_keypair(key, tmp_path / "trainer.key")
+    trained = tiny_llama(seed=1)
+    master = {n: p.detach().float().clone() for n, p in trained.named_parameters()}
+    engine = tiny_llama(seed=2)  # different weights at first: v0 overwrites them in place
+    engine_params = {n: p.data_ptr() for n, p in engine.named_parameters()}
+    with Trainer(key=tmp_path / "trainer.key", data_dir=tmp_path / "t", chunk_size=16384,
+                 poll_interval_s=0.2) as trainer:  # fmt: skip
+        with Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=tmp_path / "r",
+                     model=engine, have_poll_s=0.05, poll_interval_s=0.2) as rollout:  # fmt: skip
+            for v in range(4):
+                if v:
+                    train_step(trained, master, v)
+                assert trainer.publish(trained.state_dict()) == v
+                assert rollout.wait_for_update(timeout=60)
+                before = [p.clone() for p in engine.parameters()] if v else None
+                while rollout.version != v:  # applied only when the engine asks
+                    assert rollout.wait_for_update(timeout=60)
+                    hand = rollout.apply_updates()
+                    assert hand.pause_s >= sum(u.apply_s for u in hand.updates)
+                if before is not None:
+                    assert any(not torch.equal(a, b) for a, b in zip(before, engine.parameters()))
+                assert bit_equal(engine.state_dict(), trained.state_dict())
+                fresh = tiny_llama(seed=3)
+                fresh.load_state_dict(trained.state_dict())
+                assert generate(engine) == generate(fresh)
+            assert trainer.last_publish is not None and trainer.last_publish["version"] == 3
+    assert {n: p.data_ptr() for n, p in engine.named_parameters()} == engine_params  # in place
+
+
+def test_an_engine_model_of_another_layout_is_refused_untouched(tmp_path: Path) -> None:
+    key = SigningKey.generate()
+    pub = write_keypair(key, tmp_path / "trainer.key")
+    weights = {"a.weight": torch.randn(8, 4).bfloat16(), "b.weight": torch.randn(4).bfloat16()}
+    engine = {"a.weight": torch.zeros(8, 4).bfloat16(), "b.weight": torch.zeros(5).bfloat16()}
+    with Trainer(key=tmp_path / "trainer.key", data_dir=tmp_path / "t") as trainer:
+        trainer.publish(weights)
+        with Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=tmp_path / "r",
+                     model=engine, have_poll_s=0.05) as rollout:  # fmt: skip
+            assert rollout.wait_for_update(timeout=60)
+            with pytest.raises(LayoutMismatchError, match="'b.weight'"):
+                rollout.apply_updates()
+            assert rollout.version is None
+    assert all(not t.any() for t in engine.values())  # nothing written
+
+
+def test_layout_errors_name_the_tensor(tmp_path: Path) -> None:
+    from p2p_sync.weights_io import load_into, save_weights
+
+    save_weights(tmp_path / "w.safetensors", {"x": torch.ones(3), "y": torch.ones(2)})
+    target = {"x": torch.zeros(3), "y": torch.zeros(4)}
+    with pytest.raises(LayoutMismatchError, match="'y'"):
+        load_into(tmp_path / "w.safetensors", target)
+    assert not target["x"].any()
+
+
+def _written_store(root: Path, key: SigningKey, swarm: str, n: int) -> list[dict]:
+    """A store holding v0 (snapshot) .. v{n-1} (patches), every version logged."""
+    store = Store.open(root)
+    rnd = store_writer.random.Random(5)
+    versions, prev = [], None
+    for v in range(n):
+        new = store_writer._next(prev, rnd) if prev is not None else store_writer._initial()
+        m = store_writer.publish(store, key, swarm, v, prev, new)
+        store.record(v, m.target_state, m.digest)
+        versions.append(new)
+        prev = new
+    return versions
+
+
+async def _recover(tmp_path: Path, damage) -> tuple[Follower, Store]:
+    key = SigningKey.generate()
+    policy = SwarmPolicy("crash", (key.public,))
+    versions = _written_store(tmp_path / "t", key, policy.swarm_id, 4)
+    shutil.copytree(tmp_path / "t", tmp_path / "r")
+    damage(Store.open(tmp_path / "r"))
+    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k")
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    url = await trainer.start()
+    rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
+                      peers=(url,), poll_interval_s=0.2, have_poll_s=0.05)  # fmt: skip
+    store = Store.open(rcfg.data_dir)
+    rollout = Node(rcfg, policy, store)
+    await rollout.start()
+    follower = Follower(rollout)
+    stop = asyncio.Event()
+    task = asyncio.create_task(follower.run(stop))
+    try:
+        async with asyncio.timeout(60):
+            while follower.state.version != 3:
+                await follower.advanced.wait()
+    finally:
+        stop.set()
+        await task
+        await rollout.stop()
+        await trainer.stop()
+    assert follower.weights is not None and bit_equal(follower.weights, versions[-1])
+    return follower, store
+
+
+def test_a_logged_patch_that_fails_its_hash_is_refetched_not_applied(tmp_path: Path) -> None:
+    def rot_v2(store: Store) -> None:
+        m = store.manifest(store.log[2].manifest)
+        with open(store.pack_path(m.digest), "r+b") as f:
+            f.write(b"bit rot")
+
+    follower, store = asyncio.run(_recover(tmp_path, rot_v2))
+    assert any("chunk 0: does not match" in d for d in store.dropped), store.dropped
+    assert [u.version for u in follower.updates] == [2, 3]  # v0-v1 replayed, v2 fetched again
+
+
+def test_a_checkpoint_that_fails_its_hash_is_dropped_and_the_state_refetched(
+    tmp_path: Path,
+) -> None:
+    def corrupt_checkpoint(store: Store) -> None:
+        from p2p_sync.restore import restore
+
+        restored = restore(store)
+        assert restored is not None
+        state = store.state
+        store.set_checkpoint(state.version, state.state_hash,
+                             lambda p: p.write_bytes(b"not the weights"))  # fmt: skip
+
+    follower, store = asyncio.run(_recover(tmp_path, corrupt_checkpoint))
+    assert any("failed verification" in d for d in store.dropped), store.dropped
+    assert [u.version for u in follower.updates] == [0, 1, 2, 3]  # from the anchor again
