@@ -609,13 +609,17 @@ def _unary(quotients: np.ndarray) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-def _bit_planes(values: np.ndarray, k: int) -> bytes:
-    """Planes 0..k-1 of non-negative values: plane j packs bit j of every value, LSB-first."""
-    if k == 0 or values.size == 0:
-        return b""
-    octets = values.astype("<u8").view(np.uint8).reshape(-1, 8)
-    bits = np.unpackbits(octets, axis=1, count=k, bitorder="little")
-    return np.packbits(bits.T, axis=1, bitorder="little").tobytes()
+def _plane_sizes(k: np.ndarray, coded: np.ndarray) -> list[int]:
+    """Entries in each remainder plane j: the codes of classes whose parameter exceeds j."""
+    return [int(coded[k > j].sum()) for j in range(int(k.max(initial=0)))]
+
+
+def _remainder_planes(rem: np.ndarray, k_of: np.ndarray) -> bytes:
+    """Plane j: bit j of every remainder whose code has k > j, in code order, LSB-first."""
+    out = []
+    for j in range(int(k_of.max(initial=0))):
+        out.append(np.packbits((rem[k_of > j] >> j) & 1 != 0, bitorder="little").tobytes())
+    return b"".join(out)
 
 
 @dataclass(frozen=True)
@@ -625,7 +629,7 @@ class _ClassCode:
     coded: int
     k: int
     mode: int
-    remainders: bytes
+    remainders: np.ndarray
     quotients: np.ndarray
 
 
@@ -635,34 +639,190 @@ def _code_class(ranks: np.ndarray, members: int) -> _ClassCode:
         ranks, mode = _complement(ranks, members), mode | _COMPLEMENT
     gaps = np.diff(ranks, prepend=-1) - 1
     k = _rice_k(gaps)
-    rem = _bit_planes(gaps & ((1 << k) - 1), k)
-    return _ClassCode(ranks.size, k, mode, rem, gaps >> k)
+    return _ClassCode(ranks.size, k, mode, gaps & ((1 << k) - 1), gaps >> k)
+
+
+# ---------------------------------------------------------------- class scans (one pass over the base)
+
+# Coding 3 needs, for every changed element, its rank among the base elements of its class, and
+# the decoder the inverse. Both are one sequential pass over the base with 16 counters; compiled
+# by numba this costs ~1 ns per element. Without numba the same results come from word-parallel
+# numpy (class_map + class_ranks/class_select above), several times slower.
+
+
+def _rank_scan_py(u: np.ndarray, shift: int, pos: np.ndarray, cls: np.ndarray,
+                  rank: np.ndarray, members: np.ndarray) -> None:  # fmt: skip
+    """Kernel: class and class rank of each sorted position; class sizes into ``members``."""
+    j, m = 0, pos.size
+    nxt = pos[0] if m else -1
+    for i in range(u.size):
+        c = (u[i] >> shift) & 15
+        if i == nxt:
+            cls[j] = c
+            rank[j] = members[c]
+            j += 1
+            nxt = pos[j] if j < m else -1
+        members[c] += 1
+
+
+def _select_scan_py(u: np.ndarray, shift: int, ranks: np.ndarray, starts: np.ndarray,
+                    complement: np.ndarray, out_pos: np.ndarray, out_cls: np.ndarray,
+                    out_within: np.ndarray, members: np.ndarray, cursor: np.ndarray) -> int:  # fmt: skip
+    """Kernel: walk the base once; an element is changed when its class rank is the class's
+    next coded rank (or, in a complement class, is not). Emits changed positions in order, with
+    class and index among the class's changed elements; fills ``members`` (class sizes) and
+    ``cursor`` (coded ranks used). Returns the number emitted, -1 past the cap.
+
+    The common element costs one decrement: ``skip[c]`` counts the class-c elements left before
+    its next coded rank (0 for a complement class, whose every member takes the slow path)."""
+    never = 2**62
+    skip, due = np.empty(16, np.int64), np.empty(16, np.int64)
+    for c in range(16):
+        cursor[c] = starts[c]
+        due[c] = ranks[starts[c]] if starts[c] < starts[c + 1] else never
+        skip[c] = 0 if complement[c] else due[c]
+    k, cap = 0, out_pos.size
+    for i in range(u.size):
+        c = (u[i] >> shift) & 15
+        left = skip[c]
+        if left > 0:
+            skip[c] = left - 1
+            continue
+        passed = cursor[c] - starts[c]
+        seen = members[c] if complement[c] else due[c]
+        hit = seen == due[c]
+        if hit:
+            cursor[c] += 1
+            due[c] = ranks[cursor[c]] if cursor[c] < starts[c + 1] else never
+        if complement[c]:
+            members[c] = seen + 1
+        else:
+            skip[c] = due[c] - seen - 1
+        if hit != complement[c]:
+            if k == cap:
+                return -1
+            out_pos[k] = i
+            out_cls[k] = c
+            out_within[k] = passed if hit else seen - passed
+            k += 1
+    for c in range(16):
+        if not complement[c]:
+            members[c] = due[c] - skip[c]
+    return k
+
+
+_KERNELS: dict[str, Callable] = {}
+
+
+def _kernels() -> dict[str, Callable]:
+    """The scans compiled by numba (cached on disk), or plain Python ones marked slow."""
+    if not _KERNELS:
+        try:
+            import numba
+
+            jit = numba.njit(cache=True, nogil=True)
+            _KERNELS.update(rank=jit(_rank_scan_py), select=jit(_select_scan_py),
+                            remainders=jit(_remainders_py), fast=True)  # fmt: skip
+        except ImportError:  # pragma: no cover - numba is a dependency; this keeps a fallback
+            _KERNELS.update(fast=False)
+    return _KERNELS
+
+
+def _unsigned(bits: np.ndarray) -> np.ndarray:
+    return bits.view(f"<u{bits.dtype.itemsize}")
+
+
+def scan_ranks(base_bits: np.ndarray, dtype: torch.dtype, pos: np.ndarray) -> tuple:
+    """(class uint8, class rank int64) of each sorted position, and every class's size."""
+    cls = np.empty(pos.size, np.uint8)
+    rank = np.empty(pos.size, np.int64)
+    members = np.zeros(N_CLASSES, np.int64)
+    kernels = _kernels()
+    if kernels["fast"]:
+        kernels["rank"](_unsigned(base_bits), MANTISSA_BITS[dtype], pos, cls, rank, members)
+        return cls, rank, members
+    cmap = class_map(base_bits, dtype)
+    cls[:] = (_unsigned(base_bits)[pos] >> MANTISSA_BITS[dtype]) & 15
+    for c in range(N_CLASSES):
+        sel = np.flatnonzero(cls == c)
+        rank[sel] = class_ranks(cmap.words[c], cmap.counts[c], pos[sel])
+    return cls, rank, cmap.members
+
+
+@dataclass(frozen=True)
+class _Selected:
+    """What the select scan found: changed positions in order, each with its class and its
+    index among that class's changed elements; class sizes; how many coded ranks each class
+    consumed (all of them, unless a rank lies past the class's end)."""
+
+    pos: np.ndarray
+    cls: np.ndarray
+    within: np.ndarray
+    members: np.ndarray
+    consumed: np.ndarray
+
+
+def _select_numpy(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
+                  starts: np.ndarray, complement: np.ndarray) -> _Selected:  # fmt: skip
+    cmap = class_map(base_bits, dtype)
+    parts, consumed = [], np.zeros(N_CLASSES, np.int64)
+    for c in range(N_CLASSES):
+        r = ranks[starts[c] : starts[c + 1]]
+        r = r[: np.searchsorted(r, cmap.members[c])]
+        consumed[c] = r.size
+        if complement[c]:
+            r = _complement(r, int(cmap.members[c]))
+        pos = class_select(cmap.words[c], cmap.counts[c], int(cmap.members[c]), r)
+        parts.append((pos, np.full(pos.size, c, np.uint8), np.arange(pos.size)))
+    pos, cls, within = (np.concatenate(x) for x in zip(*parts))
+    order = np.argsort(pos, kind="stable")
+    return _Selected(pos[order], cls[order], within[order], cmap.members, consumed)
+
+
+def scan_select(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
+                starts: np.ndarray, complement: np.ndarray, cap: int) -> _Selected | None:  # fmt: skip
+    """Positions of the changed elements given each class's sorted coded ranks
+    (``ranks[starts[c]:starts[c+1]]``); None when more than ``cap`` elements would change."""
+    kernels = _kernels()
+    if not kernels["fast"]:
+        found = _select_numpy(base_bits, dtype, ranks, starts, complement)
+        return found if found.pos.size <= cap else None
+    out_pos, out_within = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    out_cls = np.empty(cap, np.uint8)
+    members, cursor = np.zeros(N_CLASSES, np.int64), np.zeros(N_CLASSES, np.int64)
+    k = kernels["select"](_unsigned(base_bits), MANTISSA_BITS[dtype], ranks, starts, complement,
+                          out_pos, out_cls, out_within, members, cursor)  # fmt: skip
+    if k < 0:
+        return None
+    return _Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - starts[:-1])
 
 
 def _classed_streams(delta: TensorDelta, base_bits: np.ndarray) -> list[bytes]:
     pos, d = (_np(t) for t in delta.to_sparse())
-    cmap = class_map(base_bits, delta.spec.dtype)
-    shift = MANTISSA_BITS[delta.spec.dtype]
-    cls = (base_bits.view(f"<u{base_bits.dtype.itemsize}")[pos] >> shift) & 15
-    order = np.argsort(cls.astype(np.uint8), kind="stable")
+    if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
+        order = np.argsort(pos)
+        pos, d = pos[order], d[order]
+    cls, rank, members = scan_ranks(base_bits, delta.spec.dtype, pos)
+    order = np.argsort(cls, kind="stable")
     bounds = np.searchsorted(cls[order], np.arange(N_CLASSES + 1))
     codes, groups = [], ([], [])
     for c in range(N_CLASSES):
         idx = order[bounds[c] : bounds[c + 1]]
-        ranks = class_ranks(cmap.words[c], cmap.counts[c], pos[idx]) if idx.size else idx
-        code = _code_class(ranks, int(cmap.members[c]))
+        code = _code_class(rank[idx], int(members[c]))
         codes.append(code)
         groups[code.mode >> 1].append(d[idx])
     unary = _unary(np.concatenate([c.quotients for c in codes]))
+    k_of = np.repeat([c.k for c in codes], [c.coded for c in codes])
+    planes = _remainder_planes(np.concatenate([c.remainders for c in codes]), k_of)
     values = [encode_values(np.concatenate(g) if g else d[:0]) for g in groups]
     head = b"".join(_CLASS_ROW.pack(c.coded, c.k, c.mode) for c in codes)
     head += _CLASS_TAIL.pack(len(unary)) + values[0][0] + values[1][0]
-    return [head, unary, b"".join(c.remainders for c in codes), *values[0][1], *values[1][1]]
+    return [head, unary, planes, *values[0][1], *values[1][1]]
 
 
 @dataclass(frozen=True)
 class _ClassHead:
-    """A coding-3 frame's fixed header, checked against the base's class sizes."""
+    """A coding-3 frame's fixed header."""
 
     coded: np.ndarray
     k: np.ndarray
@@ -670,30 +830,38 @@ class _ClassHead:
     unary_size: int
     values: tuple[tuple[int, int], tuple[int, int]]
 
+    @property
+    def remainder_size(self) -> int:
+        return sum((m + 7) // 8 for m in _plane_sizes(self.k, self.coded))
 
-def _classed_head(raw: memoryview, width: int, name: str) -> _ClassHead:
+    @property
+    def complement(self) -> np.ndarray:
+        return (self.mode & _COMPLEMENT) != 0
+
+    @property
+    def group(self) -> np.ndarray:
+        return (self.mode & _GROUP) != 0
+
+
+def _classed_head(raw: memoryview, spec: TensorSpec) -> _ClassHead:
+    name = spec.name
     if len(raw) < _CLASSED_HEAD:
         raise CountMismatchError(f"{name}: frame ends before its class table")
     rows = [_CLASS_ROW.unpack_from(raw, i * _CLASS_ROW.size) for i in range(N_CLASSES)]
     coded, k, mode = (np.array(col, dtype=np.int64) for col in zip(*rows))
     if int(k.max()) > _MAX_RICE or int(mode.max()) > (_COMPLEMENT | _GROUP):
-        raise MalformedPatchError(f"{name}: class table holds a Rice parameter or mode out of range")
+        raise MalformedPatchError(f"{name}: class table holds a Rice parameter or mode past range")
+    if int(coded.max()) > spec.numel:
+        raise CountMismatchError(f"{name}: a class codes more entries than the tensor holds")
     off = _CLASS_ROW.size * N_CLASSES
     (unary,) = _CLASS_TAIL.unpack_from(raw, off)
     off += _CLASS_TAIL.size
-    v0 = _value_head(raw[off:], width, name)
-    v1 = _value_head(raw[off + _VALUE_HEAD.size :], width, name)
-    return _ClassHead(coded, k, mode, unary, (v0, v1))
-
-
-def _class_changes(head: _ClassHead, members: np.ndarray, n: int, name: str) -> np.ndarray:
-    """Changed elements per class; refuses a table that does not fit the base's classes."""
-    if np.any(head.coded > members):
-        raise CountMismatchError(f"{name}: a class codes more entries than the base holds")
-    changed = np.where(head.mode & _COMPLEMENT, members - head.coded, head.coded)
-    if int(changed.sum()) != n:
-        raise CountMismatchError(f"{name}: classes change {int(changed.sum())}, table says {n}")
-    return changed
+    v0 = _value_head(raw[off:], spec.itemsize, name)
+    v1 = _value_head(raw[off + _VALUE_HEAD.size :], spec.itemsize, name)
+    head = _ClassHead(coded, k, mode, unary, (v0, v1))
+    if len(raw) < _CLASSED_HEAD + unary + head.remainder_size:
+        raise CountMismatchError(f"{name}: frame ends inside its position streams")
+    return head
 
 
 def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
@@ -705,81 +873,89 @@ def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
     return np.diff(ones, prepend=-1) - 1
 
 
-def _read_planes(buf: memoryview, m: int, k: int) -> np.ndarray:
-    """Inverse of :func:`_bit_planes`: k planes of ceil(m/8) bytes back to m values."""
-    if k == 0:
-        return np.zeros(m, dtype=np.int64)
-    planes = np.frombuffer(buf, np.uint8, k * ((m + 7) // 8)).reshape(k, -1)
-    bits = np.unpackbits(planes, axis=1, count=m, bitorder="little")
-    octets = np.zeros((m, 8), dtype=np.uint8)
-    octets[:, : (k + 7) // 8] = np.packbits(bits, axis=0, bitorder="little").T
-    return octets.view("<i8").reshape(m)
+def _remainders_py(planes: np.ndarray, k_of: np.ndarray, rem: np.ndarray) -> None:
+    """Kernel: ``rem`` from the unpacked bits of every plane laid end to end."""
+    off = 0
+    for j in range(k_of.max() if k_of.size else 0):
+        for i in range(k_of.size):
+            if k_of[i] > j:
+                rem[i] |= np.int64(planes[off]) << j
+                off += 1
+        off = (off + 7) // 8 * 8  # each plane is padded to whole bytes
 
 
-def _class_ranks_from(q: np.ndarray, rem: np.ndarray, k: int, members: int, name: str) -> np.ndarray:
-    """Ranks from Rice parts, refusing any that would leave the class (checked before the
-    running sum, so hostile input cannot overflow it)."""
-    if q.size == 0:
-        return q
-    if int(q.max()) > members >> k:
-        raise IndexOutOfRangeError(f"{name}: a position gap exceeds its class's {members} members")
+def _read_remainders(buf: memoryview, k_of: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Inverse of :func:`_remainder_planes` (``buf`` holds exactly the planes)."""
+    rem = np.zeros(k_of.size, np.int64)
+    kernels = _kernels()
+    if kernels["fast"]:
+        raw = np.frombuffer(buf, np.uint8, sum((m + 7) // 8 for m in sizes))
+        kernels["remainders"](np.unpackbits(raw, bitorder="little"), k_of, rem)
+        return rem
+    off = 0
+    for j, m in enumerate(sizes):
+        bits = np.unpackbits(np.frombuffer(buf, np.uint8, (m + 7) // 8, off), count=m,
+                             bitorder="little")  # fmt: skip
+        rem[k_of > j] |= bits.astype(np.int64) << j
+        off += (m + 7) // 8
+    return rem
+
+
+def _coded_ranks(raw: memoryview, head: _ClassHead, numel: int, name: str) -> np.ndarray:
+    """Every class's coded ranks, class after class. Gaps are bounded by the tensor size before
+    any shift or running sum, so hostile input cannot overflow them."""
+    off = _CLASSED_HEAD
+    q = _read_unary(raw[off : off + head.unary_size], int(head.coded.sum()), name)
+    off += head.unary_size
+    k = np.repeat(head.k, head.coded)
+    if q.size and bool(np.any(q > (numel >> k))):
+        raise IndexOutOfRangeError(f"{name}: a position gap exceeds the tensor's {numel} elements")
+    rem = _read_remainders(raw[off:], k, _plane_sizes(head.k, head.coded))
     gaps = (q << k) | rem
-    if float(gaps.sum(dtype=np.float64)) + gaps.size > members:
-        raise IndexOutOfRangeError(f"{name}: positions run past its class's {members} members")
-    ranks = np.cumsum(gaps + 1) - 1
-    if int(ranks[-1]) >= members:
-        raise IndexOutOfRangeError(f"{name}: position outside its class's {members} members")
-    return ranks
+    if float(gaps.sum(dtype=np.float64)) + gaps.size > N_CLASSES * numel:
+        raise IndexOutOfRangeError(f"{name}: positions run past the tensor's {numel} elements")
+    ends = np.cumsum(gaps + 1)
+    starts = np.concatenate(([0], np.cumsum(head.coded)))
+    before = np.concatenate(([0], ends))[starts[:-1]]
+    return ends - 1 - np.repeat(before, head.coded)
 
 
-def _classed_size(head: _ClassHead, changed: np.ndarray, width: int) -> tuple[int, int, list[int]]:
-    """(remainder bytes, value bytes, group sizes) implied by the header and the base."""
-    rem = int(np.sum(head.k * ((head.coded + 7) // 8)))
-    group = (head.mode & _GROUP) != 0
+def _classed_values(raw: memoryview, head: _ClassHead, found: _Selected, spec: TensorSpec) -> np.ndarray:
+    """The deltas of the found elements, in position order, after the exact size check."""
+    name, width, n = spec.name, spec.itemsize, found.pos.size
+    changed = np.where(head.complement, found.members - head.coded, head.coded)
+    group = head.group
     sizes = [int(changed[~group].sum()), int(changed[group].sum())]
-    vals = sum(_value_body_size(m, width, *head.values[g]) for g, m in enumerate(sizes))
-    return rem, vals, sizes
+    bodies = [_value_body_size(m, width, *head.values[g]) for g, m in enumerate(sizes)]
+    off = _CLASSED_HEAD + head.unary_size + head.remainder_size
+    _check_size(raw, off + sum(bodies), n, name)
+    values = []
+    for g, m in enumerate(sizes):
+        bits, n_esc = head.values[g]
+        values.append(_decode_value_body(raw[off : off + bodies[g]], m, width, bits, n_esc, name))
+        off += bodies[g]
+    # value index of a class's first changed element: groups back to back, classes in order
+    first = np.zeros(N_CLASSES, np.int64)
+    for g in (0, 1):
+        members_of = np.flatnonzero(group == bool(g))
+        first[members_of] = np.cumsum(changed[members_of]) - changed[members_of] + g * sizes[0]
+    return np.concatenate(values)[first[found.cls] + found.within]
 
 
 def _decode_classed(raw: memoryview, spec: TensorSpec, n: int, base_bits: np.ndarray) -> TensorDelta:
-    name, width = spec.name, spec.itemsize
-    head = _classed_head(raw, width, name)
-    cmap = class_map(base_bits, spec.dtype)
-    members = cmap.members
-    changed = _class_changes(head, members, n, name)
-    rem_size, val_size, groups = _classed_size(head, changed, width)
-    _check_size(raw, _CLASSED_HEAD + head.unary_size + rem_size + val_size, n, name)
-    off = _CLASSED_HEAD
-    q_all = _read_unary(raw[off : off + head.unary_size], int(head.coded.sum()), name)
-    off += head.unary_size
-    values = []
-    voff = off + rem_size
-    for g, m in enumerate(groups):
-        bits, n_esc = head.values[g]
-        size = _value_body_size(m, width, bits, n_esc)
-        values.append(_decode_value_body(raw[voff : voff + size], m, width, bits, n_esc, name))
-        voff += size
-    positions, deltas, qoff, used = [], [], 0, [0, 0]
-    for c in range(N_CLASSES):
-        m, k, mode, size = int(head.coded[c]), int(head.k[c]), int(head.mode[c]), int(members[c])
-        if not changed[c]:
-            off += k * ((m + 7) // 8)  # a complement class whose members all stay
-            qoff += m
-            continue
-        rem = _read_planes(raw[off:], m, k)
-        off += k * ((m + 7) // 8)
-        ranks = _class_ranks_from(q_all[qoff : qoff + m], rem, k, size, name)
-        qoff += m
-        if mode & _COMPLEMENT:
-            ranks = _complement(ranks, size)
-        positions.append(class_select(cmap.words[c], cmap.counts[c], size, ranks))
-        g = mode >> 1
-        deltas.append(values[g][used[g] : used[g] + ranks.size])
-        used[g] += ranks.size
-    pos, d = np.concatenate(positions), np.concatenate(deltas)
-    order = np.argsort(pos, kind="stable")
-    return TensorDelta(spec, torch.from_numpy(pos[order]),
-                       torch.from_numpy(d[order]).view(bits_dtype(spec.dtype)))  # fmt: skip
+    name = spec.name
+    head = _classed_head(raw, spec)
+    ranks = _coded_ranks(raw, head, spec.numel, name)
+    starts = np.concatenate(([0], np.cumsum(head.coded)))
+    found = scan_select(base_bits, spec.dtype, ranks, starts, head.complement, n)
+    if found is not None and bool(np.any(found.consumed < head.coded)):
+        raise IndexOutOfRangeError(f"{name}: a coded position lies past its class's members")
+    if found is None or found.pos.size != n:
+        have = "more" if found is None else found.pos.size
+        raise CountMismatchError(f"{name}: classes change {have} elements, table says {n}")
+    d = _classed_values(raw, head, found, spec)
+    return TensorDelta(spec, torch.from_numpy(found.pos),
+                       torch.from_numpy(d).view(bits_dtype(spec.dtype)))  # fmt: skip
 
 
 def _sparse_streams(delta: TensorDelta) -> list[bytes]:
