@@ -586,16 +586,22 @@ def _complement(ranks: np.ndarray, members: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
-def _rice_k(gaps: np.ndarray) -> int:
-    """The Rice parameter that minimises this class's bits (ties to the smaller)."""
-    if gaps.size == 0:
-        return 0
-    guess = int(np.log2(float(gaps.mean()) + 1))
-    best, best_cost = 0, None
-    for k in range(max(0, guess - 2), min(_MAX_RICE, guess + 2) + 1):
-        cost = int(np.sum(gaps >> k)) + gaps.size * (1 + k)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = k, cost
+def _rice_params(gaps: np.ndarray, coded: np.ndarray) -> np.ndarray:
+    """Per class, the Rice parameter that minimises its bits (ties to the smaller), searched
+    within 2 of log2 of the class's mean gap (the optimum for a geometric gap lies there).
+    ``gaps`` holds the classes' gaps back to back, ``coded`` how many each has."""
+    best = np.zeros(N_CLASSES, np.int64)
+    used = np.flatnonzero(coded)
+    if used.size == 0:
+        return best
+    starts, counts = (np.cumsum(coded) - coded)[used], coded[used]
+    guess = np.log2(np.add.reduceat(gaps, starts) / counts + 1).astype(np.int64)
+    best_cost = np.full(used.size, np.iinfo(np.int64).max)
+    for offset in range(-2, 3):
+        k = np.clip(guess + offset, 0, _MAX_RICE)
+        cost = np.add.reduceat(gaps >> np.repeat(k, counts), starts) + counts * (1 + k)
+        better = cost < best_cost
+        best[used[better]], best_cost[better] = k[better], cost[better]
     return best
 
 
@@ -623,23 +629,43 @@ def _remainder_planes(rem: np.ndarray, k_of: np.ndarray) -> bytes:
 
 
 @dataclass(frozen=True)
-class _ClassCode:
-    """One class's part of a coding-3 frame."""
+class _ClassCodes:
+    """The position part of a coding-3 frame: per class the number of coded ranks, the Rice
+    parameter and the mode; per code (class after class) its quotient and remainder."""
 
-    coded: int
-    k: int
-    mode: int
-    remainders: np.ndarray
+    coded: np.ndarray
+    k: np.ndarray
+    mode: np.ndarray
     quotients: np.ndarray
+    remainders: np.ndarray
+
+    def streams(self) -> tuple[bytes, bytes]:
+        """(unary stream, remainder planes)."""
+        k_of = np.repeat(self.k, self.coded)
+        return _unary(self.quotients), _remainder_planes(self.remainders, k_of)
 
 
-def _code_class(ranks: np.ndarray, members: int) -> _ClassCode:
-    mode = _GROUP if ranks.size >= GROUP1_FRACTION * members and ranks.size else 0
-    if 2 * ranks.size > members:
-        ranks, mode = _complement(ranks, members), mode | _COMPLEMENT
-    gaps = np.diff(ranks, prepend=-1) - 1
-    k = _rice_k(gaps)
-    return _ClassCode(ranks.size, k, mode, gaps & ((1 << k) - 1), gaps >> k)
+def _code_classes(rank: np.ndarray, bounds: np.ndarray, members: np.ndarray) -> _ClassCodes:
+    """Rice-code every class's ranks (``rank[bounds[c]:bounds[c+1]]``, sorted). A class where
+    most members change codes the ranks of those that do not (mode bit 0); one where at least
+    GROUP1_FRACTION changes sends its values in group 1 (mode bit 1)."""
+    changed = np.diff(bounds)
+    group = (changed > 0) & (changed >= GROUP1_FRACTION * members)
+    complement = 2 * changed > members
+    parts = [rank[bounds[c] : bounds[c + 1]] for c in range(N_CLASSES)]
+    for c in np.flatnonzero(complement):
+        parts[c] = _complement(parts[c], int(members[c]))
+    coded = np.array([p.size for p in parts], np.int64)
+    ranks = np.concatenate(parts)
+    prev = np.empty_like(ranks)
+    prev[1:] = ranks[:-1]
+    starts = np.cumsum(coded) - coded
+    prev[starts[coded > 0]] = -1
+    gaps = ranks - prev - 1
+    k = _rice_params(gaps, coded)
+    k_of = np.repeat(k, coded)
+    mode = complement * _COMPLEMENT + group * _GROUP
+    return _ClassCodes(coded, k, mode, gaps >> k_of, gaps & ((1 << k_of) - 1))
 
 
 # ---------------------------------------------------------------- class scans (one pass over the base)
@@ -804,18 +830,13 @@ def _classed_streams(delta: TensorDelta, base_bits: np.ndarray) -> list[bytes]:
         pos, d = pos[order], d[order]
     cls, rank, members = scan_ranks(base_bits, delta.spec.dtype, pos)
     order = np.argsort(cls, kind="stable")
-    bounds = np.searchsorted(cls[order], np.arange(N_CLASSES + 1))
-    codes, groups = [], ([], [])
-    for c in range(N_CLASSES):
-        idx = order[bounds[c] : bounds[c + 1]]
-        code = _code_class(rank[idx], int(members[c]))
-        codes.append(code)
-        groups[code.mode >> 1].append(d[idx])
-    unary = _unary(np.concatenate([c.quotients for c in codes]))
-    k_of = np.repeat([c.k for c in codes], [c.coded for c in codes])
-    planes = _remainder_planes(np.concatenate([c.remainders for c in codes]), k_of)
-    values = [encode_values(np.concatenate(g) if g else d[:0]) for g in groups]
-    head = b"".join(_CLASS_ROW.pack(c.coded, c.k, c.mode) for c in codes)
+    cls, rank, d = cls[order], rank[order], d[order]
+    codes = _code_classes(rank, np.searchsorted(cls, np.arange(N_CLASSES + 1)), members)
+    unary, planes = codes.streams()
+    in_group1 = ((codes.mode & _GROUP) != 0)[cls]
+    values = [encode_values(d[~in_group1]), encode_values(d[in_group1])]
+    head = b"".join(_CLASS_ROW.pack(*row) for row in zip(codes.coded.tolist(),
+                                                         codes.k.tolist(), codes.mode.tolist()))
     head += _CLASS_TAIL.pack(len(unary)) + values[0][0] + values[1][0]
     return [head, unary, planes, *values[0][1], *values[1][1]]
 
