@@ -17,7 +17,8 @@ from p2p_sync.patch import apply, diff
 from p2p_sync.tensors import state_hash
 from p2p_sync.weights_io import load_weights, save_weights
 
-CODINGS = {codec.UNCHANGED: "unchanged", codec.SPARSE: "sparse", codec.DENSE: "dense"}
+CODINGS = {codec.UNCHANGED: "unchanged", codec.SPARSE: "sparse", codec.DENSE: "dense",
+           codec.CLASSED: "sparse-by-exponent"}
 
 
 class CommandError(P2PSyncError):
@@ -44,7 +45,7 @@ def cmd_create(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     base = load_weights(args.base, device)
     new = load_weights(args.new, device)
-    data = codec.encode(diff(base, new), level=args.level, workers=args.workers)
+    data = codec.encode(diff(base, new), level=args.level, workers=args.workers, base=base)
     atomic_write_bytes(args.out, data)
     info = codec.read_header(data)
     print(
@@ -56,17 +57,18 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
-    patch = codec.decode(read_patch_file(args.patch), workers=args.workers)
+    data = read_patch_file(args.patch)
+    info = codec.read_header(data)
     weights = load_weights(args.base, device)
-    try:
-        apply(weights, patch)
+    try:  # decoding reads the base too: exponent-class positions are coded against it
+        apply(weights, codec.decode(data, workers=args.workers, base=weights))
     except BaseMismatchError:
         raise BaseMismatchError(
-            f"{args.patch} was made for base {patch.base_hash.hex()}, "
+            f"{args.patch} was made for base {info.base_hash.hex()}, "
             f"but {args.base} hashes to {state_hash(weights).hex()}"
         ) from None
     save_weights(args.out, weights)
-    print(f"wrote {args.out}: state {patch.target_hash.hex()}")
+    print(f"wrote {args.out}: state {info.target_hash.hex()}")
     return 0
 
 
@@ -134,8 +136,9 @@ def _print_inspect(path: Path, d: dict, console: Console) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     info = codec.read_header(read_patch_file(args.file))
-    if args.verify:
-        codec.decode(read_patch_file(args.file))
+    if args.verify:  # exponent-class frames decode only against their base weights
+        base = load_weights(args.base, pick_device("cpu")) if args.base else None
+        codec.decode(read_patch_file(args.file), base=base)
     d = inspect_dict(info)
     if args.json:
         print(json.dumps(d, indent=2))
@@ -170,4 +173,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     insp.add_argument("file", type=Path, help="patch file")
     insp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     insp.add_argument("--verify", action="store_true", help="also decode and check every frame")
+    insp.add_argument("--base", type=Path,
+                      help="with --verify: the base weights (format 2 frames decode against them)")
     insp.set_defaults(func=cmd_inspect)

@@ -184,15 +184,29 @@ class Follower:
         if base is None or m.version - base.version >= self.checkpoint_every:
             self._checkpointing = asyncio.create_task(self._checkpoint(m.version, m.target_state))
 
-    async def _export(self, m: Manifest) -> None:
+    async def _export(self, version: int, state: str) -> None:
+        """Write ``--export``: the weights, then ``version.json``, each by atomic rename. Not
+        fsynced: an fsync of a whole model costs twice the write on a slow disk, and the
+        export is rebuilt from the store at start whenever it does not match the state."""
         if self.export is None:
             return
         weights, export = self.weights, self.export
         assert weights is not None
         export.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(save_weights, export / "model.safetensors", weights)
-        doc = {"version": m.version, "state_hash": m.target_state}
-        atomic_write_bytes(export / "version.json", json.dumps(doc).encode())
+        await asyncio.to_thread(save_weights, export / "model.safetensors", weights, None, False)
+        doc = {"version": version, "state_hash": state}
+        atomic_write_bytes(export / "version.json", json.dumps(doc).encode(), durable=False)
+
+    async def _export_if_stale(self) -> None:
+        state = self.node.store.state
+        if self.export is None or state is None or self.weights is None:
+            return
+        try:
+            doc = json.loads((self.export / "version.json").read_bytes())
+        except (OSError, ValueError):
+            doc = None
+        if doc != {"version": state.version, "state_hash": state.state_hash}:
+            await self._export(state.version, state.state_hash)
 
     async def _advance(self, m: Manifest, fetch_s: float) -> Update:
         """Apply one fetched artifact, log it and hand it off."""
@@ -203,7 +217,7 @@ class Follower:
         t1 = time.perf_counter()
         await self._persist(m)
         t2 = time.perf_counter()
-        await self._export(m)
+        await self._export(m.version, m.target_state)
         up.apply_s, up.persist_s, up.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         up.at = time.time()
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
@@ -302,6 +316,7 @@ class Follower:
             await self._advance(m, fetch_s)
 
     async def run(self, stop: asyncio.Event) -> None:
+        await self._export_if_stale()
         try:
             while not stop.is_set():
                 self.node.new_info.clear()

@@ -159,7 +159,11 @@ class Publisher:
             t.snapshot_s = time.perf_counter() - t1
         for kind, base, patch in self._payloads(version, step):
             t1 = time.perf_counter()
-            payload = codec.encode(patch, workers=WORKERS)
+            if base == version - 1:  # the base is ``prev``: positions coded by its exponents
+                payload = codec.encode(patch, workers=WORKERS, base=self.prev,
+                                       base_hash=self.prev_hash)  # fmt: skip
+            else:  # a merged catch-up patch: its base is not held here, format 1 coding
+                payload = codec.encode(patch, workers=WORKERS)
             t2 = time.perf_counter()
             m = self._manifest(version, kind, target, layout, payload, base_version=base,
                                base_state=patch.base_hash.hex())  # fmt: skip

@@ -85,10 +85,11 @@ def apply_artifact(
     payload = store.payload(m)
     if payload is None:
         raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")
-    patch = codec.decode(payload, workers=workers)
+    known = bytes.fromhex(current)
+    patch = codec.decode(payload, workers=workers, base=weights, base_hash=known)
     if patch.base_hash.hex() != m.base_state or patch.target_hash.hex() != m.target_state:
         raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
-    apply(weights, patch, base_hash=bytes.fromhex(current))
+    apply(weights, patch, base_hash=known)
 
 
 def _load_base(

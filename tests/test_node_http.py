@@ -209,7 +209,7 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
     rollout.store.put_manifest(m, sign(m, [key]))
     calls = []
-    rollout.store.payload = lambda _m: calls.append(_m) and None  # type: ignore[method-assign]
+    rollout.store.verify_pack = lambda _m: calls.append(_m) and False  # type: ignore[method-assign]
     await rollout.start()
     try:
         with pytest.raises(StoreError) as err:

@@ -1,0 +1,63 @@
+"""A training loop that publishes every optimizer step to the swarm (run hf_engine.py beside it).
+
+    python examples/hf_trainer.py --steps 20            # prints the trainer's URL and key file
+
+A tiny LLaMA is built locally (no download); each step is a real AdamW step on fp32 master
+weights whose bf16 copy is what rollouts run, as in RL post-training. ``publish`` is an ordinary
+synchronous call: the node's event loop runs in a background thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+from p2p_sync import Trainer
+from p2p_sync.keys import SigningKey, write_keypair
+
+
+def tiny_llama() -> transformers.LlamaForCausalLM:
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--listen", default="127.0.0.1:8700")
+    parser.add_argument("--dir", type=Path, default=Path(tempfile.mkdtemp(prefix="hf-trainer-")))
+    args = parser.parse_args()
+    key_file = args.dir / "trainer.key"
+    if not key_file.exists():
+        write_keypair(SigningKey.generate(), key_file)
+    master = tiny_llama()  # fp32 master weights, trained
+    served = tiny_llama().to(torch.bfloat16)  # the bf16 copy rollouts run
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-5)
+    with Trainer(key=key_file, data_dir=args.dir / "data", listen=args.listen) as trainer:
+        print(f"trainer {trainer.url}; rollouts trust {key_file}.pub", flush=True)
+        for step in range(args.steps):
+            if step:
+                tokens = torch.randint(0, 256, (4, 32))
+                loss = master(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                for p, q in zip(served.parameters(), master.parameters()):
+                    p.copy_(q)
+            version = trainer.publish(served.state_dict())
+            t = trainer.last_publish or {}
+            print(f"published v{version} ({t.get('patch_bytes', 0):,} B patch, "
+                  f"{t.get('total_s', 0):.3f} s)", flush=True)
+        input("press Enter to stop seeding ")
+
+
+if __name__ == "__main__":
+    main()
