@@ -1,10 +1,14 @@
-"""Codec benchmark on the built-in workload: sizes, ratios and speeds.
+"""Codec benchmark on the built-in workload: sizes, ratios and speeds, format 1 beside format 2.
 
-For each learning rate and each patch span (1 step, 8 steps) it prints the density, bits per
-changed element, ratio vs dense, ratio vs a grail v3.1-style reference encoder on the same
-pair, the order-0 entropy bound of gaps + deltas, and create (diff + encode) and apply (decode +
-apply, base and target hash checks included) throughput in MB/s of dense model size, on one CPU
-core and on CUDA when present. `make demo` runs it; `make bench` too.
+For each learning rate and each patch span (1 step, 8 steps) it prints the density; bits per
+changed element and ratio vs dense for format 1 (``encode(patch)``: no base, v1 codings only)
+and format 2 (``encode(patch, base=...)``: exponent-class positions where they are smaller);
+format 2's ratio vs a grail v3.1-style reference encoder on the same pair; two entropy bounds
+(bits per changed element and the ratio they would give): order 0 of gaps + deltas per tensor,
+and the exponent-conditioned one (changed-or-not per element given tensor and base exponent,
+plus deltas given tensor and base exponent); and create (diff + encode) and apply (decode +
+apply, base and target hash checks included) throughput in MB/s of dense model size for both
+formats, on one CPU core and on CUDA when present. `make demo` runs it; `make bench` too.
 
     python benchmarks/codec.py [--size medium] [--lrs 1e-6,3e-6,1e-5] [--steps 1,8] [--json F]
 """
@@ -30,7 +34,7 @@ import grail_reference  # noqa: E402
 
 from p2p_sync import codec  # noqa: E402
 from p2p_sync.patch import Patch, apply, diff, invert  # noqa: E402
-from p2p_sync.tensors import TensorSet, total_bytes  # noqa: E402
+from p2p_sync.tensors import TensorSet, flat_bits, total_bytes  # noqa: E402
 from p2p_sync.workloads import Workload, parameter_count  # noqa: E402
 
 
@@ -62,19 +66,52 @@ def entropy_bits(patch: Patch) -> float:
     return total
 
 
+def _h_binary(changed: np.ndarray, total: np.ndarray) -> float:
+    """Sum over contexts of total * H(changed / total), in bits."""
+    p = changed / np.maximum(total, 1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -(np.where(p > 0, p * np.log2(p), 0) + np.where(p < 1, (1 - p) * np.log2(1 - p), 0))
+    return float((total * h).sum())
+
+
+def exponent_bits(patch: Patch, base: TensorSet) -> float:
+    """Exponent-conditioned bound (bits): per tensor and base exponent value, the binary
+    entropy of changed-or-not over its elements plus the order-0 entropy of its deltas."""
+    total = 0.0
+    for name, delta in patch.deltas.items():
+        pos, d = (t.numpy() for t in delta.to_sparse())
+        dtype = delta.spec.dtype
+        if dtype not in codec.MANTISSA_BITS:  # no exponent: fall back to order 0
+            total += _h0(np.diff(pos, prepend=-1)) + _h0(d)
+            continue
+        u = flat_bits(base[name]).cpu().numpy().view(f"<u{delta.spec.itemsize}")
+        exp_bits = 8 * delta.spec.itemsize - 1 - codec.MANTISSA_BITS[dtype]
+        e = ((u >> codec.MANTISSA_BITS[dtype]) & ((1 << exp_bits) - 1)).astype(np.int64)
+        ne, ke = np.bincount(e), np.bincount(e[pos], minlength=1 << exp_bits)
+        total += _h_binary(ke[: ne.size], ne)
+        order = np.argsort(e[pos], kind="stable")
+        bounds = np.searchsorted(e[pos][order], np.unique(e[pos]))
+        total += sum(_h0(part) for part in np.split(d[order], bounds[1:]))
+    return total
+
+
 def clone_to(tensors: TensorSet, device: str) -> dict[str, torch.Tensor]:
     return {k: v.to(device).clone() for k, v in tensors.items()}
 
 
-def speeds(base: TensorSet, new: TensorSet, data: bytes, device: str, repeat: int) -> tuple:
-    """(create MB/s, apply MB/s) on ``device``, in MB of dense model size per second."""
+def speeds(
+    base: TensorSet, new: TensorSet, data: bytes, device: str, repeat: int, v2: bool
+) -> tuple:
+    """(create MB/s, apply MB/s) on ``device``, in MB of dense model size per second. Format 2
+    encodes and decodes against the base (the weights being patched)."""
     b, n = clone_to(base, device), clone_to(new, device)
     dense = total_bytes(base) / 1e6
-    create = best_time(lambda: codec.encode(diff(b, n)), repeat)
-    work, undo = clone_to(base, device), invert(codec.decode(data))
+    create = best_time(lambda: codec.encode(diff(b, n), base=b if v2 else None), repeat)
+    work = clone_to(base, device)
+    undo = invert(codec.decode(data, base=work if v2 else None))
     times = []
     for _ in range(repeat):
-        times.append(best_time(lambda: apply(work, codec.decode(data)), 1))
+        times.append(best_time(lambda: apply(work, codec.decode(data, base=work if v2 else None)), 1))
         apply(work, undo)  # back to the base for the next round, untimed
     return dense / create, dense / min(times)
 
@@ -82,26 +119,28 @@ def speeds(base: TensorSet, new: TensorSet, data: bytes, device: str, repeat: in
 def measure(base: TensorSet, new: TensorSet, devices: list[str], repeat: int) -> dict:
     """Every figure of one table row for the pair (base, new)."""
     patch = diff(base, new)
-    data = codec.encode(patch)
+    data = {"v1": codec.encode(patch), "v2": codec.encode(patch, base=base)}
+    decoded = codec.decode(data["v2"], base=base)
+    assert all(decoded.deltas[k].same_change(d) for k, d in patch.deltas.items()), "v2 lossy"
     reference = grail_reference.encode(base, new)
     check = clone_to(base, "cpu")
     grail_reference.decode_apply(check, reference)
     assert all(torch.equal(check[k], new[k]) for k in new), "reference encoder is not lossless"
     dense, changed = total_bytes(base), patch.changed
-    row = {
-        "density": changed / patch.numel,
-        "bytes": len(data),
-        "bits_per_changed": 8 * len(data) / changed,
-        "ratio_vs_dense": dense / len(data),
-        "grail_bytes": len(reference),
-        "vs_grail": len(reference) / len(data),
-        "entropy_bits_per_changed": entropy_bits(patch) / changed,
-    }
-    row["entropy_ratio"] = 16 * patch.numel / (row["entropy_bits_per_changed"] * changed)
+    row = {"density": changed / patch.numel, "grail_bytes": len(reference),
+           "vs_grail": len(reference) / len(data["v2"])}  # fmt: skip
+    for fmt, blob in data.items():
+        row[f"bytes_{fmt}"] = len(blob)
+        row[f"bits_per_changed_{fmt}"] = 8 * len(blob) / changed
+        row[f"ratio_vs_dense_{fmt}"] = dense / len(blob)
+    for bound, bits in (("order0", entropy_bits(patch)), ("exponent", exponent_bits(patch, base))):
+        row[f"{bound}_bits_per_changed"] = bits / changed
+        row[f"{bound}_ratio"] = 8 * dense / bits
     for device in devices:
-        row[f"create_mbs_{device}"], row[f"apply_mbs_{device}"] = speeds(
-            base, new, data, device, repeat
-        )
+        for fmt, blob in data.items():
+            row[f"create_mbs_{fmt}_{device}"], row[f"apply_mbs_{fmt}_{device}"] = speeds(
+                base, new, blob, device, repeat, fmt == "v2"
+            )
     return row
 
 
@@ -120,23 +159,22 @@ def run(size: str, lrs: list[float], spans: list[int], devices: list[str], repea
 
 def render(rows: list[dict], devices: list[str], title: str) -> Table:
     table = Table(title=title)
+    speed_cols = [(k, f, d) for d in devices for k in ("create", "apply") for f in ("v1", "v2")]
     for col in (
-        "lr",
-        "steps",
-        "density",
-        "bits/changed",
-        "vs dense",
-        "vs grail-style",
-        "entropy bound",
-        *(f"{k} {d} MB/s" for d in devices for k in ("create", "apply")),
-    ):
-        table.add_column(col, justify="right")  # fmt: skip
+        "lr", "steps", "density", "v1 bits/chg", "v1 vs dense", "v2 bits/chg", "v2 vs dense",
+        "v2 vs grail", "order-0 bound", "exponent bound",
+        *(f"{k} {f} {d} MB/s" for k, f, d in speed_cols),
+    ):  # fmt: skip
+        table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             f"{r['lr']:g}", str(r["steps"]), f"{r['density']:.2%}",
-            f"{r['bits_per_changed']:.2f}", f"{r['ratio_vs_dense']:.1f}x", f"{r['vs_grail']:.2f}x",
-            f"{r['entropy_bits_per_changed']:.2f} b ({r['entropy_ratio']:.0f}x)",
-            *(f"{r[f'{k}_mbs_{d}']:,.0f}" for d in devices for k in ("create", "apply")),
+            f"{r['bits_per_changed_v1']:.2f}", f"{r['ratio_vs_dense_v1']:.1f}x",
+            f"{r['bits_per_changed_v2']:.2f}", f"{r['ratio_vs_dense_v2']:.1f}x",
+            f"{r['vs_grail']:.2f}x",
+            f"{r['order0_bits_per_changed']:.2f} b ({r['order0_ratio']:.0f}x)",
+            f"{r['exponent_bits_per_changed']:.2f} b ({r['exponent_ratio']:.0f}x)",
+            *(f"{r[f'{k}_mbs_{f}_{d}']:,.0f}" for k, f, d in speed_cols),
         )  # fmt: skip
     return table
 
@@ -155,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     lrs = [float(x) for x in args.lrs.split(",")]
     spans = [int(x) for x in args.steps.split(",")]
-    console = Console(width=160)
+    console = Console(width=230)
     n = parameter_count(args.size)
     console.print(f"[bold]p2psync codec[/] on the built-in {args.size} workload: {n / 1e6:.1f}M "
                   f"parameters, {2 * n / 1e6:.1f} MB of bf16; CPU timings on {args.threads} "

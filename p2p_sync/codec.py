@@ -748,7 +748,7 @@ def _kernels() -> dict[str, Callable]:
 
             jit = numba.njit(cache=True, nogil=True)
             _KERNELS.update(rank=jit(_rank_scan_py), select=jit(_select_scan_py),
-                            remainders=jit(_remainders_py), fast=True)  # fmt: skip
+                            rice=jit(_rice_decode_py), fast=True)  # fmt: skip
         except ImportError:  # pragma: no cover - numba is a dependency; this keeps a fallback
             _KERNELS.update(fast=False)
     return _KERNELS
@@ -894,25 +894,57 @@ def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
     return np.diff(ones, prepend=-1) - 1
 
 
-def _remainders_py(planes: np.ndarray, k_of: np.ndarray, rem: np.ndarray) -> None:
-    """Kernel: ``rem`` from the unpacked bits of every plane laid end to end."""
-    off = 0
-    for j in range(k_of.max() if k_of.size else 0):
-        for i in range(k_of.size):
-            if k_of[i] > j:
-                rem[i] |= np.int64(planes[off]) << j
-                off += 1
-        off = (off + 7) // 8 * 8  # each plane is padded to whole bytes
+def _rice_decode_py(unary: np.ndarray, planes: np.ndarray, plane_start: np.ndarray,
+                    coded: np.ndarray, k: np.ndarray, numel: int, ranks: np.ndarray) -> int:  # fmt: skip
+    """Kernel: every class's ranks from its Rice codes (raw unary bytes and remainder planes,
+    plane j at byte ``plane_start[j]``). Returns 0, or 1 when the unary stream runs out, 2 when
+    a gap leaves the tensor, 3 when bits follow the last code (other than < 8 zero pads)."""
+    bit, nbits, i = 0, unary.size * 8, 0
+    plane_pos = np.zeros(64, np.int64)
+    for c in range(16):
+        kc, prev = k[c], -1
+        for _ in range(coded[c]):
+            q = 0
+            while True:
+                if bit >= nbits:
+                    return 1
+                if (unary[bit >> 3] >> (bit & 7)) & 1:
+                    break
+                q += 1
+                bit += 1
+            bit += 1
+            if q > (numel >> kc):
+                return 2
+            rem = 0
+            for j in range(kc):
+                p = plane_pos[j]
+                rem |= np.int64((planes[plane_start[j] + (p >> 3)] >> (p & 7)) & 1) << j
+                plane_pos[j] = p + 1
+            gap = (q << kc) | rem
+            if gap >= numel or prev + gap + 1 >= numel:
+                return 2
+            prev += gap + 1
+            ranks[i] = prev
+            i += 1
+    if nbits - bit >= 8:
+        return 3
+    while bit < nbits:
+        if (unary[bit >> 3] >> (bit & 7)) & 1:
+            return 3
+        bit += 1
+    return 0
+
+
+_RICE_ERRORS = {
+    1: (CountMismatchError, "unary stream ends before its last code"),
+    2: (IndexOutOfRangeError, "a coded position lies outside the tensor"),
+    3: (CountMismatchError, "unary stream holds bits after its last code"),
+}
 
 
 def _read_remainders(buf: memoryview, k_of: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Inverse of :func:`_remainder_planes` (``buf`` holds exactly the planes)."""
     rem = np.zeros(k_of.size, np.int64)
-    kernels = _kernels()
-    if kernels["fast"]:
-        raw = np.frombuffer(buf, np.uint8, sum((m + 7) // 8 for m in sizes))
-        kernels["remainders"](np.unpackbits(raw, bitorder="little"), k_of, rem)
-        return rem
     off = 0
     for j, m in enumerate(sizes):
         bits = np.unpackbits(np.frombuffer(buf, np.uint8, (m + 7) // 8, off), count=m,
@@ -925,6 +957,19 @@ def _read_remainders(buf: memoryview, k_of: np.ndarray, sizes: list[int]) -> np.
 def _coded_ranks(raw: memoryview, head: _ClassHead, numel: int, name: str) -> np.ndarray:
     """Every class's coded ranks, class after class. Gaps are bounded by the tensor size before
     any shift or running sum, so hostile input cannot overflow them."""
+    kernels = _kernels()
+    if kernels["fast"]:
+        off = _CLASSED_HEAD + head.unary_size
+        sizes = [(m + 7) // 8 for m in _plane_sizes(head.k, head.coded)]
+        unary = np.frombuffer(raw, np.uint8, head.unary_size, _CLASSED_HEAD)
+        planes = np.frombuffer(raw, np.uint8, sum(sizes), off)
+        plane_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+        ranks = np.empty(int(head.coded.sum()), np.int64)
+        status = kernels["rice"](unary, planes, plane_start, head.coded, head.k, numel, ranks)
+        if status:
+            error, what = _RICE_ERRORS[status]
+            raise error(f"{name}: {what}")
+        return ranks
     off = _CLASSED_HEAD
     q = _read_unary(raw[off : off + head.unary_size], int(head.coded.sum()), name)
     off += head.unary_size
