@@ -136,8 +136,10 @@ def _print_inspect(path: Path, d: dict, console: Console) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     info = codec.read_header(read_patch_file(args.file))
-    if args.verify:  # exponent-class frames decode only against their base weights
-        base = load_weights(args.base, pick_device("cpu")) if args.base else None
+    base_path = getattr(args, "base", None)
+    needs_base = any(r.coding == codec.CLASSED for r in info.rows)
+    if args.verify and (base_path or not needs_base):  # such frames decode only against a base
+        base = load_weights(base_path, "cpu") if base_path else None
         codec.decode(read_patch_file(args.file), base=base)
     d = inspect_dict(info)
     if args.json:
