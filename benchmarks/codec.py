@@ -109,9 +109,9 @@ def speeds(
     create = best_time(lambda: codec.encode(diff(b, n), base=b if v2 else None), repeat)
     work = clone_to(base, device)
     undo = invert(codec.decode(data, base=work if v2 else None))
-    times = []
+    times, base_arg = [], work if v2 else None
     for _ in range(repeat):
-        times.append(best_time(lambda: apply(work, codec.decode(data, base=work if v2 else None)), 1))
+        times.append(best_time(lambda: apply(work, codec.decode(data, base=base_arg)), 1))
         apply(work, undo)  # back to the base for the next round, untimed
     return dense / create, dense / min(times)
 
