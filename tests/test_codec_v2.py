@@ -371,3 +371,17 @@ def test_rank_select_helpers_invert(tiny_versions: list) -> None:
         assert np.array_equal(ranks, np.arange(pos.size))
         back = codec.class_select(cmap.words[c], cmap.counts[c], int(cmap.members[c]), ranks)
         assert np.array_equal(back, pos)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-4, 4) | st.integers(-(2**63), 2**63 - 1), max_size=300),
+       st.sampled_from([1, 2, 4, 8]))  # fmt: skip
+def test_classed_value_section_round_trips(values: list[int], width: int) -> None:
+    """Coding-3 value groups may use 2-bit values (four to a byte) besides format 1's widths."""
+    lo, hi = -(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1
+    d = np.array([min(max(v, lo), hi) for v in values], dtype=f"<i{width}")
+    head, body = codec.encode_values(d, codec.CLASSED_VALUE_BITS)
+    raw = memoryview(head + b"".join(body))
+    bits, n_esc = codec._value_head(raw, width, "t", codec.CLASSED_VALUE_BITS)
+    out = codec._decode_value_body(raw[codec._VALUE_HEAD.size :], d.size, width, bits, n_esc, "t")
+    assert np.array_equal(out.astype(d.dtype), d)
