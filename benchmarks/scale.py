@@ -135,6 +135,7 @@ def publish_file(swarm: Swarm, weights: dict[str, torch.Tensor], version: int) -
 
 
 def run_processes(args: argparse.Namespace, model: Model, root: Path, console: Console) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
     swarm = Swarm(root, chunk_size=256 * 1024)
     procs: list[Proc] = []
     rows: list[Row] = []
@@ -193,7 +194,13 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
     return out
 
 
-def report(args, model: Model, res: dict, api: list[dict], console: Console) -> None:
+def report(args, model: Model | None, res: dict, api: list[dict], console: Console) -> None:
+    if model is None:
+        for a in api:
+            console.print(f"API v{a['version']}: publish() {a['publish_s']:.2f} s, publish -> "
+                          f"applied in the engine {a['total_s']:.2f} s, engine pause "
+                          f"{a['pause_s']:.3f} s")  # fmt: skip
+        return
     dense = model.params * 2
     table = Table("v", "patch MB", "last hand-off s", "trainer: diff / encode / hash+sign / "
                   "store s", "rollouts: fetch / apply / persist / export s",
@@ -224,9 +231,6 @@ def report(args, model: Model, res: dict, api: list[dict], console: Console) -> 
                       f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch")  # fmt: skip
     for name, peak in res["peaks"].items():
         console.print(f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model")
-    for a in api:
-        console.print(f"API v{a['version']}: publish() {a['publish_s']:.2f} s, publish -> applied "
-                      f"in the engine {a['total_s']:.2f} s, engine pause {a['pause_s']:.3f} s")
     console.print(f"driver peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
 
 
@@ -245,13 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=160)
     model = Model(args.size, args.lr, "cuda" if args.device == "cuda" else "cpu")
     console.print(f"[bold]{args.size}[/]: {model.params / 1e9:.2f}B parameters")
-    with tempfile.TemporaryDirectory(prefix="p2psync-scale-", dir=args.dir) as tmp:
+    res: dict = {"rows": [], "peaks": {}}
+    api: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="p2psync-scale-") as tmp:
+        work = args.dir or Path(tmp)  # --dir keeps the nodes' logs and data
         res = {"rows": [], "peaks": {}}
         if not args.skip_processes:
-            res = run_processes(args, model, Path(tmp), console)
+            res = run_processes(args, model, work / "processes", console)
+            report(args, model, res, [], console)
+        del model
         gc.collect()
-        api = [] if args.skip_api else run_api(args, Model(args.size, args.lr, "cpu"), Path(tmp))
-        report(args, model, res, api, console)
+        api = [] if args.skip_api else run_api(args, Model(args.size, args.lr, "cpu"), work)
+        report(args, None, {"rows": [], "peaks": {}}, api, console)
     if args.json:
         doc = {"rows": [r.__dict__ for r in res["rows"]], "peaks": res["peaks"], "api": api}
         args.json.write_text(json.dumps(doc, indent=1))

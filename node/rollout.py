@@ -251,9 +251,12 @@ class Follower:
         async with self._lock:
             done = []
             while self.pending:
-                m, fetch_s = self.pending.pop(0)
+                m, fetch_s = self.pending[0]  # stays pending while applied: plans skip it
+                held = self.state.version
                 try:
-                    done.append(await self._advance(m, fetch_s))
+                    if held is None or m.version > held:
+                        done.append(await self._advance(m, fetch_s))
+                    self.pending.pop(0)
                 except LayoutMismatchError:  # the engine's model does not fit: its error
                     self.pending.clear()
                     raise

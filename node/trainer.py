@@ -98,8 +98,11 @@ class Publisher:
         self.prev: dict[str, torch.Tensor] | None = None
         self.prev_hash: bytes | None = None
         self.timings = PublishTimings()
-        self.history: collections.deque[Patch] = collections.deque(
-            maxlen=max(policy.catchup_spans, default=1)
+        # Recent 1-step patches for merged catch-up patches, kept encoded (format 1, fast to
+        # decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of
+        # positions; encoded they hold ~16 patch payloads.
+        self.history: collections.deque[bytes] = collections.deque(
+            maxlen=max(policy.catchup_spans, default=0)
         )
         restored = restore(node.store, workers=WORKERS)
         if restored is not None:
@@ -116,8 +119,16 @@ class Publisher:
             if kind == PATCH and base == version - 1 and step is not None:
                 out.append((PATCH, base, step))
             elif kind == PATCH and base is not None and version - base <= len(self.history):
-                out.append((PATCH, base, merge(list(self.history)[-(version - base) :])))
+                out.append((PATCH, base, self._merged(version - base)))
         return out
+
+    def _merged(self, span: int) -> Patch:
+        """The last ``span`` steps as one patch, merged one decoded step at a time."""
+        steps = list(self.history)[-span:]
+        acc = codec.decode(steps[0], workers=WORKERS)
+        for data in steps[1:]:
+            acc = merge([acc, codec.decode(data, workers=WORKERS)])
+        return acc
 
     def _manifest(self, version: int, kind: str, target: str, layout: str,
                   payload: bytes | None, **extra) -> Manifest:  # fmt: skip
@@ -147,8 +158,9 @@ class Publisher:
         t0 = time.perf_counter()
         step = None
         if self.prev is not None and version > 0:
-            step = diff(self.prev, new, base_hash=self.prev_hash)
-            self.history.append(step)
+            step = diff(self.prev, new, base_hash=self.prev_hash, workers=WORKERS)
+            if self.history.maxlen:
+                self.history.append(codec.encode(step, level=1, workers=WORKERS))
         target = (step.target_hash if step else state_hash(new)).hex()  # diff hashed it already
         layout = layout_fingerprint(layout_of(new)).hex()
         t.diff_s = time.perf_counter() - t0

@@ -12,7 +12,9 @@ changed positions and deltas travel to the host.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -206,17 +208,28 @@ def diff_tensor(
     return _diff_host(spec, old.contiguous(), cur.contiguous(), scratch)
 
 
-def diff(base: TensorSet, new: TensorSet, base_hash: bytes | None = None) -> Patch:
+def diff(
+    base: TensorSet, new: TensorSet, base_hash: bytes | None = None, workers: int = 1
+) -> Patch:
     """The patch that turns ``base`` into ``new`` (equal layouts required). ``base_hash``, when
-    the caller knows it, saves hashing the whole base again."""
+    the caller knows it, saves hashing the whole base again. ``workers > 1`` diffs tensors in
+    parallel threads (numpy's compare and nonzero release the GIL)."""
     layout = layout_of(base)
     check_layout(layout, layout_of(new), "new version")
-    deltas = {}
-    scratch = np.empty(max((s.numel for s in layout), default=0), dtype=bool)
-    for spec in layout:
-        delta = diff_tensor(spec, base[spec.name], new[spec.name], scratch)
-        if delta is not None:
-            deltas[spec.name] = delta
+    biggest = max((s.numel for s in layout), default=0)
+    local = threading.local()
+
+    def one(spec: TensorSpec) -> TensorDelta | None:
+        if not hasattr(local, "scratch"):  # one reused compare buffer per thread
+            local.scratch = np.empty(biggest, dtype=bool)
+        return diff_tensor(spec, base[spec.name], new[spec.name], local.scratch)
+
+    if workers > 1 and len(layout) > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            found = list(pool.map(one, layout))
+    else:
+        found = [one(spec) for spec in layout]
+    deltas = {spec.name: d for spec, d in zip(layout, found) if d is not None}
     known = base_hash if base_hash is not None else state_hash(base)
     return Patch(layout, known, state_hash(new), deltas)
 
