@@ -842,12 +842,15 @@ def _kernels() -> dict[str, Callable]:
     if not _KERNELS:
         try:
             import numba
-
-            jit = numba.njit(cache=True, nogil=True)
-            _KERNELS.update(rank=jit(_rank_scan_py), select=jit(_select_scan_py),
-                            rice=jit(_rice_decode_py), fast=True)  # fmt: skip
         except ImportError:  # pragma: no cover - numba is a dependency; this keeps a fallback
             _KERNELS.update(fast=False)
+            return _KERNELS
+        kernels = {"rank": _rank_scan_py, "select": _select_scan_py, "rice": _rice_decode_py}
+        try:
+            compiled = {k: numba.njit(cache=True, nogil=True)(f) for k, f in kernels.items()}
+        except RuntimeError:  # no writable cache location: compile in memory each process
+            compiled = {k: numba.njit(nogil=True)(f) for k, f in kernels.items()}
+        _KERNELS.update(compiled, fast=True)
     return _KERNELS
 
 
