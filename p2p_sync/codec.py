@@ -733,6 +733,15 @@ class _ClassCodes:
 
     def streams(self) -> tuple[bytes, bytes]:
         """(unary stream, remainder planes)."""
+        kernels = _kernels()
+        if kernels["fast"]:
+            sizes = [(m + 7) // 8 for m in _plane_sizes(self.k, self.coded)]
+            unary = np.zeros((int(self.quotients.sum()) + self.quotients.size + 7) // 8, np.uint8)
+            planes = np.zeros(sum(sizes), np.uint8)
+            plane_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+            kernels["rice_encode"](self.quotients, self.remainders, self.coded, self.k, unary,
+                                   planes, plane_start)  # fmt: skip
+            return unary.tobytes(), planes.tobytes()
         k_of = np.repeat(self.k, self.coded)
         return _unary(self.quotients), _remainder_planes(self.remainders, k_of)
 
@@ -845,7 +854,8 @@ def _kernels() -> dict[str, Callable]:
         except ImportError:  # pragma: no cover - numba is a dependency; this keeps a fallback
             _KERNELS.update(fast=False)
             return _KERNELS
-        kernels = {"rank": _rank_scan_py, "select": _select_scan_py, "rice": _rice_decode_py}
+        kernels = {"rank": _rank_scan_py, "select": _select_scan_py, "rice": _rice_decode_py,
+                   "rice_encode": _rice_encode_py}  # fmt: skip
         try:
             compiled = {k: numba.njit(cache=True, nogil=True)(f) for k, f in kernels.items()}
         except RuntimeError:  # no writable cache location: compile in memory each process
@@ -995,6 +1005,26 @@ def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
     if ones.size != total or (total and int(ones[-1]) < bits.size - 8) or (not total and len(buf)):
         raise CountMismatchError(f"{name}: unary stream holds {ones.size} codes, expected {total}")
     return np.diff(ones, prepend=-1) - 1
+
+
+def _rice_encode_py(quotients: np.ndarray, remainders: np.ndarray, coded: np.ndarray,
+                    k: np.ndarray, unary: np.ndarray, planes: np.ndarray,
+                    plane_start: np.ndarray) -> None:  # fmt: skip
+    """Kernel: set the unary and remainder-plane bits of every code (buffers zeroed, sized)."""
+    bit, i = 0, 0
+    plane_pos = np.zeros(64, np.int64)
+    for c in range(16):
+        for _ in range(coded[c]):
+            bit += quotients[i]
+            unary[bit >> 3] |= np.uint8(1 << (bit & 7))
+            bit += 1
+            rem = remainders[i]
+            for j in range(k[c]):
+                p = plane_pos[j]
+                if (rem >> j) & 1:
+                    planes[plane_start[j] + (p >> 3)] |= np.uint8(1 << (p & 7))
+                plane_pos[j] = p + 1
+            i += 1
 
 
 def _rice_decode_py(unary: np.ndarray, planes: np.ndarray, plane_start: np.ndarray,
