@@ -780,19 +780,30 @@ def _code_classes(rank: np.ndarray, bounds: np.ndarray, members: np.ndarray) -> 
 def _rank_scan_py(u: np.ndarray, shift: int, pos: np.ndarray, cls: np.ndarray,
                   rank: np.ndarray, members: np.ndarray) -> None:  # fmt: skip
     """Kernel: class and class rank of each sorted position; class sizes into ``members``.
-    Between two changed positions the loop only counts (no compare per element)."""
+    Between two changed positions the loop only counts, into four histograms in turn, so runs
+    of one class do not wait on one counter."""
+    h = np.zeros((4, 16), np.int64)
     start = 0
-    for j in range(pos.size):
-        p = pos[j]
-        for i in range(start, p):
-            members[(u[i] >> shift) & 15] += 1
-        c = (u[p] >> shift) & 15
-        cls[j] = c
-        rank[j] = members[c]
-        members[c] += 1
-        start = p + 1
-    for i in range(start, u.size):
-        members[(u[i] >> shift) & 15] += 1
+    for j in range(pos.size + 1):
+        end = pos[j] if j < pos.size else u.size
+        i = start
+        while i + 4 <= end:
+            h[0, (u[i] >> shift) & 15] += 1
+            h[1, (u[i + 1] >> shift) & 15] += 1
+            h[2, (u[i + 2] >> shift) & 15] += 1
+            h[3, (u[i + 3] >> shift) & 15] += 1
+            i += 4
+        while i < end:
+            h[0, (u[i] >> shift) & 15] += 1
+            i += 1
+        if j < pos.size:
+            c = (u[end] >> shift) & 15
+            cls[j] = c
+            rank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+            h[0, c] += 1
+            start = end + 1
+    for c in range(16):
+        members[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
 
 
 def _select_scan_py(u: np.ndarray, shift: int, ranks: np.ndarray, starts: np.ndarray,
