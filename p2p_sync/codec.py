@@ -806,22 +806,23 @@ def _rank_scan_py(u: np.ndarray, shift: int, pos: np.ndarray, cls: np.ndarray,
         members[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
 
 
-def _select_scan_py(u: np.ndarray, shift: int, ranks: np.ndarray, starts: np.ndarray,
+def _select_scan_py(u: np.ndarray, shift: int, ranks: np.ndarray, first: np.ndarray,
                     complement: np.ndarray, out_pos: np.ndarray, out_cls: np.ndarray,
                     out_within: np.ndarray, members: np.ndarray,
                     cursor: np.ndarray) -> int:  # fmt: skip
     """Kernel: walk the base once; an element is changed when its class rank is the class's
-    next coded rank (or, in a complement class, is not). Emits changed positions in order, with
-    class and index among the class's changed elements; fills ``members`` (class sizes) and
-    ``cursor`` (coded ranks used). Returns the number emitted, -1 past the cap.
+    next coded rank (or, in a complement class, is not). ``ranks`` holds each class's coded
+    ranks from ``first[c]`` on, closed by a sentinel >= 2^62. Emits changed positions in order,
+    with class and index among the class's changed elements; fills ``members`` (class sizes)
+    and ``cursor`` (where each class stopped reading ``ranks``). Returns the number emitted, -1
+    past the cap.
 
     The common element costs one decrement: ``skip[c]`` counts the class-c elements left before
     its next coded rank (0 for a complement class, whose every member takes the slow path)."""
-    never = 2**62
     skip, due = np.empty(16, np.int64), np.empty(16, np.int64)
     for c in range(16):
-        cursor[c] = starts[c]
-        due[c] = ranks[starts[c]] if starts[c] < starts[c + 1] else never
+        cursor[c] = first[c]
+        due[c] = ranks[first[c]]
         skip[c] = 0 if complement[c] else due[c]
     k, cap = 0, out_pos.size
     for i in range(u.size):
@@ -830,23 +831,27 @@ def _select_scan_py(u: np.ndarray, shift: int, ranks: np.ndarray, starts: np.nda
         if left > 0:
             skip[c] = left - 1
             continue
-        passed = cursor[c] - starts[c]
-        seen = members[c] if complement[c] else due[c]
-        hit = seen == due[c]
-        if hit:
-            cursor[c] += 1
-            due[c] = ranks[cursor[c]] if cursor[c] < starts[c + 1] else never
+        cur = cursor[c]
         if complement[c]:
+            seen = members[c]
             members[c] = seen + 1
-        else:
+            if seen == due[c]:  # a coded member: it stays
+                cursor[c] = cur + 1
+                due[c] = ranks[cur + 1]
+                continue
+            within = seen - (cur - first[c])
+        else:  # skip ran out: this element is the next coded rank
+            seen = due[c]
+            cursor[c] = cur + 1
+            due[c] = ranks[cur + 1]
             skip[c] = due[c] - seen - 1
-        if hit != complement[c]:
-            if k == cap:
-                return -1
-            out_pos[k] = i
-            out_cls[k] = c
-            out_within[k] = passed if hit else seen - passed
-            k += 1
+            within = cur - first[c]
+        if k == cap:
+            return -1
+        out_pos[k] = i
+        out_cls[k] = c
+        out_within[k] = within
+        k += 1
     for c in range(16):
         if not complement[c]:
             members[c] = due[c] - skip[c]
@@ -866,7 +871,7 @@ def _kernels() -> dict[str, Callable]:
             _KERNELS.update(fast=False)
             return _KERNELS
         kernels = {"rank": _rank_scan_py, "select": _select_scan_py, "rice": _rice_decode_py,
-                   "rice_encode": _rice_encode_py}  # fmt: skip
+                   "rice_encode": _rice_encode_py, "gather": _gather_py}  # fmt: skip
         try:
             compiled = {k: numba.njit(cache=True, nogil=True)(f) for k, f in kernels.items()}
         except RuntimeError:  # no writable cache location: compile in memory each process
@@ -938,11 +943,14 @@ def scan_select(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
     out_pos, out_within = np.empty(cap, np.int64), np.empty(cap, np.int64)
     out_cls = np.empty(cap, np.uint8)
     members, cursor = np.zeros(N_CLASSES, np.int64), np.zeros(N_CLASSES, np.int64)
-    k = kernels["select"](_unsigned(base_bits), MANTISSA_BITS[dtype], ranks, starts, complement,
+    first = starts[:-1] + np.arange(N_CLASSES)  # each class's ranks, then one sentinel
+    padded = np.full(ranks.size + N_CLASSES, 2**62, np.int64)
+    padded[np.arange(ranks.size) + np.repeat(np.arange(N_CLASSES), np.diff(starts))] = ranks
+    k = kernels["select"](_unsigned(base_bits), MANTISSA_BITS[dtype], padded, first, complement,
                           out_pos, out_cls, out_within, members, cursor)  # fmt: skip
     if k < 0:
         return None
-    return _Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - starts[:-1])
+    return _Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
 
 
 def _classed_streams(delta: TensorDelta, base_bits: np.ndarray) -> list[bytes]:
@@ -1016,6 +1024,13 @@ def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
     if ones.size != total or (total and int(ones[-1]) < bits.size - 8) or (not total and len(buf)):
         raise CountMismatchError(f"{name}: unary stream holds {ones.size} codes, expected {total}")
     return np.diff(ones, prepend=-1) - 1
+
+
+def _gather_py(values: np.ndarray, first: np.ndarray, cls: np.ndarray, within: np.ndarray,
+               out: np.ndarray) -> None:  # fmt: skip
+    """Kernel: ``out[i] = values[first[cls[i]] + within[i]]`` (indices come from the scan)."""
+    for i in range(out.size):
+        out[i] = values[first[cls[i]] + within[i]]
 
 
 def _rice_encode_py(quotients: np.ndarray, remainders: np.ndarray, coded: np.ndarray,
@@ -1152,7 +1167,13 @@ def _classed_values(
     for g in (0, 1):
         members_of = np.flatnonzero(group == bool(g))
         first[members_of] = np.cumsum(changed[members_of]) - changed[members_of] + g * sizes[0]
-    return np.concatenate(values)[first[found.cls] + found.within]
+    every = np.concatenate(values)
+    kernels = _kernels()
+    if kernels["fast"]:
+        out = np.empty(n, every.dtype)
+        kernels["gather"](every, first, found.cls, found.within, out)
+        return out
+    return every[first[found.cls] + found.within]
 
 
 def _decode_classed(
