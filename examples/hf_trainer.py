@@ -28,6 +28,23 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(cfg)
 
 
+class Policy:
+    """fp32 master weights trained by AdamW, and the bf16 copy that rollouts run."""
+
+    def __init__(self) -> None:
+        self.master, self.served = tiny_llama(), tiny_llama().to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.master.parameters(), lr=1e-5)
+
+    def train_step(self) -> None:
+        tokens = torch.randint(0, 256, (4, 32))  # stands in for a batch of rollouts
+        self.master(input_ids=tokens, labels=tokens).loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for p, q in zip(self.served.parameters(), self.master.parameters()):
+                p.copy_(q)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -37,22 +54,13 @@ def main() -> None:
     key_file = args.dir / "trainer.key"
     if not key_file.exists():
         write_keypair(SigningKey.generate(), key_file)
-    master = tiny_llama()  # fp32 master weights, trained
-    served = tiny_llama().to(torch.bfloat16)  # the bf16 copy rollouts run
-    opt = torch.optim.AdamW(master.parameters(), lr=1e-5)
+    policy = Policy()
     with Trainer(key=key_file, data_dir=args.dir / "data", listen=args.listen) as trainer:
         print(f"trainer {trainer.url}; rollouts trust {key_file}.pub", flush=True)
         for step in range(args.steps):
             if step:
-                tokens = torch.randint(0, 256, (4, 32))
-                loss = master(input_ids=tokens, labels=tokens).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-            with torch.no_grad():
-                for p, q in zip(served.parameters(), master.parameters()):
-                    p.copy_(q)
-            version = trainer.publish(served.state_dict())
+                policy.train_step()
+            version = trainer.publish(policy.served.state_dict())
             t = trainer.last_publish or {}
             print(f"published v{version} ({t.get('patch_bytes', 0):,} B patch, "
                   f"{t.get('total_s', 0):.3f} s)", flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from examples.hf_trainer import tiny_llama
+from examples.hf_trainer import Policy, tiny_llama
 from p2p_sync import Rollout, Trainer
 from p2p_sync.keys import SigningKey, write_keypair
 
@@ -22,22 +22,16 @@ from p2p_sync.keys import SigningKey, write_keypair
 def main(steps: int = 5) -> int:
     root = Path(tempfile.mkdtemp(prefix="p2psync-example-"))
     pub = write_keypair(SigningKey.generate(), root / "trainer.key")
-    master, served = tiny_llama(), tiny_llama().to(torch.bfloat16)
+    policy = Policy()
+    served = policy.served
     engine = tiny_llama().to(torch.bfloat16).eval()
-    opt = torch.optim.AdamW(master.parameters(), lr=1e-5)
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     with Trainer(key=root / "trainer.key", data_dir=root / "t") as trainer, \
             Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=root / "r",
                     model=engine) as rollout:  # fmt: skip
         for step in range(steps):
             if step:
-                tokens = torch.randint(0, 256, (4, 32))
-                master(input_ids=tokens, labels=tokens).loss.backward()
-                opt.step()
-                opt.zero_grad()
-            with torch.no_grad():
-                for p, q in zip(served.parameters(), master.parameters()):
-                    p.copy_(q)
+                policy.train_step()
             version = trainer.publish(served.state_dict())
             rollout.wait_for_version(version, timeout=60)  # applies held versions as they come
             same = all(torch.equal(a, b) for a, b in zip(engine.parameters(), served.parameters()))

@@ -95,6 +95,13 @@ class _Embedded:
     def multiaddr(self) -> str | None:
         return self.node.multiaddr if self.node else None
 
+    @property
+    def version(self) -> int | None:
+        """The accepted version: published (trainer), or held by the weights (rollout; the
+        engine's, when attached)."""
+        state = self.node.store.state if self.node else None
+        return state.version if state else None
+
     async def _open_node(self, node_cls: type[Node]) -> Node:
         policy, key = policy_for(self.cfg)
         limits = StoreLimits(max_chunk_bytes=int(self.cfg.store_max_gb * 1e9))
@@ -182,11 +189,6 @@ class Trainer(_Embedded):
         if self.node is not None:
             await self.node.stop()
 
-    @property
-    def version(self) -> int | None:
-        state = self.node.store.state if self.node else None
-        return state.version if state else None
-
     async def apublish(self, state_dict: Mapping[str, torch.Tensor]) -> list[Manifest]:
         assert self.publisher is not None, "Trainer is not open"
         return await self.publisher.publish(dict(state_dict))
@@ -268,12 +270,6 @@ class Rollout(_Embedded):
             await self._task
         if self.node is not None:
             await self.node.stop()
-
-    @property
-    def version(self) -> int | None:
-        """The version the weights (the engine's, when attached) hold now."""
-        state = self.node.store.state if self.node else None
-        return state.version if state else None
 
     @property
     def weights(self) -> dict[str, torch.Tensor] | None:

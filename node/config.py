@@ -34,10 +34,13 @@ class NodeConfig:
     threshold: int = 1
     peers: tuple[str, ...] = ()
     watch: Path | None = None
+    watch_interval_s: float = 0.02  # trainer: how often --watch looks for new files
     export: Path | None = None
     on_update: str | None = None
     device: str = "auto"
     chunk_size: int = 256 * 1024
+    patch_format: int = 2  # trainer: 2 codes positions by the base's exponents (smaller), 1 is
+    # faster to encode and decode on a CPU (see README: what a version costs)
     anchor_every: int = 10
     checkpoint_every: int = 10  # full weights written every N versions (else one log line each)
     catchup_spans: tuple[int, ...] = (4, 16)
@@ -115,6 +118,8 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("key", "a trainer needs --key (create one with p2psync keygen)")
     if cfg.role == "rollout" and not cfg.trust:
         raise bad("trust", "a rollout needs --trust (the trainer's public key or .pub file)")
+    if cfg.patch_format not in (1, 2):
+        raise bad("patch_format", "must be 1 or 2")
     if not 16 * 1024 <= cfg.chunk_size <= 64 * 2**20:
         raise bad("chunk_size", "must be between 16 KiB and 64 MiB")
     if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
@@ -128,7 +133,7 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("store_max_gb", "must be positive")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
-    for name in ("poll_interval_s", "have_poll_s", "reseed_after_s", "min_request_timeout_s",
+    for name in ("poll_interval_s", "have_poll_s", "watch_interval_s", "reseed_after_s", "min_request_timeout_s",
                  "p2p_refresh_s", "p2p_start_timeout_s", "announce_per_s",
                  "announce_max_age_s"):  # fmt: skip
         if not getattr(cfg, name) > 0:

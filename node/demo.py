@@ -2,14 +2,17 @@
 
 A trainer publishes successive versions of the built-in transformer as the workload trains it;
 three rollouts follow from the start and a fourth joins late and catches up from an anchor
-snapshot. Per version it prints how long the version took to reach every running rollout and
-how many bytes the trainer vs the rollouts uploaded, then checks that every rollout's exported
+snapshot. Per version it prints how long after the file appeared in the trainer's watch dir
+every running rollout had applied it (verified, in memory, logged) and had exported it
+(``--export``: the whole model written for an engine that reloads from disk), how many bytes
+the trainer vs the rollouts uploaded, then checks that every rollout's exported
 weights are bit-identical to the trainer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +32,10 @@ def uploaded(procs: list[Proc]) -> int:
 
 def run(root: Path, size: str, n_versions: int, late_at: int, console: Console) -> bool:
     swarm = Swarm(root, chunk_size=64 * 1024)
-    table = Table("version", "artifacts", "reached all in", "trainer sent", "rollouts sent",
-                  "rollouts", title="p2psync swarm demo")  # fmt: skip
+    table = Table("version", "artifacts", "applied at all", "exported at all", "trainer sent",
+                  "rollouts sent", "rollouts", title="p2psync swarm demo")  # fmt: skip
     try:
-        trainer = swarm.start_trainer(anchor_every=4)
+        trainer = swarm.start_trainer(anchor_every=4, extra=tuple(os.environ.get("P2PSYNC_DEMO_TRAINER_FLAGS", "").split()))
         rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url]) for i in range(3)]
         console.print(f"trainer {trainer.url}; rollouts " + ", ".join(r.url for r in rollouts))
         last = None
@@ -41,12 +44,13 @@ def run(root: Path, size: str, n_versions: int, late_at: int, console: Console) 
                 rollouts.append(swarm.start_rollout("rollout-late", [rollouts[0].url]))
                 console.print(f"rollout-late joins at v{v} ({rollouts[-1].url})")
             t_up, r_up = uploaded([trainer]), uploaded(rollouts)
-            t0 = time.monotonic()
-            swarm.publish(weights)
+            t0 = swarm.publish(weights)
             swarm.wait_version(rollouts, v, timeout=300)
-            elapsed = time.monotonic() - t0
+            ups = [(r.status() or {}).get("last_update") or {} for r in rollouts]
+            applied = max(u.get("applied_at", 0.0) for u in ups) - t0
+            exported = max(u.get("at", 0.0) for u in ups) - t0
             kinds = sorted({m["kind"] for m in _manifests(trainer) if m["version"] == v})
-            table.add_row(f"v{v}", "+".join(kinds), f"{elapsed:.2f} s",
+            table.add_row(f"v{v}", "+".join(kinds), f"{applied:.2f} s", f"{exported:.2f} s",
                           f"{uploaded([trainer]) - t_up:,} B", f"{uploaded(rollouts) - r_up:,} B",
                           str(len(rollouts)))  # fmt: skip
             last = weights

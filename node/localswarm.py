@@ -161,12 +161,14 @@ class Swarm:
         args = ["--role", "bootstrap", "--trust", str(self.pub), *extra]
         return self._spawn(name, args, self.root / name, None, at)
 
-    def publish(self, weights: dict[str, torch.Tensor]) -> None:
-        """Drop the next version into the trainer's watch dir (written aside, then renamed)."""
+    def publish(self, weights: dict[str, torch.Tensor]) -> float:
+        """Drop the next version into the trainer's watch dir (written aside, then renamed);
+        returns the wall-clock time at which it appeared there."""
         tmp = self.root / f".v{self._published}.tmp"
         save_file(weights, tmp)
         os.replace(tmp, self.watch / f"v{self._published:04d}.safetensors")
         self._published += 1
+        return time.time()
 
     def wait_version(self, procs: list[Proc], version: int, timeout: float = 60) -> None:
         def reached() -> bool:

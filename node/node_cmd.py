@@ -57,7 +57,7 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
             refresher = asyncio.create_task(publisher.refresh_loop(stop))
             if cfg.watch is not None:
                 cfg.watch.mkdir(parents=True, exist_ok=True)
-                await watch(publisher, cfg.watch, stop)
+                await watch(publisher, cfg.watch, stop, cfg.watch_interval_s)
             else:
                 await stop.wait()
             await refresher
@@ -78,6 +78,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         "trust": args.trust, "peers": args.peers, "watch": args.watch, "export": args.export,
         "on_update": args.on_update, "swarm": args.swarm, "device": args.device,
         "chunk_size": args.chunk_size, "max_upload_mbps": args.max_upload_mbps,
+        "patch_format": args.patch_format, "checkpoint_every": args.checkpoint_every,
         "p2p": False if args.no_p2p else None, "p2p_listen": args.p2p_listen,
         "bootstrap": args.bootstrap,
     }  # fmt: skip
@@ -137,6 +138,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     node.add_argument("--device", help="cpu, cuda or auto")
     node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
     node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
+    node.add_argument("--patch-format", type=int, choices=[1, 2],
+                      help="trainer: 2 (default) codes positions by the base's exponents, "
+                      "smaller; 1 is faster to code on a CPU")
+    node.add_argument("--checkpoint-every", type=int,
+                      help="write full weights every N versions (default 10; else a log line)")
     node.add_argument(
         "--bootstrap",
         action="append",

@@ -37,7 +37,7 @@ from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.patch import check_layout
-from p2p_sync.restore import apply_artifact, load_snapshot, restore
+from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.tensors import layout_of, state_hash
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import save_weights
@@ -64,7 +64,8 @@ class Update:
     apply_s: float = 0.0  # decode + in-place apply + target hash check: the engine's pause
     persist_s: float = 0.0  # log record, plus a checkpoint every checkpoint_every versions
     export_s: float = 0.0
-    at: float = 0.0
+    applied_at: float = 0.0  # wall clock: applied in place and verified (target state hash)
+    at: float = 0.0  # wall clock: handed off (exported, when --export is set)
 
 
 class Follower:
@@ -161,7 +162,12 @@ class Follower:
             raise PatchError(f"v{m.version}: a patch needs weights to apply to")
         current = self.state.state_hash
         assert current is not None
-        apply_artifact(self.node.store, m, self.weights, current, WORKERS)
+        try:
+            apply_artifact(self.node.store, m, self.weights, current, WORKERS)
+        except TornApplyError:  # half-applied: rebuild the last accepted state in place
+            restored = restore(self.node.store, self.device, self.weights, WORKERS)
+            self.weights = restored.weights if restored is not None else None
+            raise
         return self.weights
 
     async def _checkpoint_done(self) -> None:
@@ -209,20 +215,23 @@ class Follower:
             await self._export(state.version, state.state_hash)
 
     async def _advance(self, m: Manifest, fetch_s: float) -> Update:
-        """Apply one fetched artifact, log it and hand it off."""
+        """Apply one fetched artifact, export it, log it and hand it off. The export comes
+        before the log record, so a version the node reports always has its export (a crash
+        in between leaves an export ahead of the state: rewritten at start)."""
         up = Update(m.version, m.kind, m.payload_size, fetch_s=fetch_s)
         await self._checkpoint_done()  # a checkpoint reads the weights: never mutate under it
         t0 = time.perf_counter()
         self.weights = await asyncio.to_thread(self._apply_one, m)
+        up.applied_at = time.time()
         t1 = time.perf_counter()
-        await self._persist(m)
-        t2 = time.perf_counter()
         await self._export(m.version, m.target_state)
-        up.apply_s, up.persist_s, up.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
+        t2 = time.perf_counter()
+        await self._persist(m)
+        up.apply_s, up.export_s, up.persist_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         up.at = time.time()
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
-        self.node.set_version(m.version)
         self._note(up)
+        self.node.set_version(m.version)
         if self.callback is not None:
             self.callback(m.version, self.weights)
         await self._hook(m)

@@ -171,7 +171,7 @@ class Publisher:
             t.snapshot_s = time.perf_counter() - t1
         for kind, base, patch in self._payloads(version, step):
             t1 = time.perf_counter()
-            if base == version - 1:  # the base is ``prev``: positions coded by its exponents
+            if base == version - 1 and self.node.cfg.patch_format == 2:  # base is ``prev``
                 payload = codec.encode(patch, workers=WORKERS, base=self.prev,
                                        base_hash=self.prev_hash)  # fmt: skip
             else:  # a merged catch-up patch: its base is not held here, format 1 coding
@@ -231,8 +231,9 @@ class Publisher:
         t = self.timings
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
-        log.info("published v%d in %.2fs (diff %.2f, encode %.2f, hash+sign %.2f, store %.2f): %s",
-                 version, t.total_s, t.diff_s, t.encode_s, t.hash_sign_s, t.store_s,
+        log.info("published v%d in %.2fs (diff %.2f, encode %.2f, hash+sign %.2f, store %.2f, "
+                 "snapshot %.2f): %s", version, t.total_s, t.diff_s, t.encode_s, t.hash_sign_s,
+                 t.store_s, t.snapshot_s,
                  ", ".join(f"{m.kind} {m.payload_size:,} B" for m in manifests))  # fmt: skip
         return manifests
 

@@ -234,12 +234,12 @@ def diff(
     return Patch(layout, known, state_hash(new), deltas)
 
 
-def _require_contiguous(t: torch.Tensor, name: str) -> None:
+def require_contiguous(t: torch.Tensor, name: str) -> None:
     if not t.is_contiguous():
         raise LayoutMismatchError(f"tensor {name!r} is not contiguous; cannot patch it in place")
 
 
-def _add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
+def add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
     deltas = delta.deltas.to(flat.device, non_blocking=True)
     if sign < 0:
         deltas = -deltas  # wrapping negation: exact inverse of the wrapping add
@@ -252,7 +252,7 @@ def _add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
         flat[delta.positions.to(flat.device, non_blocking=True)] += deltas
 
 
-def _distinct(weights: TensorSet, names: Iterable[str]) -> list[str]:
+def distinct_tensors(weights: TensorSet, names: Iterable[str]) -> list[str]:
     """``names`` less those whose memory another name already covers (tied weights, e.g. an
     LM head sharing the embedding's storage): patched once, or the delta would add twice."""
     seen: set[tuple[int, int, torch.dtype]] = set()
@@ -268,8 +268,8 @@ def _distinct(weights: TensorSet, names: Iterable[str]) -> list[str]:
 
 def _add_all(weights: TensorSet, patch: Patch, sign: int) -> None:
     with torch.no_grad():
-        for name in _distinct(weights, patch.deltas):
-            _add_delta(flat_bits(weights[name]), patch.deltas[name], sign)
+        for name in distinct_tensors(weights, patch.deltas):
+            add_delta(flat_bits(weights[name]), patch.deltas[name], sign)
 
 
 def check_applicable(weights: TensorSet, patch: Patch) -> None:
@@ -279,7 +279,7 @@ def check_applicable(weights: TensorSet, patch: Patch) -> None:
     check_layout(patch.layout, layout_of(weights), "weights")
     patch.validate()
     for name in patch.deltas:
-        _require_contiguous(weights[name], name)
+        require_contiguous(weights[name], name)
 
 
 def apply(

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from p2p_sync import codec
-from p2p_sync.errors import P2PSyncError, PatchError
+from p2p_sync.errors import BaseMismatchError, P2PSyncError, PatchError, TargetMismatchError
 from p2p_sync.manifest import Manifest
-from p2p_sync.patch import apply
+from p2p_sync.patch import add_delta, check_layout, distinct_tensors, require_contiguous
 from p2p_sync.store import AcceptedState, Checkpoint, Store
-from p2p_sync.tensors import layout_fingerprint, layout_of, state_hash
+from p2p_sync.tensors import flat_bits, layout_fingerprint, layout_of, state_hash
 from p2p_sync.weights_io import WeightsFileError, load_into, load_weights
 
 log = logging.getLogger("p2psync.restore")
@@ -76,20 +77,73 @@ def load_snapshot(
     return weights
 
 
+class TornApplyError(PatchError):
+    """A patch failed part-way through a streaming apply: some tensors hold the new version,
+    some the old. The caller rebuilds the weights from the checkpoint and log."""
+
+
 def apply_artifact(
     store: Store, m: Manifest, weights: Weights, current: str, workers: int = 1
 ) -> None:
     """Apply the verified patch artifact ``m`` to ``weights`` (known to hash to ``current``) in
     place, checking its header against the signed manifest and the result against the signed
-    target state. Raises PatchError (weights untouched) on any mismatch."""
+    target state. A mismatch found before the first write raises PatchError with the weights
+    untouched; one found after raises TornApplyError."""
     payload = store.payload(m)
     if payload is None:
         raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")
-    known = bytes.fromhex(current)
-    patch = codec.decode(payload, workers=workers, base=weights, base_hash=known)
-    if patch.base_hash.hex() != m.base_state or patch.target_hash.hex() != m.target_state:
+    info = codec.read_header(payload)
+    if info.base_hash.hex() != m.base_state or info.target_hash.hex() != m.target_state:
         raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
-    apply(weights, patch, base_hash=known)
+    apply_frames(weights, payload, info, bytes.fromhex(current), workers)
+
+
+def apply_frames(
+    weights: Weights, data: memoryview, info: codec.PatchInfo, known: bytes, workers: int = 1
+) -> None:
+    """Decode and apply a patch one tensor frame at a time, ``workers`` tensors at once.
+
+    Why not ``codec.decode`` then ``patch.apply``: a decoded patch holds every changed position
+    as int64 (10 bytes per changed element with its delta: a third of a GB for one step of a 1B
+    model). Streaming holds one tensor's worth per worker. The price is atomicity: checks that
+    need the whole patch (layout, base hash) still run before the first write, but a frame that
+    fails to decode, or a target hash that does not match, is found after some tensors were
+    written. Chunks are verified against the signed manifest before this runs, so that takes a
+    patch the trainer itself signed inconsistent; the caller then rebuilds from the store.
+    """
+    check_layout(info.layout, layout_of(weights), "weights")
+    if info.base_hash != known:
+        raise BaseMismatchError(f"weights are {known.hex()}, patch is for {info.base_hash.hex()}")
+    rows = {r.spec.name: r for r in info.rows if r.coding != codec.UNCHANGED}
+    for name in rows:
+        require_contiguous(weights[name], name)
+    written: list[str] = []
+
+    def one(name: str) -> None:
+        row, flat = rows[name], flat_bits(weights[name])
+        bits = flat.cpu().numpy() if row.coding == codec.CLASSED else None
+        delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
+        delta.validate()
+        with torch.no_grad():
+            add_delta(flat, delta, +1)
+        written.append(name)
+
+    try:
+        names = distinct_tensors(weights, rows)
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(one, names))
+        else:
+            for name in names:
+                one(name)
+        got = state_hash(weights)
+        if got != info.target_hash:
+            raise TargetMismatchError(f"patched weights hash to {got.hex()}, "
+                                      f"not the target {info.target_hash.hex()}")  # fmt: skip
+    except PatchError as exc:
+        if not written:
+            raise
+        raise TornApplyError(f"{exc} (after {len(written)} tensor(s) were written)") from exc
 
 
 def _load_base(
@@ -124,13 +178,15 @@ def restore(
             return None
         weights = _load_base(store, base, device, into)
         if weights is not None:
-            return _replay(store, base, chain, weights, workers)
+            restored = _replay(store, base, chain, weights, workers)
+            if restored is not None:
+                return restored
     raise P2PSyncError(f"{store.root}: could not rebuild any accepted state")
 
 
 def _replay(
     store: Store, base: Checkpoint | Manifest, chain: list[Manifest], weights: Weights, workers: int
-) -> Restored:
+) -> Restored | None:
     current = base.state_hash if isinstance(base, Checkpoint) else base.target_state
     state = AcceptedState(base.version, current, None if isinstance(base, Checkpoint) else base.digest)
     for n, m in enumerate(chain):
@@ -139,6 +195,8 @@ def _replay(
         except PatchError as exc:
             log.warning("replay stops before v%d: %s; re-fetching from peers", m.version, exc)
             store.truncate_log(m.version, f"logged patch failed on replay ({exc})")
+            if isinstance(exc, TornApplyError):
+                return None  # half-written: rebuild from the base again, up to the cut
             return Restored(weights, state, n)
         current = m.target_state
         state = AcceptedState(m.version, current, m.digest)

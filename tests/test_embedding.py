@@ -180,3 +180,48 @@ def test_a_checkpoint_that_fails_its_hash_is_dropped_and_the_state_refetched(
     follower, store = asyncio.run(_recover(tmp_path, corrupt_checkpoint))
     assert any("failed verification" in d for d in store.dropped), store.dropped
     assert [u.version for u in follower.updates] == [0, 1, 2, 3]  # from the anchor again
+
+
+async def _follow_until_refused(tmp_path: Path) -> tuple[Follower, list[dict]]:
+    from p2p_sync.patch import Patch, diff
+
+    key = SigningKey.generate()
+    policy = SwarmPolicy("torn", (key.public,))
+    versions = _written_store(tmp_path / "r", key, policy.swarm_id, 2)
+    store = Store.open(tmp_path / "r")
+    bad_next = store_writer._next(versions[-1], store_writer.random.Random(9))
+    good = diff(versions[-1], bad_next)
+    lying = Patch(good.layout, good.base_hash, b"\x07" * 16, good.deltas)  # signed, inconsistent
+    data = store_writer.codec.encode(lying)
+    m = store_writer.manifest_for(data, swarm=policy.swarm_id, version=2, kind="patch",
+                                  target_state=lying.target_hash.hex(),
+                                  layout=store_writer.layout_fingerprint(good.layout).hex(),
+                                  now=0, chunk_size=16 * 1024, base_version=1,
+                                  base_state=good.base_hash.hex())  # fmt: skip
+    store.put_payload(m, data)
+    store.put_manifest(m, store_writer.sign(m, [key]))
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
+                     p2p=False)  # fmt: skip
+    rollout = Node(cfg, policy, store)
+    await rollout.start()
+    follower = Follower(rollout)
+    stop = asyncio.Event()
+    task = asyncio.create_task(follower.run(stop))
+    try:
+        for _ in range(600):  # a bounded poll of the condition, 60 s at most
+            if m.digest in follower.refused:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await task
+        await rollout.stop()
+    return follower, versions
+
+
+def test_a_signed_patch_that_misses_its_target_is_refused_and_the_weights_rebuilt(
+    tmp_path: Path,
+) -> None:
+    follower, versions = asyncio.run(_follow_until_refused(tmp_path))
+    assert follower.state.version == 1 and follower.weights is not None
+    assert bit_equal(follower.weights, versions[1])  # torn writes undone by rebuilding
