@@ -121,8 +121,9 @@ only against the exact base the patch was made for (its state hash is the header
 mode bit 0 (*complement*): the m_c coded ranks are the class's members that do *not* change
 (an encoder uses it when more than half the class changes), else the ones that do; mode bit 1:
 the class's deltas go to value group 1, else group 0; other bits must be 0. k_c <= 63 is the
-class's Rice parameter. The number of changes in class c is m_c, or N_c - m_c under
-complement; their sum must equal ``count``.
+class's Rice parameter. Every coded rank must be below N_c. The number of changes in class c
+is m_c, or N_c - m_c under complement; their sum must equal ``count``. The frame's exact size
+follows from its headers and the base's N_c; a frame of any other size is refused.
 
 **Codes.** Each class's coded ranks r_0 < r_1 < ... have gaps g_0 = r_0, g_i = r_i - r_{i-1} - 1,
 each split as q = g >> k_c and rem = g & (2^k_c - 1). Codes are listed class 0 first, and within
