@@ -120,36 +120,45 @@ def written(pid: int) -> int:
 @dataclass
 class Row:
     version: int
-    latency_s: float
+    latency_s: float  # file appeared -> last rollout handed off (exported)
+    applied_s: float  # file appeared -> last rollout applied it in place
     patch_bytes: int
     publish: dict
     updates: list[dict]
     written: dict[str, int]
 
 
-def publish_file(swarm: Swarm, weights: dict[str, torch.Tensor], version: int) -> float:
-    tmp = swarm.root / f".v{version}.tmp"
-    save_weights(tmp, weights, durable=False)
-    os.replace(tmp, swarm.watch / f"v{version:04d}.safetensors")
-    return time.time()
+def write_versions(args: argparse.Namespace, root: Path) -> tuple[list[Path], int]:
+    """Every version's file, written before the swarm starts: the driver then holds no model
+    while the nodes run (its fp32 master weights would take 3x the model from the machine)."""
+    model = Model(args.size, args.lr, "cpu")
+    files = []
+    for v in range(args.versions):
+        if v:
+            model.step()
+        files.append(root / f".v{v}.safetensors")
+        save_weights(files[-1], model.bf16, durable=False)
+    return files, model.params
 
 
-def run_processes(args: argparse.Namespace, model: Model, root: Path, console: Console) -> dict:
+def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dict:
     root.mkdir(parents=True, exist_ok=True)
+    files, params = write_versions(args, root)
+    gc.collect()
     swarm = Swarm(root, chunk_size=256 * 1024)
     procs: list[Proc] = []
     rows: list[Row] = []
     try:
-        trainer = swarm.start_trainer(anchor_every=1000, extra=("--no-p2p", "--device", "cpu"))
+        trainer = swarm.start_trainer(anchor_every=1000, extra=(
+            "--no-p2p", "--patch-format", str(args.patch_format)))
         rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url],
                                         extra=("--no-p2p", "--device", args.device))
                     for i in range(args.rollouts)]  # fmt: skip
         procs = [trainer, *rollouts]
-        for v in range(args.versions):
-            if v:
-                model.step()
+        for v, path in enumerate(files):
             before = {p.name: written(p.popen.pid) for p in procs}
-            t_file = publish_file(swarm, model.bf16, v)
+            os.replace(path, swarm.watch / f"v{v:04d}.safetensors")
+            t_file = time.time()
             timeout = 900 if v == 0 else 300
             wait_for(lambda v=v: all(((p.status() or {}).get("last_update") or {})
                                      .get("version") == v for p in rollouts),
@@ -157,15 +166,17 @@ def run_processes(args: argparse.Namespace, model: Model, root: Path, console: C
             ups = [(r.status() or {})["last_update"] for r in rollouts]
             pub = (trainer.status() or {}).get("last_publish") or {}
             after = {p.name: written(p.popen.pid) for p in procs}
-            row = Row(v, max(u["at"] for u in ups) - t_file, pub.get("patch_bytes", 0), pub, ups,
-                      {k: after[k] - before[k] for k in after})  # fmt: skip
+            row = Row(v, max(u["at"] for u in ups) - t_file,
+                      max(u["applied_at"] for u in ups) - t_file, pub.get("patch_bytes", 0),
+                      pub, ups, {k: after[k] - before[k] for k in after})  # fmt: skip
             rows.append(row)
-            console.print(f"v{v}: last rollout handed off {row.latency_s:.2f} s after the file "
-                          f"appeared; patch {row.patch_bytes / 1e6:.1f} MB")  # fmt: skip
+            console.print(f"v{v}: every rollout applied it {row.applied_s:.2f} s and exported it "
+                          f"{row.latency_s:.2f} s after the file appeared; patch "
+                          f"{row.patch_bytes / 1e6:.1f} MB")  # fmt: skip
         peaks = {p.name: rss_peak_kb(p.popen.pid) * 1024 for p in procs}
     finally:
         swarm.stop()
-    return {"rows": rows, "peaks": peaks}
+    return {"rows": rows, "peaks": peaks, "params": params}
 
 
 def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
@@ -175,7 +186,8 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
     pub = write_keypair(key, root / "api.key")
     engine = {k: torch.empty_like(v) for k, v in model.bf16.items()}  # the engine's live tensors
     out = []
-    with Trainer(key=root / "api.key", data_dir=root / "api-t", anchor_every=1000) as trainer:
+    with Trainer(key=root / "api.key", data_dir=root / "api-t", anchor_every=1000,
+                 patch_format=args.patch_format) as trainer:
         with Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=root / "api-r",
                      model=engine, have_poll_s=0.05) as rollout:  # fmt: skip
             for v in range(args.versions):
@@ -194,17 +206,17 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
     return out
 
 
-def report(args, model: Model | None, res: dict, api: list[dict], console: Console) -> None:
-    if model is None:
+def report(args, params: int | None, res: dict, api: list[dict], console: Console) -> None:
+    if params is None:
         for a in api:
             console.print(f"API v{a['version']}: publish() {a['publish_s']:.2f} s, publish -> "
                           f"applied in the engine {a['total_s']:.2f} s, engine pause "
                           f"{a['pause_s']:.3f} s")  # fmt: skip
         return
-    dense = model.params * 2
-    table = Table("v", "patch MB", "last hand-off s", "trainer: diff / encode / hash+sign / "
+    dense = params * 2
+    table = Table("v", "patch MB", "last applied s", "last hand-off s", "trainer: diff / encode / hash+sign / "
                   "store s", "rollouts: fetch / apply / persist / export s",
-                  "written MB: trainer | rollouts", title=f"{args.size}: {model.params / 1e9:.2f}B "
+                  "written MB: trainer | rollouts", title=f"{args.size}: {params / 1e9:.2f}B "
                   f"params, {dense / 1e9:.2f} GB bf16, {args.rollouts} rollouts")  # fmt: skip
     for r in res["rows"]:
         p = r.publish
@@ -213,12 +225,16 @@ def report(args, model: Model | None, res: dict, api: list[dict], console: Conso
         ups = "; ".join(f"{u['fetch_s']:.2f}/{u['apply_s']:.2f}/{u['persist_s']:.3f}/"
                         f"{u['export_s']:.2f}" for u in r.updates)  # fmt: skip
         w = list(r.written.values())
-        table.add_row(f"v{r.version}", f"{r.patch_bytes / 1e6:.1f}", f"{r.latency_s:.2f}", split,
+        table.add_row(f"v{r.version}", f"{r.patch_bytes / 1e6:.1f}", f"{r.applied_s:.2f}",
+                      f"{r.latency_s:.2f}", split,
                       ups, f"{w[0] / 1e6:.0f} | " + ", ".join(f"{x / 1e6:.0f}" for x in w[1:]))
     console.print(table)
     steady = [r for r in res["rows"] if r.version > 0]
     if steady:
         lat = [r.latency_s for r in steady]
+        applied = [r.applied_s for r in steady]
+        console.print(f"per version (v1+): last applied {statistics.mean(applied):.2f} s mean, "
+                      f"{max(applied):.2f} s max")  # fmt: skip
         patch = statistics.mean(r.patch_bytes for r in steady)
         rw = max(max(list(r.written.values())[1:]) for r in steady)
         console.print(
@@ -231,7 +247,8 @@ def report(args, model: Model | None, res: dict, api: list[dict], console: Conso
                       f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch")  # fmt: skip
     for name, peak in res["peaks"].items():
         console.print(f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model")
-    console.print(f"driver peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")
+    console.print(f"driver peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"
+                  " (it writes every version's file before the nodes start)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,26 +258,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--versions", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-6)
     parser.add_argument("--device", default="cpu", help="where rollouts keep weights")
+    parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2])
     parser.add_argument("--skip-api", action="store_true")
     parser.add_argument("--skip-processes", action="store_true")
     parser.add_argument("--dir", type=Path, help="work dir (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
     console = Console(width=160)
-    model = Model(args.size, args.lr, "cuda" if args.device == "cuda" else "cpu")
-    console.print(f"[bold]{args.size}[/]: {model.params / 1e9:.2f}B parameters")
     res: dict = {"rows": [], "peaks": {}}
     api: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="p2psync-scale-") as tmp:
         work = args.dir or Path(tmp)  # --dir keeps the nodes' logs and data
-        res = {"rows": [], "peaks": {}}
         if not args.skip_processes:
-            res = run_processes(args, model, work / "processes", console)
-            report(args, model, res, [], console)
-        del model
+            res = run_processes(args, work / "processes", console)
+            report(args, res["params"], res, [], console)
         gc.collect()
-        api = [] if args.skip_api else run_api(args, Model(args.size, args.lr, "cpu"), work)
-        report(args, None, {"rows": [], "peaks": {}}, api, console)
+        if not args.skip_api:
+            api = run_api(args, Model(args.size, args.lr, "cpu"), work)
+            report(args, None, res, api, console)
     if args.json:
         doc = {"rows": [r.__dict__ for r in res["rows"]], "peaks": res["peaks"], "api": api}
         args.json.write_text(json.dumps(doc, indent=1))

@@ -18,10 +18,14 @@ import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from node.runtime import Node
@@ -30,12 +34,21 @@ from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
-from p2p_sync.patch import Patch, apply, diff, merge
+from p2p_sync.patch import Patch, apply, check_layout, diff, diff_tensor, merge
 from p2p_sync.restore import restore
 from p2p_sync.seeding import SuperSeeder
-from p2p_sync.tensors import TensorSet, layout_fingerprint, layout_of, state_hash
+from p2p_sync.tensors import (
+    Layout,
+    TensorSet,
+    TensorSpec,
+    flat_bits,
+    layout_fingerprint,
+    layout_of,
+    layout_of_specs,
+    state_hash,
+)
 from p2p_sync.versions import PublishPolicy, to_publish
-from p2p_sync.weights_io import load_weights, save_weights, write_to
+from p2p_sync.weights_io import load_weights, pread_into, read_index, save_weights, write_to
 
 log = logging.getLogger("p2psync.trainer")
 
@@ -113,15 +126,6 @@ class Publisher:
         state = self.node.store.state
         return state.version + 1 if state else 0
 
-    def _payloads(self, version: int, step: Patch | None) -> list[tuple[str, int | None, Patch]]:
-        out: list[tuple[str, int | None, Patch]] = []
-        for kind, base in to_publish(version, self.policy):
-            if kind == PATCH and base == version - 1 and step is not None:
-                out.append((PATCH, base, step))
-            elif kind == PATCH and base is not None and version - base <= len(self.history):
-                out.append((PATCH, base, self._merged(version - base)))
-        return out
-
     def _merged(self, span: int) -> Patch:
         """The last ``span`` steps as one patch, merged one decoded step at a time."""
         steps = list(self.history)[-span:]
@@ -152,38 +156,111 @@ class Publisher:
         return m, sign(m, [self.key]), Path(name)
 
     def _build(self, new: TensorSet) -> tuple[int, str, Patch | None, list[Built]]:
-        """CPU-heavy part (diff, encode, hash, sign), run in a worker thread."""
+        """CPU-heavy part (diff, encode, hash, sign) for tensors in memory, in a worker thread."""
         version = self.next_version
         t = self.timings = PublishTimings(version)
         t0 = time.perf_counter()
-        step = None
-        if self.prev is not None and version > 0:
-            step = diff(self.prev, new, base_hash=self.prev_hash, workers=WORKERS)
-            if self.history.maxlen:
-                self.history.append(codec.encode(step, level=1, workers=WORKERS))
-        target = (step.target_hash if step else state_hash(new)).hex()  # diff hashed it already
-        layout = layout_fingerprint(layout_of(new)).hex()
-        t.diff_s = time.perf_counter() - t0
-        built: list[Built] = []
-        if version % self.policy.anchor_every == 0:
+        if self.prev is None or version == 0:
+            target = state_hash(new).hex()
+            t.diff_s = time.perf_counter() - t0
+            return version, target, None, self._artifacts(version, target, layout_of(new), new, None)
+        step = diff(self.prev, new, base_hash=self.prev_hash, workers=WORKERS)
+        t1 = time.perf_counter()
+        base = self.prev if self.node.cfg.patch_format == 2 else None
+        payload = codec.encode(step, workers=WORKERS, base=base, base_hash=self.prev_hash)
+        if self.history.maxlen:  # kept in format 1: merging it needs no base
+            self.history.append(payload if base is None else codec.encode(step, workers=WORKERS))
+        t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
+        target = step.target_hash.hex()
+        return version, target, step, self._artifacts(version, target, step.layout, new, payload)
+
+    def _build_file(self, path: Path) -> tuple[int, str, Patch | None, list[Built]]:
+        """The same for a weights file, streamed: each tensor is read, diffed against ``prev``
+        and coded as one frame, then takes its place in ``prev`` (``WORKERS`` tensors at once).
+        Peak memory is ``prev`` plus a tensor per worker, not two models; ``diff_s`` covers
+        reading the file too. A file that fails part-way leaves ``prev`` rebuilt from the
+        store."""
+        assert self.prev is not None and self.prev_hash is not None
+        version = self.next_version
+        t = self.timings = PublishTimings(version)
+        t0 = time.perf_counter()
+        with open(path, "rb") as f:
+            entries, start = read_index(f, path)
+            layout = layout_of_specs([(n, dt, shape) for n, dt, shape, _, _ in entries])
+            check_layout(layout_of(self.prev), layout, f"{path}")
+            try:
+                frames, history = self._stream_frames(f.fileno(), entries, start, path)
+                target_hash = state_hash(self.prev)
+            except BaseException:
+                self._rebuild_prev()
+                raise
+        t1 = time.perf_counter()
+        payload = codec.assemble(layout, self.prev_hash, target_hash, frames)
+        if self.history.maxlen:
+            self.history.append(codec.assemble(layout, self.prev_hash, target_hash, history))
+        t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
+        target = target_hash.hex()
+        return version, target, None, self._artifacts(version, target, layout, self.prev, payload)
+
+    def _stream_frames(self, fd: int, entries: list, start: int, path: Path) -> tuple[dict, dict]:
+        assert self.prev is not None
+        prev, fmt2 = self.prev, self.node.cfg.patch_format == 2
+        local = threading.local()
+        biggest = max((e[4] - e[3] for e in entries), default=0)
+
+        def one(entry: tuple) -> tuple[str, tuple | None, tuple | None]:
+            name, dtype, shape, begin, _end = entry
+            new = torch.empty(shape, dtype=dtype)
+            pread_into(fd, new, start + begin, path, name)
+            if not hasattr(local, "scratch"):
+                local.scratch = np.empty(biggest, dtype=bool)
+            old = prev[name]
+            delta = diff_tensor(TensorSpec(name, shape, dtype), old, new, local.scratch)
+            frame = hist = None
+            if delta is not None:
+                bits = flat_bits(old).numpy() if fmt2 else None
+                frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
+                hist = codec.encode_frame(delta, codec.DEFAULT_LEVEL) if fmt2 else frame
+            prev[name] = new  # the old tensor goes now, not after the whole file
+            return name, frame, hist
+
+        with ThreadPoolExecutor(WORKERS) as pool:
+            done = list(pool.map(one, entries))
+        frames = {name: f for name, f, _ in done if f is not None}
+        history = {name: h for name, _, h in done if h is not None}
+        return frames, history
+
+    def _rebuild_prev(self) -> None:
+        restored = restore(self.node.store, workers=WORKERS)
+        self.prev = restored.weights if restored is not None else None
+        self.prev_hash = bytes.fromhex(restored.state.state_hash) if restored else None
+
+    def _artifacts(self, version: int, target: str, layout: Layout, weights: TensorSet,
+                   step: bytes | None) -> list[Built]:  # fmt: skip
+        """Sign what ``versions.to_publish`` says: the anchor, the 1-step patch, merged spans."""
+        t, built = self.timings, []
+        layout_hex = layout_fingerprint(layout).hex()
+        for kind, base in to_publish(version, self.policy):
             t1 = time.perf_counter()
-            built.append(self._snapshot(version, new, target, layout))
-            t.snapshot_s = time.perf_counter() - t1
-        for kind, base, patch in self._payloads(version, step):
-            t1 = time.perf_counter()
-            if base == version - 1 and self.node.cfg.patch_format == 2:  # base is ``prev``
-                payload = codec.encode(patch, workers=WORKERS, base=self.prev,
-                                       base_hash=self.prev_hash)  # fmt: skip
-            else:  # a merged catch-up patch: its base is not held here, format 1 coding
-                payload = codec.encode(patch, workers=WORKERS)
+            if kind == SNAPSHOT:
+                built.append(self._snapshot(version, weights, target, layout_hex))
+                t.snapshot_s = time.perf_counter() - t1
+                continue
+            if base == version - 1 and step is not None and self.prev_hash is not None:
+                payload, base_state = step, self.prev_hash.hex()
+                t.patch_bytes = len(step)
+            elif base is not None and version - base <= len(self.history):
+                merged = self._merged(version - base)
+                payload, base_state = codec.encode(merged, workers=WORKERS), merged.base_hash.hex()
+                t.encode_s += time.perf_counter() - t1
+            else:
+                continue
             t2 = time.perf_counter()
-            m = self._manifest(version, kind, target, layout, payload, base_version=base,
-                               base_state=patch.base_hash.hex())  # fmt: skip
+            m = self._manifest(version, PATCH, target, layout_hex, payload, base_version=base,
+                               base_state=base_state)  # fmt: skip
             built.append((m, sign(m, [self.key]), payload))
-            t.encode_s += t2 - t1
             t.hash_sign_s += time.perf_counter() - t2
-            t.patch_bytes += len(payload) if base == version - 1 else 0
-        return version, target, step, built
+        return built
 
     def _store(self, version: int, target: str, new: TensorSet, step: Patch | None,
                built: list[Built], owned: bool) -> None:  # fmt: skip
@@ -217,11 +294,28 @@ class Publisher:
 
     async def publish(self, state_dict: TensorSet, owned: bool = False) -> list[Manifest]:
         """Publish ``state_dict`` as the next version; returns its manifests. The tensors are
-        only read; pass ``owned=True`` when the caller hands them over for good (``--watch``
-        loads each file just for this), so no copy is kept."""
-        t0 = time.perf_counter()
+        only read; pass ``owned=True`` when the caller hands them over for good, so no copy is
+        kept."""
         new = {k: v.detach() for k, v in state_dict.items()}
-        version, target, step, built = await asyncio.to_thread(self._build, new)
+        return await self._publish(lambda: self._build(new), new, owned)
+
+    async def publish_file(self, path: Path) -> list[Manifest]:
+        """Publish a safetensors file (``--watch``): streamed tensor by tensor into ``prev``
+        when there is one on the CPU to diff against, else loaded whole."""
+        prev = self.prev
+        if prev is None or self.next_version == 0 or any(t.device.type != "cpu" or
+                                                         not t.is_contiguous()
+                                                         for t in prev.values()):  # fmt: skip
+            weights = await asyncio.to_thread(load_weights, path)
+            return await self.publish(weights, owned=True)
+        return await self._publish(lambda: self._build_file(path), None, True)
+
+    async def _publish(self, build: Callable[[], tuple], new: TensorSet | None,
+                       owned: bool) -> list[Manifest]:  # fmt: skip
+        t0 = time.perf_counter()
+        version, target, step, built = await asyncio.to_thread(build)
+        new = new if new is not None else self.prev
+        assert new is not None
         await asyncio.to_thread(self._store, version, target, new, step, built, owned)
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
         self.node.set_version(version)
@@ -292,8 +386,7 @@ async def watch(
     while not stop.is_set():
         fresh = [p for p in directory.glob("*.safetensors") if p.name not in seen]
         for path in sorted(fresh, key=lambda p: (p.stat().st_mtime_ns, p.name)):
-            weights = await asyncio.to_thread(load_weights, path)
-            await publisher.publish(weights, owned=True)
+            await publisher.publish_file(path)
             seen.add(path.name)
             atomic_write_bytes(seen_path, "\n".join(sorted(seen)).encode())
         try:

@@ -158,7 +158,7 @@ writes it only where it is smaller than codings 1 and 2.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -1351,19 +1351,32 @@ def encode(
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
     frames = _map(lambda d: encode_frame(d, level, _base_bits(base, d.spec)), changed, workers)
-    version = 2 if any(f[0] == CLASSED for f in frames) else 1
     by_name = {d.spec.name: f for d, f in zip(changed, frames)}
+    return assemble(patch.layout, patch.base_hash, patch.target_hash, by_name, level)
+
+
+def assemble(
+    layout: Layout,
+    base_hash: bytes,
+    target_hash: bytes,
+    frames: Mapping[str, tuple[int, int, bytes]],
+    level: int = DEFAULT_LEVEL,
+) -> bytes:
+    """A patch file from frames made by :func:`encode_frame` (tensors not in ``frames`` are
+    unchanged). For builders that code each tensor as soon as it is diffed, without ever
+    holding the whole decoded patch: the bytes equal :func:`encode`'s for the same frames."""
+    version = 2 if any(f[0] == CLASSED for f in frames.values()) else 1
     rows = []
-    for spec in patch.layout:
-        coding, count, frame = by_name.get(spec.name, (UNCHANGED, 0, b""))
+    for spec in layout:
+        coding, count, frame = frames.get(spec.name, (UNCHANGED, 0, b""))
         rows.append(_row_bytes(spec, coding, count, len(frame)))
     table_raw = b"".join(rows)
     table = _compress([table_raw], level)
     header = _HEADER.pack(
-        MAGIC, version, 0, len(patch.layout), len(table), len(table_raw),
-        patch.fingerprint, patch.base_hash, patch.target_hash,
+        MAGIC, version, 0, len(layout), len(table), len(table_raw),
+        layout_fingerprint(layout), base_hash, target_hash,
     )  # fmt: skip
-    return b"".join([header, table, *(by_name[d.spec.name][2] for d in changed)])
+    return b"".join([header, table, *(frames[s.name][2] for s in layout if s.name in frames)])
 
 
 class _Reader:

@@ -142,6 +142,13 @@ def state_hash(tensors: TensorSet) -> bytes:
     return h.digest()
 
 
+def layout_of_specs(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> Layout:
+    """A layout from (name, dtype, shape) records, e.g. a weights file's index, in name order."""
+    for _, dtype, _ in entries:
+        bits_dtype(dtype)
+    return tuple(sorted(TensorSpec(n, tuple(shape), dt) for n, dt, shape in entries))
+
+
 def total_bytes(tensors: TensorSet) -> int:
     """Dense size of a tensor set in bytes (what a full push would send)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -152,6 +152,18 @@ def _readinto(f: BinaryIO, t: torch.Tensor, offset: int, path: object, name: str
         raise WeightsFileError(f"{path}: truncated in tensor {name!r}")
 
 
+def pread_into(fd: int, t: torch.Tensor, offset: int, path: object, name: str) -> None:
+    """Fill ``t`` (contiguous, on the CPU) from ``fd`` at ``offset``: positional reads, so
+    several threads can read one file at once."""
+    view = memoryview(flat_bits(t).numpy()).cast("B") if t.numel() else memoryview(b"")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise WeightsFileError(f"{path}: truncated in tensor {name!r}")
+        done += got
+
+
 def _open(path: str | os.PathLike[str]) -> BinaryIO:
     try:
         return open(path, "rb")

@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from node.config import NodeConfig
@@ -152,3 +153,50 @@ def test_trainer_re_signs_manifests_before_they_expire(tmp_path: Path, tiny_vers
     assert early == [] and len(renewed) == 1
     assert accepted.chunks == anchor.chunks and accepted.expires == anchor.created + 1600
     assert accepted.digest != anchor.digest  # a newcomer after the old expiry can still join
+
+
+async def _publish_files(tmp_path: Path, versions: list) -> tuple:
+    from node import trainer as trainer_mod
+    from p2p_sync.weights_io import WeightsFileError, save_weights
+
+    key = SigningKey.generate()
+    cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+    node = TrainerNode(cfg, SwarmPolicy("files", (key.public,)), Store.open(cfg.data_dir))
+    publisher = Publisher(node, key, PublishPolicy(anchor_every=100, catchup_spans=(2,)))
+    files = []
+    for v, weights in enumerate(versions[:3]):
+        files.append(tmp_path / f"v{v}.safetensors")
+        save_weights(files[-1], weights)
+    await publisher.publish_file(files[0])
+    torn = tmp_path / "torn.safetensors"
+    torn.write_bytes(files[1].read_bytes()[:-1000])  # a file cut short mid-tensor
+    with pytest.raises(WeightsFileError, match="do not fit"):
+        await publisher.publish_file(torn)
+    real_read, calls = trainer_mod.pread_into, []
+
+    def failing_read(*args) -> None:  # the disk fails on the third tensor, mid-stream
+        calls.append(args)
+        if len(calls) == 3:
+            raise WeightsFileError("injected read error")
+        real_read(*args)
+
+    trainer_mod.pread_into = failing_read
+    try:
+        with pytest.raises(WeightsFileError, match="injected"):
+            await publisher.publish_file(files[1])
+    finally:
+        trainer_mod.pread_into = real_read
+    after_torn = bit_equal(publisher.prev, versions[0])  # rebuilt: nothing half-replaced
+    manifests = [await publisher.publish_file(f) for f in files[1:]]
+    return after_torn, manifests, publisher.prev, node.store
+
+
+def test_watched_files_publish_streaming_and_a_torn_file_changes_nothing(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    after_torn, manifests, prev, store = asyncio.run(_publish_files(tmp_path, tiny_versions))
+    assert after_torn and bit_equal(prev, tiny_versions[2])
+    assert [sorted(m.kind for m in ms) for ms in manifests] == [["patch"], ["patch", "patch"]]
+    assert [m.version for ms in manifests for m in ms] == [1, 2, 2]
+    restored = restore(Store.open(store.root))  # the published chain rebuilds the last file
+    assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
