@@ -137,7 +137,8 @@ def write_versions(args: argparse.Namespace, root: Path) -> tuple[list[Path], in
         if v:
             model.step()
         files.append(root / f".v{v}.safetensors")
-        save_weights(files[-1], model.bf16, durable=False)
+        save_weights(files[-1], model.bf16)  # flushed now, not while the nodes write theirs
+    os.sync()
     return files, model.params
 
 
