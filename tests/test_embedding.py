@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,24 @@ def _written_store(root: Path, key: SigningKey, swarm: str, n: int) -> list[dict
     return versions
 
 
+async def _follow(rollout: Node, done: Callable[[Follower], bool]) -> Follower:
+    """Run a follower on ``rollout`` until ``done`` holds (a bounded poll, 60 s at most)."""
+    await rollout.start()
+    follower = Follower(rollout)
+    stop = asyncio.Event()
+    task = asyncio.create_task(follower.run(stop))
+    try:
+        for _ in range(600):
+            if done(follower):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        stop.set()
+        await task
+        await rollout.stop()
+    return follower
+
+
 async def _recover(tmp_path: Path, damage) -> tuple[Follower, Store]:
     key = SigningKey.generate()
     policy = SwarmPolicy("crash", (key.public,))
@@ -136,19 +155,9 @@ async def _recover(tmp_path: Path, damage) -> tuple[Follower, Store]:
     rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
                       peers=(url,), poll_interval_s=0.2, have_poll_s=0.05)  # fmt: skip
     store = Store.open(rcfg.data_dir)
-    rollout = Node(rcfg, policy, store)
-    await rollout.start()
-    follower = Follower(rollout)
-    stop = asyncio.Event()
-    task = asyncio.create_task(follower.run(stop))
     try:
-        async with asyncio.timeout(60):
-            while follower.state.version != 3:
-                await follower.advanced.wait()
+        follower = await _follow(Node(rcfg, policy, store), lambda f: f.state.version == 3)
     finally:
-        stop.set()
-        await task
-        await rollout.stop()
         await trainer.stop()
     assert follower.weights is not None and bit_equal(follower.weights, versions[-1])
     return follower, store
@@ -202,20 +211,7 @@ async def _follow_until_refused(tmp_path: Path) -> tuple[Follower, list[dict]]:
     store.put_manifest(m, store_writer.sign(m, [key]))
     cfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
                      p2p=False)  # fmt: skip
-    rollout = Node(cfg, policy, store)
-    await rollout.start()
-    follower = Follower(rollout)
-    stop = asyncio.Event()
-    task = asyncio.create_task(follower.run(stop))
-    try:
-        for _ in range(600):  # a bounded poll of the condition, 60 s at most
-            if m.digest in follower.refused:
-                break
-            await asyncio.sleep(0.1)
-    finally:
-        stop.set()
-        await task
-        await rollout.stop()
+    follower = await _follow(Node(cfg, policy, store), lambda f: m.digest in f.refused)
     return follower, versions
 
 

@@ -142,7 +142,7 @@ def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path)
     rnd = random.Random(1234)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     committed = -1
-    for trial in range(60):
+    for trial in range(40):
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.store_writer", str(tmp_path), "--seed", str(trial)],
             stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
