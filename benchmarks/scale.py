@@ -215,7 +215,8 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
                           f"{a['pause_s']:.3f} s")  # fmt: skip
         return
     dense = params * 2
-    table = Table("v", "patch MB", "last applied s", "last hand-off s", "trainer: diff / encode / hash+sign / "
+    table = Table("v", "patch MB", "last applied s", "last hand-off s",
+                  "trainer: diff / encode / hash+sign / "
                   "store s", "rollouts: fetch / apply / persist / export s",
                   "written MB: trainer | rollouts", title=f"{args.size}: {params / 1e9:.2f}B "
                   f"params, {dense / 1e9:.2f} GB bf16, {args.rollouts} rollouts")  # fmt: skip
@@ -245,10 +246,11 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
         )
         export = dense  # each rollout's --export file
         console.print(f"bytes written per version per rollout: max {rw / 1e6:.0f} MB = export "
-                      f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch")  # fmt: skip
+                      f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch")
     for name, peak in res["peaks"].items():
         console.print(f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model")
-    console.print(f"driver peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    console.print(f"driver peak RSS {peak / 1e6:.2f} GB"
                   " (it writes every version's file before the nodes start)")
 
 

@@ -38,12 +38,13 @@ from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
 from p2p_sync.manifest import Manifest
 from p2p_sync.store import Store, StoreLimits
-from p2p_sync.versions import PublishPolicy
 
 T = TypeVar("T")
 
 
-def _config(role: str, config: str | os.PathLike[str] | None, settings: dict[str, Any]) -> NodeConfig:
+def _config(
+    role: str, config: str | os.PathLike[str] | None, settings: dict[str, Any]
+) -> NodeConfig:
     if "p2p" not in settings:
         settings["p2p"] = bool(settings.get("bootstrap"))  # libp2p only when asked to join by it
     path = Path(config) if config is not None else None
@@ -179,9 +180,7 @@ class Trainer(_Embedded):
 
     async def _astart(self) -> None:
         node = await self._open_node(TrainerNode)
-        policy = PublishPolicy(self.cfg.anchor_every, self.cfg.catchup_spans)
-        self.publisher = await asyncio.to_thread(Publisher, node, self._key, policy,
-                                                 self.cfg.checkpoint_every)  # fmt: skip
+        self.publisher = await asyncio.to_thread(Publisher, node, self._key)
 
     async def _astop(self) -> None:
         if self.publisher is not None:
@@ -251,11 +250,8 @@ class Rollout(_Embedded):
         device = self._device()
         self.follower = await asyncio.to_thread(
             Follower, node, device, self.cfg.export, self.cfg.on_update, self.callback,
-            self.cfg.checkpoint_every, self.hold, self._model,
+            hold=self.hold, into=self._model,
         )  # fmt: skip
-        if self._model is not None and self.follower.weights is not None \
-                and self.follower.weights is not self._model:  # fmt: skip
-            self.follower.attach(self._model)
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.follower.run(self._stop))
 

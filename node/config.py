@@ -133,7 +133,8 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("store_max_gb", "must be positive")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
-    for name in ("poll_interval_s", "have_poll_s", "watch_interval_s", "reseed_after_s", "min_request_timeout_s",
+    for name in ("poll_interval_s", "have_poll_s", "watch_interval_s", "reseed_after_s",
+                 "min_request_timeout_s",
                  "p2p_refresh_s", "p2p_start_timeout_s", "announce_per_s",
                  "announce_max_age_s"):  # fmt: skip
         if not getattr(cfg, name) > 0:

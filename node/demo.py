@@ -12,9 +12,7 @@ weights are bit-identical to the trainer's.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
@@ -30,12 +28,13 @@ def uploaded(procs: list[Proc]) -> int:
     return sum((p.status() or {}).get("bytes_uploaded", 0) for p in procs)
 
 
-def run(root: Path, size: str, n_versions: int, late_at: int, console: Console) -> bool:
+def run(root: Path, size: str, n_versions: int, late_at: int, console: Console,
+        patch_format: int = 2) -> bool:  # fmt: skip
     swarm = Swarm(root, chunk_size=64 * 1024)
     table = Table("version", "artifacts", "applied at all", "exported at all", "trainer sent",
                   "rollouts sent", "rollouts", title="p2psync swarm demo")  # fmt: skip
     try:
-        trainer = swarm.start_trainer(anchor_every=4, extra=tuple(os.environ.get("P2PSYNC_DEMO_TRAINER_FLAGS", "").split()))
+        trainer = swarm.start_trainer(anchor_every=4, extra=("--patch-format", str(patch_format)))
         rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url]) for i in range(3)]
         console.print(f"trainer {trainer.url}; rollouts " + ", ".join(r.url for r in rollouts))
         last = None
@@ -83,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--versions", type=int, default=6)
     parser.add_argument("--late-at", type=int, default=5, help="version at which one joins late")
     parser.add_argument("--dir", type=Path, help="keep the run here (default: a temp dir)")
+    parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2])
     args = parser.parse_args(argv)
     console = Console(width=120)
     n = parameter_count(args.size)
@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"({2 * n / 1e6:.0f} MB bf16), {args.versions} versions, lr 1e-6")  # fmt: skip
     if args.dir:
         args.dir.mkdir(parents=True, exist_ok=True)
-        ok = run(args.dir, args.size, args.versions, args.late_at, console)
+        ok = run(args.dir, args.size, args.versions, args.late_at, console, args.patch_format)
     else:
         with tempfile.TemporaryDirectory(prefix="p2psync-demo-") as tmp:
-            ok = run(Path(tmp), args.size, args.versions, args.late_at, console)
+            ok = run(Path(tmp), args.size, args.versions, args.late_at, console,
+                     args.patch_format)
     return 0 if ok else 1
 
 

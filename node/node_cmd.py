@@ -21,7 +21,6 @@ from p2p_sync.errors import P2PSyncError
 from p2p_sync.keys import load_public_key, load_signing_key
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.store import Store, StoreLimits
-from p2p_sync.versions import PublishPolicy
 
 
 def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
@@ -50,10 +49,7 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
         if cfg.role == "bootstrap":
             await stop.wait()
         elif cfg.role == "trainer":
-            publisher = await asyncio.to_thread(
-                Publisher, node, key, PublishPolicy(cfg.anchor_every, cfg.catchup_spans),
-                cfg.checkpoint_every,
-            )  # fmt: skip
+            publisher = await asyncio.to_thread(Publisher, node, key)
             refresher = asyncio.create_task(publisher.refresh_loop(stop))
             if cfg.watch is not None:
                 cfg.watch.mkdir(parents=True, exist_ok=True)
@@ -64,9 +60,8 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
             await asyncio.to_thread(publisher.close)
         else:
             follower = await asyncio.to_thread(
-                Follower, node, pick_device(cfg.device), cfg.export, cfg.on_update,
-                checkpoint_every=cfg.checkpoint_every,
-            )  # fmt: skip
+                Follower, node, pick_device(cfg.device), cfg.export, cfg.on_update
+            )
             await follower.run(stop)
     finally:
         await node.stop()

@@ -36,9 +36,8 @@ from node.runtime import Node
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.manifest import SNAPSHOT, Manifest
-from p2p_sync.patch import check_layout
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
-from p2p_sync.tensors import layout_of, state_hash
+from p2p_sync.tensors import state_hash
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import save_weights
 
@@ -78,13 +77,14 @@ class Follower:
         export: Path | None = None,
         on_update_cmd: str | None = None,
         callback: UpdateCallback | None = None,
-        checkpoint_every: int = 10,
+        checkpoint_every: int | None = None,
         hold: bool = False,
         into: Mapping[str, torch.Tensor] | None = None,
     ):
         self.node, self.device = node, device
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
-        self.checkpoint_every, self.hold = checkpoint_every, hold
+        self.checkpoint_every = checkpoint_every or node.cfg.checkpoint_every
+        self.hold = hold
         self.weights: dict[str, torch.Tensor] | None = None
         self.into = dict(into) if into is not None else None  # an engine's tensors, if attached
         restored = restore(node.store, device, self.into, WORKERS)
@@ -129,22 +129,6 @@ class Follower:
         except NoPathError:
             return []
 
-    # ------------------------------------------------------------ attaching an engine
-
-    def attach(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Hand patches to an engine's live tensors from now on. Names, shapes and dtypes must
-        match the swarm's layout (checked before anything is written; the message names the
-        tensor). If this node already holds weights they are copied into the engine's tensors
-        once, and the node's own copy is dropped: the model is never held twice."""
-        target = dict(tensors)
-        if self.weights is not None:
-            check_layout(layout_of(self.weights), layout_of(target), "engine model")
-            with torch.no_grad():
-                for name, t in self.weights.items():
-                    target[name].copy_(t)
-            self.weights = target
-        self.into = target
-
     # ------------------------------------------------------------ applying
 
     def _apply_one(self, m: Manifest) -> dict[str, torch.Tensor]:
@@ -154,9 +138,8 @@ class Follower:
             try:
                 return load_snapshot(self.node.store, m, self.device, target)
             except PatchError:
-                if target is not None:  # they may be half-overwritten: rebuild the last state
-                    restored = restore(self.node.store, self.device, target, WORKERS)
-                    self.weights = restored.weights if restored is not None else None
+                if target is not None:  # they may be half-overwritten
+                    self._rebuild(target)
                 raise
         if self.weights is None:
             raise PatchError(f"v{m.version}: a patch needs weights to apply to")
@@ -164,11 +147,15 @@ class Follower:
         assert current is not None
         try:
             apply_artifact(self.node.store, m, self.weights, current, WORKERS)
-        except TornApplyError:  # half-applied: rebuild the last accepted state in place
-            restored = restore(self.node.store, self.device, self.weights, WORKERS)
-            self.weights = restored.weights if restored is not None else None
+        except TornApplyError:
+            self._rebuild(self.weights)
             raise
         return self.weights
+
+    def _rebuild(self, target: Mapping[str, torch.Tensor]) -> None:
+        """Bring half-written tensors back to the last accepted state, in place."""
+        restored = restore(self.node.store, self.device, target, WORKERS)
+        self.weights = restored.weights if restored is not None else None
 
     async def _checkpoint_done(self) -> None:
         if self._checkpointing is not None:
@@ -186,8 +173,7 @@ class Follower:
         versions past the replay base, in the background (the next apply waits for it)."""
         store = self.node.store
         store.record(m.version, m.target_state, m.digest)
-        base, _ = store.replay_chain()
-        if base is None or m.version - base.version >= self.checkpoint_every:
+        if store.checkpoint_due(self.checkpoint_every):
             self._checkpointing = asyncio.create_task(self._checkpoint(m.version, m.target_state))
 
     async def _export(self, version: int, state: str) -> None:
@@ -279,12 +265,11 @@ class Follower:
         """Clean shutdown: finish a running checkpoint, then checkpoint the head unless the
         replay base already is the head (a restart then replays nothing)."""
         await self._checkpoint_done()
-        store, state = self.node.store, self.node.store.state
-        base, _ = store.replay_chain()
-        if self.weights is not None and state is not None and base is not None \
-                and base.version < state.version:  # fmt: skip
-            if state_hash(self.weights).hex() == state.state_hash:  # never checkpoint a torn state
-                await self._checkpoint(state.version, state.state_hash)
+        state = self.node.store.state
+        if self.weights is None or state is None or not self.node.store.checkpoint_due(1):
+            return
+        if state_hash(self.weights).hex() == state.state_hash:  # never checkpoint a torn state
+            await self._checkpoint(state.version, state.state_hash)
 
     # ------------------------------------------------------------ the loop
 

@@ -104,10 +104,17 @@ class Publisher:
     """
 
     def __init__(
-        self, node: Node, key: SigningKey, policy: PublishPolicy, checkpoint_every: int = 10
+        self,
+        node: Node,
+        key: SigningKey,
+        policy: PublishPolicy | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
-        self.node, self.key, self.policy = node, key, policy
-        self.checkpoint_every = checkpoint_every
+        """``policy`` and ``checkpoint_every`` default to the node's config."""
+        cfg = node.cfg
+        self.node, self.key = node, key
+        self.policy = policy or PublishPolicy(cfg.anchor_every, cfg.catchup_spans)
+        self.checkpoint_every = checkpoint_every or cfg.checkpoint_every
         self.prev: dict[str, torch.Tensor] | None = None
         self.prev_hash: bytes | None = None
         self.timings = PublishTimings()
@@ -115,11 +122,9 @@ class Publisher:
         # decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of
         # positions; encoded they hold ~16 patch payloads.
         self.history: collections.deque[bytes] = collections.deque(
-            maxlen=max(policy.catchup_spans, default=0)
+            maxlen=max(self.policy.catchup_spans, default=0)
         )
-        restored = restore(node.store, workers=WORKERS)
-        if restored is not None:
-            self.prev, self.prev_hash = restored.weights, bytes.fromhex(restored.state.state_hash)
+        self._rebuild_prev()
 
     @property
     def next_version(self) -> int:
@@ -163,7 +168,8 @@ class Publisher:
         if self.prev is None or version == 0:
             target = state_hash(new).hex()
             t.diff_s = time.perf_counter() - t0
-            return version, target, None, self._artifacts(version, target, layout_of(new), new, None)
+            built = self._artifacts(version, target, layout_of(new), new, None)
+            return version, target, None, built
         step = diff(self.prev, new, base_hash=self.prev_hash, workers=WORKERS)
         t1 = time.perf_counter()
         base = self.prev if self.node.cfg.patch_format == 2 else None
@@ -231,6 +237,8 @@ class Publisher:
         return frames, history
 
     def _rebuild_prev(self) -> None:
+        """``prev`` from the store: checkpoint + logged patches (at start, or after a file
+        failed part-way through a streamed publish)."""
         restored = restore(self.node.store, workers=WORKERS)
         self.prev = restored.weights if restored is not None else None
         self.prev_hash = bytes.fromhex(restored.state.state_hash) if restored else None
@@ -275,8 +283,7 @@ class Publisher:
         record = built[0][0]  # the anchor when there is one: a replay base, not a patch
         store.record(version, target, record.digest)
         self._advance(new, step, target, owned)
-        base, _ = store.replay_chain()
-        if base is None or version - base.version >= self.checkpoint_every:
+        if store.checkpoint_due(self.checkpoint_every):
             assert self.prev is not None
             store.set_checkpoint(version, target, lambda p: save_weights(p, self.prev))
         self.timings.store_s = time.perf_counter() - t0
@@ -334,9 +341,7 @@ class Publisher:
     def close(self) -> None:
         """Checkpoint the head at clean shutdown, so a restart replays nothing."""
         state, store = self.node.store.state, self.node.store
-        base, _ = store.replay_chain()
-        if state is not None and self.prev is not None and base is not None \
-                and base.version < state.version:  # fmt: skip
+        if state is not None and self.prev is not None and store.checkpoint_due(1):
             store.set_checkpoint(state.version, state.state_hash,
                                  lambda p: save_weights(p, self.prev))  # fmt: skip
 

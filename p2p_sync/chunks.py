@@ -38,7 +38,9 @@ def split(payload: bytes | memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE) -> 
     return [view[i : i + chunk_size] for i in range(0, len(payload), chunk_size)]
 
 
-def chunk_hashes(payload: bytes | memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[str, ...]:
+def chunk_hashes(
+    payload: bytes | memoryview, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[str, ...]:
     return tuple(chunk_hash(c) for c in split(payload, chunk_size))
 
 

@@ -95,6 +95,11 @@ class Checkpoint:
     weights: Path
 
 
+def _log_line(rec: AcceptedState) -> bytes:
+    doc = {"version": rec.version, "state_hash": rec.state_hash, "manifest": rec.manifest}
+    return json.dumps(doc).encode() + b"\n"
+
+
 def _is_temp(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
@@ -410,10 +415,8 @@ class Store:
         if manifest_digest not in self._manifests:
             raise StoreError(f"no known manifest {manifest_digest} to log for v{version}")
         rec = AcceptedState(version, state_hash, manifest_digest)
-        line = json.dumps({"version": version, "state_hash": state_hash,
-                           "manifest": manifest_digest}) + "\n"  # fmt: skip
         with open(self.log_path, "ab") as f:
-            f.write(line.encode())
+            f.write(_log_line(rec))
             f.flush()
             os.fsync(f.fileno())
         self.log.append(rec)
@@ -454,10 +457,17 @@ class Store:
             self._rewrite_log(kept)
 
     def _rewrite_log(self, records: list[AcceptedState]) -> None:
-        lines = "".join(json.dumps({"version": r.version, "state_hash": r.state_hash,
-                                    "manifest": r.manifest}) + "\n" for r in records)  # fmt: skip
-        atomic_write_bytes(self.log_path, lines.encode())
+        atomic_write_bytes(self.log_path, b"".join(_log_line(r) for r in records))
         self.log = list(records)
+
+    def checkpoint_due(self, every: int) -> bool:
+        """True when the head is ``every`` or more versions past the base replay starts from,
+        or nothing can rebuild it: time to write the full weights again."""
+        head = self.state
+        if head is None:
+            return False
+        base, _ = self.replay_chain()
+        return base is None or head.version - base.version >= every
 
     def replay_chain(self) -> tuple[Checkpoint | Manifest | None, list[Manifest]]:
         """What rebuilds the accepted weights: a base (the checkpoint, or the newest logged
@@ -499,19 +509,19 @@ class Store:
         if not self.log_path.exists():
             return []
         floor = self.checkpoint.version if self.checkpoint else -1
+        *complete, torn = self.log_path.read_bytes().split(b"\n")  # records end with "\n"
         records: list[AcceptedState] = []
-        lines = self.log_path.read_bytes().split(b"\n")
-        for line in lines[:-1]:  # a complete record ends with a newline
+        clean = not torn
+        for line in complete:
             rec = self._parse_record(line)
             if rec is None or (records and rec.version <= records[-1].version):
                 self.dropped.append(f"log: unreadable record after {len(records)}")
+                clean = False
                 break
             if rec.version > floor:
                 records.append(rec)
-        else:
-            if not lines[-1]:
-                return records
-        self._rewrite_log(records)
+        if not clean:
+            self._rewrite_log(records)
         return records
 
     def _parse_record(self, line: bytes) -> AcceptedState | None:

@@ -90,8 +90,12 @@ def write_to(f: BinaryIO, tensors: Mapping[str, torch.Tensor],
     return total
 
 
-def save_weights(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor],
-                 metadata: Mapping[str, str] | None = None, durable: bool = True) -> None:  # fmt: skip
+def save_weights(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    durable: bool = True,
+) -> None:
     """Write ``tensors`` to ``path`` atomically (old file or new, never a mix), streaming."""
 
     def write(tmp: Path) -> None:
@@ -142,16 +146,6 @@ def read_index(f: BinaryIO, path: object) -> tuple[list[Entry], int]:
     return sorted(entries), 8 + n
 
 
-def _readinto(f: BinaryIO, t: torch.Tensor, offset: int, path: object, name: str) -> None:
-    if t.numel() == 0:
-        return
-    view = memoryview(flat_bits(t).numpy()).cast("B")
-    f.seek(offset)
-    got = f.readinto(view)
-    if got != len(view):
-        raise WeightsFileError(f"{path}: truncated in tensor {name!r}")
-
-
 def pread_into(fd: int, t: torch.Tensor, offset: int, path: object, name: str) -> None:
     """Fill ``t`` (contiguous, on the CPU) from ``fd`` at ``offset``: positional reads, so
     several threads can read one file at once."""
@@ -175,28 +169,12 @@ def _open(path: str | os.PathLike[str]) -> BinaryIO:
 
 def load_weights(path: str | os.PathLike[str], device: str = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, on ``device``, read straight into its storage."""
-    out: dict[str, torch.Tensor] = {}
     with _open(path) as f:
         entries, base = read_index(f, path)
-        staging: torch.Tensor | None = None
-        for name, dtype, shape, start, _end in entries:
-            t = torch.empty(shape, dtype=dtype)
-            if device != "cpu":
-                staging = _staging(staging, t.numel() * t.element_size())
-                host = staging[: t.numel() * t.element_size()].view(dtype).view(shape)
-                _readinto(f, host, base + start, path, name)
-                t = torch.empty(shape, dtype=dtype, device=device)
-                t.copy_(host)
-            else:
-                _readinto(f, t, base + start, path, name)
-            out[name] = t
+        out = {name: torch.empty(shape, dtype=dtype, device=device)
+               for name, dtype, shape, _, _ in entries}  # fmt: skip
+        _fill(f.fileno(), entries, base, out, path)
     return out
-
-
-def _staging(buf: torch.Tensor | None, nbytes: int) -> torch.Tensor:
-    if buf is None or buf.numel() < nbytes:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    return buf
 
 
 def load_into(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> None:
@@ -208,17 +186,26 @@ def load_into(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor])
     with _open(path) as f:
         entries, base = read_index(f, path)
         _check_entries(entries, tensors, path)
-        staging: torch.Tensor | None = None
-        with torch.no_grad():
-            for name, dtype, shape, start, _end in entries:
-                dst = tensors[name]
-                if dst.device.type == "cpu" and dst.is_contiguous():
-                    _readinto(f, dst, base + start, path, name)
-                    continue
-                staging = _staging(staging, dst.numel() * dst.element_size())
-                host = staging[: dst.numel() * dst.element_size()].view(dtype).view(shape)
-                _readinto(f, host, base + start, path, name)
-                dst.copy_(host)
+        _fill(f.fileno(), entries, base, tensors, path)
+
+
+def _fill(fd: int, entries: list[Entry], base: int, tensors: Mapping[str, torch.Tensor],
+          path: object) -> None:  # fmt: skip
+    """Read each entry into its tensor: straight into contiguous CPU storage, else through one
+    reused host buffer the size of the largest such tensor (GPU tensors, strided views)."""
+    staging: torch.Tensor | None = None
+    with torch.no_grad():
+        for name, dtype, shape, start, _end in entries:
+            dst = tensors[name]
+            if dst.device.type == "cpu" and dst.is_contiguous():
+                pread_into(fd, dst, base + start, path, name)
+                continue
+            nbytes = dst.numel() * dst.element_size()
+            if staging is None or staging.numel() < nbytes:
+                staging = torch.empty(nbytes, dtype=torch.uint8)
+            host = staging[:nbytes].view(dtype).view(shape)
+            pread_into(fd, host, base + start, path, name)
+            dst.copy_(host)
 
 
 def _check_entries(entries: list[Entry], tensors: Mapping[str, torch.Tensor], path: object) -> None:

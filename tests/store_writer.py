@@ -50,7 +50,8 @@ def _next(weights: dict[str, torch.Tensor], rnd: random.Random) -> dict[str, tor
     for t in new.values():
         bits = t.view(torch.int16).reshape(-1)
         idx = torch.tensor(rnd.sample(range(bits.numel()), 300))
-        bits[idx] += torch.tensor([rnd.choice((-2, -1, 1, 2)) for _ in range(300)], dtype=torch.int16)
+        steps = [rnd.choice((-2, -1, 1, 2)) for _ in range(300)]
+        bits[idx] += torch.tensor(steps, dtype=torch.int16)
     return new
 
 
@@ -59,8 +60,10 @@ def _initial() -> dict[str, torch.Tensor]:
     return {f"w{i}": torch.randn(64, 96, generator=g).to(torch.bfloat16) for i in range(3)}
 
 
-def publish(store: Store, key: SigningKey, swarm: str, version: int,
-            prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]) -> Manifest:  # fmt: skip
+def publish(
+    store: Store, key: SigningKey, swarm: str, version: int,
+    prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor],
+) -> Manifest:  # fmt: skip
     """Store one real artifact (a snapshot every 5th version, else the patch from ``prev``)."""
     target, layout = state_hash(new).hex(), layout_fingerprint(layout_of(new)).hex()
     if prev is None or version % 5 == 0:

@@ -42,7 +42,7 @@ MAX_RATIO = 6.0
 def netns_ready() -> None:
     reason = probe()  # None here and in CI (root); otherwise it names what is missing
     if reason is not None:  # not root, or no netns/veth/tbf on this kernel: a real absence
-        pytest.skip(reason)
+        pytest.skip(f"emulated tier needs root and netns/veth/tbf: {reason}")
     cleanup_stale()  # leftovers of an earlier run that was killed
 
 
