@@ -37,7 +37,8 @@ import grail_reference  # noqa: E402
 
 from p2p_sync import codec  # noqa: E402
 from p2p_sync.patch import Patch, apply, diff, invert  # noqa: E402
-from p2p_sync.tensors import TensorSet, flat_bits, state_hash, total_bytes  # noqa: E402
+from p2p_sync.statehash import state_hash  # noqa: E402
+from p2p_sync.tensors import TensorSet, flat_bits, total_bytes  # noqa: E402
 from p2p_sync.workloads import Workload, parameter_count  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import BaseMismatchError, P2PSyncError
 from p2p_sync.patch import apply, diff
-from p2p_sync.tensors import state_hash
+from p2p_sync.statehash import state_hash
 from p2p_sync.weights_io import load_weights, save_weights
 
 CODINGS = {codec.UNCHANGED: "unchanged", codec.SPARSE: "sparse", codec.DENSE: "dense",

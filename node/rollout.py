@@ -37,7 +37,7 @@ from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
-from p2p_sync.tensors import state_hash
+from p2p_sync.statehash import StateDigest, state_hash
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import save_weights
 
@@ -86,10 +86,11 @@ class Follower:
         self.checkpoint_every = checkpoint_every or node.cfg.checkpoint_every
         self.hold = hold
         self.weights: dict[str, torch.Tensor] | None = None
+        self.digest: StateDigest | None = None  # the weights' sums, kept current in O(patch)
         self.into = dict(into) if into is not None else None  # an engine's tensors, if attached
         restored = restore(node.store, device, self.into, WORKERS)
         if restored is not None:
-            self.weights = restored.weights
+            self.weights, self.digest = restored.weights, restored.digest
             log.info("restored v%d (%d logged patches replayed)", restored.state.version,
                      restored.replayed)  # fmt: skip
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
@@ -136,17 +137,16 @@ class Follower:
         if m.kind == SNAPSHOT:  # into the tensors already held: never two copies of the model
             target = self.into if self.into is not None else self.weights
             try:
-                return load_snapshot(self.node.store, m, self.device, target)
+                weights, self.digest = load_snapshot(self.node.store, m, self.device, target)
+                return weights
             except PatchError:
                 if target is not None:  # they may be half-overwritten
                     self._rebuild(target)
                 raise
-        if self.weights is None:
+        if self.weights is None or self.digest is None:
             raise PatchError(f"v{m.version}: a patch needs weights to apply to")
-        current = self.state.state_hash
-        assert current is not None
         try:
-            apply_artifact(self.node.store, m, self.weights, current, WORKERS)
+            apply_artifact(self.node.store, m, self.weights, self.digest, WORKERS)
         except TornApplyError:
             self._rebuild(self.weights)
             raise
@@ -156,6 +156,7 @@ class Follower:
         """Bring half-written tensors back to the last accepted state, in place."""
         restored = restore(self.node.store, self.device, target, WORKERS)
         self.weights = restored.weights if restored is not None else None
+        self.digest = restored.digest if restored is not None else None
 
     async def _checkpoint_done(self) -> None:
         if self._checkpointing is not None:

@@ -45,8 +45,8 @@ from p2p_sync.tensors import (
     layout_fingerprint,
     layout_of,
     layout_of_specs,
-    state_hash,
 )
+from p2p_sync.statehash import StateDigest, update
 from p2p_sync.versions import PublishPolicy, to_publish
 from p2p_sync.weights_io import load_weights, pread_into, read_index, save_weights, write_to
 
@@ -117,6 +117,10 @@ class Publisher:
         self.checkpoint_every = checkpoint_every or cfg.checkpoint_every
         self.prev: dict[str, torch.Tensor] | None = None
         self.prev_hash: bytes | None = None
+        # ``prev``'s per-tensor sums, so each version's state hash costs O(patch); a build
+        # leaves the new version's in ``_target_digest`` until ``_advance`` adopts it.
+        self.digest: StateDigest | None = None
+        self._target_digest: StateDigest | None = None
         self.timings = PublishTimings()
         # Recent 1-step patches for merged catch-up patches, kept encoded (format 1, fast to
         # decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of
@@ -165,12 +169,14 @@ class Publisher:
         version = self.next_version
         t = self.timings = PublishTimings(version)
         t0 = time.perf_counter()
-        if self.prev is None or version == 0:
-            target = state_hash(new).hex()
+        if self.prev is None or self.digest is None or version == 0:
+            self._target_digest = StateDigest.of(new, WORKERS)
+            target = self._target_digest.hash().hex()
             t.diff_s = time.perf_counter() - t0
             built = self._artifacts(version, target, layout_of(new), new, None)
             return version, target, None, built
-        step = diff(self.prev, new, base_hash=self.prev_hash, workers=WORKERS)
+        step = diff(self.prev, new, digest=self.digest, workers=WORKERS)
+        self._target_digest = step.target_digest
         t1 = time.perf_counter()
         base = self.prev if self.node.cfg.patch_format == 2 else None
         payload = codec.encode(step, workers=WORKERS, base=base, base_hash=self.prev_hash)
@@ -186,7 +192,7 @@ class Publisher:
         Peak memory is ``prev`` plus a tensor per worker, not two models; ``diff_s`` covers
         reading the file too. A file that fails part-way leaves ``prev`` rebuilt from the
         store."""
-        assert self.prev is not None and self.prev_hash is not None
+        assert self.prev is not None and self.prev_hash is not None and self.digest is not None
         version = self.next_version
         t = self.timings = PublishTimings(version)
         t0 = time.perf_counter()
@@ -194,13 +200,14 @@ class Publisher:
             entries, start = read_index(f, path)
             layout = layout_of_specs([(n, dt, shape) for n, dt, shape, _, _ in entries])
             check_layout(layout_of(self.prev), layout, f"{path}")
+            digest = self.digest.copy()
             try:
-                frames, history = self._stream_frames(f.fileno(), entries, start, path)
-                target_hash = state_hash(self.prev)
+                frames, history = self._stream_frames(f.fileno(), entries, start, path, digest)
             except BaseException:
                 self._rebuild_prev()
                 raise
         t1 = time.perf_counter()
+        self._target_digest, target_hash = digest, digest.hash()
         payload = codec.assemble(layout, self.prev_hash, target_hash, frames)
         if self.history.maxlen:
             self.history.append(codec.assemble(layout, self.prev_hash, target_hash, history))
@@ -208,7 +215,10 @@ class Publisher:
         target = target_hash.hex()
         return version, target, None, self._artifacts(version, target, layout, self.prev, payload)
 
-    def _stream_frames(self, fd: int, entries: list, start: int, path: Path) -> tuple[dict, dict]:
+    def _stream_frames(self, fd: int, entries: list, start: int, path: Path,
+                       digest: StateDigest) -> tuple[dict, dict]:  # fmt: skip
+        """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
+        to the file's version tensor by tensor (the digest by the words that changed)."""
         assert self.prev is not None
         prev, fmt2 = self.prev, self.node.cfg.patch_format == 2
         local = threading.local()
@@ -221,9 +231,11 @@ class Publisher:
             if not hasattr(local, "scratch"):
                 local.scratch = np.empty(biggest, dtype=bool)
             old = prev[name]
-            delta = diff_tensor(TensorSpec(name, shape, dtype), old, new, local.scratch)
+            spec = TensorSpec(name, shape, dtype)
+            delta = diff_tensor(spec, old, new, local.scratch)
             frame = hist = None
             if delta is not None:
+                update(digest, spec, old, new, delta.positions)
                 bits = flat_bits(old).numpy() if fmt2 else None
                 frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
                 hist = codec.encode_frame(delta, codec.DEFAULT_LEVEL) if fmt2 else frame
@@ -242,6 +254,7 @@ class Publisher:
         restored = restore(self.node.store, workers=WORKERS)
         self.prev = restored.weights if restored is not None else None
         self.prev_hash = bytes.fromhex(restored.state.state_hash) if restored else None
+        self.digest = restored.digest if restored is not None else None
 
     def _artifacts(self, version: int, target: str, layout: Layout, weights: TensorSet,
                    step: bytes | None) -> list[Built]:  # fmt: skip
@@ -292,12 +305,13 @@ class Publisher:
         """Bring ``prev`` to the new version: apply the step in place (O(patch)), or take the
         caller's tensors when they are handed over (``owned``), or copy them once (v0)."""
         if self.prev is not None and step is not None and not owned:
-            apply(self.prev, step, verify_target=False, base_hash=self.prev_hash)
+            apply(self.prev, step, verify_target=False, digest=self.digest)
         elif owned:
             self.prev = dict(new)
         else:
             self.prev = {k: v.detach().clone() for k, v in new.items()}
         self.prev_hash = bytes.fromhex(target)
+        self.digest, self._target_digest = self._target_digest, None
 
     async def publish(self, state_dict: TensorSet, owned: bool = False) -> list[Manifest]:
         """Publish ``state_dict`` as the next version; returns its manifests. The tensors are

@@ -25,8 +25,8 @@ off    size  field
 16     4     table size, u32 (bytes of the compressed table that follows)
 20     4     table raw size, u32 (bytes of the table once decompressed)
 24     16    layout fingerprint: XXH3-128 of the layout (``tensors.layout_fingerprint``)
-40     16    base state hash: XXH3-128 of the weights the patch applies to
-56     16    target state hash: XXH3-128 of the weights it produces
+40     16    base state hash of the weights the patch applies to (``p2p_sync.statehash``)
+56     16    target state hash of the weights it produces
 =====  ====  =================================================================
 
 Table
@@ -179,6 +179,8 @@ from p2p_sync.errors import (
     TruncatedPatchError,
     UnsupportedFormatError,
 )
+from p2p_sync import device_scans
+from p2p_sync.device_scans import Selected
 from p2p_sync.patch import Patch, TensorDelta
 from p2p_sync.tensors import (
     DTYPE_CODES,
@@ -190,8 +192,11 @@ from p2p_sync.tensors import (
     flat_bits,
     layout_fingerprint,
     layout_of,
-    state_hash,
 )
+from p2p_sync.statehash import state_hash
+
+# A base tensor's bit patterns as the class scans take them: numpy on the host, torch on a GPU.
+Bits = np.ndarray | torch.Tensor
 
 MAGIC = b"P2PPATCH"
 FORMAT_VERSION = 2
@@ -885,8 +890,10 @@ def _unsigned(bits: np.ndarray) -> np.ndarray:
     return bits.view(f"<u{bits.dtype.itemsize}")
 
 
-def scan_ranks(base_bits: np.ndarray, dtype: torch.dtype, pos: np.ndarray) -> tuple:
+def scan_ranks(base_bits: Bits, dtype: torch.dtype, pos: np.ndarray) -> tuple:
     """(class uint8, class rank int64) of each sorted position, and every class's size."""
+    if isinstance(base_bits, torch.Tensor):
+        return device_scans.scan_ranks(base_bits, MANTISSA_BITS[dtype], pos)
     cls = np.empty(pos.size, np.uint8)
     rank = np.empty(pos.size, np.int64)
     members = np.zeros(N_CLASSES, np.int64)
@@ -902,21 +909,8 @@ def scan_ranks(base_bits: np.ndarray, dtype: torch.dtype, pos: np.ndarray) -> tu
     return cls, rank, cmap.members
 
 
-@dataclass(frozen=True)
-class _Selected:
-    """What the select scan found: changed positions in order, each with its class and its
-    index among that class's changed elements; class sizes; how many coded ranks each class
-    consumed (all of them, unless a rank lies past the class's end)."""
-
-    pos: np.ndarray
-    cls: np.ndarray
-    within: np.ndarray
-    members: np.ndarray
-    consumed: np.ndarray
-
-
 def _select_numpy(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
-                  starts: np.ndarray, complement: np.ndarray) -> _Selected:  # fmt: skip
+                  starts: np.ndarray, complement: np.ndarray) -> Selected:  # fmt: skip
     cmap = class_map(base_bits, dtype)
     parts, consumed = [], np.zeros(N_CLASSES, np.int64)
     for c in range(N_CLASSES):
@@ -929,14 +923,17 @@ def _select_numpy(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
         parts.append((pos, np.full(pos.size, c, np.uint8), np.arange(pos.size)))
     pos, cls, within = (np.concatenate(x) for x in zip(*parts))
     order = np.argsort(pos, kind="stable")
-    return _Selected(pos[order], cls[order], within[order], cmap.members, consumed)
+    return Selected(pos[order], cls[order], within[order], cmap.members, consumed)
 
 
-def scan_select(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
+def scan_select(base_bits: Bits, dtype: torch.dtype, ranks: np.ndarray,
                 starts: np.ndarray, complement: np.ndarray,
-                cap: int) -> _Selected | None:  # fmt: skip
+                cap: int) -> Selected | None:  # fmt: skip
     """Positions of the changed elements given each class's sorted coded ranks
     (``ranks[starts[c]:starts[c+1]]``); None when more than ``cap`` elements would change."""
+    if isinstance(base_bits, torch.Tensor):
+        return device_scans.scan_select(base_bits, MANTISSA_BITS[dtype], ranks, starts,
+                                        complement, cap)  # fmt: skip
     kernels = _kernels()
     if not kernels["fast"]:
         found = _select_numpy(base_bits, dtype, ranks, starts, complement)
@@ -951,10 +948,10 @@ def scan_select(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
                           out_pos, out_cls, out_within, members, cursor)  # fmt: skip
     if k < 0:
         return None
-    return _Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
+    return Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
 
 
-def _classed_streams(delta: TensorDelta, base_bits: np.ndarray) -> list[bytes]:
+def _classed_streams(delta: TensorDelta, base_bits: Bits) -> list[bytes]:
     pos, d = (_np(t) for t in delta.to_sparse())
     if pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1])):
         order = np.argsort(pos)
@@ -1148,7 +1145,7 @@ def _coded_ranks(raw: memoryview, head: _ClassHead, numel: int, name: str) -> np
 
 
 def _classed_values(
-    raw: memoryview, head: _ClassHead, found: _Selected, spec: TensorSpec
+    raw: memoryview, head: _ClassHead, found: Selected, spec: TensorSpec
 ) -> np.ndarray:
     """The deltas of the found elements, in position order, after the exact size check."""
     name, width, n = spec.name, spec.itemsize, found.pos.size
@@ -1178,7 +1175,7 @@ def _classed_values(
 
 
 def _decode_classed(
-    raw: memoryview, spec: TensorSpec, n: int, base_bits: np.ndarray
+    raw: memoryview, spec: TensorSpec, n: int, base_bits: Bits
 ) -> TensorDelta:
     name = spec.name
     head = _classed_head(raw, spec)
@@ -1211,7 +1208,7 @@ def _dense_streams(delta: TensorDelta) -> list[bytes]:
 
 
 def encode_frame(
-    delta: TensorDelta, level: int, base_bits: np.ndarray | None = None
+    delta: TensorDelta, level: int, base_bits: Bits | None = None
 ) -> tuple[int, int, bytes]:
     """(coding, count, frame) for one tensor: the smallest of the codings it may use. Coding 3
     needs the base's bits; without them (or for a dtype with no exponent) it is not tried."""
@@ -1279,7 +1276,7 @@ def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
 
 
 def decode_frame(
-    row: FrameInfo, frame: memoryview, base_bits: np.ndarray | None = None
+    row: FrameInfo, frame: memoryview, base_bits: Bits | None = None
 ) -> TensorDelta:
     """Decode and fully validate one tensor's frame (coding 3 needs the base's bits)."""
     raw = _decompress(frame, _frame_bound(row), row.spec.name)
@@ -1319,11 +1316,17 @@ def _check_base(base: TensorSet, layout: Layout, want: bytes, known: bytes | Non
                                 f"{want.hex()}")  # fmt: skip
 
 
-def _base_bits(base: TensorSet | None, spec: TensorSpec) -> np.ndarray | None:
-    """The base tensor's bit patterns on the host (a copy only when it lives on a GPU)."""
+def scan_view(t: torch.Tensor) -> Bits:
+    """A base tensor's bit patterns where the class scans read them: a numpy view on the host
+    (no copy), the tensor itself on a GPU (the scans then run there: no O(model) copy)."""
+    flat = flat_bits(t.detach()).contiguous()
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+def _base_bits(base: TensorSet | None, spec: TensorSpec) -> Bits | None:
     if base is None or not classed_dtype(spec.dtype):
         return None
-    return flat_bits(base[spec.name].detach()).cpu().contiguous().numpy()
+    return scan_view(base[spec.name])
 
 
 def _map(fn: Callable, items: list, workers: int) -> list:

@@ -21,7 +21,7 @@ swarm          swarm id, 64 hex digits (``SwarmPolicy.swarm_id``)
 version        int >= 0, the version this artifact produces
 kind           "patch" (needs base_version < version and base_state) or "snapshot" (both null)
 base_version   int or null
-base_state     32 hex digits (XXH3-128 state hash of the base) or null
+base_state     32 hex digits (state hash of the base, ``p2p_sync.statehash``) or null
 target_state   32 hex digits, state hash of the weights the artifact produces
 layout         32 hex digits, layout fingerprint (names, shapes, dtypes)
 codec          payload format: "p2psync-patch/1" (patches) or "safetensors" (snapshots)

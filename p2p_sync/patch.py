@@ -36,8 +36,8 @@ from p2p_sync.tensors import (
     flat_bits,
     layout_fingerprint,
     layout_of,
-    state_hash,
 )
+from p2p_sync.statehash import StateDigest, track, update
 
 # A tensor whose changed fraction exceeds this is held dense in memory: a sparse entry costs
 # 8 bytes of position plus the delta, a dense one just the delta.
@@ -94,6 +94,13 @@ class TensorDelta:
                 f"outside a tensor of {spec.numel} elements"
             )
 
+    def host(self) -> TensorDelta:
+        """This delta with its tensors on the host (itself when they already are)."""
+        if self.deltas.device.type == "cpu":
+            return self
+        pos = None if self.positions is None else self.positions.cpu()
+        return TensorDelta(self.spec, pos, self.deltas.cpu())
+
     def to_sparse(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions and deltas of the changed elements only."""
         if self.positions is not None:
@@ -136,6 +143,8 @@ class Patch:
     base_hash: bytes
     target_hash: bytes
     deltas: Mapping[str, TensorDelta] = field(default_factory=dict)
+    # The target's per-tensor sums when a diff computed them (never on the wire).
+    target_digest: StateDigest | None = field(default=None, repr=False)
 
     @property
     def fingerprint(self) -> bytes:
@@ -187,18 +196,21 @@ def _diff_host(
 
 
 def _diff_device(spec: TensorSpec, old: torch.Tensor, cur: torch.Tensor) -> TensorDelta | None:
+    """The change on the tensors' device; it stays there until :meth:`TensorDelta.host`, so
+    the state digest can be brought along from device positions first."""
     changed = torch.nonzero(old != cur).reshape(-1)
     if changed.numel() == 0:
         return None
     if changed.numel() > DENSE_IN_MEMORY_FRACTION * spec.numel:
-        return TensorDelta(spec, None, (cur - old).cpu())
-    return TensorDelta(spec, changed.cpu(), (cur[changed] - old[changed]).cpu())
+        return TensorDelta(spec, None, cur - old)
+    return TensorDelta(spec, changed, cur[changed] - old[changed])
 
 
 def diff_tensor(
     spec: TensorSpec, base: torch.Tensor, new: torch.Tensor, scratch: np.ndarray | None = None
 ) -> TensorDelta | None:
-    """The change from ``base`` to ``new`` (same spec), computed on ``base``'s device."""
+    """The change from ``base`` to ``new`` (same spec), computed on ``base``'s device (where
+    it stays: call :meth:`TensorDelta.host` before coding it)."""
     old = flat_bits(base.detach())
     cur = flat_bits(new.detach().to(base.device, non_blocking=True))
     if old.device.type != "cpu":
@@ -209,11 +221,13 @@ def diff_tensor(
 
 
 def diff(
-    base: TensorSet, new: TensorSet, base_hash: bytes | None = None, workers: int = 1
+    base: TensorSet, new: TensorSet, digest: StateDigest | None = None, workers: int = 1
 ) -> Patch:
-    """The patch that turns ``base`` into ``new`` (equal layouts required). ``base_hash``, when
-    the caller knows it, saves hashing the whole base again. ``workers > 1`` diffs tensors in
-    parallel threads (numpy's compare and nonzero release the GIL)."""
+    """The patch that turns ``base`` into ``new`` (equal layouts required). ``digest``, the
+    caller's record of ``base``'s sums, makes the state hashes O(patch): the target's comes from
+    the words that changed, not from hashing ``new`` whole. ``workers > 1`` diffs tensors in
+    parallel threads (numpy's compare and nonzero release the GIL). The target's digest rides
+    along as ``Patch.target_digest``."""
     layout = layout_of(base)
     check_layout(layout, layout_of(new), "new version")
     biggest = max((s.numel for s in layout), default=0)
@@ -224,14 +238,25 @@ def diff(
             local.scratch = np.empty(biggest, dtype=bool)
         return diff_tensor(spec, base[spec.name], new[spec.name], local.scratch)
 
+    before = digest if digest is not None else StateDigest.of(base, workers)
+    after = before.copy()
+
+    def tracked(spec: TensorSpec) -> TensorDelta | None:
+        delta = one(spec)
+        if delta is None:
+            return None
+        # in the worker too, while the positions are still on the tensors' device: the
+        # target's sums from the changed words
+        update(after, spec, base[spec.name], new[spec.name], delta.positions)
+        return delta.host()
+
     if workers > 1 and len(layout) > 1:
         with ThreadPoolExecutor(workers) as pool:
-            found = list(pool.map(one, layout))
+            found = list(pool.map(tracked, layout))
     else:
-        found = [one(spec) for spec in layout]
+        found = [tracked(spec) for spec in layout]
     deltas = {spec.name: d for spec, d in zip(layout, found) if d is not None}
-    known = base_hash if base_hash is not None else state_hash(base)
-    return Patch(layout, known, state_hash(new), deltas)
+    return Patch(layout, before.hash(), after.hash(), deltas, after)
 
 
 def require_contiguous(t: torch.Tensor, name: str) -> None:
@@ -252,24 +277,43 @@ def add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
         flat[delta.positions.to(flat.device, non_blocking=True)] += deltas
 
 
-def distinct_tensors(weights: TensorSet, names: Iterable[str]) -> list[str]:
-    """``names`` less those whose memory another name already covers (tied weights, e.g. an
-    LM head sharing the embedding's storage): patched once, or the delta would add twice."""
-    seen: set[tuple[int, int, torch.dtype]] = set()
-    out = []
+def aliases(weights: TensorSet, names: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` whose memory an earlier name already covers (tied weights, e.g. an LM
+    head sharing the embedding's storage), mapped to that name."""
+    first: dict[tuple[int, int, torch.dtype], str] = {}
+    out = {}
     for name in names:
         t = weights[name]
         key = (t.data_ptr(), t.numel(), t.dtype) if t.numel() else (id(t), 0, t.dtype)
-        if key not in seen:
-            seen.add(key)
-            out.append(name)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
     return out
 
 
-def _add_all(weights: TensorSet, patch: Patch, sign: int) -> None:
+def distinct_tensors(weights: TensorSet, names: Iterable[str]) -> list[str]:
+    """``names`` less their aliases: tied weights are patched once, or the delta would add
+    twice."""
+    names = list(names)
+    tied = aliases(weights, names)
+    return [n for n in names if n not in tied]
+
+
+def follow_aliases(weights: TensorSet, names: Iterable[str], digest: StateDigest) -> None:
+    """Give each alias the sums of the tensor it shares memory with (the same bytes)."""
+    for alias, name in aliases(weights, names).items():
+        digest.sums[alias] = digest.sums[name]
+
+
+def _add_all(weights: TensorSet, patch: Patch, sign: int, digest: StateDigest) -> None:
+    specs = {s.name: s for s in patch.layout}
     with torch.no_grad():
         for name in distinct_tensors(weights, patch.deltas):
-            add_delta(flat_bits(weights[name]), patch.deltas[name], sign)
+            flat, delta = flat_bits(weights[name]), patch.deltas[name]
+            track(digest, specs[name], flat, delta.positions,
+                  lambda: add_delta(flat, delta, sign))  # fmt: skip
+    follow_aliases(weights, patch.deltas, digest)
 
 
 def check_applicable(weights: TensorSet, patch: Patch) -> None:
@@ -283,29 +327,33 @@ def check_applicable(weights: TensorSet, patch: Patch) -> None:
 
 
 def apply(
-    weights: TensorSet, patch: Patch, verify_target: bool = True, base_hash: bytes | None = None
-) -> None:
-    """Apply ``patch`` to ``weights`` in place, all-or-nothing.
+    weights: TensorSet, patch: Patch, verify_target: bool = True,
+    digest: StateDigest | None = None,
+) -> StateDigest:  # fmt: skip
+    """Apply ``patch`` to ``weights`` in place, all-or-nothing; returns the weights' digest.
 
     Everything is checked before the first write: the layout, every position's range and the
-    base state hash. ``base_hash`` is the caller's record of what ``weights`` hash to (a node
-    that verified its last apply knows it): passing it saves one pass over the whole model. If
-    the result does not hash to the target (only possible with a patch whose content is
-    inconsistent with its own header, or a wrong ``base_hash``), the writes are undone exactly
-    and :class:`TargetMismatchError` is raised, so the weights are never left half-changed.
+    base state hash. ``digest`` is the caller's record of ``weights``' sums (a node that verified
+    its last apply has it, and it is brought along in place): with it, both hashes cost
+    O(patch); without it the base is hashed whole once. If the result does not hash to the
+    target (only possible with a patch whose content is inconsistent with its own header, or a
+    wrong ``digest``), the writes are undone exactly and :class:`TargetMismatchError` is raised,
+    so the weights are never left half-changed.
     """
     check_applicable(weights, patch)
-    have = base_hash if base_hash is not None else state_hash(weights)
+    digest = digest if digest is not None else StateDigest.of(weights)
+    have = digest.hash()
     if have != patch.base_hash:
         raise BaseMismatchError(
             f"weights hash to {have.hex()}, patch was made for base {patch.base_hash.hex()}"
         )
-    _add_all(weights, patch, +1)
-    if verify_target and state_hash(weights) != patch.target_hash:
-        _add_all(weights, patch, -1)
+    _add_all(weights, patch, +1, digest)
+    if verify_target and digest.hash() != patch.target_hash:
+        _add_all(weights, patch, -1, digest)
         raise TargetMismatchError(
             f"patched weights do not hash to target {patch.target_hash.hex()}; apply undone"
         )
+    return digest
 
 
 def invert(patch: Patch) -> Patch:

@@ -26,12 +26,22 @@ import torch
 from p2p_sync import codec
 from p2p_sync.errors import BaseMismatchError, P2PSyncError, PatchError, TargetMismatchError
 from p2p_sync.manifest import Manifest
-from p2p_sync.patch import add_delta, check_layout, distinct_tensors, require_contiguous
+from p2p_sync.patch import (
+    add_delta,
+    check_layout,
+    distinct_tensors,
+    follow_aliases,
+    require_contiguous,
+)
 from p2p_sync.store import AcceptedState, Checkpoint, Store
-from p2p_sync.tensors import flat_bits, layout_of, state_hash
+from p2p_sync.statehash import StateDigest, track
+from p2p_sync.tensors import flat_bits, layout_of
 from p2p_sync.weights_io import WeightsFileError, load_into, load_weights
 
 log = logging.getLogger("p2psync.restore")
+
+# Threads that hash a loaded model on the host (numba releases the GIL; ~4 GB/s each).
+HASH_WORKERS = 2
 
 Weights = dict[str, torch.Tensor]
 
@@ -43,27 +53,30 @@ class Restored:
     weights: Weights
     state: AcceptedState
     replayed: int  # logged patches re-applied on top of the base
+    digest: StateDigest  # the weights' per-tensor sums: later applies verify in O(patch)
 
 
 def load_file_weights(
     path: object, expected_state: str, device: str, into: Mapping[str, torch.Tensor] | None
-) -> Weights:
-    """Weights from a safetensors file, checked against ``expected_state`` (hex). With ``into``,
-    the tensors are overwritten in place (an engine's live model) and returned."""
+) -> tuple[Weights, StateDigest]:
+    """Weights from a safetensors file, checked against ``expected_state`` (hex), and their
+    digest (hashed on their device). With ``into``, the tensors are overwritten in place (an
+    engine's live model) and returned."""
     if into is not None:
         load_into(path, into)  # type: ignore[arg-type]
         weights = dict(into)
     else:
         weights = load_weights(path, device)  # type: ignore[arg-type]
-    got = state_hash(weights).hex()
+    digest = StateDigest.of(weights, HASH_WORKERS)
+    got = digest.hash().hex()
     if got != expected_state:
         raise PatchError(f"{path}: weights hash to {got}, expected {expected_state}")
-    return weights
+    return weights, digest
 
 
 def load_snapshot(
     store: Store, m: Manifest, device: str = "cpu", into: Mapping[str, torch.Tensor] | None = None
-) -> Weights:
+) -> tuple[Weights, StateDigest]:
     """A snapshot artifact's weights, read from its pack and checked against the signed target
     state. The pack was verified chunk by chunk when downloaded (or when the store opened), so
     it is not hashed again: the state hash covers every byte, and the names, shapes and dtypes."""
@@ -81,11 +94,11 @@ class TornApplyError(PatchError):
 
 
 def apply_artifact(
-    store: Store, m: Manifest, weights: Weights, current: str, workers: int = 1
+    store: Store, m: Manifest, weights: Weights, digest: StateDigest, workers: int = 1
 ) -> None:
-    """Apply the verified patch artifact ``m`` to ``weights`` (known to hash to ``current``) in
-    place, checking its header against the signed manifest and the result against the signed
-    target state. A mismatch found before the first write raises PatchError with the weights
+    """Apply the verified patch artifact ``m`` to ``weights`` (whose sums ``digest`` holds, and
+    brings along) in place, checking its header against the signed manifest and the result
+    against the signed target state. A mismatch found before the first write raises PatchError with the weights
     untouched; one found after raises TornApplyError."""
     payload = store.payload(m)
     if payload is None:
@@ -93,13 +106,15 @@ def apply_artifact(
     info = codec.read_header(payload)
     if info.base_hash.hex() != m.base_state or info.target_hash.hex() != m.target_state:
         raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
-    apply_frames(weights, payload, info, bytes.fromhex(current), workers)
+    apply_frames(weights, payload, info, digest, workers)
 
 
 def apply_frames(
-    weights: Weights, data: memoryview, info: codec.PatchInfo, known: bytes, workers: int = 1
-) -> None:
-    """Decode and apply a patch one tensor frame at a time, ``workers`` tensors at once.
+    weights: Weights, data: memoryview, info: codec.PatchInfo, digest: StateDigest,
+    workers: int = 1,
+) -> None:  # fmt: skip
+    """Decode and apply a patch one tensor frame at a time, ``workers`` tensors at once, and
+    bring ``digest`` (the weights' sums) along: the target hash is checked in O(patch).
 
     Why not ``codec.decode`` then ``patch.apply``: a decoded patch holds every changed position
     as int64 (10 bytes per changed element with its delta: a third of a GB for one step of a 1B
@@ -110,6 +125,7 @@ def apply_frames(
     patch the trainer itself signed inconsistent; the caller then rebuilds from the store.
     """
     check_layout(info.layout, layout_of(weights), "weights")
+    known = digest.hash()
     if info.base_hash != known:
         raise BaseMismatchError(f"weights are {known.hex()}, patch is for {info.base_hash.hex()}")
     rows = {r.spec.name: r for r in info.rows if r.coding != codec.UNCHANGED}
@@ -119,11 +135,11 @@ def apply_frames(
 
     def one(name: str) -> None:
         row, flat = rows[name], flat_bits(weights[name])
-        bits = flat.cpu().numpy() if row.coding == codec.CLASSED else None
+        bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
         delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
         delta.validate()
         with torch.no_grad():
-            add_delta(flat, delta, +1)
+            track(digest, row.spec, flat, delta.positions, lambda: add_delta(flat, delta, +1))
         written.append(name)
 
     try:
@@ -134,7 +150,8 @@ def apply_frames(
         else:
             for name in names:
                 one(name)
-        got = state_hash(weights)
+        follow_aliases(weights, rows, digest)
+        got = digest.hash()
         if got != info.target_hash:
             raise TargetMismatchError(f"patched weights hash to {got.hex()}, "
                                       f"not the target {info.target_hash.hex()}")  # fmt: skip
@@ -146,7 +163,7 @@ def apply_frames(
 
 def _load_base(
     store: Store, base: Checkpoint | Manifest, device: str, into: Mapping | None
-) -> Weights | None:
+) -> tuple[Weights, StateDigest] | None:
     try:
         if isinstance(base, Checkpoint):
             return load_file_weights(base.weights, base.state_hash, device, into)
@@ -174,29 +191,29 @@ def restore(
             if store.log:
                 store.truncate_log(store.log[0].version, "no checkpoint or snapshot to replay on")
             return None
-        weights = _load_base(store, base, device, into)
-        if weights is not None:
-            restored = _replay(store, base, chain, weights, workers)
+        loaded = _load_base(store, base, device, into)
+        if loaded is not None:
+            restored = _replay(store, base, chain, *loaded, workers)
             if restored is not None:
                 return restored
     raise P2PSyncError(f"{store.root}: could not rebuild any accepted state")
 
 
 def _replay(
-    store: Store, base: Checkpoint | Manifest, chain: list[Manifest], weights: Weights, workers: int
-) -> Restored | None:
+    store: Store, base: Checkpoint | Manifest, chain: list[Manifest], weights: Weights,
+    digest: StateDigest, workers: int,
+) -> Restored | None:  # fmt: skip
     current = base.state_hash if isinstance(base, Checkpoint) else base.target_state
-    digest = None if isinstance(base, Checkpoint) else base.digest
-    state = AcceptedState(base.version, current, digest)
+    record = None if isinstance(base, Checkpoint) else base.digest
+    state = AcceptedState(base.version, current, record)
     for n, m in enumerate(chain):
         try:
-            apply_artifact(store, m, weights, current, workers)
+            apply_artifact(store, m, weights, digest, workers)
         except PatchError as exc:
             log.warning("replay stops before v%d: %s; re-fetching from peers", m.version, exc)
             store.truncate_log(m.version, f"logged patch failed on replay ({exc})")
             if isinstance(exc, TornApplyError):
                 return None  # half-written: rebuild from the base again, up to the cut
-            return Restored(weights, state, n)
-        current = m.target_state
-        state = AcceptedState(m.version, current, m.digest)
-    return Restored(weights, state, len(chain))
+            return Restored(weights, state, n, digest)
+        state = AcceptedState(m.version, m.target_state, m.digest)
+    return Restored(weights, state, len(chain), digest)

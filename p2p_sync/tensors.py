@@ -4,14 +4,12 @@ A *tensor set* is a ``dict[str, torch.Tensor]`` (a state dict). Patches work on 
 bit patterns of the tensors, never on float values, so every dtype is handled by its bits and
 reconstruction is exact (NaN payloads, -0.0 and Inf included).
 
-Two digests identify a tensor set:
-
-* the *layout fingerprint* covers names, shapes and dtypes (what a patch's structure depends on);
-* the *state hash* covers the layout and every byte of every tensor (which exact version it is).
-
-Both are XXH3-128 (16 bytes): tens of GB/s on one core, so hashing a 60 MB model costs a few
-milliseconds. They detect accidents (wrong base, corrupt apply); authenticity comes from the
-signed manifest, which carries these hashes.
+The *layout fingerprint* (here) covers names, shapes and dtypes: what a patch's structure
+depends on. It is XXH3-128 over one record per tensor. The *state hash*, which also covers every
+byte (which exact version a set holds), is built on the same records in
+:mod:`p2p_sync.statehash`, so it can run on the tensors' device and update in O(patch). Both
+detect accidents (wrong base, corrupt apply); authenticity comes from the signed manifest,
+which carries them.
 """
 
 from __future__ import annotations
@@ -110,7 +108,8 @@ def layout_of(tensors: TensorSet) -> Layout:
     return tuple(specs)
 
 
-def _spec_record(spec: TensorSpec) -> bytes:
+def spec_record(spec: TensorSpec) -> bytes:
+    """The canonical record of one spec: lengths, dtype code, name, dims (little-endian)."""
     name = spec.name.encode("utf-8")
     dims = np.asarray(spec.shape, dtype="<u8").tobytes()
     head = np.asarray([len(name), DTYPE_CODES[spec.dtype], len(spec.shape)], dtype="<u4")
@@ -121,24 +120,7 @@ def layout_fingerprint(layout: Layout) -> bytes:
     """XXH3-128 over the canonical records of every spec (names, dtype codes, shapes)."""
     h = xxhash.xxh3_128()
     for spec in layout:
-        h.update(_spec_record(spec))
-    return h.digest()
-
-
-def host_bytes(t: torch.Tensor) -> np.ndarray:
-    """The raw bytes of ``t`` as a uint8 numpy array (copied to the host if on a GPU)."""
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.contiguous().view(torch.uint8).numpy()
-
-
-def state_hash(tensors: TensorSet) -> bytes:
-    """XXH3-128 over the layout records and raw bytes of every tensor, in name order."""
-    h = xxhash.xxh3_128()
-    for spec in layout_of(tensors):
-        h.update(_spec_record(spec))
-        h.update(host_bytes(tensors[spec.name]))
+        h.update(spec_record(spec))
     return h.digest()
 
 

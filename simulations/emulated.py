@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from node.localswarm import Placement, Proc, Swarm, get_json, wait_for
-from p2p_sync.tensors import state_hash
+from p2p_sync.statehash import state_hash
 from simulations.netns import Host, LinkShape, RateSample, Topology, TopologyConfig, measure_rate
 
 

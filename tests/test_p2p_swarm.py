@@ -21,7 +21,7 @@ from node.cli import main
 from node.localswarm import Proc, Swarm, wait_for
 from p2p_sync.announce import Announcement, Decision, Verdict, topic
 from p2p_sync.manifest import canonical
-from p2p_sync.tensors import state_hash
+from p2p_sync.statehash import state_hash
 from p2p_sync.transport.p2p import P2PHost, P2PSettings
 from p2p_sync.workloads import Workload
 from tests.helpers import bit_equal

@@ -15,7 +15,7 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy, parse, sign
 from p2p_sync.restore import restore
 from p2p_sync.store import AcceptedState, Store, StoreError, StoreLimits
-from p2p_sync.tensors import state_hash
+from p2p_sync.statehash import state_hash
 from tests import store_writer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,190 @@
+"""The state hash (format 2): the host kernel, the torch path a GPU takes and the plain-Python
+definition agree bit for bit; the O(patch) updates always equal a full re-hash; the sums see
+every single-word change; tied weights and unaligned views are covered."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2p_sync import codec, statehash
+from p2p_sync.errors import TargetMismatchError
+from p2p_sync.patch import Patch, apply, diff
+from p2p_sync.restore import apply_frames
+from p2p_sync.statehash import StateDigest, state_hash
+from p2p_sync.tensors import flat_bits, layout_of, spec_record
+from tests.helpers import bit_equal, clone_set, random_bits
+from tests.test_roundtrip_properties import DTYPES, SHAPES, change, version_pairs
+
+
+def reference_sums(t: torch.Tensor) -> statehash.Sums:
+    """The docstring's definition, word by word in plain Python."""
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw += b"\0" * (-len(raw) % 8)
+    sums: statehash.Sums = (0, 0)
+    for j in range(len(raw) // 8):
+        word = int.from_bytes(raw[8 * j : 8 * j + 8], "little")
+        sums = statehash.add(sums, statehash.term_py(j, word))
+    return sums
+
+
+def torch_sums(t: torch.Tensor) -> statehash.Sums:
+    """The GPU path's arithmetic (int64 torch ops), run on the CPU."""
+    w = statehash._words(t)
+    j = torch.arange(w.body.numel(), dtype=torch.int64)
+    sums = statehash._terms_torch(w.body, j)
+    if w.tail is not None:
+        sums = statehash.add(sums, statehash.term_py(w.body.numel(), w.tail))
+    return sums
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype, shape = draw(st.sampled_from(DTYPES)), draw(st.sampled_from(SHAPES))
+    return random_bits(shape, dtype, draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(tensors())
+def test_host_kernel_torch_path_and_definition_agree(t: torch.Tensor) -> None:
+    assert statehash.tensor_sums(t) == reference_sums(t) == torch_sums(t)
+
+
+@settings(max_examples=120, deadline=None)
+@given(tensors(), st.data())
+def test_word_sums_are_the_terms_of_those_words(t: torch.Tensor, data: st.DataObject) -> None:
+    n = statehash._words(t).count
+    picked = sorted(data.draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=8))) if n else []
+    words = torch.tensor(picked, dtype=torch.int64)
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    raw += b"\0" * (-len(raw) % 8)
+    want: statehash.Sums = (0, 0)
+    for j in picked:
+        want = statehash.add(want, statehash.term_py(j, int.from_bytes(raw[8 * j : 8 * j + 8],
+                                                                       "little")))  # fmt: skip
+    assert statehash.word_sums(t, words) == want
+    w = statehash._words(t)
+    body = [j for j in picked if j < w.body.numel()]
+    if body:  # the GPU path's gather, on the CPU
+        idx = torch.tensor(body, dtype=torch.int64)
+        assert statehash._terms_torch(w.body[idx], idx) == statehash.word_sums(t, idx)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(version_pairs())
+def test_incremental_hashes_equal_full_rehash(pair: tuple[dict, dict]) -> None:
+    base, new = pair
+    digest = StateDigest.of(base)
+    patch = diff(base, new, digest=digest)
+    assert patch.base_hash == state_hash(base) and patch.target_hash == state_hash(new)
+    assert patch.target_digest is not None and patch.target_digest.sums == StateDigest.of(new).sums
+    weights = clone_set(base)
+    after = apply(weights, patch, digest=digest)
+    assert after is digest and digest.hash() == state_hash(weights) == state_hash(new)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tensors(), st.data())
+def test_every_single_word_change_changes_both_sums(t: torch.Tensor, data: st.DataObject) -> None:
+    if t.numel() == 0:
+        return
+    bits = flat_bits(t.clone())
+    i = data.draw(st.integers(0, bits.numel() - 1))
+    width = 8 * bits.element_size()
+    flip = data.draw(st.integers(1, 2**width - 1))
+    old = int(bits[i]) % 2**width
+    bits[i] = (old ^ flip) - (2**width if (old ^ flip) >> (width - 1) else 0)
+    a, b = statehash.tensor_sums(t), statehash.tensor_sums(bits)
+    assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_tensors_with_equal_bytes_in_other_names_or_order_hash_apart() -> None:
+    x, y = torch.arange(8, dtype=torch.float32), torch.arange(8, dtype=torch.float32).flip(0)
+    assert state_hash({"a": x, "b": y}) != state_hash({"a": y, "b": x})
+    assert state_hash({"a": x}) != state_hash({"b": x})
+    assert state_hash({"a": x}) != state_hash({"a": x.view(2, 4)})  # the layout is covered
+
+
+def test_unaligned_views_hash_like_their_contiguous_copy() -> None:
+    storage = torch.arange(1001, dtype=torch.int16)
+    view = storage[3:]  # storage offset of 6 bytes: its words are not 8-byte aligned
+    assert statehash.tensor_sums(view) == statehash.tensor_sums(view.clone())
+    words = torch.tensor([0, 5, (view.numel() * 2 - 1) // 8], dtype=torch.int64)
+    assert statehash.word_sums(view, words) == statehash.word_sums(view.clone(), words)
+
+
+def test_tied_weights_keep_the_digest_exact() -> None:
+    """An LM head sharing the embedding's memory is patched once, and both names' sums move."""
+    emb = torch.randn(64, 8).to(torch.bfloat16)
+    base = {"embed": emb.clone(), "head": emb.clone(), "norm": torch.ones(8)}
+    new = clone_set(base)
+    new["embed"][3] += 1
+    new["head"] = new["embed"].clone()
+    patch = diff(base, new)
+    shared = base["embed"].clone()
+    weights = {"embed": shared, "head": shared, "norm": base["norm"].clone()}
+    digest = apply(weights, patch)
+    assert digest.hash() == state_hash(weights) == patch.target_hash
+    weights2 = {"embed": base["embed"].clone(), "norm": base["norm"].clone()}
+    weights2["head"] = weights2["embed"]
+    data = codec.encode(patch, base=base)
+    d2 = StateDigest.of(weights2)
+    apply_frames(weights2, memoryview(data), codec.read_header(data), d2)
+    assert d2.hash() == patch.target_hash and bit_equal(weights2, weights)
+
+
+def test_a_lying_target_is_undone_and_the_digest_restored() -> None:
+    base = {"w": torch.randn(1000).to(torch.bfloat16)}
+    new = {"w": change(base["w"], 0.05, "ulp", 3)}
+    good = diff(base, new)
+    liar = Patch(good.layout, good.base_hash, b"\x01" * 16, good.deltas)
+    weights, digest = clone_set(base), StateDigest.of(base)
+    before = dict(digest.sums)
+    with pytest.raises(TargetMismatchError):
+        apply(weights, liar, digest=digest)
+    assert bit_equal(weights, base) and digest.sums == before
+
+
+def test_device_scans_match_the_host_scans_at_every_density() -> None:
+    """Coding 3's scans as a GPU runs them (torch ops) give the host scans' ranks, classes,
+    sizes and selections; here torch runs on the CPU."""
+    rng = np.random.default_rng(5)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e5m2):
+        base = (torch.randn(20_000) * 0.05).to(dtype)
+        bits = flat_bits(base)
+        for density in (0.0, 1e-3, 0.03, 0.4, 0.9, 1.0):
+            pos = np.flatnonzero(rng.random(bits.numel()) < density).astype(np.int64)
+            host = codec.scan_ranks(bits.numpy(), dtype, pos)
+            dev = codec.scan_ranks(bits, dtype, pos)
+            assert all(np.array_equal(a, b) for a, b in zip(host, dev))
+            new = base.clone()
+            flat_bits(new)[torch.from_numpy(pos)] += 1
+            delta = diff({"t": base}, {"t": new}).deltas.get("t")
+            if delta is None:
+                continue
+            a = codec.encode_frame(delta, 1, bits.numpy())
+            b = codec.encode_frame(delta, 1, bits)
+            assert a == b
+            row = codec.FrameInfo(delta.spec, a[0], a[1], 0, len(a[2]))
+            got = [codec.decode_frame(row, memoryview(a[2]), x) for x in (bits.numpy(), bits)]
+            assert torch.equal(got[0].to_sparse()[0], got[1].to_sparse()[0])
+            assert torch.equal(got[0].to_sparse()[1], got[1].to_sparse()[1])
+
+
+def test_state_hash_follows_its_spec_and_is_pinned() -> None:
+    """The hash rebuilt from the module docstring's definition (reference sums, XXH3-128 over
+    the domain tag, layout records and sums), and a known answer: changing the definition
+    must be a deliberate format change, not an accident."""
+    t = {"b": torch.tensor([1.5, -0.0, 3.25]), "a": torch.arange(10, dtype=torch.bfloat16)}
+    h = xxhash.xxh3_128(statehash.DOMAIN)
+    for name in sorted(t):
+        spec = layout_of({name: t[name]})[0]
+        h.update(spec_record(spec) + struct.pack("<QQ", *reference_sums(t[name])))
+    assert state_hash(t) == h.digest()
+    assert state_hash(t).hex() == "13871271fee689405ad6364a4dad9804"
