@@ -9,6 +9,7 @@ Layout under the data dir::
     checkpoint.json                  {"version", "state_hash", "weights"}
     log.jsonl                        one line per accepted version past the checkpoint:
                                      {"version", "state_hash", "manifest"}
+    format.json                      {"state_hash": 2}: how the recorded hashes were made
 
 The accepted state is a database's: a **checkpoint plus a log**. The verified artifacts in the
 packs are the log's contents; ``log.jsonl`` records, per version, the state it reached and the
@@ -68,6 +69,16 @@ class StoreError(P2PSyncError):
     """The data dir cannot be used (unreadable, or its state is inconsistent)."""
 
 
+class StoreFormatError(StoreError):
+    """The data dir was written by a p2psync whose state hashes this one cannot check: opening
+    it would drop every checkpoint and log record as corrupt, and a trainer would start over at
+    version 0, which its peers refuse as a rollback. It is refused whole instead."""
+
+
+# The state hash definition the recorded hashes follow (p2p_sync.statehash; 1 was XXH3).
+STATE_HASH_FORMAT = 2
+
+
 @dataclass(frozen=True)
 class StoreLimits:
     """Bounds of the local cache."""
@@ -113,7 +124,7 @@ class Store:
         self.manifest_dir = root / "manifests"
         self.weights_dir = root / "weights"
         self.checkpoint_path = root / "checkpoint.json"
-        self.legacy_state_path = root / "state.json"
+        self.format_path = root / "format.json"
         self.log_path = root / "log.jsonl"
         self._manifests: dict[str, tuple[Manifest, bytes]] = {}
         self._where: dict[str, list[tuple[str, int]]] = {}  # chunk hash -> (manifest, index)
@@ -127,10 +138,31 @@ class Store:
     @classmethod
     def open(cls, root: str | os.PathLike[str], limits: StoreLimits = StoreLimits()) -> Store:
         store = cls(Path(root), limits)
-        for d in (store.root, store.pack_dir, store.manifest_dir, store.weights_dir):
+        store.root.mkdir(parents=True, exist_ok=True)
+        store._check_format()
+        for d in (store.pack_dir, store.manifest_dir, store.weights_dir):
             d.mkdir(parents=True, exist_ok=True)
         store._check()
         return store
+
+    def _check_format(self) -> None:
+        """Refuse a data dir whose hashes follow another definition; mark a new one."""
+        try:
+            found = json.loads(self.format_path.read_bytes()).get("state_hash")
+        except FileNotFoundError:
+            old = ("checkpoint.json", "state.json", "log.jsonl", "manifests")
+            found = 1 if any((self.root / n).exists() for n in old) else None
+        except (ValueError, AttributeError) as exc:
+            raise StoreError(f"{self.format_path}: unreadable ({exc})") from None
+        if found is None:
+            atomic_write_bytes(self.format_path, json.dumps({"state_hash": STATE_HASH_FORMAT})
+                               .encode())  # fmt: skip
+        elif found != STATE_HASH_FORMAT:
+            raise StoreFormatError(
+                f"{self.root}: written with state hash format {found}; this p2psync uses "
+                f"{STATE_HASH_FORMAT} and cannot verify it. Start with an empty data dir "
+                f"(a rollout re-fetches from its peers; a trainer starts a new swarm)"
+            )
 
     # ------------------------------------------------------------ self-check
 
@@ -488,8 +520,6 @@ class Store:
 
     def _load_checkpoint(self) -> Checkpoint | None:
         path = self.checkpoint_path
-        if not path.exists() and self.legacy_state_path.exists():
-            os.replace(self.legacy_state_path, path)  # data dirs from before the log
         if not path.exists():
             return None
         try:

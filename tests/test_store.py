@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -14,8 +15,8 @@ import pytest
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy, parse, sign
 from p2p_sync.restore import restore
-from p2p_sync.store import AcceptedState, Store, StoreError, StoreLimits
 from p2p_sync.statehash import state_hash
+from p2p_sync.store import AcceptedState, Store, StoreError, StoreFormatError, StoreLimits
 from tests import store_writer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,3 +173,25 @@ def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path)
             restored = restore(store)
             assert restored is not None and restored.state == head
             assert state_hash(restored.weights).hex() == head.state_hash
+
+
+def test_a_data_dir_from_an_older_state_hash_is_refused_untouched(tmp_path: Path) -> None:
+    """Hashes made by another definition cannot be checked: refusing the dir with a clear
+    message beats dropping every record as corrupt (a trainer would restart at v0)."""
+    fresh = Store.open(tmp_path / "new")
+    assert json.loads(fresh.format_path.read_bytes()) == {"state_hash": 2}
+    Store.open(tmp_path / "new")  # reopens fine
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "checkpoint.json").write_text('{"version": 3, "state_hash": "00", "weights": "w"}')
+    (old / "log.jsonl").write_text('{"version": 4, "state_hash": "11", "manifest": "m"}\n')
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    with pytest.raises(StoreFormatError, match="state hash format 1.*empty data dir"):
+        Store.open(old)
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before  # nothing lost
+    (old / "format.json").write_text('{"state_hash": 7}')
+    with pytest.raises(StoreFormatError, match="format 7"):
+        Store.open(old)
+    (old / "format.json").write_text("not json")
+    with pytest.raises(StoreError, match="format.json: unreadable"):
+        Store.open(old)
