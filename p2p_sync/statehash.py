@@ -52,6 +52,7 @@ S1, S2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64
 DEVICE_CHUNK_WORDS = 1 << 25
 
 Sums = tuple[int, int]
+_NO_WORDS = np.zeros(0, np.int64)
 _SUMS = struct.Struct("<QQ")
 
 
@@ -101,39 +102,15 @@ def _terms_torch(u: torch.Tensor, j: torch.Tensor) -> Sums:
     return a, b
 
 
-def _scan_py(body: np.ndarray, start: int, stop: int) -> tuple:
-    """Sums of the terms of ``body[start:stop]`` (numba compiles this; uint64 wraps)."""
+def _sums_py(body: np.ndarray, words: np.ndarray, gather: bool) -> tuple:
+    """Sums of the terms of ``body[words]`` (``gather``) or of all of ``body`` (numba
+    compiles this; uint64 arithmetic wraps)."""
     a = np.uint64(0)
     b = np.uint64(0)
     k0, k1 = np.uint64(K0), np.uint64(K1)
     f1, f2, s1, s2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
-    for i in range(start, stop):
-        j = np.uint64(i)
-        x = body[i] ^ (j * k0)
-        x ^= x >> np.uint64(33)
-        x *= f1
-        x ^= x >> np.uint64(33)
-        x *= f2
-        x ^= x >> np.uint64(33)
-        y = body[i] ^ (j * k1)
-        y ^= y >> np.uint64(30)
-        y *= s1
-        y ^= y >> np.uint64(27)
-        y *= s2
-        y ^= y >> np.uint64(31)
-        a += x
-        b += y
-    return a, b
-
-
-def _gather_py(body: np.ndarray, words: np.ndarray) -> tuple:
-    """Sums of the terms of ``body[words]`` (indices all < body.size)."""
-    a = np.uint64(0)
-    b = np.uint64(0)
-    k0, k1 = np.uint64(K0), np.uint64(K1)
-    f1, f2, s1, s2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
-    for n in range(words.size):
-        i = words[n]
+    for n in range(words.size if gather else body.size):
+        i = words[n] if gather else n
         j = np.uint64(i)
         x = body[i] ^ (j * k0)
         x ^= x >> np.uint64(33)
@@ -160,11 +137,10 @@ def _kernels() -> dict[str, Callable]:
     if not _KERNELS:
         import numba
 
-        for name, fn in (("scan", _scan_py), ("gather", _gather_py)):
-            try:
-                _KERNELS[name] = numba.njit(cache=True, nogil=True)(fn)
-            except RuntimeError:  # no writable cache location: compile in memory
-                _KERNELS[name] = numba.njit(nogil=True)(fn)
+        try:
+            _KERNELS["sums"] = numba.njit(cache=True, nogil=True)(_sums_py)
+        except RuntimeError:  # no writable cache location: compile in memory
+            _KERNELS["sums"] = numba.njit(nogil=True)(_sums_py)
     return _KERNELS
 
 
@@ -219,7 +195,7 @@ def tensor_sums(t: torch.Tensor) -> Sums:
     w = _words(t)
     n = w.body.numel()
     if w.body.device.type == "cpu":
-        a, b = _kernels()["scan"](_host(w.body), 0, n)
+        a, b = _kernels()["sums"](_host(w.body), _NO_WORDS, False)
         sums = (int(a), int(b))
     else:
         sums = (0, 0)
@@ -240,7 +216,7 @@ def word_sums(t: torch.Tensor, words: torch.Tensor) -> Sums:
     if w.tail is not None and words.numel() and int(words[-1]) == n:
         sums, words = term_py(n, w.tail), words[:-1]
     if w.body.device.type == "cpu":
-        a, b = _kernels()["gather"](_host(w.body), words.numpy())
+        a, b = _kernels()["sums"](_host(w.body), words.numpy(), True)
         return add(sums, (int(a), int(b)))
     idx = words.to(w.body.device, non_blocking=True)
     return add(sums, _terms_torch(w.body[idx], idx))

@@ -48,18 +48,24 @@ def train_step(model: torch.nn.Module, master: dict[str, torch.Tensor], step: in
 
 
 def generate(model: torch.nn.Module) -> list[int]:
-    prompt = torch.tensor([[1, 5, 9, 17, 33]])
+    prompt = torch.tensor([[1, 5, 9, 17, 33]], device=next(model.parameters()).device)
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     return out[0].tolist()
 
 
-def test_engine_model_follows_the_trainer_in_place(tmp_path: Path) -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_engine_model_follows_the_trainer_in_place(tmp_path: Path, device: str) -> None:
+    """On the GPU, both ends work there: the trainer diffs and hashes the published CUDA
+    tensors, and the engine's CUDA tensors are patched in place between generations."""
     key = SigningKey.generate()
     pub = write_keypair(key, tmp_path / "trainer.key")
     trained = tiny_llama(seed=1)
     master = {n: p.detach().float().clone() for n, p in trained.named_parameters()}
-    engine = tiny_llama(seed=2)  # different weights at first: v0 overwrites them in place
+    engine = tiny_llama(seed=2).to(device)  # other weights at first: v0 overwrites them
     engine_params = {n: p.data_ptr() for n, p in engine.named_parameters()}
     with Trainer(key=tmp_path / "trainer.key", data_dir=tmp_path / "t", chunk_size=16384,
                  poll_interval_s=0.2) as trainer:  # fmt: skip
@@ -68,7 +74,8 @@ def test_engine_model_follows_the_trainer_in_place(tmp_path: Path) -> None:
             for v in range(4):
                 if v:
                     train_step(trained, master, v)
-                assert trainer.publish(trained.state_dict()) == v
+                published = {k: t.to(device) for k, t in trained.state_dict().items()}
+                assert trainer.publish(published) == v
                 assert rollout.wait_for_update(timeout=60)
                 before = [p.clone() for p in engine.parameters()] if v else None
                 while rollout.version != v:  # applied only when the engine asks
@@ -77,9 +84,10 @@ def test_engine_model_follows_the_trainer_in_place(tmp_path: Path) -> None:
                     assert hand.pause_s >= sum(u.apply_s for u in hand.updates)
                 if before is not None:
                     assert any(not torch.equal(a, b) for a, b in zip(before, engine.parameters()))
-                assert bit_equal(engine.state_dict(), trained.state_dict())
-                fresh = tiny_llama(seed=3)
-                fresh.load_state_dict(trained.state_dict())
+                held = {k: t.cpu() for k, t in engine.state_dict().items()}
+                assert bit_equal(held, trained.state_dict())
+                fresh = tiny_llama(seed=3).to(device)
+                fresh.load_state_dict(published)
                 assert generate(engine) == generate(fresh)
             assert trainer.last_publish is not None and trainer.last_publish["version"] == 3
     assert {n: p.data_ptr() for n, p in engine.named_parameters()} == engine_params  # in place
