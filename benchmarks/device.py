@@ -120,7 +120,9 @@ def main() -> None:
               f"{r['encode2']:>7.3f} {r['bytes1'] / 1e6:>7.1f} {r['bytes2'] / 1e6:>7.1f} "
               f"{r['apply1']:>8.3f} {r['apply2']:>8.3f}")  # fmt: skip
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    gpu = f", peak device memory {torch.cuda.max_memory_allocated() / 1e9:.1f} GB" if dev.startswith("cuda") else ""
+    gpu = ""
+    if dev.startswith("cuda"):
+        gpu = f", peak device memory {torch.cuda.max_memory_allocated() / 1e9:.1f} GB"
     print(f"peak host RSS {rss:.1f} GB{gpu}; seconds; dense {size / 1e6:,.0f} MB "
           f"(1 Gbit/s: {size * 8 / 1e9:.1f} s)")
 

@@ -47,6 +47,7 @@ from node.localswarm import Proc, Swarm, wait_for  # noqa: E402
 from p2p_sync.keys import SigningKey, write_keypair  # noqa: E402
 from p2p_sync.weights_io import save_weights  # noqa: E402
 
+
 def rss_peak_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

@@ -37,6 +37,7 @@ from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import Patch, apply, check_layout, diff, diff_tensor, merge
 from p2p_sync.restore import restore
 from p2p_sync.seeding import SuperSeeder
+from p2p_sync.statehash import StateDigest, update
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -46,7 +47,6 @@ from p2p_sync.tensors import (
     layout_of,
     layout_of_specs,
 )
-from p2p_sync.statehash import StateDigest, update
 from p2p_sync.versions import PublishPolicy, to_publish
 from p2p_sync.weights_io import load_weights, pread_into, read_index, save_weights, write_to
 

@@ -166,6 +166,8 @@ import numpy as np
 import torch
 import zstandard
 
+from p2p_sync import device_scans
+from p2p_sync.device_scans import Selected
 from p2p_sync.errors import (
     BadMagicError,
     BaseMismatchError,
@@ -179,9 +181,8 @@ from p2p_sync.errors import (
     TruncatedPatchError,
     UnsupportedFormatError,
 )
-from p2p_sync import device_scans
-from p2p_sync.device_scans import Selected
 from p2p_sync.patch import Patch, TensorDelta
+from p2p_sync.statehash import state_hash
 from p2p_sync.tensors import (
     DTYPE_CODES,
     DTYPES_BY_CODE,
@@ -193,7 +194,6 @@ from p2p_sync.tensors import (
     layout_fingerprint,
     layout_of,
 )
-from p2p_sync.statehash import state_hash
 
 # A base tensor's bit patterns as the class scans take them: numpy on the host, torch on a GPU.
 Bits = np.ndarray | torch.Tensor

@@ -12,6 +12,7 @@ changed positions and deltas travel to the host.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ from p2p_sync.errors import (
     MalformedPatchError,
     TargetMismatchError,
 )
+from p2p_sync.statehash import StateDigest, track, update
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -37,7 +39,6 @@ from p2p_sync.tensors import (
     layout_fingerprint,
     layout_of,
 )
-from p2p_sync.statehash import StateDigest, track, update
 
 # A tensor whose changed fraction exceeds this is held dense in memory: a sparse entry costs
 # 8 bytes of position plus the delta, a dense one just the delta.
@@ -311,8 +312,8 @@ def _add_all(weights: TensorSet, patch: Patch, sign: int, digest: StateDigest) -
     with torch.no_grad():
         for name in distinct_tensors(weights, patch.deltas):
             flat, delta = flat_bits(weights[name]), patch.deltas[name]
-            track(digest, specs[name], flat, delta.positions,
-                  lambda: add_delta(flat, delta, sign))  # fmt: skip
+            write = functools.partial(add_delta, flat, delta, sign)
+            track(digest, specs[name], flat, delta.positions, write)
     follow_aliases(weights, patch.deltas, digest)
 
 

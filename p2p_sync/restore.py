@@ -33,8 +33,8 @@ from p2p_sync.patch import (
     follow_aliases,
     require_contiguous,
 )
-from p2p_sync.store import AcceptedState, Checkpoint, Store
 from p2p_sync.statehash import StateDigest, track
+from p2p_sync.store import AcceptedState, Checkpoint, Store
 from p2p_sync.tensors import flat_bits, layout_of
 from p2p_sync.weights_io import WeightsFileError, load_into, load_weights
 
@@ -98,8 +98,8 @@ def apply_artifact(
 ) -> None:
     """Apply the verified patch artifact ``m`` to ``weights`` (whose sums ``digest`` holds, and
     brings along) in place, checking its header against the signed manifest and the result
-    against the signed target state. A mismatch found before the first write raises PatchError with the weights
-    untouched; one found after raises TornApplyError."""
+    against the signed target state. A mismatch found before the first write raises
+    PatchError with the weights untouched; one found after raises TornApplyError."""
     payload = store.payload(m)
     if payload is None:
         raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")

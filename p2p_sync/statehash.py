@@ -175,7 +175,8 @@ class _Words:
 
 
 def _words(t: torch.Tensor) -> _Words:
-    raw = t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    flat = t.detach().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
     whole = raw.numel() // 8 * 8
     tail = None
     if whole < raw.numel():

@@ -22,8 +22,8 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.patch import diff
 from p2p_sync.restore import restore
-from p2p_sync.store import Store
 from p2p_sync.statehash import state_hash
+from p2p_sync.store import Store
 from p2p_sync.tensors import layout_fingerprint, layout_of
 from p2p_sync.weights_io import save_weights
 

@@ -17,8 +17,8 @@ from node.trainer import Publisher, TrainerNode
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.restore import restore
-from p2p_sync.store import Store, StoreLimits
 from p2p_sync.statehash import state_hash
+from p2p_sync.store import Store, StoreLimits
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal
 
