@@ -29,9 +29,10 @@ from node.config import NodeConfig
 from p2p_sync import announce
 from p2p_sync.errors import ManifestError, RollbackAttackError
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import Manifest, SwarmPolicy, verify
+from p2p_sync.manifest import Manifest, SwarmPolicy
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.store import Store
+from p2p_sync.trusted import TrustedSet, TrustLimits
 from p2p_sync.transport.http import (
     DataClient,
     DataServer,
@@ -102,10 +103,24 @@ class Node:
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
-        self._announce_limits = announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s)
+        limits = TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
+        self.trusted = TrustedSet(policy, lambda: self.accepted_version, limits)
+        self._announce_limits = limits.announce
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
         if store.state is not None:
             self.metrics.version.set(store.state.version)
+        self._vet_store()
+
+    def _vet_store(self) -> None:
+        """The store on restart passes the same gate as news (authenticity only: what it holds
+        was accepted before): a data dir from another swarm, or edited on disk, is not believed."""
+        for m in self.store.manifests():
+            data = self.store.manifest_bytes(m.digest)
+            try:
+                self.trusted.admit_stored(data or b"")
+            except ManifestError as exc:
+                log.warning("dropped stored manifest %s: %s", m.digest[:16], exc)
+                self.store.drop_manifest(m.digest, f"refused by the trust gate ({exc})")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -192,7 +207,8 @@ class Node:
 
     @property
     def accepted_version(self) -> int | None:
-        return self.store.state.version if self.store.state else None
+        state = self.store.state
+        return state.version if state else None
 
     def on_announce(self, url: str | None, digests: list[str]) -> None:
         if url is not None:
@@ -225,8 +241,9 @@ class Node:
     async def _learn_one(self, peer: str, digest: str) -> Manifest | None:
         assert self.client is not None
         try:
-            data = await self.client.get_bytes(f"{peer}/manifest/{digest}", 8 * 2**20)
-            manifest = verify(data, self.policy, time.time(), self.accepted_version)
+            limit = self.trusted.limits.manifest.max_manifest_bytes
+            data = await self.client.get_bytes(f"{peer}/manifest/{digest}", limit)
+            manifest = self.trusted.admit(data, time.time(), digest)
         except PeerError:
             self._peer_failed(peer)
             return None
@@ -234,9 +251,6 @@ class Node:
             return None  # stale news (we are already past it), not an attack by this peer
         except ManifestError as exc:
             self.ban(peer, f"offered a bad manifest ({exc})")
-            return None
-        if manifest.digest != digest:
-            self.ban(peer, "manifest does not match the digest it was offered under")
             return None
         self.store.put_manifest(manifest, data)
         return manifest
@@ -287,8 +301,7 @@ class Node:
 
     def _judge(self, data: bytes, known: Callable[[str], bool]) -> announce.Decision:
         """Runs in the libp2p thread, inside gossipsub validation (pure: no store writes)."""
-        now_ms = int(time.time() * 1000)
-        return announce.judge(data, self.policy, now_ms, known, self._announce_limits)
+        return self.trusted.judge(data, int(time.time() * 1000), known)
 
     def _heard(self, decision: announce.Decision, at_ms: int) -> None:
         """Gossip brought a genuine announcement (new, or news we already had by HTTP): keep
@@ -308,9 +321,9 @@ class Node:
         self._heard(decision, at_ms)
         if self.cfg.role == "bootstrap":
             return
-        floor, stored = self.accepted_version, []
-        for m, raw in decision.manifests:
-            if not self.store.has_manifest(m.digest) and (floor is None or m.version > floor):
+        stored = []
+        for m, raw in self.trusted.fresh_inline(decision):
+            if not self.store.has_manifest(m.digest):
                 self.store.put_manifest(m, raw)
                 stored.append(m.digest)
         if stored:
@@ -343,7 +356,7 @@ class Node:
     async def _ask_head(self, peer: str) -> None:
         assert self.client is not None
         (index,) = await gather_quietly([self.client.get_json(f"{peer}/manifests")])
-        fresh = self._fresh_from_index(index)
+        fresh = self.trusted.wanted(index, self.store.has_manifest)
         if fresh:
             await self.learn(peer, fresh)
 
@@ -377,22 +390,9 @@ class Node:
             for url in (plist or {}).get("peers", [])[: self.cfg.max_peers]:
                 if isinstance(url, str):
                     self.add_peer(url)
-            fresh = self._fresh_from_index(index)
+            fresh = self.trusted.wanted(index, self.store.has_manifest)
             if fresh:
                 await self.learn(peer, fresh)
-
-    def _fresh_from_index(self, index: Any) -> list[str]:
-        if not isinstance(index, list):
-            return []
-        floor, out = self.accepted_version, []
-        for entry in index[:10_000]:
-            if not isinstance(entry, dict) or not isinstance(entry.get("digest"), str):
-                continue
-            version = entry.get("version")
-            if isinstance(version, int) and (floor is None or version > floor):
-                if not self.store.has_manifest(entry["digest"]):
-                    out.append(entry["digest"])
-        return out
 
     # ------------------------------------------------------------ NodeView (data plane)
 

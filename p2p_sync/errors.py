@@ -98,6 +98,14 @@ class EndlessDataAttackError(ManifestError):
     """Declared sizes exceed the configured limits: would exhaust disk, memory or bandwidth."""
 
 
+class LayoutSwapAttackError(ManifestError):
+    """For other tensors (names, shapes, dtypes) than this node holds: would swap the model."""
+
+
+class SubstitutedManifestError(ManifestError):
+    """Served under another manifest's digest: a peer substituting content for what it offered."""
+
+
 class ChunkError(P2PSyncError):
     """A chunk is refused (wrong index, length or hash)."""
 

@@ -333,6 +333,22 @@ class Store:
             if (manifest.digest, i) not in where:
                 where.append((manifest.digest, i))
 
+    def drop_manifest(self, digest: str, why: str) -> None:
+        """Forget a manifest and its pack: the owner's trust gate (``TrustedSet.admit_stored``)
+        refused it at restart, so nothing it names may be served or applied."""
+        if digest not in self._manifests:
+            return
+        if self.pack_path(digest).exists():
+            self._drop(self.pack_path(digest), why)
+        manifest, _ = self._manifests.pop(digest)
+        for c in manifest.chunks:
+            where = [w for w in self._where.get(c, []) if w[0] != digest]
+            if where:
+                self._where[c] = where
+            else:
+                self._where.pop(c, None)
+        self._drop(self.manifest_dir / f"{digest}.json", why)
+
     def manifests(self) -> list[Manifest]:
         return sorted((m for m, _ in self._manifests.values()), key=lambda m: (m.version, m.kind))
 

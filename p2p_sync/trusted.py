@@ -1,0 +1,164 @@
+"""The one trusted gate: every manifest and announcement a node believes passes through here.
+
+Like python-tuf's ``TrustedMetadataSet``, :class:`TrustedSet` owns every trust decision about
+control-plane data, so no caller can apply a weaker check than another: a manifest pushed over
+HTTP, fetched after a poll, carried inline in a gossip announcement or read back from the store
+at restart is judged by the same rules, in one order:
+
+========================  ============================================  =====================
+check                     refused with (named after the attack)         applies to
+========================  ============================================  =====================
+size, parse               EndlessDataAttackError, Malformed...Error      everything
+signature threshold       Missing/Forged...SignatureError,               everything
+                          UntrustedSignerError
+swarm id                  WrongSwarmError                               everything
+limits                    EndlessDataAttackError                        everything
+expiry                    FreezeAttackError                             news (not the store)
+layout (when pinned)      LayoutSwapAttackError                         everything
+newer than accepted       RollbackAttackError                           news (not the store)
+offered digest            SubstitutedManifestError                      fetched by digest
+========================  ============================================  =====================
+
+"News" is what a peer offers now; the store holds what this node accepted earlier, so at
+restart its manifests are checked for authenticity (a data dir copied from another swarm, or
+edited on disk, is not believed) but not for expiry or rollback (the log depends on them).
+
+The gate holds no copy of the accepted version: it reads it through ``accepted`` (the node's
+store state), so it can never disagree with what the weights hold. Sans-I/O: bytes and the
+caller's clock in, typed manifests or a named exception out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from p2p_sync import announce
+from p2p_sync.errors import (
+    LayoutSwapAttackError,
+    RollbackAttackError,
+    SubstitutedManifestError,
+    WrongSwarmError,
+)
+from p2p_sync.manifest import (
+    Manifest,
+    ManifestLimits,
+    SwarmPolicy,
+    check_limits,
+    check_signatures,
+    parse,
+    verify,
+)
+
+
+@dataclass(frozen=True)
+class TrustLimits:
+    """Every bound the gate enforces (manifests, announcements, peers' manifest indexes)."""
+
+    manifest: ManifestLimits = field(default_factory=ManifestLimits)
+    announce: announce.AnnounceLimits = field(default_factory=announce.AnnounceLimits)
+    max_index_entries: int = 10_000  # entries of a peer's /manifests list looked at
+
+
+class TrustedSet:
+    """The trust decisions of one node about one swarm."""
+
+    def __init__(
+        self,
+        policy: SwarmPolicy,
+        accepted: Callable[[], int | None] = lambda: None,
+        limits: TrustLimits = TrustLimits(),
+        layout: str | None = None,
+    ) -> None:
+        self.policy, self.limits, self.layout = policy, limits, layout
+        self._accepted = accepted
+
+    @property
+    def accepted_version(self) -> int | None:
+        """The newest version this node accepted (None for a newcomer)."""
+        return self._accepted()
+
+    # ------------------------------------------------------------ single checks
+
+    def is_newer(self, version: int, than: int | None = None) -> bool:
+        """Whether ``version`` is past ``than`` (default: the accepted version)."""
+        floor = self.accepted_version if than is None else than
+        return floor is None or version > floor
+
+    def check_newer(self, m: Manifest) -> None:
+        if not self.is_newer(m.version):
+            raise RollbackAttackError(
+                f"version {m.version} is not newer than accepted version {self.accepted_version}"
+            )
+
+    def _check_layout(self, m: Manifest) -> None:
+        if self.layout is not None and m.layout != self.layout:
+            raise LayoutSwapAttackError(
+                f"manifest layout {m.layout[:16]} is not this node's {self.layout[:16]}"
+            )
+
+    # ------------------------------------------------------------ manifests
+
+    def authentic(self, data: bytes, now: float) -> Manifest:
+        """Everything true of a manifest whatever this node holds: signatures, swarm, limits,
+        expiry, layout. Pure, so it may run in another thread (gossip validation)."""
+        m = verify(data, self.policy, now, None, self.limits.manifest)
+        self._check_layout(m)
+        return m
+
+    def admit(self, data: bytes, now: float, digest: str | None = None) -> Manifest:
+        """A manifest offered as news (HTTP push or poll): authentic, newer than accepted, and
+        the one asked for (``digest``)."""
+        m = self.authentic(data, now)
+        self.check_newer(m)
+        if digest is not None and m.digest != digest:
+            raise SubstitutedManifestError(
+                f"served manifest {m.digest[:16]} under digest {digest[:16]}"
+            )
+        return m
+
+    def admit_stored(self, data: bytes) -> Manifest:
+        """A manifest read back from this node's store at restart: accepted before, so not
+        judged on expiry or version, but its signatures, swarm, limits and layout must hold."""
+        limits = self.limits.manifest
+        m, sigs = parse(data, replace(limits, max_manifest_bytes=len(data)))
+        check_signatures(m, sigs, self.policy)
+        if m.swarm != self.policy.swarm_id:
+            raise WrongSwarmError(f"stored manifest is for swarm {m.swarm[:16]}")
+        check_limits(m, limits)
+        self._check_layout(m)
+        return m
+
+    def newer(self, manifests: Iterable[Manifest], than: int | None) -> list[Manifest]:
+        """The manifests past version ``than`` (None: all): what a plan may start from."""
+        return [m for m in manifests if than is None or m.version > than]
+
+    # ------------------------------------------------------------ announcements and indexes
+
+    def judge(self, data: bytes, now_ms: int, known: Callable[[str], bool]) -> announce.Decision:
+        """A gossip message: authentic or not (gossipsub forwards what is accepted). Inline
+        manifests get the same check as HTTP ones (:meth:`authentic`); whether they are news
+        is :meth:`fresh_inline`'s question, asked on the node's thread: a genuine but stale
+        announcement must not get its honest forwarder penalized."""
+        return announce.judge(data, self.policy, now_ms, known, self.limits.announce,
+                              lambda raw: self.authentic(raw, now_ms / 1000))  # fmt: skip
+
+    def fresh_inline(self, decision: announce.Decision) -> list[tuple[Manifest, bytes]]:
+        """The inline manifests of an accepted announcement that are news to this node."""
+        return [(m, raw) for m, raw in decision.manifests if self.is_newer(m.version)]
+
+    def wanted(self, index: Any, known: Callable[[str], bool]) -> list[str]:
+        """Digests in a peer's (untrusted) ``/manifests`` index worth fetching: well-formed,
+        newer than accepted, not already held. The fetched bytes then pass :meth:`admit`."""
+        if not isinstance(index, list):
+            return []
+        out = []
+        for entry in index[: self.limits.max_index_entries]:
+            if not isinstance(entry, dict) or not isinstance(entry.get("digest"), str):
+                continue
+            version = entry.get("version")
+            if isinstance(version, int) and not isinstance(version, bool):
+                if self.is_newer(version) and not known(entry["digest"]):
+                    out.append(entry["digest"])
+        return out

@@ -1,0 +1,150 @@
+"""The one trusted gate: every path a manifest can arrive by (HTTP push or poll, inline gossip,
+a peer's index, the store at restart) is judged by the same rules (table-driven, as
+python-tuf's ngclient tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from node.config import NodeConfig
+from node.runtime import Node
+from p2p_sync import announce
+from p2p_sync.announce import Announcement, Verdict
+from p2p_sync.chunks import manifest_for
+from p2p_sync.errors import (
+    EndlessDataAttackError,
+    ForgedSignatureError,
+    FreezeAttackError,
+    LayoutSwapAttackError,
+    ManifestError,
+    RollbackAttackError,
+    SubstitutedManifestError,
+    UntrustedSignerError,
+    WrongSwarmError,
+)
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import ManifestLimits, SwarmPolicy, canonical, parse, sign
+from p2p_sync.store import Store
+from p2p_sync.trusted import TrustedSet, TrustLimits
+
+NOW = 1_800_000_000
+TRAINER, STRANGER = SigningKey.generate(), SigningKey.generate()
+POLICY = SwarmPolicy("gate", (TRAINER.public,))
+OTHER_SWARM = SwarmPolicy("elsewhere", (TRAINER.public,))
+LAYOUT = "cd" * 16
+
+
+def signed(version: int = 5, key: SigningKey = TRAINER, swarm: str = POLICY.swarm_id,
+           layout: str = LAYOUT, size: int = 40_000) -> bytes:  # fmt: skip
+    m = manifest_for(bytes([version % 256]) * size, swarm=swarm, version=version,
+                     kind="snapshot", target_state="ab" * 16, layout=layout, now=NOW,
+                     lifetime_s=3600, chunk_size=16 * 1024)  # fmt: skip
+    return sign(m, [key])
+
+
+def _forge(data: bytes) -> bytes:
+    doc = json.loads(data)
+    doc["signed"]["version"] += 1
+    return canonical(doc)
+
+
+def gate(accepted: int | None = 4, **kw) -> TrustedSet:
+    return TrustedSet(POLICY, lambda: accepted, **kw)
+
+
+# (name, manifest bytes, gate kwargs, error refused on every path)
+AUTHENTICITY = [
+    ("forged", _forge(signed()), {}, ForgedSignatureError),
+    ("impostor", signed(key=STRANGER), {}, UntrustedSignerError),
+    ("other swarm", signed(swarm=OTHER_SWARM.swarm_id), {}, WrongSwarmError),
+    ("endless data", signed(), {"limits": TrustLimits(ManifestLimits(max_payload_size=1000))},
+     EndlessDataAttackError),
+    ("layout swap", signed(layout="ef" * 16), {"layout": LAYOUT}, LayoutSwapAttackError),
+]  # fmt: skip
+
+
+def _judge(g: TrustedSet, raw: bytes) -> announce.Decision:
+    m = json.loads(raw)["signed"]
+    digest = manifest_digest(raw)
+    a = Announcement(POLICY.swarm_id, m["version"], (digest,), NOW * 1000)
+    return g.judge(announce.encode(a, [TRAINER], [raw]), NOW * 1000, lambda d: False)
+
+
+def manifest_digest(raw: bytes) -> str:
+    return parse(raw)[0].digest
+
+
+@pytest.mark.parametrize(("name", "data", "kw", "error"), AUTHENTICITY,
+                         ids=[a[0] for a in AUTHENTICITY])  # fmt: skip
+def test_every_path_refuses_an_inauthentic_manifest(name, data, kw, error) -> None:
+    g = gate(**kw)
+    with pytest.raises(error):
+        g.admit(data, NOW + 10)  # HTTP push and poll
+    with pytest.raises(error):
+        g.admit_stored(data)  # the store at restart
+    if error is not EndlessDataAttackError:  # the gossip envelope has its own size bound
+        decision = _judge(g, data)
+        assert decision.verdict is Verdict.REJECT and decision.error is error, decision.reason
+
+
+def test_news_must_be_newer_than_accepted_on_every_path() -> None:
+    g, old, new = gate(accepted=5), signed(5), signed(6)
+    with pytest.raises(RollbackAttackError, match="not newer"):
+        g.admit(old, NOW + 10)
+    assert g.admit(new, NOW + 10).version == 6
+    decision = _judge(g, old)  # genuine: forwarded (no penalty for an honest relay) ...
+    assert decision.verdict is Verdict.ACCEPT
+    assert g.fresh_inline(decision) == []  # ... but not news to keep
+    assert [m.version for m, _ in g.fresh_inline(_judge(g, new))] == [6]
+    index = [{"digest": "aa" * 32, "version": 5}, {"digest": "bb" * 32, "version": 6}]
+    assert g.wanted(index, lambda d: False) == ["bb" * 32]
+
+
+def test_the_floor_follows_the_accepted_state() -> None:
+    accepted: list[int | None] = [None]
+    g = TrustedSet(POLICY, lambda: accepted[0])
+    assert g.admit(signed(3), NOW).version == 3  # a newcomer takes any version
+    accepted[0] = 3
+    with pytest.raises(RollbackAttackError):
+        g.admit(signed(3), NOW)
+
+
+def test_expired_news_is_refused_but_a_stored_manifest_stays() -> None:
+    g, data = gate(accepted=None), signed()
+    with pytest.raises(FreezeAttackError):
+        g.admit(data, NOW + 86400)
+    assert g.admit_stored(data).version == 5  # accepted earlier: the log depends on it
+
+
+def test_a_manifest_served_under_another_digest_is_a_substitution() -> None:
+    with pytest.raises(SubstitutedManifestError, match="under digest"):
+        gate().admit(signed(6), NOW, digest="00" * 32)
+
+
+def test_index_entries_are_bounded_and_typed() -> None:
+    g = gate(accepted=None, limits=TrustLimits(max_index_entries=3))
+    index = [{"digest": f"{i:064x}", "version": i} for i in range(10)]
+    assert len(g.wanted(index, lambda d: False)) == 3
+    junk = ["x", {"digest": 1, "version": 1}, {"digest": "a" * 64, "version": True}, None]
+    assert g.wanted(junk, lambda d: False) == [] and g.wanted({"not": "a list"}, bool) == []
+    assert g.wanted(index[:2], lambda d: d == index[0]["digest"]) == [index[1]["digest"]]
+
+
+def test_node_drops_stored_manifests_the_gate_refuses_at_restart(tmp_path: Path) -> None:
+    store = Store.open(tmp_path)
+    for data in (signed(1), signed(2, key=STRANGER)):  # one genuine, one planted on disk
+        store.put_manifest(parse(data)[0], data)
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",))
+    node = Node(cfg, POLICY, Store.open(tmp_path))
+    assert [m.version for m in node.store.manifests()] == [1]
+    assert any("trust gate" in d for d in node.store.dropped)
+    assert [m.version for m in Store.open(tmp_path).manifests()] == [1]  # gone from disk too
+
+
+def test_every_refusal_is_a_manifest_error() -> None:
+    for _, data, kw, _error in AUTHENTICITY:
+        with pytest.raises(ManifestError):
+            gate(**kw).admit(data, NOW)
