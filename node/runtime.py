@@ -30,6 +30,19 @@ from p2p_sync import announce
 from p2p_sync.errors import ManifestError, RollbackAttackError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import Manifest, SwarmPolicy
+from p2p_sync.peers import (
+    PeerAction,
+    PeerAnswered,
+    PeerBanned,
+    PeerDirectory,
+    PeerEntry,
+    PeerFailed,
+    PeerLimits,
+    PeerMisbehaved,
+    PeerNamed,
+    PeerServedVerified,
+    Source,
+)
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.store import Store
 from p2p_sync.trusted import TrustedSet, TrustLimits
@@ -81,8 +94,10 @@ class Node:
     def __init__(self, cfg: NodeConfig, policy: SwarmPolicy, store: Store) -> None:
         self.cfg, self.policy, self.store = cfg, policy, store
         self.metrics = Metrics()
-        self.peers: dict[str, int] = {}  # url -> consecutive failures
-        self.banned: set[str] = set()
+        self.directory = PeerDirectory(PeerLimits(
+            max_peers=cfg.max_peers, max_unproven=cfg.max_unproven_peers,
+            max_failures=cfg.peer_max_failures, poll_fanout=cfg.poll_fanout),
+            given=frozenset(cfg.peers))  # fmt: skip
         self.url: str | None = None
         cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
         limits = HttpLimits(max_concurrent_uploads=cfg.max_concurrent_uploads,
@@ -106,6 +121,7 @@ class Node:
         limits = TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
         self.trusted = TrustedSet(policy, lambda: self.accepted_version, limits)
         self._announce_limits = limits.announce
+        self._rng = random.Random()  # poll-target sampling (the directory takes it passed in)
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
         if store.state is not None:
             self.metrics.version.set(store.state.version)
@@ -129,6 +145,7 @@ class Node:
         bound = await self.server.start(host, port)
         self.url = f"http://{self.cfg.advertise_host or host}:{bound}"
         self.client = DataClient(self.url)
+        self.directory.me = self.url
         for peer in self.cfg.peers:
             self.add_peer(peer)
         if self.cfg.p2p:
@@ -178,30 +195,37 @@ class Node:
 
     # ------------------------------------------------------------ peers
 
-    def add_peer(self, url: str) -> None:
-        if url == self.url or url in self.banned or url in self.peers:
-            return
-        if len(self.peers) < self.cfg.max_peers:
-            self.peers[url] = 0
-            self.metrics.peers.set(len(self.peers))
+    @property
+    def peers(self) -> dict[str, PeerEntry]:
+        return self.directory.known
+
+    @property
+    def banned(self) -> set[str]:
+        return self.directory.banned
+
+    def _peer_event(self, event: PeerNamed | PeerAnswered | PeerFailed | PeerServedVerified
+                    | PeerMisbehaved) -> None:  # fmt: skip
+        """Feed the sans-I/O peer directory; carry out what it says (logs, metrics)."""
+        actions: list[PeerAction] = self.directory.handle(event)
+        for a in actions:
+            if isinstance(a, PeerBanned):
+                log.warning("banned %s: %s", a.url, a.reason)
+                self.metrics.bans.inc()
+        self.metrics.peers.set(len(self.directory))
+
+    def add_peer(self, url: str, source: Source = Source.HEARSAY) -> None:
+        """Someone named a peer (unproven unless the operator gave it)."""
+        self._peer_event(PeerNamed(url, source))
 
     def ban(self, url: str, reason: str) -> None:
-        if url not in self.banned:
-            log.warning("banned %s: %s", url, reason)
-            self.banned.add(url)
-            self.metrics.bans.inc()
-        self.peers.pop(url, None)
-        self.metrics.peers.set(len(self.peers))
+        self._peer_event(PeerMisbehaved(url, reason))
+
+    def peer_served(self, url: str) -> None:
+        """``url`` served bytes that verified against a signed manifest: a proven peer."""
+        self._peer_event(PeerServedVerified(url))
 
     def usable_peers(self) -> list[str]:
-        return [p for p in self.peers if p not in self.banned]
-
-    def _peer_failed(self, url: str) -> None:
-        if url in self.peers:
-            self.peers[url] += 1
-            if self.peers[url] >= 5:  # gone for now; it comes back when it announces again
-                del self.peers[url]
-                self.metrics.peers.set(len(self.peers))
+        return self.directory.usable()
 
     # ------------------------------------------------------------ learning manifests
 
@@ -245,13 +269,14 @@ class Node:
             data = await self.client.get_bytes(f"{peer}/manifest/{digest}", limit)
             manifest = self.trusted.admit(data, time.time(), digest)
         except PeerError:
-            self._peer_failed(peer)
+            self._peer_event(PeerFailed(peer))
             return None
         except RollbackAttackError:
             return None  # stale news (we are already past it), not an attack by this peer
         except ManifestError as exc:
             self.ban(peer, f"offered a bad manifest ({exc})")
             return None
+        self.peer_served(peer)
         self.store.put_manifest(manifest, data)
         return manifest
 
@@ -366,27 +391,16 @@ class Node:
             await self.poll_once()
             await asyncio.sleep(self.cfg.poll_interval_s)
 
-    def _poll_targets(self) -> list[str]:
-        """The peers given at start, plus a random few of the rest (``poll_fanout`` in all):
-        news travels by announcement and gossip, so the poll is a fallback, and asking 64
-        peers a second each would cost the swarm thousands of requests a second."""
-        usable = self.usable_peers()
-        given = [p for p in usable if p in self.cfg.peers]
-        others = [p for p in usable if p not in self.cfg.peers]
-        room = max(self.cfg.poll_fanout - len(given), 0)
-        return given + random.sample(others, min(room, len(others)))
-
     async def poll_once(self) -> None:
         assert self.client is not None
-        peers = self._poll_targets()
+        peers = self.directory.poll_targets(self._rng)
         indexes = await gather_quietly([self.client.get_json(f"{p}/manifests") for p in peers])
         lists = await gather_quietly([self.client.get_json(f"{p}/peers") for p in peers])
         for peer, index, plist in zip(peers, indexes, lists):
             if index is None:
-                self._peer_failed(peer)
+                self._peer_event(PeerFailed(peer))
                 continue
-            if peer in self.peers:
-                self.peers[peer] = 0  # answered: reset its failure count
+            self._peer_event(PeerAnswered(peer))  # answered: reset its failure count
             for url in (plist or {}).get("peers", [])[: self.cfg.max_peers]:
                 if isinstance(url, str):
                     self.add_peer(url)
