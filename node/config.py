@@ -11,15 +11,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from p2p_sync.errors import P2PSyncError
+from p2p_sync.errors import ConfigError  # noqa: F401 (re-exported)
 from p2p_sync.transport.http import valid_peer_url
 
 ROLES = ("trainer", "rollout", "bootstrap")
 MULTIADDR = re.compile(r"^(/[A-Za-z0-9.\-_:\[\]]+)+$")
-
-
-class ConfigError(P2PSyncError):
-    """A config file or flag value is invalid (the message names the field)."""
 
 
 @dataclass(frozen=True)

@@ -49,35 +49,22 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from p2p_sync.errors import MalformedManifestError, ManifestError, WrongSwarmError
+from p2p_sync.errors import (  # the announcement errors live there; re-exported for callers
+    AnnouncementError,  # noqa: F401
+    MalformedAnnouncementError,
+    MalformedManifestError,
+    ManifestError,
+    OversizedAnnouncementError,
+    ReplayedAnnouncementError,
+    SmuggledManifestError,
+    WrongSwarmError,
+)
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import Manifest, SwarmPolicy, canonical, check_signatures, verify
 
 TYPE = "p2psync/announce"
 SPEC_VERSION = 1
 HEX = set("0123456789abcdef")
-
-
-class AnnouncementError(ManifestError):
-    """An announcement is refused. Subclasses are named after the attack they stop."""
-
-
-class MalformedAnnouncementError(AnnouncementError):
-    """Not a well-formed announcement: bad JSON, missing, unknown or mistyped fields."""
-
-
-class OversizedAnnouncementError(AnnouncementError):
-    """Bigger than the limits allow: would flood the gossip mesh (spam)."""
-
-
-class ReplayedAnnouncementError(AnnouncementError):
-    """Issued outside the accepted time window: an old announcement replayed (or a forged
-    clock) to make peers chase stale news."""
-
-
-class SmuggledManifestError(AnnouncementError):
-    """An inline manifest that the signed digest list does not name: content smuggled past
-    the signature."""
 
 
 class Verdict(enum.Enum):

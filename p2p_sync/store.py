@@ -58,14 +58,10 @@ from pathlib import Path
 
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with, fsync_dir
 from p2p_sync.chunks import chunk_hash
-from p2p_sync.errors import ManifestError, P2PSyncError
+from p2p_sync.errors import ManifestError, StoreError  # noqa: F401 (re-exported)
 from p2p_sync.manifest import SNAPSHOT, Manifest, ManifestLimits, parse
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class StoreError(P2PSyncError):
-    """The data dir cannot be used (unreadable, or its state is inconsistent)."""
 
 
 @dataclass(frozen=True)
