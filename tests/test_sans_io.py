@@ -62,3 +62,15 @@ def test_no_core_module_names_an_io_framework_or_the_node() -> None:
 def test_the_check_itself_can_fail() -> None:
     code = "import sys, asyncio; sys.exit(int('asyncio' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 1
+
+
+def test_simulations_never_import_the_node_package() -> None:
+    """node/ imports simulations/ (the simulate command, the demo's local swarm), so the
+    reverse would be a cycle: simulations drive the library, and node processes as programs."""
+    bad = {
+        f"{path.name}: {name}"
+        for path in (ROOT / "simulations").glob("*.py")
+        for name in _imports(path)
+        if name.split(".")[0] == "node"
+    }
+    assert not bad, sorted(bad)
