@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from node.config import NodeConfig
 from p2p_sync import announce
-from p2p_sync.errors import ManifestError, RollbackAttackError
+from p2p_sync.errors import LayoutSwapAttackError, ManifestError, RollbackAttackError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import Manifest, SwarmPolicy
 from p2p_sync.peers import (
@@ -119,7 +119,8 @@ class Node:
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
         limits = TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
-        self.trusted = TrustedSet(policy, lambda: self.accepted_version, limits)
+        self.trusted = TrustedSet(policy, lambda: self.accepted_version, limits,
+                                  self._accepted_layout)  # fmt: skip
         self._announce_limits = limits.announce
         self._rng = random.Random()  # poll-target sampling (the directory takes it passed in)
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
@@ -234,6 +235,12 @@ class Node:
         state = self.store.state
         return state.version if state else None
 
+    def _accepted_layout(self) -> str | None:
+        """The layout of the weights held, when the artifact that made them is known."""
+        state = self.store.state
+        m = self.store.manifest(state.manifest) if state and state.manifest else None
+        return m.layout if m else None
+
     def on_announce(self, url: str | None, digests: list[str]) -> None:
         if url is not None:
             self.add_peer(url)
@@ -271,8 +278,8 @@ class Node:
         except PeerError:
             self._peer_event(PeerFailed(peer))
             return None
-        except RollbackAttackError:
-            return None  # stale news (we are already past it), not an attack by this peer
+        except (RollbackAttackError, LayoutSwapAttackError):
+            return None  # signed news not for us (stale, other tensors): not this peer's doing
         except ManifestError as exc:
             self.ban(peer, f"offered a bad manifest ({exc})")
             return None

@@ -102,7 +102,8 @@ class EndlessDataAttackError(ManifestError):
 
 
 class LayoutSwapAttackError(ManifestError):
-    """For other tensors (names, shapes, dtypes) than this node holds: would swap the model."""
+    """For other tensors (names, shapes, dtypes) than this node holds: would swap the model.
+    Declined before any download; signed by the trainer, so its relay is not to blame."""
 
 
 class SubstitutedManifestError(ManifestError):

@@ -14,8 +14,8 @@ signature threshold       Missing/Forged...SignatureError,               everyth
 swarm id                  WrongSwarmError                               everything
 limits                    EndlessDataAttackError                        everything
 expiry                    FreezeAttackError                             news (not the store)
-layout (when pinned)      LayoutSwapAttackError                         everything
 newer than accepted       RollbackAttackError                           news (not the store)
+layout of accepted state  LayoutSwapAttackError                         news (not the store)
 offered digest            SubstitutedManifestError                      fetched by digest
 ========================  ============================================  =====================
 
@@ -23,9 +23,16 @@ offered digest            SubstitutedManifestError                      fetched 
 restart its manifests are checked for authenticity (a data dir copied from another swarm, or
 edited on disk, is not believed) but not for expiry or rollback (the log depends on them).
 
-The gate holds no copy of the accepted version: it reads it through ``accepted`` (the node's
-store state), so it can never disagree with what the weights hold. Sans-I/O: bytes and the
-caller's clock in, typed manifests or a named exception out.
+Rollback and layout are judged apart from authenticity: a genuine manifest that is stale, or
+made for other tensors than the ones this node holds (weights are applied in place, so a
+node can never switch layouts), is not news for this node, but the peer that relayed it did
+nothing wrong (the trainer signed it). So gossip validation (:meth:`judge`) forwards it, and
+a node does not ban the peer that offered it; it only declines it, before downloading a byte.
+
+The gate holds no copy of the accepted state: it reads the version and layout through
+``accepted`` and ``layout`` (the node's store), so it can never disagree with what the
+weights hold. Sans-I/O: bytes and the caller's clock in, typed manifests or a named exception
+out.
 """
 
 from __future__ import annotations
@@ -69,10 +76,10 @@ class TrustedSet:
         policy: SwarmPolicy,
         accepted: Callable[[], int | None] = lambda: None,
         limits: TrustLimits = TrustLimits(),
-        layout: str | None = None,
+        layout: Callable[[], str | None] = lambda: None,
     ) -> None:
-        self.policy, self.limits, self.layout = policy, limits, layout
-        self._accepted = accepted
+        self.policy, self.limits = policy, limits
+        self._accepted, self._layout = accepted, layout
 
     @property
     def accepted_version(self) -> int | None:
@@ -92,26 +99,31 @@ class TrustedSet:
                 f"version {m.version} is not newer than accepted version {self.accepted_version}"
             )
 
-    def _check_layout(self, m: Manifest) -> None:
-        if self.layout is not None and m.layout != self.layout:
+    def fits_layout(self, m: Manifest) -> bool:
+        """Whether ``m`` is for the tensors this node holds (any, while it holds none)."""
+        held = self._layout()
+        return held is None or m.layout == held
+
+    def check_news(self, m: Manifest) -> None:
+        """Whether an authentic manifest is news for this node: newer, and for its tensors."""
+        self.check_newer(m)
+        if not self.fits_layout(m):
             raise LayoutSwapAttackError(
-                f"manifest layout {m.layout[:16]} is not this node's {self.layout[:16]}"
+                f"manifest layout {m.layout[:16]} is not this node's {self._layout()}"
             )
 
     # ------------------------------------------------------------ manifests
 
     def authentic(self, data: bytes, now: float) -> Manifest:
         """Everything true of a manifest whatever this node holds: signatures, swarm, limits,
-        expiry, layout. Pure, so it may run in another thread (gossip validation)."""
-        m = verify(data, self.policy, now, None, self.limits.manifest)
-        self._check_layout(m)
-        return m
+        expiry. Pure, so it may run in another thread (gossip validation)."""
+        return verify(data, self.policy, now, None, self.limits.manifest)
 
     def admit(self, data: bytes, now: float, digest: str | None = None) -> Manifest:
-        """A manifest offered as news (HTTP push or poll): authentic, newer than accepted, and
-        the one asked for (``digest``)."""
+        """A manifest offered as news (HTTP push or poll): authentic, newer than accepted, for
+        this node's tensors, and the one asked for (``digest``)."""
         m = self.authentic(data, now)
-        self.check_newer(m)
+        self.check_news(m)
         if digest is not None and m.digest != digest:
             raise SubstitutedManifestError(
                 f"served manifest {m.digest[:16]} under digest {digest[:16]}"
@@ -120,14 +132,13 @@ class TrustedSet:
 
     def admit_stored(self, data: bytes) -> Manifest:
         """A manifest read back from this node's store at restart: accepted before, so not
-        judged on expiry or version, but its signatures, swarm, limits and layout must hold."""
+        judged on expiry, version or layout, but its signatures, swarm and limits must hold."""
         limits = self.limits.manifest
         m, sigs = parse(data, replace(limits, max_manifest_bytes=len(data)))
         check_signatures(m, sigs, self.policy)
         if m.swarm != self.policy.swarm_id:
             raise WrongSwarmError(f"stored manifest is for swarm {m.swarm[:16]}")
         check_limits(m, limits)
-        self._check_layout(m)
         return m
 
     def newer(self, manifests: Iterable[Manifest], than: int | None) -> list[Manifest]:
@@ -146,7 +157,11 @@ class TrustedSet:
 
     def fresh_inline(self, decision: announce.Decision) -> list[tuple[Manifest, bytes]]:
         """The inline manifests of an accepted announcement that are news to this node."""
-        return [(m, raw) for m, raw in decision.manifests if self.is_newer(m.version)]
+        return [
+            (m, raw)
+            for m, raw in decision.manifests
+            if self.is_newer(m.version) and self.fits_layout(m)
+        ]
 
     def wanted(self, index: Any, known: Callable[[str], bool]) -> list[str]:
         """Digests in a peer's (untrusted) ``/manifests`` index worth fetching: well-formed,

@@ -4,6 +4,7 @@ python-tuf's ngclient tests)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -62,7 +63,6 @@ AUTHENTICITY = [
     ("other swarm", signed(swarm=OTHER_SWARM.swarm_id), {}, WrongSwarmError),
     ("endless data", signed(), {"limits": TrustLimits(ManifestLimits(max_payload_size=1000))},
      EndlessDataAttackError),
-    ("layout swap", signed(layout="ef" * 16), {"layout": LAYOUT}, LayoutSwapAttackError),
 ]  # fmt: skip
 
 
@@ -101,6 +101,17 @@ def test_news_must_be_newer_than_accepted_on_every_path() -> None:
     assert [m.version for m, _ in g.fresh_inline(_judge(g, new))] == [6]
     index = [{"digest": "aa" * 32, "version": 5}, {"digest": "bb" * 32, "version": 6}]
     assert g.wanted(index, lambda d: False) == ["bb" * 32]
+
+
+def test_news_for_other_tensors_is_declined_but_its_relay_not_blamed() -> None:
+    g, swapped = gate(layout=lambda: LAYOUT), signed(6, layout="ef" * 16)
+    with pytest.raises(LayoutSwapAttackError, match="layout"):
+        g.admit(swapped, NOW)
+    assert g.admit(signed(6), NOW).layout == LAYOUT
+    decision = _judge(g, swapped)  # signed by the trainer: forwarded, not penalized ...
+    assert decision.verdict is Verdict.ACCEPT and g.fresh_inline(decision) == []  # ... not kept
+    assert g.admit_stored(swapped).version == 6  # accepted earlier: not judged again
+    assert gate(layout=lambda: None).admit(swapped, NOW).version == 6  # a newcomer takes any
 
 
 def test_the_floor_follows_the_accepted_state() -> None:
@@ -148,3 +159,32 @@ def test_every_refusal_is_a_manifest_error() -> None:
     for _, data, kw, _error in AUTHENTICITY:
         with pytest.raises(ManifestError):
             gate(**kw).admit(data, NOW)
+
+
+async def _learn_from(tmp_path: Path) -> tuple[list[int], list[int], set[str]]:
+    def node(name: str) -> Node:
+        cfg = NodeConfig(role="rollout", data_dir=tmp_path / name, trust=("x",), p2p=False,
+                         poll_interval_s=60)  # fmt: skip
+        return Node(cfg, POLICY, Store.open(cfg.data_dir))
+
+    seed, rollout = node("seed"), node("rollout")
+    held, swapped, good = signed(1), signed(2, layout="ef" * 16), signed(3)
+    for data in (swapped, good):
+        seed.store.put_manifest(parse(data)[0], data)
+    m1 = parse(held)[0]
+    rollout.store.put_manifest(m1, held)
+    rollout.store.record(1, m1.target_state, m1.digest)  # the weights it holds: v1, LAYOUT
+    url = await seed.start()
+    await rollout.start()
+    try:
+        first = await rollout.learn(url, [parse(swapped)[0].digest])
+        second = await rollout.learn(url, [parse(good)[0].digest])
+    finally:
+        await rollout.stop()
+        await seed.stop()
+    return [m.version for m in first], [m.version for m in second], rollout.banned
+
+
+def test_a_node_declines_news_for_other_tensors_and_keeps_the_relay(tmp_path: Path) -> None:
+    first, second, banned = asyncio.run(_learn_from(tmp_path))
+    assert first == [] and second == [3] and banned == set()
