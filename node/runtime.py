@@ -222,7 +222,7 @@ class Node:
         self._peer_event(PeerMisbehaved(url, reason))
 
     def peer_served(self, url: str) -> None:
-        """``url`` served bytes that verified against a signed manifest: a proven peer."""
+        """``url`` served a chunk that verified against its signed manifest: a proven peer."""
         self._peer_event(PeerServedVerified(url))
 
     def usable_peers(self) -> list[str]:
@@ -283,7 +283,7 @@ class Node:
         except ManifestError as exc:
             self.ban(peer, f"offered a bad manifest ({exc})")
             return None
-        self.peer_served(peer)
+        self._peer_event(PeerAnswered(peer))  # reachable; proven only by chunks it serves
         self.store.put_manifest(manifest, data)
         return manifest
 

@@ -7,9 +7,10 @@ carries out the actions (logging, metrics).
 Why two kinds of peer: anyone can name a URL to a node (the ``X-P2PSync-Peer`` header on any
 request, a ``/peers`` list, the ``url`` of an HTTP announcement), so a hostile client could
 fill the table with URLs that lead nowhere, or only to its own nodes (an eclipse attack), and
-push out the peers that serve real data. So a peer is *unproven* until it serves bytes that
-verify against a signed manifest (a chunk, or a manifest that passes the trusted gate); then
-it is *proven*. Peers given in the config (``--peers``) are trusted by the operator.
+push out the peers that serve real data. So a peer is *unproven* until it serves a chunk that
+verifies against its signed manifest; then it is *proven*. (A manifest proves nothing: it is
+a few hundred bytes anyone can relay; a chunk is upload the swarm needed.) Peers given in the
+config (``--peers``) are trusted by the operator.
 
 * Unproven peers hold at most ``max_unproven`` of the ``max_peers`` slots. When those slots
   are full, a newcomer takes the place of an unproven peer that has failed at least once (a
@@ -73,7 +74,7 @@ class PeerFailed:
 
 @dataclass(frozen=True)
 class PeerServedVerified:
-    """``url`` served bytes that verified against a signed manifest: it is proven."""
+    """``url`` served a chunk that verified against its signed manifest: it is proven."""
 
     url: str
 

@@ -186,15 +186,21 @@ async def _flooded_swarm(tmp_path: Path) -> tuple[bool, int, bytes, bytes]:
     await rollout.start()
     try:
         rollout.add_peer(seed_url)  # hearsay at first ...
-        await rollout.learn(seed_url, [m1.digest])  # ... proven by a manifest that verified
+        await rollout.learn(seed_url, [m1.digest])
+        assert rollout.directory.unproven() == [seed_url]  # (a manifest proves nothing)
+        await asyncio.wait_for(fetch_payload(rollout, m1), 30)  # ... proven by its chunks
+        assert rollout.directory.unproven() == []
         await _flood(rollout.url)
         survived = seed_url in rollout.peers
         unproven = len(rollout.directory.unproven())
+        flood = asyncio.create_task(_flood(rollout.url))  # and it goes on while v2 spreads
         m2, payload = _publish(seed, key, 2)
         await seed.announce([m2.digest])  # the push path: the seed learned the rollout's URL
         await asyncio.wait_for(_until_stored(rollout, m2.digest), 30)
         await asyncio.wait_for(fetch_payload(rollout, m2), 30)
         got = bytes(rollout.store.payload(m2) or b"")
+        await asyncio.wait_for(flood, 60)
+        survived = survived and seed_url in rollout.peers
     finally:
         await rollout.stop()
         await seed.stop()
