@@ -42,7 +42,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simulations.localswarm import Proc, Swarm, wait_for  # noqa: E402
+from node.localswarm import Proc, Swarm, wait_for  # noqa: E402
 from p2p_sync.keys import SigningKey, write_keypair  # noqa: E402
 from p2p_sync.weights_io import save_weights  # noqa: E402
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file
 
-from simulations.localswarm import Proc, Swarm, get_json
+from node.localswarm import Proc, Swarm, get_json
 from p2p_sync.tensors import state_hash
 from p2p_sync.workloads import Workload, parameter_count
 

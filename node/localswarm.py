@@ -1,7 +1,7 @@
-"""Moved to ``simulations.localswarm`` (issue 13: node/ and simulations/ imported each other).
-
-Kept as an alias so code written against the old path still imports; new code imports
-``simulations.localswarm``. The dependency runs one way only: node -> simulations.
+"""Alias of ``simulations.localswarm``, where the harness now lives (issue 13: node/ and
+simulations/ imported each other). The dependency runs one way only, node -> simulations, so
+the demo, the tests and the benchmarks may keep importing this path; ``simulations`` itself
+must use ``simulations.localswarm``.
 """
 
 from simulations.localswarm import (  # noqa: F401 (re-exported)

@@ -88,9 +88,9 @@ class TrustedSet:
 
     # ------------------------------------------------------------ single checks
 
-    def is_newer(self, version: int, than: int | None = None) -> bool:
-        """Whether ``version`` is past ``than`` (default: the accepted version)."""
-        floor = self.accepted_version if than is None else than
+    def is_newer(self, version: int) -> bool:
+        """Whether ``version`` is past the accepted one (never roll back)."""
+        floor = self.accepted_version
         return floor is None or version > floor
 
     def check_newer(self, m: Manifest) -> None:

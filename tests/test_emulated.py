@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.localswarm import wait_for
+from node.localswarm import wait_for
 from simulations.emulated import EmulationConfig, run_in, table
 from simulations.netns import (
     PREFIX_ROOT,

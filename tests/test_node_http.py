@@ -15,7 +15,7 @@ import pytest
 
 from node.cli import main
 from node.config import ConfigError, NodeConfig, load
-from simulations.localswarm import ROOT
+from node.localswarm import ROOT
 from node.runtime import Node
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from node.cli import main
-from simulations.localswarm import Proc, Swarm, wait_for
+from node.localswarm import Proc, Swarm, wait_for
 from p2p_sync.announce import Announcement, Decision, Verdict, topic
 from p2p_sync.manifest import canonical
 from p2p_sync.tensors import state_hash

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from simulations.localswarm import ROOT, Swarm, get_json, wait_for
+from node.localswarm import ROOT, Swarm, get_json, wait_for
 from p2p_sync.tensors import state_hash
 from p2p_sync.workloads import Workload
 from tests.helpers import bit_equal
