@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,11 @@ AUTHENTICITY = [
 ]  # fmt: skip
 
 
-def _judge(g: TrustedSet, raw: bytes) -> announce.Decision:
+def _judge(g: TrustedSet, raw: bytes, now: int = NOW) -> announce.Decision:
     m = json.loads(raw)["signed"]
     digest = manifest_digest(raw)
-    a = Announcement(POLICY.swarm_id, m["version"], (digest,), NOW * 1000)
-    return g.judge(announce.encode(a, [TRAINER], [raw]), NOW * 1000, lambda d: False)
+    a = Announcement(POLICY.swarm_id, m["version"], (digest,), now * 1000)  # a fresh message
+    return g.judge(announce.encode(a, [TRAINER], [raw]), now * 1000, lambda d: False)
 
 
 def manifest_digest(raw: bytes) -> str:
@@ -127,6 +128,8 @@ def test_expired_news_is_refused_but_a_stored_manifest_stays() -> None:
     g, data = gate(accepted=None), signed()
     with pytest.raises(FreezeAttackError):
         g.admit(data, NOW + 86400)
+    decision = _judge(g, data, now=NOW + 86400)  # a fresh announcement carrying it: same gate
+    assert decision.verdict is Verdict.REJECT and decision.error is FreezeAttackError
     assert g.admit_stored(data).version == 5  # accepted earlier: the log depends on it
 
 
@@ -188,3 +191,26 @@ async def _learn_from(tmp_path: Path) -> tuple[list[int], list[int], set[str]]:
 def test_a_node_declines_news_for_other_tensors_and_keeps_the_relay(tmp_path: Path) -> None:
     first, second, banned = asyncio.run(_learn_from(tmp_path))
     assert first == [] and second == [3] and banned == set()
+
+
+def test_gossip_stores_only_inline_manifests_that_are_news(tmp_path: Path) -> None:
+    """The node's gossip path goes through the gate: a genuine but stale inline manifest is
+    judged ACCEPT (forwarded) and not kept; a newer one is kept."""
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), p2p=False)
+    node = Node(cfg, POLICY, Store.open(tmp_path))
+    held = signed(5)
+    node.store.put_manifest(parse(held)[0], held)
+    node.store.record(5, parse(held)[0].target_state, parse(held)[0].digest)
+    stale, new = signed(4), signed(6)
+
+    async def hear(raw: bytes) -> bool:
+        m = parse(raw)[0]
+        a = Announcement(POLICY.swarm_id, m.version, (m.digest,), int(time.time() * 1000))
+        decision = node._judge(announce.encode(a, [TRAINER], [raw]), lambda d: False)
+        assert decision.verdict is Verdict.ACCEPT, decision.reason
+        node._on_gossip(decision, None, a.issued_ms)
+        await node.stop()  # settles the relay task it may have spawned
+        return node.store.has_manifest(m.digest)
+
+    assert asyncio.run(hear(stale)) is False
+    assert asyncio.run(hear(new)) is True
