@@ -88,16 +88,27 @@ class Metrics:
         self.version.set(-1)
 
 
+def _peer_directory(cfg: NodeConfig) -> PeerDirectory:
+    limits = PeerLimits(
+        max_peers=cfg.max_peers,
+        max_unproven=cfg.max_unproven_peers,
+        max_failures=cfg.peer_max_failures,
+        poll_fanout=cfg.poll_fanout,
+    )
+    return PeerDirectory(limits, given=frozenset(cfg.peers))
+
+
+def _trust_limits(cfg: NodeConfig) -> TrustLimits:
+    return TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
+
+
 class Node:
     """Shared machinery of trainer and rollout nodes (implements the data plane's NodeView)."""
 
     def __init__(self, cfg: NodeConfig, policy: SwarmPolicy, store: Store) -> None:
         self.cfg, self.policy, self.store = cfg, policy, store
         self.metrics = Metrics()
-        self.directory = PeerDirectory(PeerLimits(
-            max_peers=cfg.max_peers, max_unproven=cfg.max_unproven_peers,
-            max_failures=cfg.peer_max_failures, poll_fanout=cfg.poll_fanout),
-            given=frozenset(cfg.peers))  # fmt: skip
+        self.directory = _peer_directory(cfg)
         self.url: str | None = None
         cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
         limits = HttpLimits(max_concurrent_uploads=cfg.max_concurrent_uploads,
@@ -118,26 +129,14 @@ class Node:
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
-        limits = TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
-        self.trusted = TrustedSet(policy, lambda: self.accepted_version, limits,
+        self.trusted = TrustedSet(policy, lambda: self.accepted_version, _trust_limits(cfg),
                                   self._accepted_layout)  # fmt: skip
-        self._announce_limits = limits.announce
         self._rng = random.Random()  # poll-target sampling (the directory takes it passed in)
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
         if store.state is not None:
             self.metrics.version.set(store.state.version)
-        self._vet_store()
-
-    def _vet_store(self) -> None:
-        """The store on restart passes the same gate as news (authenticity only: what it holds
-        was accepted before): a data dir from another swarm, or edited on disk, is not believed."""
-        for m in self.store.manifests():
-            data = self.store.manifest_bytes(m.digest)
-            try:
-                self.trusted.admit_stored(data or b"")
-            except ManifestError as exc:
-                log.warning("dropped stored manifest %s: %s", m.digest[:16], exc)
-                self.store.drop_manifest(m.digest, f"refused by the trust gate ({exc})")
+        for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
+            log.warning("dropped stored manifest %s: %s", digest[:16], why)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -200,10 +199,6 @@ class Node:
     def peers(self) -> dict[str, PeerEntry]:
         return self.directory.known
 
-    @property
-    def banned(self) -> set[str]:
-        return self.directory.banned
-
     def _peer_event(self, event: PeerNamed | PeerAnswered | PeerFailed | PeerServedVerified
                     | PeerMisbehaved) -> None:  # fmt: skip
         """Feed the sans-I/O peer directory; carry out what it says (logs, metrics)."""
@@ -244,7 +239,7 @@ class Node:
     def on_announce(self, url: str | None, digests: list[str]) -> None:
         if url is not None:
             self.add_peer(url)
-        source = url if url is not None and url not in self.banned else None
+        source = url if url is not None and url not in self.directory.banned else None
         if source is not None:
             fresh = [d for d in digests if not self.store.has_manifest(d)]
             if fresh:
@@ -312,9 +307,9 @@ class Node:
             if m is not None:
                 by_version.setdefault(m.version, []).append(digest)
         for version, group in sorted(by_version.items()):
-            for start in range(0, len(group), self._announce_limits.max_digests):
+            for start in range(0, len(group), self.trusted.limits.announce.max_digests):
                 await self._gossip_one(
-                    version, group[start : start + self._announce_limits.max_digests]
+                    version, group[start : start + self.trusted.limits.announce.max_digests]
                 )
 
     async def _gossip_one(self, version: int, digests: list[str]) -> None:
@@ -325,7 +320,7 @@ class Node:
         a = announce.Announcement(self.policy.swarm_id, version, tuple(digests),
                                   int(time.time() * 1000), (self.url,))  # fmt: skip
         inline = [b for b in map(self.store.manifest_bytes, digests) if b is not None]
-        data = announce.encode(a, [self.signer], inline, self._announce_limits)
+        data = announce.encode(a, [self.signer], inline, self.trusted.limits.announce)
         try:
             await self.p2p.publish(data)
         except Exception as exc:  # gossip is best effort: the pull path still covers peers
@@ -364,7 +359,8 @@ class Node:
         inline = {m.digest for m, _ in decision.manifests}
         missing = [d for d in a.digests if d not in inline and not self.store.has_manifest(d)]
         if missing:  # too big to ride inline: fetch by digest, from the sender or a source
-            peers = [p for p in dict.fromkeys([sender, *a.sources]) if p and p not in self.banned]
+            banned = self.directory.banned
+            peers = [p for p in dict.fromkeys([sender, *a.sources]) if p and p not in banned]
             self._spawn(self._learn_any(peers, missing))
 
     async def _learn_any(self, peers: list[str], digests: list[str]) -> None:
@@ -478,7 +474,7 @@ class Node:
             "version": state.version if state else None,
             "state_hash": state.state_hash if state else None,
             "peers": self.peer_urls(),
-            "banned": sorted(self.banned),
+            "banned": sorted(self.directory.banned),
             "bytes_uploaded": self.bytes_uploaded,
             "bytes_downloaded": self.bytes_downloaded,
             "manifests": self.store.manifest_count(),

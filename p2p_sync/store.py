@@ -39,10 +39,11 @@ are verified when loaded (against the signed state hash), not on open: opening s
 the model size. Recently stored or served chunks are kept, verified, in a bounded in-memory
 LRU (``memory_cache_bytes``), so relaying costs no disk read.
 
-The store trusts its caller to have verified manifests (``manifest.verify``) and chunks
-(``chunks.verify_chunk``) before putting them; it re-parses manifests on open but does not
-re-check signatures. One owner: a node's store is used from the event loop's thread (and
-read-only ``payload`` calls from a worker while that thread waits for it).
+The store trusts its caller to have verified manifests (``trusted.TrustedSet``) and chunks
+(``chunks.verify_chunk``) before putting them; it re-parses manifests on open, and its owner
+re-checks their signatures through the same gate (``drop_refused``). One owner: a node's
+store is used from the event loop's thread (and read-only ``payload`` calls from a worker
+while that thread waits for it).
 """
 
 from __future__ import annotations
@@ -329,11 +330,20 @@ class Store:
             if (manifest.digest, i) not in where:
                 where.append((manifest.digest, i))
 
-    def drop_manifest(self, digest: str, why: str) -> None:
-        """Forget a manifest and its pack: the owner's trust gate (``TrustedSet.admit_stored``)
-        refused it at restart, so nothing it names may be served or applied."""
-        if digest not in self._manifests:
-            return
+    def drop_refused(self, admit: Callable[[bytes], object]) -> list[tuple[str, str]]:
+        """Forget every manifest (and its pack) that ``admit`` refuses by raising ManifestError:
+        the owner's trust gate (``TrustedSet.admit_stored``) at restart, as the store cannot
+        check signatures itself. Returns (digest, why) of each one dropped."""
+        dropped = []
+        for digest, (_, data) in list(self._manifests.items()):
+            try:
+                admit(data)
+            except ManifestError as exc:
+                self._drop_manifest(digest, f"refused by the trust gate ({exc})")
+                dropped.append((digest, str(exc)))
+        return dropped
+
+    def _drop_manifest(self, digest: str, why: str) -> None:
         if self.pack_path(digest).exists():
             self._drop(self.pack_path(digest), why)
         manifest, _ = self._manifests.pop(digest)

@@ -149,12 +149,16 @@ def test_index_entries_are_bounded_and_typed() -> None:
 
 def test_node_drops_stored_manifests_the_gate_refuses_at_restart(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
-    for data in (signed(1), signed(2, key=STRANGER)):  # one genuine, one planted on disk
+    planted = parse(signed(2, key=STRANGER, size=20_000))[0]
+    for data in (signed(1), signed(2, key=STRANGER, size=20_000)):  # genuine, and planted
         store.put_manifest(parse(data)[0], data)
+    store.put_payload(planted, bytes([2]) * 20_000)
     cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",))
     node = Node(cfg, POLICY, Store.open(tmp_path))
     assert [m.version for m in node.store.manifests()] == [1]
     assert any("trust gate" in d for d in node.store.dropped)
+    assert node.store.get_chunk(planted.chunks[0]) is None  # nothing it names is served
+    assert not node.store.pack_path(planted.digest).exists()
     assert [m.version for m in Store.open(tmp_path).manifests()] == [1]  # gone from disk too
 
 
@@ -185,7 +189,7 @@ async def _learn_from(tmp_path: Path) -> tuple[list[int], list[int], set[str]]:
     finally:
         await rollout.stop()
         await seed.stop()
-    return [m.version for m in first], [m.version for m in second], rollout.banned
+    return [m.version for m in first], [m.version for m in second], rollout.directory.banned
 
 
 def test_a_node_declines_news_for_other_tensors_and_keeps_the_relay(tmp_path: Path) -> None:
