@@ -55,6 +55,7 @@ from p2p_sync.transport.http import (
 )
 
 log = logging.getLogger("p2psync.node")
+_SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
 
 
 def warm_codec() -> None:
@@ -131,10 +132,8 @@ class Node:
         self._started_at = store.state.version if store.state else None  # version at start
         self.trusted = TrustedSet(policy, lambda: self.accepted_version, _trust_limits(cfg),
                                   self._accepted_layout)  # fmt: skip
-        self._rng = random.Random()  # poll-target sampling (the directory takes it passed in)
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
-        if store.state is not None:
-            self.metrics.version.set(store.state.version)
+        self.metrics.version.set(store.state.version if store.state else -1)
         for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
             log.warning("dropped stored manifest %s: %s", digest[:16], why)
 
@@ -396,7 +395,7 @@ class Node:
 
     async def poll_once(self) -> None:
         assert self.client is not None
-        peers = self.directory.poll_targets(self._rng)
+        peers = self.directory.poll_targets(_SAMPLER)
         indexes = await gather_quietly([self.client.get_json(f"{p}/manifests") for p in peers])
         lists = await gather_quietly([self.client.get_json(f"{p}/peers") for p in peers])
         for peer, index, plist in zip(peers, indexes, lists):
