@@ -8,15 +8,15 @@ at restart is judged by the same rules, in one order:
 ========================  ============================================  =====================
 check                     refused with (named after the attack)         applies to
 ========================  ============================================  =====================
-size, parse               EndlessDataAttackError, Malformed...Error      everything
-signature threshold       Missing/Forged...SignatureError,               everything
+size, parse               EndlessDataAttackError, Malformed...Error     everything
+signature threshold       Missing/Forged...SignatureError,              everything
                           UntrustedSignerError
 swarm id                  WrongSwarmError                               everything
 limits                    EndlessDataAttackError                        everything
 expiry                    FreezeAttackError                             news (not the store)
+offered digest            SubstitutedManifestError                      fetched by digest
 newer than accepted       RollbackAttackError                           news (not the store)
 layout of accepted state  LayoutSwapAttackError                         news (not the store)
-offered digest            SubstitutedManifestError                      fetched by digest
 ========================  ============================================  =====================
 
 "News" is what a peer offers now; the store holds what this node accepted earlier, so at
@@ -120,14 +120,15 @@ class TrustedSet:
         return verify(data, self.policy, now, None, self.limits.manifest)
 
     def admit(self, data: bytes, now: float, digest: str | None = None) -> Manifest:
-        """A manifest offered as news (HTTP push or poll): authentic, newer than accepted, for
-        this node's tensors, and the one asked for (``digest``)."""
+        """A manifest offered as news (HTTP push or poll): authentic, the one asked for
+        (``digest``; checked before news, as serving another one is the peer's doing even when
+        that one is stale), newer than accepted and for this node's tensors."""
         m = self.authentic(data, now)
-        self.check_news(m)
         if digest is not None and m.digest != digest:
             raise SubstitutedManifestError(
                 f"served manifest {m.digest[:16]} under digest {digest[:16]}"
             )
+        self.check_news(m)
         return m
 
     def admit_stored(self, data: bytes) -> Manifest:

@@ -136,6 +136,8 @@ def test_expired_news_is_refused_but_a_stored_manifest_stays() -> None:
 def test_a_manifest_served_under_another_digest_is_a_substitution() -> None:
     with pytest.raises(SubstitutedManifestError, match="under digest"):
         gate().admit(signed(6), NOW, digest="00" * 32)
+    with pytest.raises(SubstitutedManifestError):  # even a stale one: the peer swapped it
+        gate(accepted=9).admit(signed(6), NOW, digest="00" * 32)
 
 
 def test_index_entries_are_bounded_and_typed() -> None:
