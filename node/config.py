@@ -11,15 +11,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from p2p_sync.errors import P2PSyncError
+from p2p_sync.errors import ConfigError  # noqa: F401 (re-exported)
 from p2p_sync.transport.http import valid_peer_url
 
 ROLES = ("trainer", "rollout", "bootstrap")
 MULTIADDR = re.compile(r"^(/[A-Za-z0-9.\-_:\[\]]+)+$")
-
-
-class ConfigError(P2PSyncError):
-    """A config file or flag value is invalid (the message names the field)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +45,8 @@ class NodeConfig:
     poll_fanout: int = 8  # peers asked per poll round (the --peers given, then random others)
     have_poll_s: float = 0.2
     max_peers: int = 64
+    max_unproven_peers: int = 32  # of max_peers: slots for peers not yet proven by verified bytes
+    peer_max_failures: int = 5  # failures in a row before a peer is dropped (until named again)
     store_max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
     reseed_after_s: float = 2.0
     progress: bool = False
@@ -126,7 +124,8 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
     for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
                  "max_concurrent_uploads", "upload_queue", "seed_outstanding",
-                 "poll_fanout", "checkpoint_every"):  # fmt: skip
+                 "poll_fanout", "checkpoint_every", "max_peers", "max_unproven_peers",
+                 "peer_max_failures"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise bad(name, "must be >= 1")
     if not cfg.store_max_gb > 0:

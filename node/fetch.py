@@ -76,6 +76,7 @@ class Download:
             return
         # inline: a 256 KiB page-cache write (~0.25 ms) beats a thread hop under a busy loop
         self.node.store.put_chunk(data, self.m.chunks[index])
+        self.node.peer_served(peer)
         self.node.notify_have()
         self.node.count_download(len(data))
         if self.on_chunk is not None:

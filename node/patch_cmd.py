@@ -12,17 +12,13 @@ from rich.table import Table
 
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
-from p2p_sync.errors import BaseMismatchError, P2PSyncError
+from p2p_sync.errors import BaseMismatchError, CommandError  # noqa: F401 (re-exported)
 from p2p_sync.patch import apply, diff
 from p2p_sync.statehash import state_hash
 from p2p_sync.weights_io import load_weights, save_weights
 
 CODINGS = {codec.UNCHANGED: "unchanged", codec.SPARSE: "sparse", codec.DENSE: "dense",
            codec.CLASSED: "sparse-by-exponent"}
-
-
-class CommandError(P2PSyncError):
-    """A command cannot run as asked (bad file, bad argument)."""
 
 
 def pick_device(name: str) -> str:

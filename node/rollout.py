@@ -120,11 +120,8 @@ class Follower:
     def _plan(self) -> list[Manifest]:
         by_digest = {m.digest: m for m in self.node.store.manifests()}
         start = self.planned
-        arts = [
-            artifact(m)
-            for m in by_digest.values()
-            if (start.version is None or m.version > start.version) and m.digest not in self.refused
-        ]
+        newer = self.node.trusted.newer(by_digest.values(), start.version)
+        arts = [artifact(m) for m in newer if m.digest not in self.refused]
         try:
             return [by_digest[a.ident] for a in plan(start, arts)]
         except NoPathError:

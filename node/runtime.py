@@ -27,9 +27,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from node.config import NodeConfig
 from p2p_sync import announce
-from p2p_sync.errors import ManifestError, RollbackAttackError
+from p2p_sync.errors import LayoutSwapAttackError, ManifestError, RollbackAttackError
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import Manifest, SwarmPolicy, verify
+from p2p_sync.manifest import Manifest, SwarmPolicy
+from p2p_sync.peers import (
+    PeerAction,
+    PeerAnswered,
+    PeerBanned,
+    PeerDirectory,
+    PeerEntry,
+    PeerEvent,
+    PeerFailed,
+    PeerLimits,
+    PeerMisbehaved,
+    PeerNamed,
+    PeerServedVerified,
+    Source,
+)
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.store import Store
 from p2p_sync.transport.http import (
@@ -39,8 +53,10 @@ from p2p_sync.transport.http import (
     PeerError,
     gather_quietly,
 )
+from p2p_sync.trusted import TrustedSet, TrustLimits
 
 log = logging.getLogger("p2psync.node")
+_SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
 
 
 def warm_codec() -> None:
@@ -74,14 +90,27 @@ class Metrics:
         self.version.set(-1)
 
 
+def _peer_directory(cfg: NodeConfig) -> PeerDirectory:
+    limits = PeerLimits(
+        max_peers=cfg.max_peers,
+        max_unproven=cfg.max_unproven_peers,
+        max_failures=cfg.peer_max_failures,
+        poll_fanout=cfg.poll_fanout,
+    )
+    return PeerDirectory(limits, given=frozenset(cfg.peers))
+
+
+def _trust_limits(cfg: NodeConfig) -> TrustLimits:
+    return TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
+
+
 class Node:
     """Shared machinery of trainer and rollout nodes (implements the data plane's NodeView)."""
 
     def __init__(self, cfg: NodeConfig, policy: SwarmPolicy, store: Store) -> None:
         self.cfg, self.policy, self.store = cfg, policy, store
         self.metrics = Metrics()
-        self.peers: dict[str, int] = {}  # url -> consecutive failures
-        self.banned: set[str] = set()
+        self.directory = _peer_directory(cfg)
         self.url: str | None = None
         cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
         limits = HttpLimits(max_concurrent_uploads=cfg.max_concurrent_uploads,
@@ -102,10 +131,12 @@ class Node:
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
-        self._announce_limits = announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s)
+        self.trusted = TrustedSet(policy, lambda: self.accepted_version, _trust_limits(cfg),
+                                  self._accepted_layout)  # fmt: skip
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
-        if store.state is not None:
-            self.metrics.version.set(store.state.version)
+        self.metrics.version.set(store.state.version if store.state else -1)
+        for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
+            log.warning("dropped stored manifest %s: %s", digest[:16], why)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -114,6 +145,7 @@ class Node:
         bound = await self.server.start(host, port)
         self.url = f"http://{self.cfg.advertise_host or host}:{bound}"
         self.client = DataClient(self.url)
+        self.directory.me = self.url
         for peer in self.cfg.peers:
             self.add_peer(peer)
         if self.cfg.p2p:
@@ -163,41 +195,52 @@ class Node:
 
     # ------------------------------------------------------------ peers
 
-    def add_peer(self, url: str) -> None:
-        if url == self.url or url in self.banned or url in self.peers:
-            return
-        if len(self.peers) < self.cfg.max_peers:
-            self.peers[url] = 0
-            self.metrics.peers.set(len(self.peers))
+    @property
+    def peers(self) -> dict[str, PeerEntry]:
+        return self.directory.known
+
+    def _peer_event(self, event: PeerEvent) -> None:
+        """Feed the sans-I/O peer directory; carry out what it says (logs, metrics). Runs on
+        every request that names its sender, so a known peer costs a dict lookup, no more."""
+        actions: list[PeerAction] = self.directory.handle(event)
+        for a in actions:
+            if isinstance(a, PeerBanned):
+                log.warning("banned %s: %s", a.url, a.reason)
+                self.metrics.bans.inc()
+        if actions:
+            self.metrics.peers.set(len(self.directory))
+
+    def add_peer(self, url: str, source: Source = Source.HEARSAY) -> None:
+        """Someone named a peer (unproven unless the operator gave it)."""
+        self._peer_event(PeerNamed(url, source))
 
     def ban(self, url: str, reason: str) -> None:
-        if url not in self.banned:
-            log.warning("banned %s: %s", url, reason)
-            self.banned.add(url)
-            self.metrics.bans.inc()
-        self.peers.pop(url, None)
-        self.metrics.peers.set(len(self.peers))
+        self._peer_event(PeerMisbehaved(url, reason))
+
+    def peer_served(self, url: str) -> None:
+        """``url`` served a chunk that verified against its signed manifest: a proven peer."""
+        self._peer_event(PeerServedVerified(url))
 
     def usable_peers(self) -> list[str]:
-        return [p for p in self.peers if p not in self.banned]
-
-    def _peer_failed(self, url: str) -> None:
-        if url in self.peers:
-            self.peers[url] += 1
-            if self.peers[url] >= 5:  # gone for now; it comes back when it announces again
-                del self.peers[url]
-                self.metrics.peers.set(len(self.peers))
+        return self.directory.usable()
 
     # ------------------------------------------------------------ learning manifests
 
     @property
     def accepted_version(self) -> int | None:
-        return self.store.state.version if self.store.state else None
+        state = self.store.state
+        return state.version if state else None
+
+    def _accepted_layout(self) -> str | None:
+        """The layout of the weights held, when the artifact that made them is known."""
+        state = self.store.state
+        m = self.store.manifest(state.manifest) if state and state.manifest else None
+        return m.layout if m else None
 
     def on_announce(self, url: str | None, digests: list[str]) -> None:
         if url is not None:
             self.add_peer(url)
-        source = url if url is not None and url not in self.banned else None
+        source = url if url is not None and url not in self.directory.banned else None
         if source is not None:
             fresh = [d for d in digests if not self.store.has_manifest(d)]
             if fresh:
@@ -225,19 +268,18 @@ class Node:
     async def _learn_one(self, peer: str, digest: str) -> Manifest | None:
         assert self.client is not None
         try:
-            data = await self.client.get_bytes(f"{peer}/manifest/{digest}", 8 * 2**20)
-            manifest = verify(data, self.policy, time.time(), self.accepted_version)
+            limit = self.trusted.limits.manifest.max_manifest_bytes
+            data = await self.client.get_bytes(f"{peer}/manifest/{digest}", limit)
+            manifest = self.trusted.admit(data, time.time(), digest)
         except PeerError:
-            self._peer_failed(peer)
+            self._peer_event(PeerFailed(peer))
             return None
-        except RollbackAttackError:
-            return None  # stale news (we are already past it), not an attack by this peer
+        except (RollbackAttackError, LayoutSwapAttackError):
+            return None  # signed news not for us (stale, other tensors): not this peer's doing
         except ManifestError as exc:
             self.ban(peer, f"offered a bad manifest ({exc})")
             return None
-        if manifest.digest != digest:
-            self.ban(peer, "manifest does not match the digest it was offered under")
-            return None
+        self._peer_event(PeerAnswered(peer))  # reachable; proven only by chunks it serves
         self.store.put_manifest(manifest, data)
         return manifest
 
@@ -266,9 +308,9 @@ class Node:
             if m is not None:
                 by_version.setdefault(m.version, []).append(digest)
         for version, group in sorted(by_version.items()):
-            for start in range(0, len(group), self._announce_limits.max_digests):
+            for start in range(0, len(group), self.trusted.limits.announce.max_digests):
                 await self._gossip_one(
-                    version, group[start : start + self._announce_limits.max_digests]
+                    version, group[start : start + self.trusted.limits.announce.max_digests]
                 )
 
     async def _gossip_one(self, version: int, digests: list[str]) -> None:
@@ -279,7 +321,7 @@ class Node:
         a = announce.Announcement(self.policy.swarm_id, version, tuple(digests),
                                   int(time.time() * 1000), (self.url,))  # fmt: skip
         inline = [b for b in map(self.store.manifest_bytes, digests) if b is not None]
-        data = announce.encode(a, [self.signer], inline, self._announce_limits)
+        data = announce.encode(a, [self.signer], inline, self.trusted.limits.announce)
         try:
             await self.p2p.publish(data)
         except Exception as exc:  # gossip is best effort: the pull path still covers peers
@@ -287,8 +329,7 @@ class Node:
 
     def _judge(self, data: bytes, known: Callable[[str], bool]) -> announce.Decision:
         """Runs in the libp2p thread, inside gossipsub validation (pure: no store writes)."""
-        now_ms = int(time.time() * 1000)
-        return announce.judge(data, self.policy, now_ms, known, self._announce_limits)
+        return self.trusted.judge(data, int(time.time() * 1000), known)
 
     def _heard(self, decision: announce.Decision, at_ms: int) -> None:
         """Gossip brought a genuine announcement (new, or news we already had by HTTP): keep
@@ -308,9 +349,9 @@ class Node:
         self._heard(decision, at_ms)
         if self.cfg.role == "bootstrap":
             return
-        floor, stored = self.accepted_version, []
-        for m, raw in decision.manifests:
-            if not self.store.has_manifest(m.digest) and (floor is None or m.version > floor):
+        stored = []
+        for m, raw in self.trusted.fresh_inline(decision):
+            if not self.store.has_manifest(m.digest):
                 self.store.put_manifest(m, raw)
                 stored.append(m.digest)
         if stored:
@@ -319,7 +360,8 @@ class Node:
         inline = {m.digest for m, _ in decision.manifests}
         missing = [d for d in a.digests if d not in inline and not self.store.has_manifest(d)]
         if missing:  # too big to ride inline: fetch by digest, from the sender or a source
-            peers = [p for p in dict.fromkeys([sender, *a.sources]) if p and p not in self.banned]
+            banned = self.directory.banned
+            peers = [p for p in dict.fromkeys([sender, *a.sources]) if p and p not in banned]
             self._spawn(self._learn_any(peers, missing))
 
     async def _learn_any(self, peers: list[str], digests: list[str]) -> None:
@@ -343,7 +385,7 @@ class Node:
     async def _ask_head(self, peer: str) -> None:
         assert self.client is not None
         (index,) = await gather_quietly([self.client.get_json(f"{peer}/manifests")])
-        fresh = self._fresh_from_index(index)
+        fresh = self.trusted.wanted(index, self.store.has_manifest)
         if fresh:
             await self.learn(peer, fresh)
 
@@ -353,46 +395,22 @@ class Node:
             await self.poll_once()
             await asyncio.sleep(self.cfg.poll_interval_s)
 
-    def _poll_targets(self) -> list[str]:
-        """The peers given at start, plus a random few of the rest (``poll_fanout`` in all):
-        news travels by announcement and gossip, so the poll is a fallback, and asking 64
-        peers a second each would cost the swarm thousands of requests a second."""
-        usable = self.usable_peers()
-        given = [p for p in usable if p in self.cfg.peers]
-        others = [p for p in usable if p not in self.cfg.peers]
-        room = max(self.cfg.poll_fanout - len(given), 0)
-        return given + random.sample(others, min(room, len(others)))
-
     async def poll_once(self) -> None:
         assert self.client is not None
-        peers = self._poll_targets()
+        peers = self.directory.poll_targets(_SAMPLER)
         indexes = await gather_quietly([self.client.get_json(f"{p}/manifests") for p in peers])
         lists = await gather_quietly([self.client.get_json(f"{p}/peers") for p in peers])
         for peer, index, plist in zip(peers, indexes, lists):
             if index is None:
-                self._peer_failed(peer)
+                self._peer_event(PeerFailed(peer))
                 continue
-            if peer in self.peers:
-                self.peers[peer] = 0  # answered: reset its failure count
+            self._peer_event(PeerAnswered(peer))  # answered: reset its failure count
             for url in (plist or {}).get("peers", [])[: self.cfg.max_peers]:
                 if isinstance(url, str):
                     self.add_peer(url)
-            fresh = self._fresh_from_index(index)
+            fresh = self.trusted.wanted(index, self.store.has_manifest)
             if fresh:
                 await self.learn(peer, fresh)
-
-    def _fresh_from_index(self, index: Any) -> list[str]:
-        if not isinstance(index, list):
-            return []
-        floor, out = self.accepted_version, []
-        for entry in index[:10_000]:
-            if not isinstance(entry, dict) or not isinstance(entry.get("digest"), str):
-                continue
-            version = entry.get("version")
-            if isinstance(version, int) and (floor is None or version > floor):
-                if not self.store.has_manifest(entry["digest"]):
-                    out.append(entry["digest"])
-        return out
 
     # ------------------------------------------------------------ NodeView (data plane)
 
@@ -457,7 +475,7 @@ class Node:
             "version": state.version if state else None,
             "state_hash": state.state_hash if state else None,
             "peers": self.peer_urls(),
-            "banned": sorted(self.banned),
+            "banned": sorted(self.directory.banned),
             "bytes_uploaded": self.bytes_uploaded,
             "bytes_downloaded": self.bytes_downloaded,
             "manifests": self.store.manifest_count(),

@@ -12,6 +12,7 @@ from node.patch_cmd import cmd_inspect as inspect_patch
 from node.patch_cmd import read_patch_file
 from p2p_sync import codec, manifest
 from p2p_sync.keys import SigningKey, load_public_key, write_keypair
+from p2p_sync.trusted import TrustedSet
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -57,7 +58,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     verdict = "NOT verified (pass --trust and --swarm to verify)"
     if args.trust:
         policy = policy_from_args(args)
-        manifest.verify(data, policy, now=time.time(), accepted_version=None)
+        TrustedSet(policy).authentic(data, time.time())
         verdict = f"verified: signed by the trusted key(s) of swarm {args.swarm!r}"
     if args.json:
         print(json.dumps({"verified": bool(args.trust), "signed": m.signed()}, indent=1))

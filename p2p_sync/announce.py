@@ -49,35 +49,22 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from p2p_sync.errors import MalformedManifestError, ManifestError, WrongSwarmError
+from p2p_sync.errors import (  # the announcement errors live there; re-exported for callers
+    AnnouncementError,  # noqa: F401
+    MalformedAnnouncementError,
+    MalformedManifestError,
+    ManifestError,
+    OversizedAnnouncementError,
+    ReplayedAnnouncementError,
+    SmuggledManifestError,
+    WrongSwarmError,
+)
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import Manifest, SwarmPolicy, canonical, check_signatures, verify
 
 TYPE = "p2psync/announce"
 SPEC_VERSION = 1
 HEX = set("0123456789abcdef")
-
-
-class AnnouncementError(ManifestError):
-    """An announcement is refused. Subclasses are named after the attack they stop."""
-
-
-class MalformedAnnouncementError(AnnouncementError):
-    """Not a well-formed announcement: bad JSON, missing, unknown or mistyped fields."""
-
-
-class OversizedAnnouncementError(AnnouncementError):
-    """Bigger than the limits allow: would flood the gossip mesh (spam)."""
-
-
-class ReplayedAnnouncementError(AnnouncementError):
-    """Issued outside the accepted time window: an old announcement replayed (or a forged
-    clock) to make peers chase stale news."""
-
-
-class SmuggledManifestError(AnnouncementError):
-    """An inline manifest that the signed digest list does not name: content smuggled past
-    the signature."""
 
 
 class Verdict(enum.Enum):
@@ -203,7 +190,8 @@ def parse(data: bytes, limits: AnnounceLimits = AnnounceLimits()) -> tuple:
 # ---------------------------------------------------------------- judging
 
 
-def _check(data: bytes, policy: SwarmPolicy, now_ms: int, limits: AnnounceLimits) -> tuple:
+def _check(data: bytes, policy: SwarmPolicy, now_ms: int, limits: AnnounceLimits,
+           verify_inline: Callable[[bytes], Manifest]) -> tuple:  # fmt: skip
     announcement, sigs, inline = parse(data, limits)
     try:
         check_signatures(announcement, sigs, policy)  # type: ignore[arg-type]  # duck: .signed()
@@ -216,7 +204,7 @@ def _check(data: bytes, policy: SwarmPolicy, now_ms: int, limits: AnnounceLimits
         raise ReplayedAnnouncementError(f"issued {age_ms / 1000:.0f}s ago, outside the window")
     manifests = []
     for raw in inline:
-        manifest = verify(raw, policy, now_ms / 1000, None)
+        manifest = verify_inline(raw)
         if manifest.digest not in announcement.digests:
             raise SmuggledManifestError(f"inline manifest {manifest.digest[:16]} not announced")
         manifests.append((manifest, raw))
@@ -229,11 +217,16 @@ def judge(
     now_ms: int,
     known: Callable[[str], bool],
     limits: AnnounceLimits = AnnounceLimits(),
+    verify_inline: Callable[[bytes], Manifest] | None = None,
 ) -> Decision:
     """Decide what to do with one gossip message. ``known(digest)`` says whether this node
-    already has (or already accepted an announcement of) that manifest."""
+    already has (or already accepted an announcement of) that manifest; ``verify_inline``
+    checks each inline manifest (a node passes its ``TrustedSet.authentic``, so gossip and
+    HTTP apply one gate; the default is ``manifest.verify`` with no version floor)."""
+    if verify_inline is None:
+        verify_inline = lambda raw: verify(raw, policy, now_ms / 1000, None)  # noqa: E731
     try:
-        announcement, manifests = _check(data, policy, now_ms, limits)
+        announcement, manifests = _check(data, policy, now_ms, limits, verify_inline)
     except ManifestError as exc:
         return Decision(Verdict.REJECT, reason=f"{type(exc).__name__}: {exc}", error=type(exc))
     if all(known(d) for d in announcement.digests):

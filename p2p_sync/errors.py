@@ -1,5 +1,8 @@
 """Exceptions, one per failure class, so callers (and tests) can tell the problems apart.
 
+Every exception p2psync raises derives from :class:`P2PSyncError` and is defined here (the
+modules that raise them re-export their own, so older import paths keep working).
+
 Every error a patch can raise derives from :class:`PatchError`; a caller that only wants to
 refuse a bad patch catches that. Each subclass names exactly one way a patch can be wrong,
 with a message that says what was expected and what was found.
@@ -98,6 +101,15 @@ class EndlessDataAttackError(ManifestError):
     """Declared sizes exceed the configured limits: would exhaust disk, memory or bandwidth."""
 
 
+class LayoutSwapAttackError(ManifestError):
+    """For other tensors (names, shapes, dtypes) than this node holds: would swap the model.
+    Declined before any download; signed by the trainer, so its relay is not to blame."""
+
+
+class SubstitutedManifestError(ManifestError):
+    """Served under another manifest's digest: a peer substituting content for what it offered."""
+
+
 class ChunkError(P2PSyncError):
     """A chunk is refused (wrong index, length or hash)."""
 
@@ -124,3 +136,74 @@ class NoPathError(P2PSyncError):
 
 class MissingBaseError(PatchError):
     """The patch codes positions by the base's exponents, and no base weights were given."""
+
+
+class AnnouncementError(ManifestError):
+    """An announcement is refused. Subclasses are named after the attack they stop."""
+
+
+class MalformedAnnouncementError(AnnouncementError):
+    """Not a well-formed announcement: bad JSON, missing, unknown or mistyped fields."""
+
+
+class OversizedAnnouncementError(AnnouncementError):
+    """Bigger than the limits allow: would flood the gossip mesh (spam)."""
+
+
+class ReplayedAnnouncementError(AnnouncementError):
+    """Issued outside the accepted time window: an old announcement replayed (or a forged
+    clock) to make peers chase stale news."""
+
+
+class SmuggledManifestError(AnnouncementError):
+    """An inline manifest that the signed digest list does not name: content smuggled past
+    the signature."""
+
+
+# ---------------------------------------------------------------- local state and input
+
+
+class StoreError(P2PSyncError):
+    """The data dir cannot be used (unreadable, or its state is inconsistent)."""
+
+
+class StoreFormatError(StoreError):
+    """The data dir was written by a p2psync whose state hashes this one cannot check: opening
+    it would drop every checkpoint and log record as corrupt, and a trainer would start over at
+    version 0, which its peers refuse as a rollback. It is refused whole instead."""
+
+
+class KeyFileError(P2PSyncError):
+    """A key file or key text is missing, malformed or not Ed25519."""
+
+
+class ConfigError(P2PSyncError):
+    """A config file or flag value is invalid (the message names the field)."""
+
+
+class CommandError(P2PSyncError):
+    """A command cannot run as asked (bad file, bad argument)."""
+
+
+class ScenarioError(P2PSyncError):
+    """A scenario file or value is invalid (the message names the field)."""
+
+
+# ---------------------------------------------------------------- network
+
+
+class PeerError(P2PSyncError):
+    """A peer did not answer as the protocol says (transport error, bad status, bad body)."""
+
+
+class PeerBusyError(PeerError):
+    """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
+
+
+class P2PError(P2PSyncError):
+    """libp2p could not start or a bridged call failed (the node falls back to --peers)."""
+
+
+class NetnsError(P2PSyncError, RuntimeError):
+    """An ``ip``/``tc`` command failed, or the machine cannot build namespaces (still a
+    RuntimeError, as before, for callers that catch that)."""

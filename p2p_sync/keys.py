@@ -17,13 +17,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from p2p_sync.errors import P2PSyncError
+from p2p_sync.errors import KeyFileError  # noqa: F401 (re-exported)
 
 PREFIX = "ed25519:"
-
-
-class KeyFileError(P2PSyncError):
-    """A key file or key text is missing, malformed or not Ed25519."""
 
 
 @dataclass(frozen=True)

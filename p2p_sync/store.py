@@ -40,10 +40,11 @@ are verified when loaded (against the signed state hash), not on open: opening s
 the model size. Recently stored or served chunks are kept, verified, in a bounded in-memory
 LRU (``memory_cache_bytes``), so relaying costs no disk read.
 
-The store trusts its caller to have verified manifests (``manifest.verify``) and chunks
-(``chunks.verify_chunk``) before putting them; it re-parses manifests on open but does not
-re-check signatures. One owner: a node's store is used from the event loop's thread (and
-read-only ``payload`` calls from a worker while that thread waits for it).
+The store trusts its caller to have verified manifests (``trusted.TrustedSet``) and chunks
+(``chunks.verify_chunk``) before putting them; it re-parses manifests on open, and its owner
+re-checks their signatures through the same gate (``drop_refused``). One owner: a node's
+store is used from the event loop's thread (and read-only ``payload`` calls from a worker
+while that thread waits for it).
 """
 
 from __future__ import annotations
@@ -59,20 +60,14 @@ from pathlib import Path
 
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with, fsync_dir
 from p2p_sync.chunks import chunk_hash
-from p2p_sync.errors import ManifestError, P2PSyncError
+from p2p_sync.errors import (  # noqa: F401 (re-exported)
+    ManifestError,
+    StoreError,
+    StoreFormatError,
+)
 from p2p_sync.manifest import SNAPSHOT, Manifest, ManifestLimits, parse
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class StoreError(P2PSyncError):
-    """The data dir cannot be used (unreadable, or its state is inconsistent)."""
-
-
-class StoreFormatError(StoreError):
-    """The data dir was written by a p2psync whose state hashes this one cannot check: opening
-    it would drop every checkpoint and log record as corrupt, and a trainer would start over at
-    version 0, which its peers refuse as a rollback. It is refused whole instead."""
 
 
 # The state hash definition the recorded hashes follow (p2p_sync.statehash; 1 was XXH3).
@@ -364,6 +359,31 @@ class Store:
             where = self._where.setdefault(c, [])
             if (manifest.digest, i) not in where:
                 where.append((manifest.digest, i))
+
+    def drop_refused(self, admit: Callable[[bytes], object]) -> list[tuple[str, str]]:
+        """Forget every manifest (and its pack) that ``admit`` refuses by raising ManifestError:
+        the owner's trust gate (``TrustedSet.admit_stored``) at restart, as the store cannot
+        check signatures itself. Returns (digest, why) of each one dropped."""
+        dropped = []
+        for digest, (_, data) in list(self._manifests.items()):
+            try:
+                admit(data)
+            except ManifestError as exc:
+                self._drop_manifest(digest, f"refused by the trust gate ({exc})")
+                dropped.append((digest, str(exc)))
+        return dropped
+
+    def _drop_manifest(self, digest: str, why: str) -> None:
+        if self.pack_path(digest).exists():
+            self._drop(self.pack_path(digest), why)
+        manifest, _ = self._manifests.pop(digest)
+        for c in manifest.chunks:
+            where = [w for w in self._where.get(c, []) if w[0] != digest]
+            if where:
+                self._where[c] = where
+            else:
+                self._where.pop(c, None)
+        self._drop(self.manifest_dir / f"{digest}.json", why)
 
     def manifests(self) -> list[Manifest]:
         return sorted((m for m, _ in self._manifests.values()), key=lambda m: (m.version, m.kind))

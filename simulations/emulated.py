@@ -1,7 +1,7 @@
 """Emulated tier (issue 6, item 3): a real swarm in network namespaces over tbf-shaped links.
 
 Why: loopback runs every node at memory speed, so they say nothing about how the swarm uses
-bandwidth. Here each node process (1 trainer + N-1 rollouts, started by ``node.localswarm``)
+bandwidth. Here each node process (1 trainer + N-1 rollouts, started by ``simulations.localswarm``)
 runs in its own namespace behind a link shaped to e.g. 100 Mbit/s each way
 (``simulations.netns``), and every version's completion time is compared with the Kumar-Ross
 lower bound for distributing F bytes from one seed to N receivers::
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from node.localswarm import Placement, Proc, Swarm, get_json, wait_for
 from p2p_sync.statehash import state_hash
+from simulations.localswarm import Placement, Proc, Swarm, get_json, wait_for
 from simulations.netns import Host, LinkShape, RateSample, Topology, TopologyConfig, measure_rate
 
 

@@ -38,15 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from p2p_sync.errors import NetnsError  # noqa: F401 (re-exported)
+
 T = TypeVar("T")
 
 PREFIX_ROOT = "p2psync-emu-"  # every namespace this module creates starts with it
 _CLONE_NEWNET = 0x40000000
 _NETNS_DIR = "/run/netns"
-
-
-class NetnsError(RuntimeError):
-    """An ``ip``/``tc`` command failed, or the machine cannot build namespaces."""
 
 
 @dataclass(frozen=True)

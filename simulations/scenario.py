@@ -20,14 +20,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from p2p_sync.errors import P2PSyncError
+from p2p_sync.errors import ScenarioError  # noqa: F401 (re-exported)
 from p2p_sync.swarm import SwarmConfig
 
 _SWARM = SwarmConfig()
-
-
-class ScenarioError(P2PSyncError):
-    """A scenario file or value is invalid (the message names the field)."""
 
 
 @dataclass(frozen=True)

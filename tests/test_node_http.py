@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import subprocess
 import sys
 import threading
@@ -240,7 +241,7 @@ def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> Non
     node.ban(others[0], "test")
     seen: set[str] = set()
     for _ in range(40):
-        targets = node._poll_targets()
+        targets = node.directory.poll_targets(random.Random())
         assert targets[0] == given and len(targets) == len(set(targets)) == 4
         assert others[0] not in targets
         seen.update(targets[1:])

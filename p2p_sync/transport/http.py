@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from p2p_sync.errors import PeerBusyError, PeerError  # noqa: F401 (re-exported)
 from p2p_sync.ratelimit import TokenBucket
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -241,14 +242,6 @@ URL = re.compile(r"^http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 def valid_peer_url(url: str) -> bool:
     return bool(URL.match(url)) and len(url) < 256
-
-
-class PeerError(Exception):
-    """A peer did not answer as the protocol says (transport error, bad status, bad body)."""
-
-
-class PeerBusyError(PeerError):
-    """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
 
 
 class DataClient:

@@ -56,13 +56,10 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p_sync.announce import Decision, Verdict
+from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
 
 log = logging.getLogger("p2psync.p2p")
 IDENTITY_FILE = "p2p-identity.key"
-
-
-class P2PError(Exception):
-    """libp2p could not start or a bridged call failed (the node falls back to --peers)."""
 
 
 @dataclass(frozen=True)

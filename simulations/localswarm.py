@@ -1,0 +1,196 @@
+"""A local swarm of real node processes on loopback: used by the demo, the integration tests
+and the loopback benchmark. A ``Placement`` runs a node elsewhere (the emulated tier puts each
+in its own network namespace).
+
+Every wait is a bounded poll of a condition with a deadline, never a bare sleep.
+
+It lives here, not in ``node/``, so the dependency runs one way: ``node`` (the demo, the
+``simulate`` command) imports ``simulations``, and nothing in ``simulations`` imports ``node``
+(the nodes it starts are separate processes, ``python -m node.cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from p2p_sync.keys import SigningKey, write_keypair
+
+ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 120.0  # a node process prints its URL within seconds; a hang must not block
+
+
+def get_json(url: str, timeout: float = 2.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, step: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a node process runs and how this process reaches it; the default is loopback.
+
+    The emulated tier (``simulations/emulated.py``) puts each node in its own network namespace:
+    ``prefix=("ip", "netns", "exec", ns)``, ``listen="10.x.y.z:0"``, and a ``get`` that makes
+    its HTTP requests from inside that namespace.
+    """
+
+    prefix: tuple[str, ...] = ()
+    listen: str = "127.0.0.1:0"
+    get: Callable[[str], dict | None] = get_json
+
+
+LOOPBACK = Placement()
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    data_dir: Path
+    export: Path | None = None
+    get: Callable[[str], dict | None] = get_json
+
+    def status(self) -> dict | None:
+        return self.get(f"{self.url}/status")
+
+    def multiaddr(self) -> str | None:
+        """The node's dialable libp2p address (None with --no-p2p)."""
+        return (self.status() or {}).get("multiaddr")
+
+
+@dataclass
+class Swarm:
+    root: Path
+    chunk_size: int = 16 * 1024
+    procs: list[Proc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.key_path = self.root / "trainer.key"
+        self.pub = write_keypair(SigningKey.generate(), self.key_path)
+        self.watch = self.root / "watch"
+        self.watch.mkdir(parents=True, exist_ok=True)
+        self.trainer: Proc | None = None
+        self._published = 0
+
+    def _spawn(
+        self, name: str, args: list[str], data_dir: Path, export: Path | None,
+        at: Placement = LOOPBACK,
+    ) -> Proc:  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        log = open(self.root / f"{name}.log", "ab")
+        popen = subprocess.Popen(
+            [*at.prefix, sys.executable, "-m", "node.cli", "node", "--data-dir", str(data_dir),
+             "--listen", at.listen, *args],
+            stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT, text=True,
+        )  # fmt: skip
+        assert popen.stdout is not None
+        # "p2psync <role> listening on http://...", printed once up: wait a bounded time for it
+        ready, _, _ = select.select([popen.stdout], [], [], START_TIMEOUT_S)
+        if not ready:
+            popen.kill()
+            raise AssertionError(f"{name} did not start in {START_TIMEOUT_S:.0f} s; "
+                                 f"see {self.root / name}.log")  # fmt: skip
+        line = popen.stdout.readline()
+        if "listening on " not in line:
+            raise AssertionError(f"{name} did not start: {line!r}; see {self.root / name}.log")
+        url = line.split("listening on ")[1].split()[0]
+        proc = Proc(name, popen, url, data_dir, export, at.get)
+        self.procs.append(proc)
+        return proc
+
+    def start_trainer(
+        self, anchor_every: int = 100, at: Placement = LOOPBACK, extra: tuple[str, ...] = ()
+    ) -> Proc:
+        cfg = self.root / "trainer.toml"
+        cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
+        self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
+                                              "--watch", str(self.watch), "--config", str(cfg),
+                                              *extra],
+                                   self.root / "trainer", None, at)  # fmt: skip
+        return self.trainer
+
+    def start_rollout(
+        self, name: str, peers: list[str], data_dir: Path | None = None, at: Placement = LOOPBACK,
+        extra: tuple[str, ...] = (),
+    ) -> Proc:  # fmt: skip
+        data_dir = data_dir or self.root / name
+        export = self.root / f"{name}-export"
+        return self._spawn(
+            name,
+            [
+                "--role",
+                "rollout",
+                "--trust",
+                str(self.pub),
+                "--peers",
+                ",".join(peers),
+                "--export",
+                str(export),
+                *extra,
+            ],
+            data_dir,
+            export,
+            at,
+        )
+
+    def start_bootstrap(
+        self, name: str = "bootstrap", at: Placement = LOOPBACK, extra: tuple[str, ...] = ()
+    ) -> Proc:
+        """A libp2p bootstrap node (DHT server, gossip relay, no weights) for this swarm."""
+        args = ["--role", "bootstrap", "--trust", str(self.pub), *extra]
+        return self._spawn(name, args, self.root / name, None, at)
+
+    def publish(self, weights: dict[str, torch.Tensor]) -> float:
+        """Drop the next version into the trainer's watch dir (written aside, then renamed);
+        returns the wall-clock time at which it appeared there."""
+        tmp = self.root / f".v{self._published}.tmp"
+        save_file(weights, tmp)
+        os.replace(tmp, self.watch / f"v{self._published:04d}.safetensors")
+        self._published += 1
+        return time.time()
+
+    def wait_version(self, procs: list[Proc], version: int, timeout: float = 60) -> None:
+        def reached() -> bool:
+            return all((p.status() or {}).get("version") == version for p in procs)
+
+        wait_for(reached, timeout, f"{[p.name for p in procs]} to reach v{version}")
+
+    def kill(self, proc: Proc) -> None:
+        proc.popen.send_signal(signal.SIGKILL)
+        proc.popen.wait(timeout=10)
+        self.procs.remove(proc)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.popen.terminate()
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+        self.procs.clear()

@@ -1,0 +1,257 @@
+"""Rule-based state machines (Hypothesis, h2 style) for the sans-I/O scheduler and seeder: one
+rule per event, invariants checked after every step, liveness checked at teardown."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from p2p_sync.seeding import SuperSeeder
+from p2p_sync.swarm import (
+    Action,
+    CancelRequest,
+    ChunkCorrupted,
+    ChunkFailed,
+    ChunkVerified,
+    DownloadCompleted,
+    Event,
+    PeerBanned,
+    PeerBusy,
+    PeerHad,
+    PeerLost,
+    RequestChunk,
+    Scheduler,
+    SwarmConfig,
+    TimerFired,
+)
+
+FAST = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+
+
+@st.composite
+def swarms(draw: st.DrawFn) -> tuple[int, dict[str, set[int]], dict[str, set[int]], SwarmConfig]:
+    """Payload size, honest and evil peers' holdings (every chunk has an honest holder)."""
+    n = draw(st.integers(1, 20))
+    n_honest, n_evil = draw(st.integers(1, 4)), draw(st.integers(0, 3))
+    honest = {f"h{i}": set(draw(st.sets(st.integers(0, n - 1)))) for i in range(n_honest)}
+    for i in range(n):
+        honest[f"h{draw(st.integers(0, n_honest - 1))}"].add(i)
+    evil = {f"e{i}": set(draw(st.sets(st.integers(0, n - 1), min_size=1))) for i in range(n_evil)}
+    config = SwarmConfig(max_requests_per_peer=draw(st.integers(1, 4)),
+                         max_requests_total=draw(st.integers(1, 10)),
+                         endgame_sources=draw(st.integers(1, 3)), request_timeout_s=1.0,
+                         min_request_timeout_s=0.2, seed=draw(st.integers(0, 9)))  # fmt: skip
+    return n, honest, evil, config
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Simulated peers around one :class:`Scheduler`; every action is checked as it comes out.
+
+    ``pending`` holds requests the scheduler has in flight; ``cancelled`` those it cancelled
+    whose bytes may still arrive (an endgame loser, a timed-out peer that answers late)."""
+
+    @initialize(swarm=swarms())
+    def start(self, swarm) -> None:
+        self.n, self.honest, self.evil, config = swarm
+        self.sched = Scheduler(self.n, config)
+        self.now = 0.0
+        self.pending: list[tuple[str, int]] = []
+        self.cancelled: list[tuple[str, int]] = []
+        self.verified: set[int] = set()
+        self.banned: set[str] = set()
+        self.completions = 0
+        self.arriving: tuple[str, int] | None = None
+        for peer, chunks in sorted({**self.honest, **self.evil}.items()):
+            self.feed(PeerHad(peer, frozenset(chunks)))
+
+    # ------------------------------------------------------------ plumbing
+
+    def feed(self, event: Event) -> None:
+        for action in self.sched.handle(event, self.now):
+            self.check(action)
+
+    def check(self, action: Action) -> None:
+        if isinstance(action, RequestChunk):
+            assert action.peer not in self.banned, "requested from a banned peer"
+            assert action.index not in self.verified, "requested a verified chunk"
+            assert (action.peer, action.index) not in self.pending, "duplicate request"
+            self.pending.append((action.peer, action.index))
+        elif isinstance(action, CancelRequest):
+            key = (action.peer, action.index)
+            assert key in self.pending or key == self.arriving, "cancelled an unknown request"
+            if key in self.pending:
+                self.pending.remove(key)
+                self.cancelled.append(key)
+        elif isinstance(action, PeerBanned):
+            assert action.peer in self.evil, f"honest {action.peer} banned: {action.reason}"
+            self.banned.add(action.peer)
+        elif isinstance(action, DownloadCompleted):
+            self.completions += 1
+
+    def take(self, k: int) -> tuple[str, int]:
+        return self.pending.pop(k % len(self.pending))
+
+    def arrive(self, peer: str, index: int) -> None:
+        """Bytes from ``peer`` for ``index``: what an honest and an evil peer send differ."""
+        self.arriving = (peer, index)  # a ban cancels the sender's requests, this one too
+        if peer in self.evil:
+            self.feed(ChunkCorrupted(peer, index))
+        else:
+            self.verified.add(index)
+            self.feed(ChunkVerified(peer, index, 1000))
+
+    # ------------------------------------------------------------ rules: one per event
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6), dt=st.floats(0.0, 0.3))
+    def chunk_arrives(self, k: int, dt: float) -> None:
+        self.now += dt
+        self.arrive(*self.take(k))
+
+    @precondition(lambda self: self.cancelled)
+    @rule(k=st.integers(0, 10**6))
+    def cancelled_request_arrives_anyway(self, k: int) -> None:
+        """Endgame: the loser's copy lands after its CancelRequest (or a timed-out peer
+        answers late)."""
+        key = self.cancelled.pop(k % len(self.cancelled))
+        if key in self.pending:  # asked again since: the scheduler takes this copy for it,
+            self.pending.remove(key)  # and the second copy may still land later
+            self.cancelled.append(key)
+        self.arrive(*key)
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6))
+    def chunk_fails(self, k: int) -> None:
+        """A transport error, or the peer lacks what it claimed: honest peers too."""
+        self.feed(ChunkFailed(*self.take(k)))
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6))
+    def peer_busy(self, k: int) -> None:
+        self.feed(PeerBusy(*self.take(k)))
+
+    @rule(data=st.data())
+    def peer_had(self, data: st.DataObject) -> None:
+        """A have-map arrives, possibly late (naming chunks already verified)."""
+        peers = {**self.honest, **self.evil}
+        peer = data.draw(st.sampled_from(sorted(peers)))
+        held = sorted(peers[peer])
+        if held:
+            self.feed(PeerHad(peer, frozenset(data.draw(st.sets(st.sampled_from(held))))))
+
+    @rule(data=st.data())
+    def peer_lost(self, data: st.DataObject) -> None:
+        peer = data.draw(st.sampled_from(sorted({**self.honest, **self.evil})))
+        self.feed(PeerLost(peer))
+        self.pending = [(p, i) for p, i in self.pending if p != peer]  # its requests are gone
+
+    @rule(dt=st.floats(0.0, 2.0))
+    def timer_fires(self, dt: float) -> None:
+        self.now += dt
+        self.feed(TimerFired())
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def completes_exactly_once_when_complete(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        assert self.completions == (1 if self.sched.complete else 0)
+        assert self.sched.complete == (self.verified == set(range(self.n)))
+
+    @invariant()
+    def requests_stay_within_bounds(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        c = self.sched.config
+        assert self.sched.requests_in_flight() == len(self.pending) <= c.max_requests_total
+        assert not any(p in self.banned for p, _ in self.pending)
+
+    def teardown(self) -> None:
+        """Liveness: the network now behaves (honest peers re-send their have-maps, as the
+        node's have-map followers do, and everything asked for arrives): it must finish."""
+        if not hasattr(self, "sched"):
+            return
+        for peer, chunks in sorted(self.honest.items()):
+            self.feed(PeerHad(peer, frozenset(chunks)))
+        for _ in range(40 * self.n + 100):
+            if self.completions:
+                break
+            if self.pending:
+                self.now += 0.01
+                self.arrive(*self.take(0))
+            else:
+                self.now += 2.0
+                self.feed(TimerFired())
+        assert self.completions == 1 and self.verified == set(range(self.n))
+
+
+SchedulerMachine.TestCase.settings = FAST
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+class SeederMachine(RuleBasedStateMachine):
+    """A :class:`SuperSeeder` answering requesters that fetch some of what they are shown."""
+
+    @initialize(n=st.integers(1, 30), outstanding=st.integers(1, 6),
+                reseed=st.floats(0.1, 3.0))  # fmt: skip
+    def start(self, n: int, outstanding: int, reseed: float) -> None:
+        self.keys = [f"c{i}" for i in range(n)]
+        self.seeder = SuperSeeder(outstanding=outstanding, reseed_after_s=reseed)
+        self.now = 0.0
+        self.shown: dict[str, set[str]] = {}  # requester -> keys it was shown
+        self.handed_at: dict[str, tuple[str, float]] = {}  # key -> (owner, when) as seen
+
+    def offer(self, requester: str) -> list[str]:
+        before = dict(self.seeder.owner)
+        shown = [self.keys[i] for i in self.seeder.offer(self.keys, requester, self.now)]
+        for key in shown:
+            owner, _ = self.seeder.owner[key]
+            assert owner == requester, "showed a chunk handed to someone else"
+            prev = before.get(key)
+            if prev is not None and prev[0] != requester:  # taken over from a quiet owner
+                assert not self.seeder.served[key], "re-handed a chunk already fetched"
+                assert self.now - prev[1] > self.seeder.reseed_after_s, "re-handed too soon"
+        self.shown.setdefault(requester, set()).update(shown)
+        return shown
+
+    @rule(requester=st.sampled_from(["r0", "r1", "r2", "r3"]), dt=st.floats(0.0, 1.5))
+    def requester_asks(self, requester: str, dt: float) -> None:
+        self.now += dt
+        self.offer(requester)
+
+    @rule(data=st.data())
+    def requester_fetches(self, data: st.DataObject) -> None:
+        shown = sorted({k for keys in self.shown.values() for k in keys})
+        if shown:
+            self.seeder.note_served(data.draw(st.sampled_from(shown)))
+
+    @invariant()
+    def no_requester_holds_more_than_outstanding_unfetched(self) -> None:
+        if not hasattr(self, "seeder"):
+            return
+        unfetched: dict[str, int] = {}
+        for key, (owner, _) in self.seeder.owner.items():
+            if not self.seeder.served[key]:
+                unfetched[owner] = unfetched.get(owner, 0) + 1
+        assert all(v <= self.seeder.outstanding for v in unfetched.values()), unfetched
+
+    def teardown(self) -> None:
+        """Liveness: requesters that fetch everything they are shown get every chunk out of
+        the seed, even when some requesters went quiet holding chunks."""
+        if not hasattr(self, "seeder"):
+            return
+        for _ in range(len(self.keys) + 10):
+            if all(self.seeder.served[k] for k in self.keys):
+                break
+            self.now += self.seeder.reseed_after_s + 0.1  # quiet owners' chunks free up
+            for key in self.offer("r-active"):
+                if not self.seeder.served[key]:
+                    self.seeder.note_served(key)
+        assert all(self.seeder.served[k] for k in self.keys)
+
+
+SeederMachine.TestCase.settings = FAST
+test_seeder_state_machine = SeederMachine.TestCase
