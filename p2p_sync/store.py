@@ -271,17 +271,20 @@ class Store:
     def put_chunk(self, data: bytes | memoryview, digest: str | None = None) -> str:
         """Store a verified chunk of a known manifest (idempotent); returns its hash. Pass
         ``digest`` only when the caller has just computed it from these very bytes. A chunk
-        that several manifests name is written once, into the newest one's pack."""
+        that several manifests name is written into the newest one's pack, at every slot
+        that names it there: a payload with repeated chunks (constant-initialised tensors)
+        is then complete once each distinct chunk arrived."""
         digest = digest or chunk_hash(data)
         where = self._locate(digest)
         if not where:
             raise StoreError(f"no known manifest names chunk {digest}")
         if not self.has_chunk(digest):
             data = bytes(data)
-            mdigest, index = max(where, key=lambda w: self._manifests[w[0]][0].version)
+            mdigest = max(where, key=lambda w: self._manifests[w[0]][0].version)[0]
             m = self._manifests[mdigest][0]
-            self._write_slot(m, self._slot(m, index).start, data)
-            self._valid.setdefault(mdigest, set()).add(index)
+            for index in (i for d, i in where if d == mdigest):
+                self._write_slot(m, self._slot(m, index).start, data)
+                self._valid.setdefault(mdigest, set()).add(index)
             self._remember(digest, data)
         return digest
 

@@ -98,6 +98,24 @@ def test_chunks_of_a_download_land_in_a_sparse_pack(tmp_path: Path) -> None:
     assert store.pack_path(m.digest).read_bytes() == payload  # a complete pack is the payload
 
 
+def test_a_chunk_repeated_in_a_payload_fills_every_slot(tmp_path: Path) -> None:
+    """A payload whose chunks repeat (constant-initialised tensors: norms of ones, padding) is
+    complete once each distinct chunk arrived: the pack holds the bytes at every slot, so it
+    verifies and maps like any other, and survives a reopen."""
+    store = Store.open(tmp_path)
+    ones, rnd = b"\x80\x3f" * 8192, random.Random(3)  # bf16 1.0, 16 KiB of it
+    payload = rnd.randbytes(16 * 1024) + ones + ones + rnd.randbytes(5000)
+    m = store_writer.manifest(KEY, SWARM, 7, payload)
+    assert m.chunks[1] == m.chunks[2]
+    store.put_manifest(m, sign(m, [KEY]))
+    for i in (0, 1, 3):  # index 2 never arrives: its bytes are index 1's
+        store.put_chunk(payload[i * m.chunk_size : (i + 1) * m.chunk_size])
+    assert store.verify_pack(m) and store.payload(m) == payload
+    assert store.pack_path(m.digest).read_bytes() == payload
+    again = Store.open(tmp_path)
+    assert again.have_indices(m) == [0, 1, 2, 3] and again.verify_pack(m)
+
+
 def test_a_chunk_no_manifest_names_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no known manifest"):
         Store.open(tmp_path).put_chunk(b"stray" * 100)
