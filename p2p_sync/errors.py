@@ -207,3 +207,12 @@ class P2PError(P2PSyncError):
 class NetnsError(P2PSyncError, RuntimeError):
     """An ``ip``/``tc`` command failed, or the machine cannot build namespaces (still a
     RuntimeError, as before, for callers that catch that)."""
+
+
+class TornApplyError(PatchError):
+    """A patch failed part-way through a streaming apply: some tensors hold the new version,
+    some the old. The caller rebuilds the weights from the checkpoint and log."""
+
+
+class WeightsFileError(P2PSyncError):
+    """A weights file is missing, unreadable or not valid safetensors."""

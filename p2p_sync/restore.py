@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from p2p_sync import codec
-from p2p_sync.errors import BaseMismatchError, P2PSyncError, PatchError, TargetMismatchError
+from p2p_sync.errors import (
+    BaseMismatchError,
+    P2PSyncError,
+    PatchError,
+    TargetMismatchError,
+    TornApplyError,
+)
 from p2p_sync.manifest import Manifest
 from p2p_sync.patch import (
     add_delta,
@@ -86,11 +92,6 @@ def load_snapshot(
         return load_file_weights(store.pack_path(m.digest), m.target_state, device, into)
     except WeightsFileError as exc:
         raise PatchError(f"v{m.version} snapshot: {exc}") from None
-
-
-class TornApplyError(PatchError):
-    """A patch failed part-way through a streaming apply: some tensors hold the new version,
-    some the old. The caller rebuilds the weights from the checkpoint and log."""
 
 
 def apply_artifact(

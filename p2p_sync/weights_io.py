@@ -27,7 +27,7 @@ from typing import BinaryIO
 import torch
 
 from p2p_sync.atomic import atomic_write_with
-from p2p_sync.errors import LayoutMismatchError, P2PSyncError
+from p2p_sync.errors import LayoutMismatchError, WeightsFileError
 from p2p_sync.tensors import flat_bits
 
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
@@ -40,10 +40,6 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }  # fmt: skip
 DTYPES_BY_NAME = {name: dt for dt, name in DTYPE_NAMES.items()}
-
-
-class WeightsFileError(P2PSyncError):
-    """A weights file is missing, unreadable or not valid safetensors."""
 
 
 Entry = tuple[str, torch.dtype, tuple[int, ...], int, int]  # name, dtype, shape, start, end
