@@ -145,8 +145,11 @@ def measure(base: TensorSet, new: TensorSet, devices: list[str], repeat: int) ->
     grail_reference.decode_apply(check, reference)
     assert all(torch.equal(check[k], new[k]) for k in new), "reference encoder is not lossless"
     dense, changed = total_bytes(base), patch.changed
-    row = {"density": changed / patch.numel, "grail_bytes": len(reference),
-           "vs_grail": len(reference) / len(data["v2"])}  # fmt: skip
+    row = {
+        "density": changed / patch.numel,
+        "grail_bytes": len(reference),
+        "vs_grail": len(reference) / len(data["v2"]),
+    }
     for fmt, blob in data.items():
         row[f"bytes_{fmt}"] = len(blob)
         row[f"bits_per_changed_{fmt}"] = 8 * len(blob) / changed
@@ -162,8 +165,9 @@ def measure(base: TensorSet, new: TensorSet, devices: list[str], repeat: int) ->
     return row
 
 
-def run(size: str, lrs: list[float], spans: list[int], devices: list[str], repeat: int,
-        console: Console) -> list[dict]:  # fmt: skip
+def run(
+    size: str, lrs: list[float], spans: list[int], devices: list[str], repeat: int, console: Console
+) -> list[dict]:
     rows = []
     for lr in lrs:
         with console.status(f"training the {size} workload at lr {lr:g}"):
@@ -179,21 +183,33 @@ def render(rows: list[dict], devices: list[str], title: str) -> Table:
     table = Table(title=title)
     speed_cols = [(k, f, d) for d in devices for k in ("create", "apply") for f in ("v1", "v2")]
     for col in (
-        "lr", "steps", "density", "v1 bits/chg", "v1 vs dense", "v2 bits/chg", "v2 vs dense",
-        "v2 vs grail", "order-0 bound", "exponent bound",
+        "lr",
+        "steps",
+        "density",
+        "v1 bits/chg",
+        "v1 vs dense",
+        "v2 bits/chg",
+        "v2 vs dense",
+        "v2 vs grail",
+        "order-0 bound",
+        "exponent bound",
         *(f"{k} {f} {d} MB/s" for k, f, d in speed_cols),
-    ):  # fmt: skip
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            f"{r['lr']:g}", str(r["steps"]), f"{r['density']:.2%}",
-            f"{r['bits_per_changed_v1']:.2f}", f"{r['ratio_vs_dense_v1']:.1f}x",
-            f"{r['bits_per_changed_v2']:.2f}", f"{r['ratio_vs_dense_v2']:.1f}x",
+            f"{r['lr']:g}",
+            str(r["steps"]),
+            f"{r['density']:.2%}",
+            f"{r['bits_per_changed_v1']:.2f}",
+            f"{r['ratio_vs_dense_v1']:.1f}x",
+            f"{r['bits_per_changed_v2']:.2f}",
+            f"{r['ratio_vs_dense_v2']:.1f}x",
             f"{r['vs_grail']:.2f}x",
             f"{r['order0_bits_per_changed']:.2f} b ({r['order0_ratio']:.0f}x)",
             f"{r['exponent_bits_per_changed']:.2f} b ({r['exponent_ratio']:.0f}x)",
             *(f"{r[f'{k}_mbs_{f}_{d}']:,.0f}" for k, f, d in speed_cols),
-        )  # fmt: skip
+        )
     return table
 
 
@@ -213,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     spans = [int(x) for x in args.steps.split(",")]
     console = Console(width=230)
     n = parameter_count(args.size)
-    console.print(f"[bold]p2psync codec[/] on the built-in {args.size} workload: {n / 1e6:.1f}M "
-                  f"parameters, {2 * n / 1e6:.1f} MB of bf16; CPU timings on {args.threads} "
-                  f"thread(s){', plus CUDA' if 'cuda' in devices else ''}")  # fmt: skip
+    console.print(
+        f"[bold]p2psync codec[/] on the built-in {args.size} workload: {n / 1e6:.1f}M "
+        f"parameters, {2 * n / 1e6:.1f} MB of bf16; CPU timings on {args.threads} "
+        f"thread(s){', plus CUDA' if 'cuda' in devices else ''}"
+    )
     rows = run(args.size, lrs, spans, devices, 2 if args.demo else args.repeat, console)
     console.print(render(rows, devices, "patch from version 0 to version <steps>"))
     if args.json:

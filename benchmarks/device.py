@@ -76,8 +76,9 @@ def one_version(args: argparse.Namespace, model: Model, prev: dict, digest: Stat
     patch, row["diff"] = timed(dev, lambda: diff(prev, new, digest=digest, workers=w))
     row["changed"] = patch.changed / patch.numel
     v1, row["encode1"] = timed(dev, lambda: codec.encode(patch, workers=w))
-    v2, row["encode2"] = timed(dev, lambda: codec.encode(patch, workers=w, base=prev,
-                                                         base_hash=patch.base_hash))  # fmt: skip
+    v2, row["encode2"] = timed(
+        dev, lambda: codec.encode(patch, workers=w, base=prev, base_hash=patch.base_hash)
+    )
     row["bytes1"], row["bytes2"] = len(v1), len(v2)
     # the rollout: format 1 applied and undone (exactly), then format 2 for good
     probe = digest.copy()
@@ -103,28 +104,38 @@ def main() -> None:
     model = Model(args.size, args.lr, dev)
     size = total_bytes(model.bf16)
     prev = {k: v.clone() for k, v in model.bf16.items()}
-    print(f"{args.size}: {model.params / 1e9:.2f}B params, {size / 1e9:.2f} GB bf16 on {dev}"
-          f"{' (' + torch.cuda.get_device_name() + ')' if dev.startswith('cuda') else ''}")
+    print(
+        f"{args.size}: {model.params / 1e9:.2f}B params, {size / 1e9:.2f} GB bf16 on {dev}"
+        f"{' (' + torch.cuda.get_device_name() + ')' if dev.startswith('cuda') else ''}"
+    )
     codec.encode(diff({"w": prev[next(iter(prev))][:8]}, {"w": prev[next(iter(prev))][:8]}))
     digest, full = timed(dev, lambda: StateDigest.of(prev, args.workers))
     _, full = timed(dev, lambda: StateDigest.of(prev, args.workers))  # warm (numba, kernels)
     _, old = timed(dev, lambda: host_xxh3(prev))
-    print(f"full state hash on {dev}: {full:.3f} s ({size / full / 1e9:.1f} GB/s); "
-          f"format-1 hash (host copy + XXH3): {old:.3f} s")
-    head = (f"{'v':>2} {'changed':>8} {'diff':>6} {'enc f1':>7} {'enc f2':>7} {'MB f1':>7} "
-            f"{'MB f2':>7} {'apply f1':>8} {'apply f2':>8}")  # fmt: skip
+    print(
+        f"full state hash on {dev}: {full:.3f} s ({size / full / 1e9:.1f} GB/s); "
+        f"format-1 hash (host copy + XXH3): {old:.3f} s"
+    )
+    head = (
+        f"{'v':>2} {'changed':>8} {'diff':>6} {'enc f1':>7} {'enc f2':>7} {'MB f1':>7} "
+        f"{'MB f2':>7} {'apply f1':>8} {'apply f2':>8}"
+    )
     print(head)
     for v in range(1, args.versions + 1):
         r = one_version(args, model, prev, digest)  # type: ignore[arg-type]
-        print(f"{v:>2} {r['changed']:>8.2%} {r['diff']:>6.3f} {r['encode1']:>7.3f} "
-              f"{r['encode2']:>7.3f} {r['bytes1'] / 1e6:>7.1f} {r['bytes2'] / 1e6:>7.1f} "
-              f"{r['apply1']:>8.3f} {r['apply2']:>8.3f}")  # fmt: skip
+        print(
+            f"{v:>2} {r['changed']:>8.2%} {r['diff']:>6.3f} {r['encode1']:>7.3f} "
+            f"{r['encode2']:>7.3f} {r['bytes1'] / 1e6:>7.1f} {r['bytes2'] / 1e6:>7.1f} "
+            f"{r['apply1']:>8.3f} {r['apply2']:>8.3f}"
+        )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     gpu = ""
     if dev.startswith("cuda"):
         gpu = f", peak device memory {torch.cuda.max_memory_allocated() / 1e9:.1f} GB"
-    print(f"peak host RSS {rss:.1f} GB{gpu}; seconds; dense {size / 1e6:,.0f} MB "
-          f"(1 Gbit/s: {size * 8 / 1e9:.1f} s)")
+    print(
+        f"peak host RSS {rss:.1f} GB{gpu}; seconds; dense {size / 1e6:,.0f} MB "
+        f"(1 Gbit/s: {size * 8 / 1e9:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -55,9 +55,12 @@ def encode(base: TensorSet, new: TensorSet) -> bytes:
         drow, dcol = _streams(idx, tuple(base[name].shape))
         values = new_bits[idx]
         header[name] = {
-            "shape": list(base[name].shape), "dtype": str(base[name].dtype), "n": int(idx.size),
-            "row": drow.dtype.name, "col": dcol.dtype.name,
-        }  # fmt: skip
+            "shape": list(base[name].shape),
+            "dtype": str(base[name].dtype),
+            "n": int(idx.size),
+            "row": drow.dtype.name,
+            "col": dcol.dtype.name,
+        }
         blobs += [drow.tobytes(), dcol.tobytes(), values.tobytes()]
     meta = json.dumps(header).encode()
     payload = struct.pack("<I", len(meta)) + meta + b"".join(blobs)

@@ -22,12 +22,16 @@ def llama_shapes(size: str) -> dict[str, tuple[int, ...]]:
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv_dim, h),
-            p + "self_attn.v_proj.weight": (kv_dim, h), p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv_dim, h),
+            p + "self_attn.v_proj.weight": (kv_dim, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
-        }  # fmt: skip
+        }
     shapes |= {"model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
     return shapes
 

@@ -95,30 +95,48 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
     procs: list[Proc] = []
     rows: list[Row] = []
     try:
-        trainer = swarm.start_trainer(anchor_every=1000, extra=(
-            "--no-p2p", "--patch-format", str(args.patch_format)))
-        rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url],
-                                        extra=("--no-p2p", "--device", args.device))
-                    for i in range(args.rollouts)]  # fmt: skip
+        trainer = swarm.start_trainer(
+            anchor_every=1000, extra=("--no-p2p", "--patch-format", str(args.patch_format))
+        )
+        rollouts = [
+            swarm.start_rollout(
+                f"rollout-{i}", [trainer.url], extra=("--no-p2p", "--device", args.device)
+            )
+            for i in range(args.rollouts)
+        ]
         procs = [trainer, *rollouts]
         for v, path in enumerate(files):
             before = {p.name: written(p.popen.pid) for p in procs}
             os.replace(path, swarm.watch / f"v{v:04d}.safetensors")
             t_file = time.time()
             timeout = 900 if v == 0 else 300
-            wait_for(lambda v=v: all(((p.status() or {}).get("last_update") or {})
-                                     .get("version") == v for p in rollouts),
-                     timeout, f"v{v} at every rollout", step=0.02)  # fmt: skip
+            wait_for(
+                lambda v=v: all(
+                    ((p.status() or {}).get("last_update") or {}).get("version") == v
+                    for p in rollouts
+                ),
+                timeout,
+                f"v{v} at every rollout",
+                step=0.02,
+            )
             ups = [(r.status() or {})["last_update"] for r in rollouts]
             pub = (trainer.status() or {}).get("last_publish") or {}
             after = {p.name: written(p.popen.pid) for p in procs}
-            row = Row(v, max(u["at"] for u in ups) - t_file,
-                      max(u["applied_at"] for u in ups) - t_file, pub.get("patch_bytes", 0),
-                      pub, ups, {k: after[k] - before[k] for k in after})  # fmt: skip
+            row = Row(
+                v,
+                max(u["at"] for u in ups) - t_file,
+                max(u["applied_at"] for u in ups) - t_file,
+                pub.get("patch_bytes", 0),
+                pub,
+                ups,
+                {k: after[k] - before[k] for k in after},
+            )
             rows.append(row)
-            console.print(f"v{v}: every rollout applied it {row.applied_s:.2f} s and exported it "
-                          f"{row.latency_s:.2f} s after the file appeared; patch "
-                          f"{row.patch_bytes / 1e6:.1f} MB")  # fmt: skip
+            console.print(
+                f"v{v}: every rollout applied it {row.applied_s:.2f} s and exported it "
+                f"{row.latency_s:.2f} s after the file appeared; patch "
+                f"{row.patch_bytes / 1e6:.1f} MB"
+            )
         peaks = {p.name: rss_peak_kb(p.popen.pid) * 1024 for p in procs}
     finally:
         swarm.stop()
@@ -132,10 +150,19 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
     pub = write_keypair(key, root / "api.key")
     engine = {k: torch.empty_like(v) for k, v in model.bf16.items()}  # the engine's live tensors
     out = []
-    with Trainer(key=root / "api.key", data_dir=root / "api-t", anchor_every=1000,
-                 patch_format=args.patch_format) as trainer:
-        with Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=root / "api-r",
-                     model=engine, have_poll_s=0.05) as rollout:  # fmt: skip
+    with Trainer(
+        key=root / "api.key",
+        data_dir=root / "api-t",
+        anchor_every=1000,
+        patch_format=args.patch_format,
+    ) as trainer:
+        with Rollout(
+            trust=[str(pub)],
+            peers=[trainer.url],
+            data_dir=root / "api-r",
+            model=engine,
+            have_poll_s=0.05,
+        ) as rollout:
             for v in range(args.versions):
                 if v:
                     model.step()
@@ -146,8 +173,14 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
                     rollout.wait_for_update(timeout=600)
                     hand = rollout.apply_updates()
                 t2 = time.perf_counter()
-                out.append({"version": v, "publish_s": t1 - t0, "total_s": t2 - t0,
-                            "pause_s": hand.pause_s})  # fmt: skip
+                out.append(
+                    {
+                        "version": v,
+                        "publish_s": t1 - t0,
+                        "total_s": t2 - t0,
+                        "pause_s": hand.pause_s,
+                    }
+                )
                 assert all(torch.equal(engine[k], model.bf16[k]) for k in engine)
     return out
 
@@ -155,33 +188,52 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
 def report(args, params: int | None, res: dict, api: list[dict], console: Console) -> None:
     if params is None:
         for a in api:
-            console.print(f"API v{a['version']}: publish() {a['publish_s']:.2f} s, publish -> "
-                          f"applied in the engine {a['total_s']:.2f} s, engine pause "
-                          f"{a['pause_s']:.3f} s")  # fmt: skip
+            console.print(
+                f"API v{a['version']}: publish() {a['publish_s']:.2f} s, publish -> "
+                f"applied in the engine {a['total_s']:.2f} s, engine pause "
+                f"{a['pause_s']:.3f} s"
+            )
         return
     dense = params * 2
-    table = Table("v", "patch MB", "last applied s", "last hand-off s",
-                  "trainer: diff / encode / hash+sign / "
-                  "store s", "rollouts: fetch / apply / persist / export s",
-                  "written MB: trainer | rollouts", title=f"{args.size}: {params / 1e9:.2f}B "
-                  f"params, {dense / 1e9:.2f} GB bf16, {args.rollouts} rollouts")  # fmt: skip
+    table = Table(
+        "v",
+        "patch MB",
+        "last applied s",
+        "last hand-off s",
+        "trainer: diff / encode / hash+sign / store s",
+        "rollouts: fetch / apply / persist / export s",
+        "written MB: trainer | rollouts",
+        title=f"{args.size}: {params / 1e9:.2f}B "
+        f"params, {dense / 1e9:.2f} GB bf16, {args.rollouts} rollouts",
+    )
     for r in res["rows"]:
         p = r.publish
-        split = " / ".join(f"{p.get(k, 0):.2f}" for k in ("diff_s", "encode_s", "hash_sign_s",
-                                                         "store_s"))  # fmt: skip
-        ups = "; ".join(f"{u['fetch_s']:.2f}/{u['apply_s']:.2f}/{u['persist_s']:.3f}/"
-                        f"{u['export_s']:.2f}" for u in r.updates)  # fmt: skip
+        split = " / ".join(
+            f"{p.get(k, 0):.2f}" for k in ("diff_s", "encode_s", "hash_sign_s", "store_s")
+        )
+        ups = "; ".join(
+            f"{u['fetch_s']:.2f}/{u['apply_s']:.2f}/{u['persist_s']:.3f}/{u['export_s']:.2f}"
+            for u in r.updates
+        )
         w = list(r.written.values())
-        table.add_row(f"v{r.version}", f"{r.patch_bytes / 1e6:.1f}", f"{r.applied_s:.2f}",
-                      f"{r.latency_s:.2f}", split,
-                      ups, f"{w[0] / 1e6:.0f} | " + ", ".join(f"{x / 1e6:.0f}" for x in w[1:]))
+        table.add_row(
+            f"v{r.version}",
+            f"{r.patch_bytes / 1e6:.1f}",
+            f"{r.applied_s:.2f}",
+            f"{r.latency_s:.2f}",
+            split,
+            ups,
+            f"{w[0] / 1e6:.0f} | " + ", ".join(f"{x / 1e6:.0f}" for x in w[1:]),
+        )
     console.print(table)
     steady = [r for r in res["rows"] if r.version > 0]
     if steady:
         lat = [r.latency_s for r in steady]
         applied = [r.applied_s for r in steady]
-        console.print(f"per version (v1+): last applied {statistics.mean(applied):.2f} s mean, "
-                      f"{max(applied):.2f} s max")  # fmt: skip
+        console.print(
+            f"per version (v1+): last applied {statistics.mean(applied):.2f} s mean, "
+            f"{max(applied):.2f} s max"
+        )
         patch = statistics.mean(r.patch_bytes for r in steady)
         rw = max(max(list(r.written.values())[1:]) for r in steady)
         console.print(
@@ -190,13 +242,17 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
             f"dense push {dense * 8 / 1e9:.1f} s at 1 Gbit/s, {dense * 8 / 1e10:.2f} s at 10 Gbit/s"
         )
         export = dense  # each rollout's --export file
-        console.print(f"bytes written per version per rollout: max {rw / 1e6:.0f} MB = export "
-                      f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch")
+        console.print(
+            f"bytes written per version per rollout: max {rw / 1e6:.0f} MB = export "
+            f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch"
+        )
     for name, peak in res["peaks"].items():
         console.print(f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    console.print(f"driver peak RSS {peak / 1e6:.2f} GB"
-                  " (it writes every version's file before the nodes start)")
+    console.print(
+        f"driver peak RSS {peak / 1e6:.2f} GB"
+        " (it writes every version's file before the nodes start)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

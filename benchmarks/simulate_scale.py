@@ -49,14 +49,17 @@ def one(path: Path, label: str, **overrides: object) -> dict:
         "events": rep["events"],
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    print(f"{label:<28} {sc.peers:>6} peers {sc.payload_mb:>5g} MB:"
-          f" last {row['completion_s']:.3f} s"
-          f" (p50 {row['p50_s']:.3f}) / bound {row['lower_bound_s']:.3f} s = x{row['ratio']:.2f}"
-          f" (peers that stayed online: x{row['ratio_stayed_online']:.2f});"
-          f" trainer {row['trainer_upload_x']:.2f}x; converged {row['converged']:.1%};"
-          f" bans {row['bans']} (false {row['false_bans']}); wall {wall:.0f} s ="
-          f" {row['wall_ms_per_peer']:.0f} ms/peer, {row['wall_us_per_peer_chunk']:.0f} us per"
-          f" peer-chunk", flush=True)  # fmt: skip
+    print(
+        f"{label:<28} {sc.peers:>6} peers {sc.payload_mb:>5g} MB:"
+        f" last {row['completion_s']:.3f} s"
+        f" (p50 {row['p50_s']:.3f}) / bound {row['lower_bound_s']:.3f} s = x{row['ratio']:.2f}"
+        f" (peers that stayed online: x{row['ratio_stayed_online']:.2f});"
+        f" trainer {row['trainer_upload_x']:.2f}x; converged {row['converged']:.1%};"
+        f" bans {row['bans']} (false {row['false_bans']}); wall {wall:.0f} s ="
+        f" {row['wall_ms_per_peer']:.0f} ms/peer, {row['wall_us_per_peer_chunk']:.0f} us per"
+        f" peer-chunk",
+        flush=True,
+    )
     return row
 
 
@@ -74,8 +77,9 @@ def main() -> None:
         if args.hostile:
             rows.append(one(cfg / "scale-1k-hostile.toml", "1k, 10% corrupt, 20% churn"))
     if args.only in (None, 10000):
-        rows.append(one(cfg / "scale-1k.toml", "10k, 1 Gbit/s", peers=10_000,
-                        payload_mb=args.payload_10k))  # fmt: skip
+        rows.append(
+            one(cfg / "scale-1k.toml", "10k, 1 Gbit/s", peers=10_000, payload_mb=args.payload_10k)
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -51,9 +51,15 @@ SWARM = "bench"
 async def worker(args: argparse.Namespace) -> None:
     """One rollout: learn the manifest, wait for 'go', fetch, report, keep serving."""
     policy = SwarmPolicy(SWARM, (PublicKey.from_text(args.pubkey),))
-    cfg = NodeConfig(role="rollout", data_dir=Path(args.data_dir), trust=(args.pubkey,),
-                     peers=(args.trainer,), poll_interval_s=0.5, have_poll_s=0.2,
-                     max_upload_mbps=float(args.upload_mbps))  # fmt: skip
+    cfg = NodeConfig(
+        role="rollout",
+        data_dir=Path(args.data_dir),
+        trust=(args.pubkey,),
+        peers=(args.trainer,),
+        poll_interval_s=0.5,
+        have_poll_s=0.2,
+        max_upload_mbps=float(args.upload_mbps),
+    )
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
     await node.learn(args.trainer, [args.digest])
@@ -83,13 +89,25 @@ async def start_trainer(
 ) -> tuple[TrainerNode, str, str]:
     key = SigningKey.generate()
     policy = SwarmPolicy(SWARM, (key.public,))
-    cfg = NodeConfig(role="trainer", data_dir=root / "trainer", key=root / "k",
-                     poll_interval_s=5.0, max_upload_mbps=upload_mbps)  # fmt: skip
+    cfg = NodeConfig(
+        role="trainer",
+        data_dir=root / "trainer",
+        key=root / "k",
+        poll_interval_s=5.0,
+        max_upload_mbps=upload_mbps,
+    )
     store = Store.open(cfg.data_dir)
     payload = os.urandom(size)
-    m = manifest_for(payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
-                     target_state="00" * 16, layout="00" * 16, now=int(time.time()),
-                     chunk_size=chunk)  # fmt: skip
+    m = manifest_for(
+        payload,
+        swarm=policy.swarm_id,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=chunk,
+    )
     store.put_payload(m, payload)
     store.put_manifest(m, sign(m, [key]))
     node = TrainerNode(cfg, policy, store)
@@ -102,11 +120,25 @@ async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.
     pub = trainer.policy.keys[0].text()
     procs = []
     for i in range(n):
-        procs.append(await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--worker", "--trainer", url, "--digest", digest,
-            "--pubkey", pub, "--data-dir", str(root / f"r{i}"), "--upload-mbps", str(upload_mbps),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        ))  # fmt: skip
+        procs.append(
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                __file__,
+                "--worker",
+                "--trainer",
+                url,
+                "--digest",
+                digest,
+                "--pubkey",
+                pub,
+                "--data-dir",
+                str(root / f"r{i}"),
+                "--upload-mbps",
+                str(upload_mbps),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+        )
     for p in procs:
         assert p.stdout is not None
         json.loads(await asyncio.wait_for(p.stdout.readline(), 60))  # ready
@@ -125,7 +157,9 @@ async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.
         await p.wait()
     await trainer.stop()
     return {
-        "rollouts": n, "payload_mb": size / 1e6, "last_s": wall,
+        "rollouts": n,
+        "payload_mb": size / 1e6,
+        "last_s": wall,
         "slowest_fetch_s": max(d["done"] for d in done),
         "aggregate_mbs": n * size / 1e6 / wall,
         "trainer_upload_x": (trainer.bytes_uploaded - trainer_before) / size,
@@ -133,7 +167,7 @@ async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.
         "rollout_cpu_user_s": sum(u["cpu"][0] for u in ups),
         "rollout_cpu_sys_s": sum(u["cpu"][1] for u in ups),
         "rollout_context_switches": sum(u["cpu"][2] for u in ups),
-    }  # fmt: skip
+    }
 
 
 def main() -> int:
@@ -156,16 +190,37 @@ def main() -> int:
     for n in (int(x) for x in args.rollouts.split(",")):
         with tempfile.TemporaryDirectory(prefix="p2psync-bench-") as tmp:
             with console.status(f"{args.size_mb:g} MB to {n} rollout(s)"):
-                rows.append(asyncio.run(run(n, int(args.size_mb * 1e6), args.chunk_kb * 1024,
-                                            Path(tmp), args.upload_mbps)))  # fmt: skip
-    table = Table("rollouts", "payload", "last rollout done", "aggregate", "trainer upload",
-                  "rollouts upload", f"time / time({rows[0]['rollouts']})",
-                  title="p2psync swarm on loopback")  # fmt: skip
+                rows.append(
+                    asyncio.run(
+                        run(
+                            n,
+                            int(args.size_mb * 1e6),
+                            args.chunk_kb * 1024,
+                            Path(tmp),
+                            args.upload_mbps,
+                        )
+                    )
+                )
+    table = Table(
+        "rollouts",
+        "payload",
+        "last rollout done",
+        "aggregate",
+        "trainer upload",
+        "rollouts upload",
+        f"time / time({rows[0]['rollouts']})",
+        title="p2psync swarm on loopback",
+    )
     for r in rows:
-        table.add_row(str(r["rollouts"]), f"{r['payload_mb']:.0f} MB", f"{r['last_s']:.2f} s",
-                      f"{r['aggregate_mbs']:.0f} MB/s", f"{r['trainer_upload_x']:.2f}x",
-                      f"{r['rollouts_upload_x']:.2f}x",
-                      f"{r['last_s'] / rows[0]['last_s']:.2f}")  # fmt: skip
+        table.add_row(
+            str(r["rollouts"]),
+            f"{r['payload_mb']:.0f} MB",
+            f"{r['last_s']:.2f} s",
+            f"{r['aggregate_mbs']:.0f} MB/s",
+            f"{r['trainer_upload_x']:.2f}x",
+            f"{r['rollouts_upload_x']:.2f}x",
+            f"{r['last_s'] / rows[0]['last_s']:.2f}",
+        )
     console.print(table)
     print(json.dumps(rows))
     return 0

@@ -21,9 +21,15 @@ from p2p_sync.keys import SigningKey, write_keypair
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -62,8 +68,11 @@ def main() -> None:
                 policy.train_step()
             version = trainer.publish(policy.served.state_dict())
             t = trainer.last_publish or {}
-            print(f"published v{version} ({t.get('patch_bytes', 0):,} B patch, "
-                  f"{t.get('total_s', 0):.3f} s)", flush=True)
+            print(
+                f"published v{version} ({t.get('patch_bytes', 0):,} B patch, "
+                f"{t.get('total_s', 0):.3f} s)",
+                flush=True,
+            )
         input("press Enter to stop seeding ")
 
 

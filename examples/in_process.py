@@ -26,9 +26,12 @@ def main(steps: int = 5) -> int:
     served = policy.served
     engine = tiny_llama().to(torch.bfloat16).eval()
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
-    with Trainer(key=root / "trainer.key", data_dir=root / "t") as trainer, \
-            Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=root / "r",
-                    model=engine) as rollout:  # fmt: skip
+    with (
+        Trainer(key=root / "trainer.key", data_dir=root / "t") as trainer,
+        Rollout(
+            trust=[str(pub)], peers=[trainer.url], data_dir=root / "r", model=engine
+        ) as rollout,
+    ):
         for step in range(steps):
             if step:
                 policy.train_step()
@@ -36,10 +39,14 @@ def main(steps: int = 5) -> int:
             rollout.wait_for_version(version, timeout=60)  # applies held versions as they come
             same = all(torch.equal(a, b) for a, b in zip(engine.parameters(), served.parameters()))
             with torch.no_grad():
-                tokens = [m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-                          for m in (engine, served.eval())]  # fmt: skip
-            print(f"v{version}: engine bit-identical to trainer: {same}; "
-                  f"same generation: {torch.equal(*tokens)}")
+                tokens = [
+                    m.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+                    for m in (engine, served.eval())
+                ]
+            print(
+                f"v{version}: engine bit-identical to trainer: {same}; "
+                f"same generation: {torch.equal(*tokens)}"
+            )
             if not (same and torch.equal(*tokens)):
                 return 1
     return 0

@@ -64,8 +64,9 @@ class _LoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="p2psync-node",
-                                       daemon=True)  # fmt: skip
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="p2psync-node", daemon=True
+        )
         self.thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -116,8 +117,10 @@ class _Embedded:
     def _sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if self._thread is None:
             coro.close()
-            raise RuntimeError(f"{type(self).__name__} is not open: use it in a with block "
-                               "(or async with, and the a-prefixed methods)")  # fmt: skip
+            raise RuntimeError(
+                f"{type(self).__name__} is not open: use it in a with block "
+                "(or async with, and the a-prefixed methods)"
+            )
         return self._thread.run(coro, timeout)
 
     async def _astart(self) -> None:
@@ -249,9 +252,15 @@ class Rollout(_Embedded):
         node = await self._open_node(Node)
         device = self._device()
         self.follower = await asyncio.to_thread(
-            Follower, node, device, self.cfg.export, self.cfg.on_update, self.callback,
-            hold=self.hold, into=self._model,
-        )  # fmt: skip
+            Follower,
+            node,
+            device,
+            self.cfg.export,
+            self.cfg.on_update,
+            self.callback,
+            hold=self.hold,
+            into=self._model,
+        )
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.follower.run(self._stop))
 

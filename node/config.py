@@ -122,20 +122,36 @@ def _check(cfg: NodeConfig) -> None:
         raise bad("chunk_size", "must be between 16 KiB and 64 MiB")
     if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
         raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
-    for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
-                 "max_concurrent_uploads", "upload_queue", "seed_outstanding",
-                 "poll_fanout", "checkpoint_every", "max_peers", "max_unproven_peers",
-                 "peer_max_failures"):  # fmt: skip
+    for name in (
+        "max_requests_per_peer",
+        "min_requests_per_peer",
+        "max_requests_total",
+        "max_concurrent_uploads",
+        "upload_queue",
+        "seed_outstanding",
+        "poll_fanout",
+        "checkpoint_every",
+        "max_peers",
+        "max_unproven_peers",
+        "peer_max_failures",
+    ):
         if getattr(cfg, name) < 1:
             raise bad(name, "must be >= 1")
     if not cfg.store_max_gb > 0:
         raise bad("store_max_gb", "must be positive")
     if cfg.max_upload_mbps < 0:
         raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
-    for name in ("poll_interval_s", "have_poll_s", "watch_interval_s", "reseed_after_s",
-                 "min_request_timeout_s",
-                 "p2p_refresh_s", "p2p_start_timeout_s", "announce_per_s",
-                 "announce_max_age_s"):  # fmt: skip
+    for name in (
+        "poll_interval_s",
+        "have_poll_s",
+        "watch_interval_s",
+        "reseed_after_s",
+        "min_request_timeout_s",
+        "p2p_refresh_s",
+        "p2p_start_timeout_s",
+        "announce_per_s",
+        "announce_max_age_s",
+    ):
         if not getattr(cfg, name) > 0:
             raise bad(name, "must be positive")
     _check_p2p(cfg, bad)

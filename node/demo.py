@@ -28,11 +28,20 @@ def uploaded(procs: list[Proc]) -> int:
     return sum((p.status() or {}).get("bytes_uploaded", 0) for p in procs)
 
 
-def run(root: Path, size: str, n_versions: int, late_at: int, console: Console,
-        patch_format: int = 2) -> bool:  # fmt: skip
+def run(
+    root: Path, size: str, n_versions: int, late_at: int, console: Console, patch_format: int = 2
+) -> bool:
     swarm = Swarm(root, chunk_size=64 * 1024)
-    table = Table("version", "artifacts", "applied at all", "exported at all", "trainer sent",
-                  "rollouts sent", "rollouts", title="p2psync swarm demo")  # fmt: skip
+    table = Table(
+        "version",
+        "artifacts",
+        "applied at all",
+        "exported at all",
+        "trainer sent",
+        "rollouts sent",
+        "rollouts",
+        title="p2psync swarm demo",
+    )
     try:
         trainer = swarm.start_trainer(anchor_every=4, extra=("--patch-format", str(patch_format)))
         rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url]) for i in range(3)]
@@ -49,9 +58,15 @@ def run(root: Path, size: str, n_versions: int, late_at: int, console: Console,
             applied = max(u.get("applied_at", 0.0) for u in ups) - t0
             exported = max(u.get("at", 0.0) for u in ups) - t0
             kinds = sorted({m["kind"] for m in _manifests(trainer) if m["version"] == v})
-            table.add_row(f"v{v}", "+".join(kinds), f"{applied:.2f} s", f"{exported:.2f} s",
-                          f"{uploaded([trainer]) - t_up:,} B", f"{uploaded(rollouts) - r_up:,} B",
-                          str(len(rollouts)))  # fmt: skip
+            table.add_row(
+                f"v{v}",
+                "+".join(kinds),
+                f"{applied:.2f} s",
+                f"{exported:.2f} s",
+                f"{uploaded([trainer]) - t_up:,} B",
+                f"{uploaded(rollouts) - r_up:,} B",
+                str(len(rollouts)),
+            )
             last = weights
         console.print(table)
         return _check(swarm, rollouts, last, console)
@@ -86,15 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=120)
     n = parameter_count(args.size)
-    console.print(f"[bold]p2psync demo[/]: {args.size} model, {n / 1e6:.1f}M parameters "
-                  f"({2 * n / 1e6:.0f} MB bf16), {args.versions} versions, lr 1e-6")  # fmt: skip
+    console.print(
+        f"[bold]p2psync demo[/]: {args.size} model, {n / 1e6:.1f}M parameters "
+        f"({2 * n / 1e6:.0f} MB bf16), {args.versions} versions, lr 1e-6"
+    )
     if args.dir:
         args.dir.mkdir(parents=True, exist_ok=True)
         ok = run(args.dir, args.size, args.versions, args.late_at, console, args.patch_format)
     else:
         with tempfile.TemporaryDirectory(prefix="p2psync-demo-") as tmp:
-            ok = run(Path(tmp), args.size, args.versions, args.late_at, console,
-                     args.patch_format)
+            ok = run(Path(tmp), args.size, args.versions, args.late_at, console, args.patch_format)
     return 0 if ok else 1
 
 

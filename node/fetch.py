@@ -151,11 +151,12 @@ class Download:
         if await asyncio.to_thread(self.node.store.verify_pack, self.m):
             return
         if self.attempt >= MAX_ATTEMPTS:  # the disk keeps losing what we store: stop, loudly
-            raise StoreError(f"{self.m.digest}: chunks stored for this payload keep failing "
-                             f"their hash on disk ({self.attempt} downloads)")  # fmt: skip
+            raise StoreError(
+                f"{self.m.digest}: chunks stored for this payload keep failing "
+                f"their hash on disk ({self.attempt} downloads)"
+            )
         # a stored chunk vanished or rotted on disk: fetch what is missing again
-        await Download(self.node, self.m, self.sched.config, self.on_chunk,
-                       self.attempt + 1).run()  # fmt: skip
+        await Download(self.node, self.m, self.sched.config, self.on_chunk, self.attempt + 1).run()
 
 
 async def fetch_payload(

@@ -42,8 +42,11 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
     node = node_cls(cfg, policy, store)
     node.signer = key  # the trainer signs its gossip announcements with its manifest key
     url = await node.start()
-    print(f"p2psync {cfg.role} listening on {url} (swarm {policy.swarm_id[:16]}, "
-          f"version {store.state.version if store.state else 'none'})", flush=True)  # fmt: skip
+    print(
+        f"p2psync {cfg.role} listening on {url} (swarm {policy.swarm_id[:16]}, "
+        f"version {store.state.version if store.state else 'none'})",
+        flush=True,
+    )
     print(f"p2psync libp2p {node.multiaddr or 'off (HTTP peers only)'}", flush=True)
     try:
         if cfg.role == "bootstrap":
@@ -69,17 +72,29 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
 
 def cmd_node(args: argparse.Namespace) -> int:
     overrides = {
-        "role": args.role, "data_dir": args.data_dir, "listen": args.listen, "key": args.key,
-        "trust": args.trust, "peers": args.peers, "watch": args.watch, "export": args.export,
-        "on_update": args.on_update, "swarm": args.swarm, "device": args.device,
-        "chunk_size": args.chunk_size, "max_upload_mbps": args.max_upload_mbps,
-        "patch_format": args.patch_format, "checkpoint_every": args.checkpoint_every,
-        "p2p": False if args.no_p2p else None, "p2p_listen": args.p2p_listen,
+        "role": args.role,
+        "data_dir": args.data_dir,
+        "listen": args.listen,
+        "key": args.key,
+        "trust": args.trust,
+        "peers": args.peers,
+        "watch": args.watch,
+        "export": args.export,
+        "on_update": args.on_update,
+        "swarm": args.swarm,
+        "device": args.device,
+        "chunk_size": args.chunk_size,
+        "max_upload_mbps": args.max_upload_mbps,
+        "patch_format": args.patch_format,
+        "checkpoint_every": args.checkpoint_every,
+        "p2p": False if args.no_p2p else None,
+        "p2p_listen": args.p2p_listen,
         "bootstrap": args.bootstrap,
-    }  # fmt: skip
+    }
     cfg = load(args.config, overrides)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s",
-                        stream=sys.stderr)  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s", stream=sys.stderr
+    )
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -133,11 +148,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     node.add_argument("--device", help="cpu, cuda or auto")
     node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
     node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
-    node.add_argument("--patch-format", type=int, choices=[1, 2],
-                      help="trainer: 2 (default) codes positions by the base's exponents, "
-                      "smaller; 1 is faster to code on a CPU")
-    node.add_argument("--checkpoint-every", type=int,
-                      help="write full weights every N versions (default 10; else a log line)")
+    node.add_argument(
+        "--patch-format",
+        type=int,
+        choices=[1, 2],
+        help="trainer: 2 (default) codes positions by the base's exponents, "
+        "smaller; 1 is faster to code on a CPU",
+    )
+    node.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="write full weights every N versions (default 10; else a log line)",
+    )
     node.add_argument(
         "--bootstrap",
         action="append",

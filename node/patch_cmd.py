@@ -17,8 +17,12 @@ from p2p_sync.patch import apply, diff
 from p2p_sync.statehash import state_hash
 from p2p_sync.weights_io import load_weights, save_weights
 
-CODINGS = {codec.UNCHANGED: "unchanged", codec.SPARSE: "sparse", codec.DENSE: "dense",
-           codec.CLASSED: "sparse-by-exponent"}
+CODINGS = {
+    codec.UNCHANGED: "unchanged",
+    codec.SPARSE: "sparse",
+    codec.DENSE: "dense",
+    codec.CLASSED: "sparse-by-exponent",
+}
 
 
 def pick_device(name: str) -> str:
@@ -119,14 +123,29 @@ def _print_inspect(path: Path, d: dict, console: Console) -> None:
         f"{_fmt(d['bits_per_changed'], '.2f')} bits per changed element, "
         f"{d['ratio_vs_dense']:.1f}x smaller than dense ({d['dense_bytes']:,} bytes)"
     )
-    table = Table("tensor", "shape", "dtype", "coding", "changed", "density", "bytes",
-                  "bits/changed", "vs dense")  # fmt: skip
+    table = Table(
+        "tensor",
+        "shape",
+        "dtype",
+        "coding",
+        "changed",
+        "density",
+        "bytes",
+        "bits/changed",
+        "vs dense",
+    )
     for r in d["rows"]:
         table.add_row(
-            r["name"], "x".join(map(str, r["shape"])) or "scalar", r["dtype"], r["coding"],
-            f"{r['changed']:,}", f"{r['density']:.3%}", f"{r['bytes']:,}",
-            _fmt(r["bits_per_changed"], ".2f"), _fmt(r["ratio_vs_dense"], ".1f"),
-        )  # fmt: skip
+            r["name"],
+            "x".join(map(str, r["shape"])) or "scalar",
+            r["dtype"],
+            r["coding"],
+            f"{r['changed']:,}",
+            f"{r['density']:.3%}",
+            f"{r['bytes']:,}",
+            _fmt(r["bits_per_changed"], ".2f"),
+            _fmt(r["ratio_vs_dense"], ".1f"),
+        )
     console.print(table)
 
 
@@ -153,8 +172,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--base", type=Path, required=True, help="base weights (.safetensors)")
     create.add_argument("--new", type=Path, required=True, help="new weights (.safetensors)")
     create.add_argument("--out", type=Path, required=True, help="patch file to write")
-    create.add_argument("--level", type=int, default=codec.DEFAULT_LEVEL, choices=range(1, 23),
-                        metavar="1-22", help="zstd level (default %(default)s)")  # fmt: skip
+    create.add_argument(
+        "--level",
+        type=int,
+        default=codec.DEFAULT_LEVEL,
+        choices=range(1, 23),
+        metavar="1-22",
+        help="zstd level (default %(default)s)",
+    )
     create.set_defaults(func=cmd_create)
 
     app = psub.add_parser("apply", help="apply a patch to --base and write --out")
@@ -171,6 +196,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     insp.add_argument("file", type=Path, help="patch file")
     insp.add_argument("--json", action="store_true", help="print JSON instead of a table")
     insp.add_argument("--verify", action="store_true", help="also decode and check every frame")
-    insp.add_argument("--base", type=Path,
-                      help="with --verify: the base weights (format 2 frames decode against them)")
+    insp.add_argument(
+        "--base",
+        type=Path,
+        help="with --verify: the base weights (format 2 frames decode against them)",
+    )
     insp.set_defaults(func=cmd_inspect)

@@ -48,8 +48,9 @@ WORKERS = os.cpu_count() or 1
 
 
 def artifact(m: Manifest) -> Artifact:
-    return Artifact(m.version, m.kind, m.base_version, m.base_state, m.target_state,
-                    m.payload_size, m.digest)  # fmt: skip
+    return Artifact(
+        m.version, m.kind, m.base_version, m.base_state, m.target_state, m.payload_size, m.digest
+    )
 
 
 @dataclass
@@ -91,8 +92,11 @@ class Follower:
         restored = restore(node.store, device, self.into, WORKERS)
         if restored is not None:
             self.weights, self.digest = restored.weights, restored.digest
-            log.info("restored v%d (%d logged patches replayed)", restored.state.version,
-                     restored.replayed)  # fmt: skip
+            log.info(
+                "restored v%d (%d logged patches replayed)",
+                restored.state.version,
+                restored.replayed,
+            )
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
         self.pending: list[tuple[Manifest, float]] = []  # fetched, not yet applied (hold mode)
         self.ready = asyncio.Event()  # set while ``pending`` is not empty
@@ -163,8 +167,9 @@ class Follower:
     async def _checkpoint(self, version: int, target: str) -> None:
         weights = self.weights
         assert weights is not None
-        await asyncio.to_thread(self.node.store.set_checkpoint, version, target,
-                                lambda p: save_weights(p, weights))  # fmt: skip
+        await asyncio.to_thread(
+            self.node.store.set_checkpoint, version, target, lambda p: save_weights(p, weights)
+        )
 
     async def _persist(self, m: Manifest) -> None:
         """Log the version (one small fsynced line); checkpoint every ``checkpoint_every``
@@ -226,9 +231,16 @@ class Follower:
         news.set()
         self.updates = [*self.updates[-15:], up]
         self.node.last_update = asdict(up)
-        log.info("v%d applied (%s, %s bytes): fetch %.2fs, apply %.3fs, persist %.3fs, "
-                 "export %.2fs", up.version, up.kind, f"{up.payload_bytes:,}", up.fetch_s,
-                 up.apply_s, up.persist_s, up.export_s)  # fmt: skip
+        log.info(
+            "v%d applied (%s, %s bytes): fetch %.2fs, apply %.3fs, persist %.3fs, export %.2fs",
+            up.version,
+            up.kind,
+            f"{up.payload_bytes:,}",
+            up.fetch_s,
+            up.apply_s,
+            up.persist_s,
+            up.export_s,
+        )
 
     async def apply_pending(self) -> list[Update]:
         """Apply every fetched version now, in order (hold mode: the engine calls this between

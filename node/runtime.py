@@ -82,8 +82,9 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.uploaded = Counter("p2psync_bytes_uploaded", "Chunk bytes served", registry=r)
-        self.downloaded = Counter("p2psync_bytes_downloaded", "Verified chunk bytes fetched",
-                                  registry=r)  # fmt: skip
+        self.downloaded = Counter(
+            "p2psync_bytes_downloaded", "Verified chunk bytes fetched", registry=r
+        )
         self.version = Gauge("p2psync_version", "Accepted weights version", registry=r)
         self.peers = Gauge("p2psync_peers", "Known peers", registry=r)
         self.bans = Counter("p2psync_peers_banned", "Peers banned for bad data", registry=r)
@@ -113,8 +114,11 @@ class Node:
         self.directory = _peer_directory(cfg)
         self.url: str | None = None
         cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
-        limits = HttpLimits(max_concurrent_uploads=cfg.max_concurrent_uploads,
-                            upload_queue=cfg.upload_queue, max_upload_bytes_per_s=cap)  # fmt: skip
+        limits = HttpLimits(
+            max_concurrent_uploads=cfg.max_concurrent_uploads,
+            upload_queue=cfg.upload_queue,
+            max_upload_bytes_per_s=cap,
+        )
         self.server = DataServer(self, limits)
         self.client: DataClient | None = None
         self.new_info = asyncio.Event()
@@ -131,8 +135,9 @@ class Node:
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
-        self.trusted = TrustedSet(policy, lambda: self.accepted_version, _trust_limits(cfg),
-                                  self._accepted_layout)  # fmt: skip
+        self.trusted = TrustedSet(
+            policy, lambda: self.accepted_version, _trust_limits(cfg), self._accepted_layout
+        )
         self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
         self.metrics.version.set(store.state.version if store.state else -1)
         for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
@@ -170,13 +175,22 @@ class Node:
                 listen=self.cfg.p2p_listen or p2p.default_listen(host),
                 advertise_host=self.cfg.advertise_host,
                 identity_path=self.cfg.data_dir / p2p.IDENTITY_FILE,
-                topic=announce.topic(self.policy.swarm_id), http_url=self.url,
-                bootstrap=self.cfg.bootstrap, max_connections=self.cfg.p2p_max_connections,
-                max_rejects=self.cfg.p2p_max_rejects, refresh_s=self.cfg.p2p_refresh_s,
+                topic=announce.topic(self.policy.swarm_id),
+                http_url=self.url,
+                bootstrap=self.cfg.bootstrap,
+                max_connections=self.cfg.p2p_max_connections,
+                max_rejects=self.cfg.p2p_max_rejects,
+                refresh_s=self.cfg.p2p_refresh_s,
                 start_timeout_s=self.cfg.p2p_start_timeout_s,
-            )  # fmt: skip
-            node = p2p.P2PHost(settings, self._judge, self._on_gossip, self._on_p2p_peer,
-                               self.store.has_manifest, self._heard)  # fmt: skip
+            )
+            node = p2p.P2PHost(
+                settings,
+                self._judge,
+                self._on_gossip,
+                self._on_p2p_peer,
+                self.store.has_manifest,
+                self._heard,
+            )
             self.multiaddr = await node.start()
         except Exception as exc:  # any failure (import, identity file, bind): HTTP only
             log.warning("libp2p unavailable, using --peers only: %s", exc)
@@ -318,8 +332,9 @@ class Node:
         wait = self._gossip_rate.reserve(1, time.monotonic())
         if wait > 0:
             await asyncio.sleep(wait)  # rate limit, not synchronization
-        a = announce.Announcement(self.policy.swarm_id, version, tuple(digests),
-                                  int(time.time() * 1000), (self.url,))  # fmt: skip
+        a = announce.Announcement(
+            self.policy.swarm_id, version, tuple(digests), int(time.time() * 1000), (self.url,)
+        )
         inline = [b for b in map(self.store.manifest_bytes, digests) if b is not None]
         data = announce.encode(a, [self.signer], inline, self.trusted.limits.announce)
         try:
@@ -416,10 +431,15 @@ class Node:
 
     def manifest_index(self) -> list[dict[str, Any]]:
         return [
-            {"digest": m.digest, "version": m.version, "kind": m.kind,
-             "base_version": m.base_version, "payload_size": m.payload_size}
+            {
+                "digest": m.digest,
+                "version": m.version,
+                "kind": m.kind,
+                "base_version": m.base_version,
+                "payload_size": m.payload_size,
+            }
             for m in self.store.manifests()
-        ]  # fmt: skip
+        ]
 
     def manifest_bytes(self, digest: str) -> bytes | None:
         return self.store.manifest_bytes(digest)

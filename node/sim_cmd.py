@@ -16,8 +16,12 @@ from simulations.swarm_sim import VersionResult
 def cmd_simulate(args: argparse.Namespace) -> int:
     sc = scenarios.load(args.scenario, peers=args.peers, seed=args.seed, versions=args.versions)
     console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, disable=args.quiet) as bar:
         tasks: dict[int, int] = {}
 
@@ -36,9 +40,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             )
 
         rep = simulate_to(sc, args.out, not args.no_plots, on_version, progress)
-    print(f"{sc.name}: worst x{rep['ratio_to_bound']['worst']:.2f} of the lower bound, "
-          f"{rep['honest_converged_fraction']:.1%} honest converged, {rep['false_bans']} false "
-          f"bans; report in {args.out / 'report.json'}")  # fmt: skip
+    print(
+        f"{sc.name}: worst x{rep['ratio_to_bound']['worst']:.2f} of the lower bound, "
+        f"{rep['honest_converged_fraction']:.1%} honest converged, {rep['false_bans']} false "
+        f"bans; report in {args.out / 'report.json'}"
+    )
     return 0
 
 

@@ -143,14 +143,21 @@ class Publisher:
             acc = merge([acc, codec.decode(data, workers=WORKERS)])
         return acc
 
-    def _manifest(self, version: int, kind: str, target: str, layout: str,
-                  payload: bytes | None, **extra) -> Manifest:  # fmt: skip
+    def _manifest(
+        self, version: int, kind: str, target: str, layout: str, payload: bytes | None, **extra
+    ) -> Manifest:
         return manifest_for(
-            payload, swarm=self.node.policy.swarm_id, version=version, kind=kind,
-            target_state=target, layout=layout, now=int(time.time()),
-            lifetime_s=self.node.cfg.manifest_lifetime_s, chunk_size=self.node.cfg.chunk_size,
+            payload,
+            swarm=self.node.policy.swarm_id,
+            version=version,
+            kind=kind,
+            target_state=target,
+            layout=layout,
+            now=int(time.time()),
+            lifetime_s=self.node.cfg.manifest_lifetime_s,
+            chunk_size=self.node.cfg.chunk_size,
             **extra,
-        )  # fmt: skip
+        )
 
     def _snapshot(self, version: int, new: TensorSet, target: str, layout: str) -> Built:
         """The anchor: written straight to a pack file one tensor at a time, hashed by reading
@@ -215,8 +222,9 @@ class Publisher:
         target = target_hash.hex()
         return version, target, None, self._artifacts(version, target, layout, self.prev, payload)
 
-    def _stream_frames(self, fd: int, entries: list, start: int, path: Path,
-                       digest: StateDigest) -> tuple[dict, dict]:  # fmt: skip
+    def _stream_frames(
+        self, fd: int, entries: list, start: int, path: Path, digest: StateDigest
+    ) -> tuple[dict, dict]:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
         to the file's version tensor by tensor (the digest by the words that changed)."""
         assert self.prev is not None
@@ -256,8 +264,9 @@ class Publisher:
         self.prev_hash = bytes.fromhex(restored.state.state_hash) if restored else None
         self.digest = restored.digest if restored is not None else None
 
-    def _artifacts(self, version: int, target: str, layout: Layout, weights: TensorSet,
-                   step: bytes | None) -> list[Built]:  # fmt: skip
+    def _artifacts(
+        self, version: int, target: str, layout: Layout, weights: TensorSet, step: bytes | None
+    ) -> list[Built]:
         """Sign what ``versions.to_publish`` says: the anchor, the 1-step patch, merged spans."""
         t, built = self.timings, []
         layout_hex = layout_fingerprint(layout).hex()
@@ -277,14 +286,28 @@ class Publisher:
             else:
                 continue
             t2 = time.perf_counter()
-            m = self._manifest(version, PATCH, target, layout_hex, payload, base_version=base,
-                               base_state=base_state)  # fmt: skip
+            m = self._manifest(
+                version,
+                PATCH,
+                target,
+                layout_hex,
+                payload,
+                base_version=base,
+                base_state=base_state,
+            )
             built.append((m, sign(m, [self.key]), payload))
             t.hash_sign_s += time.perf_counter() - t2
         return built
 
-    def _store(self, version: int, target: str, new: TensorSet, step: Patch | None,
-               built: list[Built], owned: bool) -> None:  # fmt: skip
+    def _store(
+        self,
+        version: int,
+        target: str,
+        new: TensorSet,
+        step: Patch | None,
+        built: list[Built],
+        owned: bool,
+    ) -> None:
         t0 = time.perf_counter()
         store = self.node.store
         for m, signed, payload in built:
@@ -324,15 +347,18 @@ class Publisher:
         """Publish a safetensors file (``--watch``): streamed tensor by tensor into ``prev``
         when there is one on the CPU to diff against, else loaded whole."""
         prev = self.prev
-        if prev is None or self.next_version == 0 or any(t.device.type != "cpu" or
-                                                         not t.is_contiguous()
-                                                         for t in prev.values()):  # fmt: skip
+        if (
+            prev is None
+            or self.next_version == 0
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in prev.values())
+        ):
             weights = await asyncio.to_thread(load_weights, path)
             return await self.publish(weights, owned=True)
         return await self._publish(lambda: self._build_file(path), None, True)
 
-    async def _publish(self, build: Callable[[], tuple], new: TensorSet | None,
-                       owned: bool) -> list[Manifest]:  # fmt: skip
+    async def _publish(
+        self, build: Callable[[], tuple], new: TensorSet | None, owned: bool
+    ) -> list[Manifest]:
         t0 = time.perf_counter()
         version, target, step, built = await asyncio.to_thread(build)
         new = new if new is not None else self.prev
@@ -346,18 +372,27 @@ class Publisher:
         t = self.timings
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
-        log.info("published v%d in %.2fs (diff %.2f, encode %.2f, hash+sign %.2f, store %.2f, "
-                 "snapshot %.2f): %s", version, t.total_s, t.diff_s, t.encode_s, t.hash_sign_s,
-                 t.store_s, t.snapshot_s,
-                 ", ".join(f"{m.kind} {m.payload_size:,} B" for m in manifests))  # fmt: skip
+        log.info(
+            "published v%d in %.2fs (diff %.2f, encode %.2f, hash+sign %.2f, store %.2f, "
+            "snapshot %.2f): %s",
+            version,
+            t.total_s,
+            t.diff_s,
+            t.encode_s,
+            t.hash_sign_s,
+            t.store_s,
+            t.snapshot_s,
+            ", ".join(f"{m.kind} {m.payload_size:,} B" for m in manifests),
+        )
         return manifests
 
     def close(self) -> None:
         """Checkpoint the head at clean shutdown, so a restart replays nothing."""
         state, store = self.node.store.state, self.node.store
         if state is not None and self.prev is not None and store.checkpoint_due(1):
-            store.set_checkpoint(state.version, state.state_hash,
-                                 lambda p: save_weights(p, self.prev))  # fmt: skip
+            store.set_checkpoint(
+                state.version, state.state_hash, lambda p: save_weights(p, self.prev)
+            )
 
     def refresh(self, now: int) -> list[Manifest]:
         """Re-sign the newest manifest of each (version, kind, base) once half its lifetime has

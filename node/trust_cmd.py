@@ -39,11 +39,18 @@ def _print_manifest(path: Path, m: manifest.Manifest, sigs: list[dict], verdict:
     base = f"v{m.base_version} ({m.base_state})" if m.kind == manifest.PATCH else "-"
     print(f"{path}: p2psync manifest, {verdict}")
     for label, value in [
-        ("swarm", m.swarm), ("version", m.version), ("kind", m.kind), ("base", base),
-        ("target state", m.target_state), ("layout", m.layout), ("codec", m.codec),
+        ("swarm", m.swarm),
+        ("version", m.version),
+        ("kind", m.kind),
+        ("base", base),
+        ("target state", m.target_state),
+        ("layout", m.layout),
+        ("codec", m.codec),
         ("payload", f"{m.payload_size:,} bytes in {len(m.chunks)} chunk(s) of {m.chunk_size:,}"),
-        ("created", _when(m.created)), ("expires", _when(m.expires)), ("digest", m.digest),
-    ]:  # fmt: skip
+        ("created", _when(m.created)),
+        ("expires", _when(m.expires)),
+        ("digest", m.digest),
+    ]:
         print(f"  {label:<13}{value}")
     for s in sigs:
         print(f"  signature    key {s['keyid'][:16]}...")
@@ -75,8 +82,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     insp = sub.add_parser("inspect", help="show a manifest or a patch in readable form")
     insp.add_argument("file", type=Path)
-    insp.add_argument("--trust", action="append", default=[], metavar="KEY_OR_PUBFILE",
-                      help="trusted public key (repeatable); verifies the manifest")  # fmt: skip
+    insp.add_argument(
+        "--trust",
+        action="append",
+        default=[],
+        metavar="KEY_OR_PUBFILE",
+        help="trusted public key (repeatable); verifies the manifest",
+    )
     insp.add_argument("--swarm", default="default", help="swarm name (default: %(default)s)")
     insp.add_argument("--threshold", type=int, default=1, help="signatures needed (default 1)")
     insp.add_argument("--json", action="store_true", help="print JSON")

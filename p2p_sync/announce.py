@@ -95,9 +95,15 @@ class Announcement:
     sources: tuple[str, ...] = ()
 
     def signed(self) -> dict:
-        return {"_type": TYPE, "spec_version": SPEC_VERSION, "swarm": self.swarm,
-                "version": self.version, "digests": list(self.digests),
-                "issued_ms": self.issued_ms, "sources": list(self.sources)}  # fmt: skip
+        return {
+            "_type": TYPE,
+            "spec_version": SPEC_VERSION,
+            "swarm": self.swarm,
+            "version": self.version,
+            "digests": list(self.digests),
+            "issued_ms": self.issued_ms,
+            "sources": list(self.sources),
+        }
 
 
 @dataclass(frozen=True)
@@ -132,8 +138,15 @@ def encode(
 
 # ---------------------------------------------------------------- parsing
 
-_FIELDS: dict[str, type] = {"_type": str, "spec_version": int, "swarm": str, "version": int,
-                            "digests": list, "issued_ms": int, "sources": list}  # fmt: skip
+_FIELDS: dict[str, type] = {
+    "_type": str,
+    "spec_version": int,
+    "swarm": str,
+    "version": int,
+    "digests": list,
+    "issued_ms": int,
+    "sources": list,
+}
 
 
 def _is_hex64(value: object) -> bool:
@@ -155,8 +168,9 @@ def _check_signed(signed: object, limits: AnnounceLimits) -> Announcement:
         raise MalformedAnnouncementError(f"sources must be 0..{limits.max_sources} http URLs")
     if signed["version"] < 0 or not _is_hex64(signed["swarm"]):
         raise MalformedAnnouncementError("version or swarm is malformed")
-    return Announcement(signed["swarm"], signed["version"], tuple(digests), signed["issued_ms"],
-                        tuple(sources))  # fmt: skip
+    return Announcement(
+        signed["swarm"], signed["version"], tuple(digests), signed["issued_ms"], tuple(sources)
+    )
 
 
 def _valid_source(url: object) -> bool:
@@ -176,9 +190,11 @@ def parse(data: bytes, limits: AnnounceLimits = AnnounceLimits()) -> tuple:
     announcement = _check_signed(doc["signed"], limits)
     sigs, inline = doc["signatures"], doc["manifests"]
     if not isinstance(sigs, list) or not all(
-        isinstance(s, dict) and set(s) == {"keyid", "sig"}
-        and all(isinstance(v, str) for v in s.values()) for s in sigs
-    ):  # fmt: skip
+        isinstance(s, dict)
+        and set(s) == {"keyid", "sig"}
+        and all(isinstance(v, str) for v in s.values())
+        for s in sigs
+    ):
         raise MalformedAnnouncementError("signatures must be a list of {keyid, sig} strings")
     if not isinstance(inline, list) or not all(isinstance(m, str) for m in inline):
         raise MalformedAnnouncementError("manifests must be a list of strings")
@@ -190,8 +206,13 @@ def parse(data: bytes, limits: AnnounceLimits = AnnounceLimits()) -> tuple:
 # ---------------------------------------------------------------- judging
 
 
-def _check(data: bytes, policy: SwarmPolicy, now_ms: int, limits: AnnounceLimits,
-           verify_inline: Callable[[bytes], Manifest]) -> tuple:  # fmt: skip
+def _check(
+    data: bytes,
+    policy: SwarmPolicy,
+    now_ms: int,
+    limits: AnnounceLimits,
+    verify_inline: Callable[[bytes], Manifest],
+) -> tuple:
     announcement, sigs, inline = parse(data, limits)
     try:
         check_signatures(announcement, sigs, policy)  # type: ignore[arg-type]  # duck: .signed()

@@ -84,8 +84,9 @@ class Assembler:
         return b"".join(self._chunks[i] for i in range(len(self.manifest.chunks)))
 
 
-def file_chunk_hashes(path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE
-                      ) -> tuple[tuple[str, ...], int]:  # fmt: skip
+def file_chunk_hashes(
+    path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[tuple[str, ...], int]:
     """Chunk hashes and size of a payload file, read block by block into one reused buffer
     (a multi-GB snapshot is hashed without ever being held, or mapped, in memory)."""
     buf = bytearray(chunk_size)
@@ -119,8 +120,17 @@ def manifest_for(
         assert payload is not None
         chunks = chunk_hashes(payload, chunk_size), len(payload)
     return Manifest(
-        swarm=swarm, version=version, kind=kind, base_version=base_version,
-        base_state=base_state, target_state=target_state, layout=layout, codec=CODECS[kind],
-        payload_size=chunks[1], chunk_size=chunk_size,
-        chunks=chunks[0], created=now, expires=now + lifetime_s,
-    )  # fmt: skip
+        swarm=swarm,
+        version=version,
+        kind=kind,
+        base_version=base_version,
+        base_state=base_state,
+        target_state=target_state,
+        layout=layout,
+        codec=CODECS[kind],
+        payload_size=chunks[1],
+        chunk_size=chunk_size,
+        chunks=chunks[0],
+        created=now,
+        expires=now + lifetime_s,
+    )

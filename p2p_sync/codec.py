@@ -612,8 +612,9 @@ def class_map(base_bits: np.ndarray, dtype: torch.dtype) -> ClassMap:
     pairs = np.empty((2, 4, nw), np.uint64)
     for half in range(2):
         lo, hi = 2 * half, 2 * half + 1
-        for v, (x, y) in enumerate(((inverse, inverse), (planes, inverse),
-                                    (inverse, planes), (planes, planes))):  # fmt: skip
+        for v, (x, y) in enumerate(
+            ((inverse, inverse), (planes, inverse), (inverse, planes), (planes, planes))
+        ):
             np.bitwise_and(x[lo], y[hi], out=pairs[half, v])
     words = np.empty((N_CLASSES, nw), np.uint64)
     for c in range(N_CLASSES):
@@ -745,8 +746,9 @@ class _ClassCodes:
             unary = np.zeros((int(self.quotients.sum()) + self.quotients.size + 7) // 8, np.uint8)
             planes = np.zeros(sum(sizes), np.uint8)
             plane_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-            kernels["rice_encode"](self.quotients, self.remainders, self.coded, self.k, unary,
-                                   planes, plane_start)  # fmt: skip
+            kernels["rice_encode"](
+                self.quotients, self.remainders, self.coded, self.k, unary, planes, plane_start
+            )
             return unary.tobytes(), planes.tobytes()
         k_of = np.repeat(self.k, self.coded)
         return _unary(self.quotients), _remainder_planes(self.remainders, k_of)
@@ -783,8 +785,14 @@ def _code_classes(rank: np.ndarray, bounds: np.ndarray, members: np.ndarray) -> 
 # numpy (class_map + class_ranks/class_select above), several times slower.
 
 
-def _rank_scan_py(u: np.ndarray, shift: int, pos: np.ndarray, cls: np.ndarray,
-                  rank: np.ndarray, members: np.ndarray) -> None:  # fmt: skip
+def _rank_scan_py(
+    u: np.ndarray,
+    shift: int,
+    pos: np.ndarray,
+    cls: np.ndarray,
+    rank: np.ndarray,
+    members: np.ndarray,
+) -> None:
     """Kernel: class and class rank of each sorted position; class sizes into ``members``.
     Between two changed positions the loop only counts, into four histograms in turn, so runs
     of one class do not wait on one counter."""
@@ -812,10 +820,18 @@ def _rank_scan_py(u: np.ndarray, shift: int, pos: np.ndarray, cls: np.ndarray,
         members[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
 
 
-def _select_scan_py(u: np.ndarray, shift: int, ranks: np.ndarray, first: np.ndarray,
-                    complement: np.ndarray, out_pos: np.ndarray, out_cls: np.ndarray,
-                    out_within: np.ndarray, members: np.ndarray,
-                    cursor: np.ndarray) -> int:  # fmt: skip
+def _select_scan_py(
+    u: np.ndarray,
+    shift: int,
+    ranks: np.ndarray,
+    first: np.ndarray,
+    complement: np.ndarray,
+    out_pos: np.ndarray,
+    out_cls: np.ndarray,
+    out_within: np.ndarray,
+    members: np.ndarray,
+    cursor: np.ndarray,
+) -> int:
     """Kernel: walk the base once; an element is changed when its class rank is the class's
     next coded rank (or, in a complement class, is not). ``ranks`` holds each class's coded
     ranks from ``first[c]`` on, closed by a sentinel >= 2^62. Emits changed positions in order,
@@ -876,8 +892,13 @@ def _kernels() -> dict[str, Callable]:
         except ImportError:  # pragma: no cover - numba is a dependency; this keeps a fallback
             _KERNELS.update(fast=False)
             return _KERNELS
-        kernels = {"rank": _rank_scan_py, "select": _select_scan_py, "rice": _rice_decode_py,
-                   "rice_encode": _rice_encode_py, "gather": _gather_py}  # fmt: skip
+        kernels = {
+            "rank": _rank_scan_py,
+            "select": _select_scan_py,
+            "rice": _rice_decode_py,
+            "rice_encode": _rice_encode_py,
+            "gather": _gather_py,
+        }
         try:
             compiled = {k: numba.njit(cache=True, nogil=True)(f) for k, f in kernels.items()}
         except RuntimeError:  # no writable cache location: compile in memory each process
@@ -909,8 +930,13 @@ def scan_ranks(base_bits: Bits, dtype: torch.dtype, pos: np.ndarray) -> tuple:
     return cls, rank, cmap.members
 
 
-def _select_numpy(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
-                  starts: np.ndarray, complement: np.ndarray) -> Selected:  # fmt: skip
+def _select_numpy(
+    base_bits: np.ndarray,
+    dtype: torch.dtype,
+    ranks: np.ndarray,
+    starts: np.ndarray,
+    complement: np.ndarray,
+) -> Selected:
     cmap = class_map(base_bits, dtype)
     parts, consumed = [], np.zeros(N_CLASSES, np.int64)
     for c in range(N_CLASSES):
@@ -926,14 +952,20 @@ def _select_numpy(base_bits: np.ndarray, dtype: torch.dtype, ranks: np.ndarray,
     return Selected(pos[order], cls[order], within[order], cmap.members, consumed)
 
 
-def scan_select(base_bits: Bits, dtype: torch.dtype, ranks: np.ndarray,
-                starts: np.ndarray, complement: np.ndarray,
-                cap: int) -> Selected | None:  # fmt: skip
+def scan_select(
+    base_bits: Bits,
+    dtype: torch.dtype,
+    ranks: np.ndarray,
+    starts: np.ndarray,
+    complement: np.ndarray,
+    cap: int,
+) -> Selected | None:
     """Positions of the changed elements given each class's sorted coded ranks
     (``ranks[starts[c]:starts[c+1]]``); None when more than ``cap`` elements would change."""
     if isinstance(base_bits, torch.Tensor):
-        return device_scans.scan_select(base_bits, MANTISSA_BITS[dtype], ranks, starts,
-                                        complement, cap)  # fmt: skip
+        return device_scans.scan_select(
+            base_bits, MANTISSA_BITS[dtype], ranks, starts, complement, cap
+        )
     kernels = _kernels()
     if not kernels["fast"]:
         found = _select_numpy(base_bits, dtype, ranks, starts, complement)
@@ -944,8 +976,18 @@ def scan_select(base_bits: Bits, dtype: torch.dtype, ranks: np.ndarray,
     first = starts[:-1] + np.arange(N_CLASSES)  # each class's ranks, then one sentinel
     padded = np.full(ranks.size + N_CLASSES, 2**62, np.int64)
     padded[np.arange(ranks.size) + np.repeat(np.arange(N_CLASSES), np.diff(starts))] = ranks
-    k = kernels["select"](_unsigned(base_bits), MANTISSA_BITS[dtype], padded, first, complement,
-                          out_pos, out_cls, out_within, members, cursor)  # fmt: skip
+    k = kernels["select"](
+        _unsigned(base_bits),
+        MANTISSA_BITS[dtype],
+        padded,
+        first,
+        complement,
+        out_pos,
+        out_cls,
+        out_within,
+        members,
+        cursor,
+    )
     if k < 0:
         return None
     return Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
@@ -1024,16 +1066,23 @@ def _read_unary(buf: memoryview, total: int, name: str) -> np.ndarray:
     return np.diff(ones, prepend=-1) - 1
 
 
-def _gather_py(values: np.ndarray, first: np.ndarray, cls: np.ndarray, within: np.ndarray,
-               out: np.ndarray) -> None:  # fmt: skip
+def _gather_py(
+    values: np.ndarray, first: np.ndarray, cls: np.ndarray, within: np.ndarray, out: np.ndarray
+) -> None:
     """Kernel: ``out[i] = values[first[cls[i]] + within[i]]`` (indices come from the scan)."""
     for i in range(out.size):
         out[i] = values[first[cls[i]] + within[i]]
 
 
-def _rice_encode_py(quotients: np.ndarray, remainders: np.ndarray, coded: np.ndarray,
-                    k: np.ndarray, unary: np.ndarray, planes: np.ndarray,
-                    plane_start: np.ndarray) -> None:  # fmt: skip
+def _rice_encode_py(
+    quotients: np.ndarray,
+    remainders: np.ndarray,
+    coded: np.ndarray,
+    k: np.ndarray,
+    unary: np.ndarray,
+    planes: np.ndarray,
+    plane_start: np.ndarray,
+) -> None:
     """Kernel: set the unary and remainder-plane bits of every code (buffers zeroed, sized)."""
     bit, i = 0, 0
     plane_pos = np.zeros(64, np.int64)
@@ -1051,9 +1100,15 @@ def _rice_encode_py(quotients: np.ndarray, remainders: np.ndarray, coded: np.nda
             i += 1
 
 
-def _rice_decode_py(unary: np.ndarray, planes: np.ndarray, plane_start: np.ndarray,
-                    coded: np.ndarray, k: np.ndarray, numel: int,
-                    ranks: np.ndarray) -> int:  # fmt: skip
+def _rice_decode_py(
+    unary: np.ndarray,
+    planes: np.ndarray,
+    plane_start: np.ndarray,
+    coded: np.ndarray,
+    k: np.ndarray,
+    numel: int,
+    ranks: np.ndarray,
+) -> int:
     """Kernel: every class's ranks from its Rice codes (raw unary bytes and remainder planes,
     plane j at byte ``plane_start[j]``). Returns 0, or 1 when the unary stream runs out, 2 when
     a gap leaves the tensor, 3 when bits follow the last code (other than < 8 zero pads)."""
@@ -1105,8 +1160,9 @@ def _read_remainders(buf: memoryview, k_of: np.ndarray, sizes: list[int]) -> np.
     rem = np.zeros(k_of.size, np.int64)
     off = 0
     for j, m in enumerate(sizes):
-        bits = np.unpackbits(np.frombuffer(buf, np.uint8, (m + 7) // 8, off), count=m,
-                             bitorder="little")  # fmt: skip
+        bits = np.unpackbits(
+            np.frombuffer(buf, np.uint8, (m + 7) // 8, off), count=m, bitorder="little"
+        )
         rem[k_of > j] |= bits.astype(np.int64) << j
         off += (m + 7) // 8
     return rem
@@ -1174,9 +1230,7 @@ def _classed_values(
     return every[first[found.cls] + found.within]
 
 
-def _decode_classed(
-    raw: memoryview, spec: TensorSpec, n: int, base_bits: Bits
-) -> TensorDelta:
+def _decode_classed(raw: memoryview, spec: TensorSpec, n: int, base_bits: Bits) -> TensorDelta:
     name = spec.name
     head = _classed_head(raw, spec)
     if len(raw) < _CLASSED_HEAD + head.unary_size + head.remainder_size + (n + 3) // 4:
@@ -1191,8 +1245,9 @@ def _decode_classed(
         have = "more" if found is None else found.pos.size
         raise CountMismatchError(f"{name}: classes change {have} elements, table says {n}")
     d = _classed_values(raw, head, found, spec)
-    return TensorDelta(spec, torch.from_numpy(found.pos),
-                       torch.from_numpy(d).view(bits_dtype(spec.dtype)))  # fmt: skip
+    return TensorDelta(
+        spec, torch.from_numpy(found.pos), torch.from_numpy(d).view(bits_dtype(spec.dtype))
+    )
 
 
 def _sparse_streams(delta: TensorDelta) -> list[bytes]:
@@ -1275,9 +1330,7 @@ def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
     return TensorDelta(spec, None, torch.from_numpy(d).view(bits_dtype(spec.dtype)))
 
 
-def decode_frame(
-    row: FrameInfo, frame: memoryview, base_bits: Bits | None = None
-) -> TensorDelta:
+def decode_frame(row: FrameInfo, frame: memoryview, base_bits: Bits | None = None) -> TensorDelta:
     """Decode and fully validate one tensor's frame (coding 3 needs the base's bits)."""
     raw = _decompress(frame, _frame_bound(row), row.spec.name)
     if row.coding == CLASSED:
@@ -1312,8 +1365,9 @@ def _check_base(base: TensorSet, layout: Layout, want: bytes, known: bytes | Non
         raise LayoutMismatchError("base weights differ from the patch's names, shapes or dtypes")
     have = known if known is not None else state_hash(base)
     if have != want:
-        raise BaseMismatchError(f"base weights hash to {have.hex()}, patch was made for "
-                                f"{want.hex()}")  # fmt: skip
+        raise BaseMismatchError(
+            f"base weights hash to {have.hex()}, patch was made for {want.hex()}"
+        )
 
 
 def scan_view(t: torch.Tensor) -> Bits:
@@ -1376,9 +1430,16 @@ def assemble(
     table_raw = b"".join(rows)
     table = _compress([table_raw], level)
     header = _HEADER.pack(
-        MAGIC, version, 0, len(layout), len(table), len(table_raw),
-        layout_fingerprint(layout), base_hash, target_hash,
-    )  # fmt: skip
+        MAGIC,
+        version,
+        0,
+        len(layout),
+        len(table),
+        len(table_raw),
+        layout_fingerprint(layout),
+        base_hash,
+        target_hash,
+    )
     return b"".join([header, table, *(frames[s.name][2] for s in layout if s.name in frames)])
 
 

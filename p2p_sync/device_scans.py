@@ -107,9 +107,11 @@ def scan_select(
         empty = np.zeros(0, np.int64)
         return Selected(empty, np.zeros(0, np.uint8), empty, members, consumed)
     pos = torch.cat([p for p, _ in parts])
-    cls = torch.cat([torch.full((p.numel(),), c, dtype=torch.uint8, device=p.device)
-                     for p, c in parts])  # fmt: skip
+    cls = torch.cat(
+        [torch.full((p.numel(),), c, dtype=torch.uint8, device=p.device) for p, c in parts]
+    )
     within = torch.cat([torch.arange(p.numel(), device=p.device) for p, _ in parts])
     pos, order = torch.sort(pos)
-    return Selected(pos.cpu().numpy(), cls[order].cpu().numpy(), within[order].cpu().numpy(),
-                    members, consumed)  # fmt: skip
+    return Selected(
+        pos.cpu().numpy(), cls[order].cpu().numpy(), within[order].cpu().numpy(), members, consumed
+    )

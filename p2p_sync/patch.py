@@ -328,9 +328,11 @@ def check_applicable(weights: TensorSet, patch: Patch) -> None:
 
 
 def apply(
-    weights: TensorSet, patch: Patch, verify_target: bool = True,
+    weights: TensorSet,
+    patch: Patch,
+    verify_target: bool = True,
     digest: StateDigest | None = None,
-) -> StateDigest:  # fmt: skip
+) -> StateDigest:
     """Apply ``patch`` to ``weights`` in place, all-or-nothing; returns the weights' digest.
 
     Everything is checked before the first write: the layout, every position's range and the

@@ -111,9 +111,12 @@ def apply_artifact(
 
 
 def apply_frames(
-    weights: Weights, data: memoryview, info: codec.PatchInfo, digest: StateDigest,
+    weights: Weights,
+    data: memoryview,
+    info: codec.PatchInfo,
+    digest: StateDigest,
     workers: int = 1,
-) -> None:  # fmt: skip
+) -> None:
     """Decode and apply a patch one tensor frame at a time, ``workers`` tensors at once, and
     bring ``digest`` (the weights' sums) along: the target hash is checked in O(patch).
 
@@ -154,8 +157,9 @@ def apply_frames(
         follow_aliases(weights, rows, digest)
         got = digest.hash()
         if got != info.target_hash:
-            raise TargetMismatchError(f"patched weights hash to {got.hex()}, "
-                                      f"not the target {info.target_hash.hex()}")  # fmt: skip
+            raise TargetMismatchError(
+                f"patched weights hash to {got.hex()}, not the target {info.target_hash.hex()}"
+            )
     except PatchError as exc:
         if not written:
             raise
@@ -201,9 +205,13 @@ def restore(
 
 
 def _replay(
-    store: Store, base: Checkpoint | Manifest, chain: list[Manifest], weights: Weights,
-    digest: StateDigest, workers: int,
-) -> Restored | None:  # fmt: skip
+    store: Store,
+    base: Checkpoint | Manifest,
+    chain: list[Manifest],
+    weights: Weights,
+    digest: StateDigest,
+    workers: int,
+) -> Restored | None:
     current = base.state_hash if isinstance(base, Checkpoint) else base.target_state
     record = None if isinstance(base, Checkpoint) else base.digest
     state = AcceptedState(base.version, current, record)

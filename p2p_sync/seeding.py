@@ -45,8 +45,9 @@ class SuperSeeder:
             owner = self.owner.get(key)
             if owner is not None and owner[0] == requester:
                 out.append(i)
-            elif (owner is None or (not served[key] and now - owner[1] > self.reseed_after_s)) \
-                    and budget > 0:  # fmt: skip
+            elif (
+                owner is None or (not served[key] and now - owner[1] > self.reseed_after_s)
+            ) and budget > 0:
                 # unclaimed, or handed out long ago and never fetched (its owner went quiet)
                 self.owner[key], budget = (requester, now), budget - 1
                 out.append(i)

@@ -150,8 +150,9 @@ class Store:
         except (ValueError, AttributeError) as exc:
             raise StoreError(f"{self.format_path}: unreadable ({exc})") from None
         if found is None:
-            atomic_write_bytes(self.format_path, json.dumps({"state_hash": STATE_HASH_FORMAT})
-                               .encode())  # fmt: skip
+            atomic_write_bytes(
+                self.format_path, json.dumps({"state_hash": STATE_HASH_FORMAT}).encode()
+            )
         elif found != STATE_HASH_FORMAT:
             raise StoreFormatError(
                 f"{self.root}: written with state hash format {found}; this p2psync uses "
@@ -250,8 +251,9 @@ class Store:
         its pack, in one write. Call before :meth:`put_manifest`: a manifest on disk then
         always has its pack, and a pack left by a crash before it is dropped on open."""
         if len(payload) != manifest.payload_size:
-            raise ValueError(f"payload is {len(payload)} bytes, manifest says "
-                             f"{manifest.payload_size}")  # fmt: skip
+            raise ValueError(
+                f"payload is {len(payload)} bytes, manifest says {manifest.payload_size}"
+            )
         self._write_slot(manifest, 0, payload)
         self._valid[manifest.digest] = set(range(len(manifest.chunks)))
         self._index(manifest)
@@ -482,8 +484,9 @@ class Store:
         ``checkpoint.json`` is replaced to point at it, then the old file and the log records it
         covers go: a crash at any instant leaves the old checkpoint or the new one."""
         if self.checkpoint is not None and version < self.checkpoint.version:
-            raise StoreError(f"refusing to replace checkpoint v{self.checkpoint.version} "
-                             f"with older v{version}")  # fmt: skip
+            raise StoreError(
+                f"refusing to replace checkpoint v{self.checkpoint.version} with older v{version}"
+            )
         final = self.weights_dir / f"v{version}-{state_hash[:32]}.safetensors"
         atomic_write_with(final, write)
         doc = {"version": version, "state_hash": state_hash, "weights": final.name}
@@ -547,8 +550,9 @@ class Store:
             return None
         try:
             doc = json.loads(path.read_bytes())
-            ckpt = Checkpoint(int(doc["version"]), str(doc["state_hash"]),
-                              self.weights_dir / str(doc["weights"]))  # fmt: skip
+            ckpt = Checkpoint(
+                int(doc["version"]), str(doc["state_hash"]), self.weights_dir / str(doc["weights"])
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreError(f"{path}: unreadable checkpoint ({exc})") from None
         if not ckpt.weights.is_file():

@@ -153,8 +153,14 @@ class TrustedSet:
         manifests get the same check as HTTP ones (:meth:`authentic`); whether they are news
         is :meth:`fresh_inline`'s question, asked on the node's thread: a genuine but stale
         announcement must not get its honest forwarder penalized."""
-        return announce.judge(data, self.policy, now_ms, known, self.limits.announce,
-                              lambda raw: self.authentic(raw, now_ms / 1000))  # fmt: skip
+        return announce.judge(
+            data,
+            self.policy,
+            now_ms,
+            known,
+            self.limits.announce,
+            lambda raw: self.authentic(raw, now_ms / 1000),
+        )
 
     def fresh_inline(self, decision: announce.Decision) -> list[tuple[Manifest, bytes]]:
         """The inline manifests of an accepted announcement that are news to this node."""

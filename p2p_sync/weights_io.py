@@ -34,11 +34,22 @@ MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 ALIGN = 8
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
-    torch.int32: "I32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float32: "F32", torch.float64: "F64", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}  # fmt: skip
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
 DTYPES_BY_NAME = {name: dt for dt, name in DTYPE_NAMES.items()}
 
 
@@ -53,8 +64,11 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
         if t.dtype not in DTYPE_NAMES:
             raise WeightsFileError(f"{name}: dtype {t.dtype} cannot be saved")
         size = t.numel() * t.element_size()
-        doc[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                     "data_offsets": [offset, offset + size]}  # fmt: skip
+        doc[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(doc, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % ALIGN)
@@ -73,8 +87,9 @@ def _host_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat_bits(t).numpy()).cast("B")
 
 
-def write_to(f: BinaryIO, tensors: Mapping[str, torch.Tensor],
-             metadata: Mapping[str, str] | None = None) -> int:  # fmt: skip
+def write_to(
+    f: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
     """Write ``tensors`` as safetensors to an open file, one tensor at a time; returns bytes."""
     head = _header(tensors, metadata)
     f.write(head)
@@ -110,8 +125,9 @@ def _parse_entry(name: str, info: object, data_size: int) -> Entry:
         raise ValueError(f"{name}: unknown dtype {info.get('dtype')!r}")
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ValueError(f"{name}: bad shape")
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets)):  # fmt: skip
+    if not (
+        isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    ):
         raise ValueError(f"{name}: bad data_offsets")
     start, end = offsets
     numel = 1
@@ -167,8 +183,10 @@ def load_weights(path: str | os.PathLike[str], device: str = "cpu") -> dict[str,
     """Every tensor of a safetensors file, on ``device``, read straight into its storage."""
     with _open(path) as f:
         entries, base = read_index(f, path)
-        out = {name: torch.empty(shape, dtype=dtype, device=device)
-               for name, dtype, shape, _, _ in entries}  # fmt: skip
+        out = {
+            name: torch.empty(shape, dtype=dtype, device=device)
+            for name, dtype, shape, _, _ in entries
+        }
         _fill(f.fileno(), entries, base, out, path)
     return out
 
@@ -185,8 +203,9 @@ def load_into(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor])
         _fill(f.fileno(), entries, base, tensors, path)
 
 
-def _fill(fd: int, entries: list[Entry], base: int, tensors: Mapping[str, torch.Tensor],
-          path: object) -> None:  # fmt: skip
+def _fill(
+    fd: int, entries: list[Entry], base: int, tensors: Mapping[str, torch.Tensor], path: object
+) -> None:
     """Read each entry into its tensor: straight into contiguous CPU storage, else through one
     reused host buffer the size of the largest such tensor (GPU tensors, strided views)."""
     staging: torch.Tensor | None = None

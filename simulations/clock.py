@@ -27,8 +27,13 @@ class Clock:
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         self.at(self.now + delay, fn, *args)
 
-    def run(self, until: Callable[[], bool], deadline: float, max_events: int,
-            every: Callable[[], None] | None = None) -> bool:  # fmt: skip
+    def run(
+        self,
+        until: Callable[[], bool],
+        deadline: float,
+        max_events: int,
+        every: Callable[[], None] | None = None,
+    ) -> bool:
         """Run events until ``until()`` holds (True), or time/event budget runs out (False).
 
         ``every`` is called every 20,000 events (progress display).

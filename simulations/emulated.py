@@ -108,11 +108,16 @@ def random_versions(cfg: EmulationConfig) -> list[dict[str, torch.Tensor]]:
     per = cfg.payload_bytes // 2 // cfg.tensors
     out = []
     for _ in range(cfg.versions):
-        out.append({
-            f"layer{i}.weight": (torch.randint(0, 2**16, (per,), generator=gen, dtype=torch.int32)
-                                 & 0xBFFF).to(torch.int16).view(torch.bfloat16)
-            for i in range(cfg.tensors)
-        })  # fmt: skip
+        out.append(
+            {
+                f"layer{i}.weight": (
+                    torch.randint(0, 2**16, (per,), generator=gen, dtype=torch.int32) & 0xBFFF
+                )
+                .to(torch.int16)
+                .view(torch.bfloat16)
+                for i in range(cfg.tensors)
+            }
+        )
     return out
 
 
@@ -132,10 +137,16 @@ def _start(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tuple[Proc, li
     deadline = time.monotonic() + cfg.start_timeout_s
     try:
         futures = [
-            pool.submit(swarm.start_rollout, f"r{h.index}", [trainer.url], None,
-                        placement(topo, h), cfg.node_args)
+            pool.submit(
+                swarm.start_rollout,
+                f"r{h.index}",
+                [trainer.url],
+                None,
+                placement(topo, h),
+                cfg.node_args,
+            )
             for h in topo.hosts[1:]
-        ]  # fmt: skip
+        ]
         return trainer, [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
     finally:
         # no waiting: a start still blocked on a silent process ends when the topology's
@@ -168,9 +179,14 @@ def _counters(procs: list[Proc], key: str) -> list[int]:
 
 
 def _one_version(
-    swarm: Swarm, topo: Topology, trainer: Proc, rollouts: list[Proc], v: int, weights: dict,
+    swarm: Swarm,
+    topo: Topology,
+    trainer: Proc,
+    rollouts: list[Proc],
+    v: int,
+    weights: dict,
     cfg: EmulationConfig,
-) -> VersionResult:  # fmt: skip
+) -> VersionResult:
     """Publish ``weights`` as version ``v``, time it until every rollout holds it."""
     up0, down0 = _counters([trainer], "bytes_uploaded")[0], _counters(rollouts, "bytes_downloaded")
     seen: dict[str, float] = {}
@@ -179,8 +195,10 @@ def _one_version(
         now = time.monotonic()
         for p in [trainer, *rollouts]:
             if p.popen.poll() is not None:
-                raise RuntimeError(f"{p.name} exited ({p.popen.returncode}) during v{v}; "
-                                   f"see {swarm.root / p.name}.log")  # fmt: skip
+                raise RuntimeError(
+                    f"{p.name} exited ({p.popen.returncode}) during v{v}; "
+                    f"see {swarm.root / p.name}.log"
+                )
             if p.name not in seen and (p.status() or {}).get("version") == v:
                 seen[p.name] = now
         return len(seen) == 1 + len(rollouts)
@@ -191,12 +209,14 @@ def _one_version(
     done = max(seen.values())
     payload = _payload_of(trainer, v)
     return VersionResult(
-        version=v, payload=payload, end_to_end_s=done - t0,
+        version=v,
+        payload=payload,
+        end_to_end_s=done - t0,
         distribution_s=done - seen[trainer.name],
         lower_bound_s=lower_bound(topo, payload),
         trainer_up=_counters([trainer], "bytes_uploaded")[0] - up0,
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
-    )  # fmt: skip
+    )
 
 
 def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
@@ -230,19 +250,38 @@ def run(cfg: EmulationConfig, root: Path) -> EmulationResult:
 def table(result: EmulationResult) -> str:
     """Plain-text report, one row per version."""
     c = result.cfg
-    lines = [f"{c.hosts} hosts (1 trainer + {c.hosts - 1} rollouts) at {c.mbps:g} Mbit/s up and "
-             f"down, {c.payload_mb:g} MB payload, chunk {c.chunk_size // 1024} KiB"]  # fmt: skip
+    lines = [
+        f"{c.hosts} hosts (1 trainer + {c.hosts - 1} rollouts) at {c.mbps:g} Mbit/s up and "
+        f"down, {c.payload_mb:g} MB payload, chunk {c.chunk_size // 1024} KiB"
+    ]
     if result.link is not None:
         s = result.link
-        lines.append(f"link check: {s.goodput_mbps:.1f} Mbit/s TCP goodput = {s.wire_mbps:.1f} "
-                     f"Mbit/s on the wire (configured {s.configured_mbps:g})")  # fmt: skip
-    head = ("version", "F (MB)", "lower bd s", "distrib. s", "x bound", "end-to-end s",
-            "trainer up/F", "rollouts down/F")  # fmt: skip
+        lines.append(
+            f"link check: {s.goodput_mbps:.1f} Mbit/s TCP goodput = {s.wire_mbps:.1f} "
+            f"Mbit/s on the wire (configured {s.configured_mbps:g})"
+        )
+    head = (
+        "version",
+        "F (MB)",
+        "lower bd s",
+        "distrib. s",
+        "x bound",
+        "end-to-end s",
+        "trainer up/F",
+        "rollouts down/F",
+    )
     lines.append("  ".join(f"{h:>12}" for h in head))
     for r in result.versions:
-        row = (f"v{r.version}", f"{r.payload / 1e6:.2f}", f"{r.lower_bound_s:.2f}",
-               f"{r.distribution_s:.2f}", f"{r.ratio:.2f}", f"{r.end_to_end_s:.2f}",
-               f"{r.trainer_up / r.payload:.2f}", f"{r.rollouts_down / r.payload:.2f}")  # fmt: skip
+        row = (
+            f"v{r.version}",
+            f"{r.payload / 1e6:.2f}",
+            f"{r.lower_bound_s:.2f}",
+            f"{r.distribution_s:.2f}",
+            f"{r.ratio:.2f}",
+            f"{r.end_to_end_s:.2f}",
+            f"{r.trainer_up / r.payload:.2f}",
+            f"{r.rollouts_down / r.payload:.2f}",
+        )
         lines.append("  ".join(f"{x:>12}" for x in row))
     lines.append(f"every rollout bit-exact with the trainer: {result.converged}")
     return "\n".join(lines)
@@ -260,9 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
     args = ap.parse_args(argv)
     cfg = EmulationConfig(
-        hosts=args.hosts, mbps=args.mbps, payload_mb=args.payload_mb, versions=args.versions,
-        chunk_size=args.chunk_kb * 1024, rate_probe_mb=args.rate_probe_mb,
-    )  # fmt: skip
+        hosts=args.hosts,
+        mbps=args.mbps,
+        payload_mb=args.payload_mb,
+        versions=args.versions,
+        chunk_size=args.chunk_kb * 1024,
+        rate_probe_mb=args.rate_probe_mb,
+    )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         result = run(cfg, args.keep)

@@ -98,23 +98,42 @@ class Swarm:
         self._published = 0
 
     def _spawn(
-        self, name: str, args: list[str], data_dir: Path, export: Path | None,
+        self,
+        name: str,
+        args: list[str],
+        data_dir: Path,
+        export: Path | None,
         at: Placement = LOOPBACK,
-    ) -> Proc:  # fmt: skip
+    ) -> Proc:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         log = open(self.root / f"{name}.log", "ab")
         popen = subprocess.Popen(
-            [*at.prefix, sys.executable, "-m", "node.cli", "node", "--data-dir", str(data_dir),
-             "--listen", at.listen, *args],
-            stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT, text=True,
-        )  # fmt: skip
+            [
+                *at.prefix,
+                sys.executable,
+                "-m",
+                "node.cli",
+                "node",
+                "--data-dir",
+                str(data_dir),
+                "--listen",
+                at.listen,
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            cwd=ROOT,
+            text=True,
+        )
         assert popen.stdout is not None
         # "p2psync <role> listening on http://...", printed once up: wait a bounded time for it
         ready, _, _ = select.select([popen.stdout], [], [], START_TIMEOUT_S)
         if not ready:
             popen.kill()
-            raise AssertionError(f"{name} did not start in {START_TIMEOUT_S:.0f} s; "
-                                 f"see {self.root / name}.log")  # fmt: skip
+            raise AssertionError(
+                f"{name} did not start in {START_TIMEOUT_S:.0f} s; see {self.root / name}.log"
+            )
         line = popen.stdout.readline()
         if "listening on " not in line:
             raise AssertionError(f"{name} did not start: {line!r}; see {self.root / name}.log")
@@ -128,16 +147,33 @@ class Swarm:
     ) -> Proc:
         cfg = self.root / "trainer.toml"
         cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
-        self.trainer = self._spawn("trainer", ["--role", "trainer", "--key", str(self.key_path),
-                                              "--watch", str(self.watch), "--config", str(cfg),
-                                              *extra],
-                                   self.root / "trainer", None, at)  # fmt: skip
+        self.trainer = self._spawn(
+            "trainer",
+            [
+                "--role",
+                "trainer",
+                "--key",
+                str(self.key_path),
+                "--watch",
+                str(self.watch),
+                "--config",
+                str(cfg),
+                *extra,
+            ],
+            self.root / "trainer",
+            None,
+            at,
+        )
         return self.trainer
 
     def start_rollout(
-        self, name: str, peers: list[str], data_dir: Path | None = None, at: Placement = LOOPBACK,
+        self,
+        name: str,
+        peers: list[str],
+        data_dir: Path | None = None,
+        at: Placement = LOOPBACK,
         extra: tuple[str, ...] = (),
-    ) -> Proc:  # fmt: skip
+    ) -> Proc:
         data_dir = data_dir or self.root / name
         export = self.root / f"{name}-export"
         return self._spawn(

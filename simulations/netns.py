@@ -185,8 +185,26 @@ def probe() -> str | None:
         _run(["ip", "netns", "add", ns], 15.0)
         veth = ["link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"]
         _run(["ip", "-n", ns, *veth], 15.0)
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1mbit",
-              "burst", "16kb", "latency", "20ms"], 15.0)  # fmt: skip
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                "pa",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "16kb",
+                "latency",
+                "20ms",
+            ],
+            15.0,
+        )
     except NetnsError as exc:
         return f"cannot build a shaped namespace: {exc}"
     finally:
@@ -239,9 +257,26 @@ class Topology:
         self._ip("-n", ns, "link", "set", "lo", "up")
 
     def _tbf(self, ns: str, dev: str, mbps: float, shape: LinkShape) -> None:
-        _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-              "rate", f"{mbps * 1000:.0f}kbit", "burst", str(shape.burst_bytes),
-              "latency", f"{shape.latency_ms}ms"], self.cfg.cmd_timeout_s)  # fmt: skip
+        _run(
+            [
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{mbps * 1000:.0f}kbit",
+                "burst",
+                str(shape.burst_bytes),
+                "latency",
+                f"{shape.latency_ms}ms",
+            ],
+            self.cfg.cmd_timeout_s,
+        )
 
     def build(self) -> None:
         """Create the switch namespace with its bridge, then each host and its shaped link."""
@@ -255,8 +290,21 @@ class Topology:
         port = f"b{host.index}"
         self._add_ns(host.ns)
         # both ends are created directly inside their namespaces: never in the root namespace
-        self._ip("link", "add", "name", "eth0", "netns", host.ns, "type", "veth",
-                 "peer", "name", port, "netns", self.switch)  # fmt: skip
+        self._ip(
+            "link",
+            "add",
+            "name",
+            "eth0",
+            "netns",
+            host.ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            port,
+            "netns",
+            self.switch,
+        )
         self._ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         self._ip("-n", host.ns, "link", "set", "eth0", "up")
         self._ip("-n", self.switch, "link", "set", port, "master", "br0")

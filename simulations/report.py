@@ -132,8 +132,10 @@ def plots(sim: SwarmSim, out: Path) -> list[Path]:
         ax.axvline(sim.results[0].lower_bound_s, color="k", linestyle="--", label="lower bound")
 
     payload = sim.sc.payload_bytes * len(sim.results)
-    ups = sorted((sim.net.bytes_sent[p.idx] / payload for p in sim.peers[1:] if p.role == HONEST),
-                 reverse=True)  # fmt: skip
+    ups = sorted(
+        (sim.net.bytes_sent[p.idx] / payload for p in sim.peers[1:] if p.role == HONEST),
+        reverse=True,
+    )
 
     def uploads(ax) -> None:
         ax.bar(range(len(ups)), ups, width=1.0, label="honest rollouts")
@@ -141,11 +143,21 @@ def plots(sim: SwarmSim, out: Path) -> list[Path]:
 
     name = sim.sc.name
     return [
-        _figure(out / "completion_cdf.png", f"{name}: completion CDF", "time since publish (s)",
-                "fraction of honest rollouts with the version", cdf),
-        _figure(out / "upload_per_peer.png", f"{name}: upload per peer",
-                "rollouts, by bytes uploaded", "uploaded / payload (all versions)", uploads),
-    ]  # fmt: skip
+        _figure(
+            out / "completion_cdf.png",
+            f"{name}: completion CDF",
+            "time since publish (s)",
+            "fraction of honest rollouts with the version",
+            cdf,
+        ),
+        _figure(
+            out / "upload_per_peer.png",
+            f"{name}: upload per peer",
+            "rollouts, by bytes uploaded",
+            "uploaded / payload (all versions)",
+            uploads,
+        ),
+    ]
 
 
 def write(sim: SwarmSim, report: dict[str, Any], out: Path, with_plots: bool = True) -> None:

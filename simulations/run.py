@@ -33,9 +33,13 @@ def simulate(
     return sim, report.build(sim, time.perf_counter() - started)
 
 
-def simulate_to(scenario: Scenario, out: Path, plots: bool = True,
-                on_version: Callable[[VersionResult], None] | None = None,
-                progress: Progress | None = None) -> dict[str, Any]:  # fmt: skip
+def simulate_to(
+    scenario: Scenario,
+    out: Path,
+    plots: bool = True,
+    on_version: Callable[[VersionResult], None] | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     sim, rep = simulate(scenario, on_version, progress)
     report.write(sim, rep, out, plots)
     return rep

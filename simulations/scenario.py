@@ -93,15 +93,33 @@ def _bad(name: str, why: str) -> ScenarioError:
     return ScenarioError(f"scenario: {name}: {why}")
 
 
-_POSITIVE = ("payload_mb", "uplink_mbps", "downlink_mbps", "trainer_uplink_mbps", "tick_s",
-             "request_timeout_s", "min_request_timeout_s", "timeout_factor", "time_limit_factor",
-             "reseed_after_s")  # fmt: skip
+_POSITIVE = (
+    "payload_mb",
+    "uplink_mbps",
+    "downlink_mbps",
+    "trainer_uplink_mbps",
+    "tick_s",
+    "request_timeout_s",
+    "min_request_timeout_s",
+    "timeout_factor",
+    "time_limit_factor",
+    "reseed_after_s",
+)
 _AT_LEAST_ONE = (
-    "peers", "versions", "chunk_kb", "max_peers", "trainer_peers", "max_concurrent_uploads",
+    "peers",
+    "versions",
+    "chunk_kb",
+    "max_peers",
+    "trainer_peers",
+    "max_concurrent_uploads",
     "trainer_max_concurrent_uploads",
-    "upload_queue", "seed_outstanding", "max_requests_per_peer", "min_requests_per_peer",
-    "max_requests_total", "endgame_sources",
-)  # fmt: skip
+    "upload_queue",
+    "seed_outstanding",
+    "max_requests_per_peer",
+    "min_requests_per_peer",
+    "max_requests_total",
+    "endgame_sources",
+)
 _FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
 
 

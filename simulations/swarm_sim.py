@@ -111,8 +111,9 @@ class SwarmSim:
         self.clock = Clock()
         self.lat = scenario.latency_ms / 1000
         self.peers = self._make_peers()
-        self.net = Network(self.clock, [p.uplink for p in self.peers],
-                           [p.downlink for p in self.peers])  # fmt: skip
+        self.net = Network(
+            self.clock, [p.uplink for p in self.peers], [p.downlink for p in self.peers]
+        )
         self._wire_overlay()
         self.depth = self._depths()
         self.seeder = SuperSeeder(scenario.seed_outstanding, scenario.reseed_after_s)
@@ -133,8 +134,11 @@ class SwarmSim:
         slots = list(range(n))
         rng.shuffle(slots)
         at = 0
-        for role, frac in ((CORRUPT, sc.corrupt_fraction), (STALL, sc.stall_fraction),
-                           (LIAR, sc.liar_fraction)):  # fmt: skip
+        for role, frac in (
+            (CORRUPT, sc.corrupt_fraction),
+            (STALL, sc.stall_fraction),
+            (LIAR, sc.liar_fraction),
+        ):
             k = round(frac * n)
             for s in slots[at : at + k]:
                 roles[s] = role
@@ -212,8 +216,15 @@ class SwarmSim:
         sc, clock = self.sc, self.clock
         bound, star = self.bounds()
         t0 = clock.now
-        art = Artifact(version, PATCH, version - 1, f"s{version - 1}", f"s{version}",
-                       sc.payload_bytes, ident=f"v{version}")  # fmt: skip
+        art = Artifact(
+            version,
+            PATCH,
+            version - 1,
+            f"s{version - 1}",
+            f"s{version}",
+            sc.payload_bytes,
+            ident=f"v{version}",
+        )
         self.artifacts.append(art)
         self.peers[TRAINER].have[art.ident] = set(range(self._n_chunks(art)))
         self.peers[TRAINER].state = PeerState(version, art.target_state)
@@ -236,14 +247,24 @@ class SwarmSim:
 
         clock.run(lambda: self._remaining == 0, deadline, 200_000_000, every)
         done = [p.done_at - t0 for p in self.honest if p.done_at is not None]
-        stayed = [p.done_at - t0 for p in self.honest
-                  if p.done_at is not None and p.idx not in churned_idx]  # fmt: skip
+        stayed = [
+            p.done_at - t0
+            for p in self.honest
+            if p.done_at is not None and p.idx not in churned_idx
+        ]
         result = VersionResult(
-            version, bound, star, sorted(done), len(done), len(self.honest),
+            version,
+            bound,
+            star,
+            sorted(done),
+            len(done),
+            len(self.honest),
             self.net.bytes_sent[TRAINER] - up0,
             sum(self.net.bytes_received[p.idx] for p in self.honest) - rx0,
-            float(sc.payload_bytes) * len(done), len(churned), max(stayed, default=float("nan")),
-        )  # fmt: skip
+            float(sc.payload_bytes) * len(done),
+            len(churned),
+            max(stayed, default=float("nan")),
+        )
         self._settle_version()
         self.results.append(result)
         return result
@@ -346,8 +367,9 @@ class SwarmSim:
         if not q.online or p.generation != gen or p.artifact is None:
             return
         q.subscribers.add(p.idx)
-        self.clock.after(self.lat, self._deliver_have, p, q_idx, gen,
-                         frozenset(self._visible(q, p, p.artifact)))  # fmt: skip
+        self.clock.after(
+            self.lat, self._deliver_have, p, q_idx, gen, frozenset(self._visible(q, p, p.artifact))
+        )
 
     def _deliver_have(self, p: Peer, q_idx: int, gen: int, indices: frozenset[int]) -> None:
         if p.generation == gen and p.online and q_idx not in p.banned and indices:
@@ -424,8 +446,9 @@ class SwarmSim:
         if q_idx == TRAINER:
             self.seeder.note_served((art.ident, index))
         size = self._chunk_size(art, index)
-        transfer = self.net.start(q_idx, p.idx, size,
-                                  lambda: self._delivered(p, q, art, index, gen))  # fmt: skip
+        transfer = self.net.start(
+            q_idx, p.idx, size, lambda: self._delivered(p, q, art, index, gen)
+        )
         p.requests[(q_idx, index)] = transfer
 
     def _slots(self, q_idx: int) -> int:

@@ -32,12 +32,17 @@ async def main(trainer: str) -> None:
         return web.Response(body=b"\0" * 16384)  # wrong bytes (length right for full chunks)
 
     app = web.Application()
-    app.add_routes([
-        web.get("/manifests", proxy), web.get("/manifest/{d}", proxy), web.get("/peers", proxy),
-        web.get("/have/{d}", have), web.get("/chunk/{sha}", chunk),
-        web.get("/stats", lambda r: web.json_response(served)),
-        web.post("/announce", lambda r: web.json_response({}, status=202)),
-    ])  # fmt: skip
+    app.add_routes(
+        [
+            web.get("/manifests", proxy),
+            web.get("/manifest/{d}", proxy),
+            web.get("/peers", proxy),
+            web.get("/have/{d}", have),
+            web.get("/chunk/{sha}", chunk),
+            web.get("/stats", lambda r: web.json_response(served)),
+            web.post("/announce", lambda r: web.json_response({}, status=202)),
+        ]
+    )
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -59,9 +59,17 @@ def rebuild(data: bytes, mutate: Mutator, header_version: int = codec.FORMAT_VER
     )
     table = codec._compress([table_raw], 1)
     header = struct.pack(
-        "<8sHHIII16s16s16s", codec.MAGIC, header_version, 0, len(rows), len(table),
-        len(table_raw), info.fingerprint, info.base_hash, info.target_hash,
-    )  # fmt: skip
+        "<8sHHIII16s16s16s",
+        codec.MAGIC,
+        header_version,
+        0,
+        len(rows),
+        len(table),
+        len(table_raw),
+        info.fingerprint,
+        info.base_hash,
+        info.target_hash,
+    )
     body = b"".join(frames.get(r.spec.name, b"") for r in rows)
     return header + table + body
 

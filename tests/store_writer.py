@@ -32,9 +32,17 @@ def manifest(key: SigningKey, swarm: str, version: int, payload: bytes) -> Manif
     """A snapshot every 5th version, else a patch, in 16 KiB chunks."""
     kind = SNAPSHOT if version % 5 == 0 else PATCH
     base = {} if kind == SNAPSHOT else {"base_version": version - 1, "base_state": "aa" * 16}
-    return manifest_for(payload, swarm=swarm, version=version, kind=kind,
-                        target_state="bb" * 16, layout="cc" * 16, now=0, chunk_size=16 * 1024,
-                        **base)  # fmt: skip
+    return manifest_for(
+        payload,
+        swarm=swarm,
+        version=version,
+        kind=kind,
+        target_state="bb" * 16,
+        layout="cc" * 16,
+        now=0,
+        chunk_size=16 * 1024,
+        **base,
+    )
 
 
 def put_version(store: Store, key: SigningKey, swarm: str, version: int, payload: bytes):
@@ -62,20 +70,35 @@ def _initial() -> dict[str, torch.Tensor]:
 
 
 def publish(
-    store: Store, key: SigningKey, swarm: str, version: int,
-    prev: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor],
-) -> Manifest:  # fmt: skip
+    store: Store,
+    key: SigningKey,
+    swarm: str,
+    version: int,
+    prev: dict[str, torch.Tensor] | None,
+    new: dict[str, torch.Tensor],
+) -> Manifest:
     """Store one real artifact (a snapshot every 5th version, else the patch from ``prev``)."""
     target, layout = state_hash(new).hex(), layout_fingerprint(layout_of(new)).hex()
     if prev is None or version % 5 == 0:
         payload, extra = save(new), {}
     else:
         patch = diff(prev, new)
-        payload, extra = codec.encode(patch), {"base_version": version - 1,
-                                               "base_state": patch.base_hash.hex()}
+        payload, extra = (
+            codec.encode(patch),
+            {"base_version": version - 1, "base_state": patch.base_hash.hex()},
+        )
     kind = SNAPSHOT if not extra else PATCH
-    m = manifest_for(payload, swarm=swarm, version=version, kind=kind, target_state=target,
-                     layout=layout, now=0, chunk_size=16 * 1024, **extra)  # fmt: skip
+    m = manifest_for(
+        payload,
+        swarm=swarm,
+        version=version,
+        kind=kind,
+        target_state=target,
+        layout=layout,
+        now=0,
+        chunk_size=16 * 1024,
+        **extra,
+    )
     store.put_payload(m, payload)
     store.put_manifest(m, sign(m, [key]))
     return m

@@ -17,8 +17,16 @@ from p2p_sync.manifest import SNAPSHOT
 
 
 def describe(payload: bytes, chunk_size: int = 16 * 1024):
-    return manifest_for(payload, swarm="00" * 32, version=0, kind=SNAPSHOT, target_state="11" * 16,
-                        layout="22" * 16, now=0, chunk_size=chunk_size)  # fmt: skip
+    return manifest_for(
+        payload,
+        swarm="00" * 32,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="11" * 16,
+        layout="22" * 16,
+        now=0,
+        chunk_size=chunk_size,
+    )
 
 
 @given(st.binary(min_size=1, max_size=5000), st.integers(1, 700), st.randoms())

@@ -31,16 +31,36 @@ def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
 
 
 def create(files: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
-    code, out, _ = run(capsys, "patch", "create", "--base", files["v0"], "--new", files["v1"],
-                       "--out", files["patch"], "--device", "cpu")  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "patch",
+        "create",
+        "--base",
+        files["v0"],
+        "--new",
+        files["v1"],
+        "--out",
+        files["patch"],
+        "--device",
+        "cpu",
+    )
     assert code == 0 and "smaller than dense" in out
 
 
 def test_create_then_apply_reproduces_the_new_file(files, capsys, tmp_path, tiny_versions):
     create(files, capsys)
     out_path = tmp_path / "out.safetensors"
-    code, out, _ = run(capsys, "patch", "apply", "--base", files["v0"], "--patch", files["patch"],
-                       "--out", out_path)  # fmt: skip
+    code, out, _ = run(
+        capsys,
+        "patch",
+        "apply",
+        "--base",
+        files["v0"],
+        "--patch",
+        files["patch"],
+        "--out",
+        out_path,
+    )
     assert code == 0, out
     assert bit_equal(load_weights(out_path), tiny_versions[1])
 
@@ -48,8 +68,17 @@ def test_create_then_apply_reproduces_the_new_file(files, capsys, tmp_path, tiny
 def test_apply_on_another_base_is_refused_with_a_clear_message(files, capsys, tmp_path):
     create(files, capsys)
     out_path = tmp_path / "out.safetensors"
-    code, _, err = run(capsys, "patch", "apply", "--base", files["v2"], "--patch", files["patch"],
-                       "--out", out_path)  # fmt: skip
+    code, _, err = run(
+        capsys,
+        "patch",
+        "apply",
+        "--base",
+        files["v2"],
+        "--patch",
+        files["patch"],
+        "--out",
+        out_path,
+    )
     assert code == 1
     assert err.startswith("p2psync: error: ") and "was made for base" in err and "v2" in err
     assert err.count("\n") == 1 and not out_path.exists()
@@ -57,12 +86,15 @@ def test_apply_on_another_base_is_refused_with_a_clear_message(files, capsys, tm
 
 def test_inspect_reports_counts_density_and_ratio(files, capsys, tiny_versions):
     create(files, capsys)
-    code, out, _ = run(capsys, "patch", "inspect", files["patch"], "--json", "--verify",
-                       "--base", files["v0"])  # fmt: skip
+    code, out, _ = run(
+        capsys, "patch", "inspect", files["patch"], "--json", "--verify", "--base", files["v0"]
+    )
     assert code == 0
     report = json.loads(out)
-    changed = sum(int((tiny_versions[0][k].view(torch.int16) != tiny_versions[1][k]
-                       .view(torch.int16)).sum()) for k in tiny_versions[0])  # fmt: skip
+    changed = sum(
+        int((tiny_versions[0][k].view(torch.int16) != tiny_versions[1][k].view(torch.int16)).sum())
+        for k in tiny_versions[0]
+    )
     assert report["changed"] == changed
     assert report["bytes"] == files["patch"].stat().st_size
     assert report["ratio_vs_dense"] == pytest.approx(report["dense_bytes"] / report["bytes"])
@@ -77,15 +109,33 @@ def test_inspect_reports_counts_density_and_ratio(files, capsys, tiny_versions):
         (["patch", "inspect", "{v0}"], "bad magic"),
         (["patch", "inspect", "{missing}"], "cannot read patch"),
         (["patch", "apply", "--base", "{missing}", "--patch", "{v0}", "--out", "{out}"], "magic"),
-        (["patch", "create", "--base", "{missing}", "--new", "{v1}", "--out", "{out}"],
-         "no such file"),
-        (["patch", "create", "--base", "{junk}", "--new", "{v1}", "--out", "{out}"],
-         "not a readable safetensors"),
-        (["patch", "create", "--base", "{v0}", "--new", "{v1}", "--out", "{out}", "--device",
-          "cuda:7"] if not torch.cuda.is_available() else ["patch", "inspect", "{v0}"],
-         "CUDA is not available" if not torch.cuda.is_available() else "bad magic"),
+        (
+            ["patch", "create", "--base", "{missing}", "--new", "{v1}", "--out", "{out}"],
+            "no such file",
+        ),
+        (
+            ["patch", "create", "--base", "{junk}", "--new", "{v1}", "--out", "{out}"],
+            "not a readable safetensors",
+        ),
+        (
+            [
+                "patch",
+                "create",
+                "--base",
+                "{v0}",
+                "--new",
+                "{v1}",
+                "--out",
+                "{out}",
+                "--device",
+                "cuda:7",
+            ]
+            if not torch.cuda.is_available()
+            else ["patch", "inspect", "{v0}"],
+            "CUDA is not available" if not torch.cuda.is_available() else "bad magic",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_gets_a_one_line_error(files, capsys, tmp_path, argv, message):
     junk = tmp_path / "junk.safetensors"
     junk.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!")

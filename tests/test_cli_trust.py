@@ -46,8 +46,15 @@ def signed_manifest(tmp_path: Path, capsys) -> tuple[Path, Path]:
     run(capsys, "keygen", "--out", key_path)
     key = load_signing_key(key_path)
     policy = SwarmPolicy("lab", (key.public,))
-    m = manifest_for(b"x" * 100_000, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
-                     target_state="aa" * 16, layout="bb" * 16, now=2_000_000_000)  # fmt: skip
+    m = manifest_for(
+        b"x" * 100_000,
+        swarm=policy.swarm_id,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="aa" * 16,
+        layout="bb" * 16,
+        now=2_000_000_000,
+    )
     path = tmp_path / "v0.manifest"
     path.write_bytes(sign(m, [key]))
     return path, tmp_path / "t.key.pub"

@@ -34,8 +34,14 @@ from p2p_sync.tensors import flat_bits, layout_of
 from tests.helpers import bit_equal, clone_set, frame_from_streams, random_bits, rebuild
 from tests.test_roundtrip_properties import DENSITIES, KINDS, SHAPES, change, version_pairs
 
-FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
-          torch.float8_e5m2]  # fmt: skip
+FLOATS = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 @pytest.fixture(params=["numba", "numpy", "torch"])
@@ -70,8 +76,11 @@ def float_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     return base, change(base, density, kind, seed + 1)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(float_pairs())
 def test_classed_frame_round_trips(kernels: str, pair: tuple) -> None:
     base, new = pair
@@ -128,11 +137,19 @@ def test_numba_and_numpy_scans_agree(tiny_versions: list, monkeypatch) -> None:
 @given(st.integers(2, 5), st.integers(0, 2**16))
 def test_v2_merged_chain_equals_direct_diff(steps: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    chain = [{"w": (torch.randn(40, 50, generator=g) * 0.02).bfloat16(),
-              "h": torch.randn(300, generator=g).half()}]  # fmt: skip
+    chain = [
+        {
+            "w": (torch.randn(40, 50, generator=g) * 0.02).bfloat16(),
+            "h": torch.randn(300, generator=g).half(),
+        }
+    ]
     for i in range(steps):
-        chain.append({k: change(v, 0.05, ["ulp", "random", "sign_cross"][i % 3], seed * 31 + i)
-                      for k, v in chain[-1].items()})  # fmt: skip
+        chain.append(
+            {
+                k: change(v, 0.05, ["ulp", "random", "sign_cross"][i % 3], seed * 31 + i)
+                for k, v in chain[-1].items()
+            }
+        )
     merged = merge([diff(a, b) for a, b in zip(chain, chain[1:])])
     direct = diff(chain[0], chain[-1])
     assert codec.encode(merged, base=chain[0]) == codec.encode(direct, base=chain[0])
@@ -141,8 +158,9 @@ def test_v2_merged_chain_equals_direct_diff(steps: int, seed: int) -> None:
 # ---------------------------------------------------------------- corrupt input
 
 
-def _stepped(shape: tuple, master: torch.dtype, dtype: torch.dtype, step: float,
-             seed: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _stepped(
+    shape: tuple, master: torch.dtype, dtype: torch.dtype, step: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, new) as a trainer sees them: a higher-precision master copy moves by ``step`` in
     a random direction and is rounded to ``dtype``, so small weights change more often."""
     g = torch.Generator().manual_seed(seed)
@@ -185,8 +203,9 @@ def _with_raw(data: bytes, raw: bytes, i: int = 0) -> bytes:
     return rebuild(data, mutate)
 
 
-def _set_class(data: bytes, c: int, coded: int | None = None, k: int | None = None,
-               mode: int | None = None) -> bytes:  # fmt: skip
+def _set_class(
+    data: bytes, c: int, coded: int | None = None, k: int | None = None, mode: int | None = None
+) -> bytes:
     raw = _raw(data)
     row = list(struct.unpack_from("<QBB", raw, 10 * c))
     for j, v in enumerate((coded, k, mode)):
@@ -245,25 +264,52 @@ def _one_rank_frame(data: bytes, base: dict, past: int) -> bytes:
 
 
 CASES = [
-    ("count mismatch in a class", lambda d: _set_class(d, _busiest(d), coded=0),
-     CountMismatchError, "classes change|unary"),
-    ("class codes more than the tensor", lambda d: _set_class(d, 3, coded=2**40),
-     CountMismatchError, "more entries"),
-    ("rice parameter out of range", lambda d: _set_class(d, 0, k=64), MalformedPatchError,
-     "Rice"),
+    (
+        "count mismatch in a class",
+        lambda d: _set_class(d, _busiest(d), coded=0),
+        CountMismatchError,
+        "classes change|unary",
+    ),
+    (
+        "class codes more than the tensor",
+        lambda d: _set_class(d, 3, coded=2**40),
+        CountMismatchError,
+        "more entries",
+    ),
+    ("rice parameter out of range", lambda d: _set_class(d, 0, k=64), MalformedPatchError, "Rice"),
     ("unknown mode bits", lambda d: _set_class(d, 0, mode=4), MalformedPatchError, "mode"),
-    ("coding 3 in a version-1 file", lambda d: rebuild(d, lambda r, f: None, header_version=1),
-     UnsupportedFormatError, "coding 3 in format 1"),
-    ("coding 3 on an integer dtype", lambda d: _set_coding(d, codec.CLASSED, torch.int16),
-     MalformedPatchError, "float dtype|fingerprint"),
+    (
+        "coding 3 in a version-1 file",
+        lambda d: rebuild(d, lambda r, f: None, header_version=1),
+        UnsupportedFormatError,
+        "coding 3 in format 1",
+    ),
+    (
+        "coding 3 on an integer dtype",
+        lambda d: _set_coding(d, codec.CLASSED, torch.int16),
+        MalformedPatchError,
+        "float dtype|fingerprint",
+    ),
     ("bits after the last code", _extend_unary, CountMismatchError, "after its last code"),
-    ("rank past the class", lambda d: _one_rank_frame(d, _BASE, 0), IndexOutOfRangeError,
-     "past its class"),
-    ("frame ends in the streams", lambda d: _set_class(d, _busiest(d), k=40), CountMismatchError,
-     "inside its position streams"),
-    ("frame bit flip", lambda d: d[:-9] + bytes([d[-9] ^ 0x40]) + d[-8:], CorruptFrameError,
-     "corrupt"),
-]  # fmt: skip
+    (
+        "rank past the class",
+        lambda d: _one_rank_frame(d, _BASE, 0),
+        IndexOutOfRangeError,
+        "past its class",
+    ),
+    (
+        "frame ends in the streams",
+        lambda d: _set_class(d, _busiest(d), k=40),
+        CountMismatchError,
+        "inside its position streams",
+    ),
+    (
+        "frame bit flip",
+        lambda d: d[:-9] + bytes([d[-9] ^ 0x40]) + d[-8:],
+        CorruptFrameError,
+        "corrupt",
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "corrupt", "error", "message"), CASES, ids=[c[0] for c in CASES])
@@ -378,8 +424,10 @@ def test_rank_select_helpers_invert(tiny_versions: list) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(-4, 4) | st.integers(-(2**63), 2**63 - 1), max_size=300),
-       st.sampled_from([1, 2, 4, 8]))  # fmt: skip
+@given(
+    st.lists(st.integers(-4, 4) | st.integers(-(2**63), 2**63 - 1), max_size=300),
+    st.sampled_from([1, 2, 4, 8]),
+)
 def test_classed_value_section_round_trips(values: list[int], width: int) -> None:
     """Coding-3 value groups may use 2-bit values (four to a byte) besides format 1's widths."""
     lo, hi = -(1 << (8 * width - 1)), (1 << (8 * width - 1)) - 1

@@ -77,13 +77,25 @@ CASES = [
     ("trailing garbage", lambda d: d + b"\0", TrailingDataError, "1 unexpected"),
     ("count too high", lambda d: rebuild(d, _set_count(+1)), CountMismatchError, "^a: "),
     ("count too low", lambda d: rebuild(d, _set_count(-1)), CountMismatchError, "^a: "),
-    ("index out of range", lambda d: rebuild(d, _frame_with_position(64 * 64)),
-     IndexOutOfRangeError, "outside"),
-    ("frame bit flip", lambda d: d[:-9] + bytes([d[-9] ^ 0x40]) + d[-8:], CorruptFrameError,
-     "corrupt"),
-    ("fingerprint flip", lambda d: d[:24] + bytes([d[24] ^ 1]) + d[25:], MalformedPatchError,
-     "fingerprint"),
-]  # fmt: skip
+    (
+        "index out of range",
+        lambda d: rebuild(d, _frame_with_position(64 * 64)),
+        IndexOutOfRangeError,
+        "outside",
+    ),
+    (
+        "frame bit flip",
+        lambda d: d[:-9] + bytes([d[-9] ^ 0x40]) + d[-8:],
+        CorruptFrameError,
+        "corrupt",
+    ),
+    (
+        "fingerprint flip",
+        lambda d: d[:24] + bytes([d[24] ^ 1]) + d[25:],
+        MalformedPatchError,
+        "fingerprint",
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "corrupt", "error", "message"), CASES, ids=[c[0] for c in CASES])

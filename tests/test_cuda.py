@@ -64,4 +64,3 @@ def test_gpu_format2_encodes_and_applies_in_place_like_the_host(tiny_versions) -
     apply_frames(ga, memoryview(host), codec.read_header(host), digest)
     assert digest.hash() == state_hash(b)
     assert bit_equal({k: v.cpu() for k, v in ga.items()}, b)
-

@@ -28,10 +28,15 @@ transformers = pytest.importorskip("transformers")
 
 def tiny_llama(seed: int) -> torch.nn.Module:
     cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
@@ -67,10 +72,17 @@ def test_engine_model_follows_the_trainer_in_place(tmp_path: Path, device: str) 
     master = {n: p.detach().float().clone() for n, p in trained.named_parameters()}
     engine = tiny_llama(seed=2).to(device)  # other weights at first: v0 overwrites them
     engine_params = {n: p.data_ptr() for n, p in engine.named_parameters()}
-    with Trainer(key=tmp_path / "trainer.key", data_dir=tmp_path / "t", chunk_size=16384,
-                 poll_interval_s=0.2) as trainer:  # fmt: skip
-        with Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=tmp_path / "r",
-                     model=engine, have_poll_s=0.05, poll_interval_s=0.2) as rollout:  # fmt: skip
+    with Trainer(
+        key=tmp_path / "trainer.key", data_dir=tmp_path / "t", chunk_size=16384, poll_interval_s=0.2
+    ) as trainer:
+        with Rollout(
+            trust=[str(pub)],
+            peers=[trainer.url],
+            data_dir=tmp_path / "r",
+            model=engine,
+            have_poll_s=0.05,
+            poll_interval_s=0.2,
+        ) as rollout:
             for v in range(4):
                 if v:
                     train_step(trained, master, v)
@@ -100,8 +112,13 @@ def test_an_engine_model_of_another_layout_is_refused_untouched(tmp_path: Path) 
     engine = {"a.weight": torch.zeros(8, 4).bfloat16(), "b.weight": torch.zeros(5).bfloat16()}
     with Trainer(key=tmp_path / "trainer.key", data_dir=tmp_path / "t") as trainer:
         trainer.publish(weights)
-        with Rollout(trust=[str(pub)], peers=[trainer.url], data_dir=tmp_path / "r",
-                     model=engine, have_poll_s=0.05) as rollout:  # fmt: skip
+        with Rollout(
+            trust=[str(pub)],
+            peers=[trainer.url],
+            data_dir=tmp_path / "r",
+            model=engine,
+            have_poll_s=0.05,
+        ) as rollout:
             assert rollout.wait_for_update(timeout=60)
             with pytest.raises(LayoutMismatchError, match="'b.weight'"):
                 rollout.apply_updates()
@@ -160,8 +177,14 @@ async def _recover(tmp_path: Path, damage) -> tuple[Follower, Store]:
     tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k")
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     url = await trainer.start()
-    rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
-                      peers=(url,), poll_interval_s=0.2, have_poll_s=0.05)  # fmt: skip
+    rcfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path / "r",
+        trust=(key.public.text(),),
+        peers=(url,),
+        poll_interval_s=0.2,
+        have_poll_s=0.05,
+    )
     store = Store.open(rcfg.data_dir)
     try:
         follower = await _follow(Node(rcfg, policy, store), lambda f: f.state.version == 3)
@@ -191,8 +214,9 @@ def test_a_checkpoint_that_fails_its_hash_is_dropped_and_the_state_refetched(
         restored = restore(store)
         assert restored is not None
         state = store.state
-        store.set_checkpoint(state.version, state.state_hash,
-                             lambda p: p.write_bytes(b"not the weights"))  # fmt: skip
+        store.set_checkpoint(
+            state.version, state.state_hash, lambda p: p.write_bytes(b"not the weights")
+        )
 
     follower, store = asyncio.run(_recover(tmp_path, corrupt_checkpoint))
     assert any("failed verification" in d for d in store.dropped), store.dropped
@@ -210,15 +234,21 @@ async def _follow_until_refused(tmp_path: Path) -> tuple[Follower, list[dict]]:
     good = diff(versions[-1], bad_next)
     lying = Patch(good.layout, good.base_hash, b"\x07" * 16, good.deltas)  # signed, inconsistent
     data = store_writer.codec.encode(lying)
-    m = store_writer.manifest_for(data, swarm=policy.swarm_id, version=2, kind="patch",
-                                  target_state=lying.target_hash.hex(),
-                                  layout=store_writer.layout_fingerprint(good.layout).hex(),
-                                  now=0, chunk_size=16 * 1024, base_version=1,
-                                  base_state=good.base_hash.hex())  # fmt: skip
+    m = store_writer.manifest_for(
+        data,
+        swarm=policy.swarm_id,
+        version=2,
+        kind="patch",
+        target_state=lying.target_hash.hex(),
+        layout=store_writer.layout_fingerprint(good.layout).hex(),
+        now=0,
+        chunk_size=16 * 1024,
+        base_version=1,
+        base_state=good.base_hash.hex(),
+    )
     store.put_payload(m, data)
     store.put_manifest(m, store_writer.sign(m, [key]))
-    cfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
-                     p2p=False)  # fmt: skip
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),), p2p=False)
     follower = await _follow(Node(cfg, policy, store), lambda f: m.digest in f.refused)
     return follower, versions
 

@@ -40,9 +40,15 @@ def make(version: int = 5, swarm: str | None = None, **kw) -> Manifest:
     fields = dict(kind=PATCH, base_version=version - 1, base_state="ab" * 16)
     fields.update(kw)
     return manifest_for(
-        PAYLOAD, swarm=swarm or POLICY.swarm_id, version=version, target_state="cd" * 16,
-        layout="ef" * 16, now=NOW, chunk_size=64 * 1024, **fields,
-    )  # fmt: skip
+        PAYLOAD,
+        swarm=swarm or POLICY.swarm_id,
+        version=version,
+        target_state="cd" * 16,
+        layout="ef" * 16,
+        now=NOW,
+        chunk_size=64 * 1024,
+        **fields,
+    )
 
 
 def tamper(data: bytes, edit: Callable[[dict], None]) -> bytes:
@@ -60,36 +66,77 @@ GOOD = sign(make(), [TRAINER])
 # (name, manifest bytes, kwargs for verify, expected error, message fragment)
 ATTACKS = [
     ("unsigned", sign(make(), []), {}, MissingSignatureError, "no signature"),
-    ("forged signature", tamper(GOOD, lambda d: d["signatures"][0].__setitem__("sig", "00" * 64)),
-     {}, ForgedSignatureError, "does not verify"),
+    (
+        "forged signature",
+        tamper(GOOD, lambda d: d["signatures"][0].__setitem__("sig", "00" * 64)),
+        {},
+        ForgedSignatureError,
+        "does not verify",
+    ),
     ("tampered content", tamper(GOOD, _set("version", 6)), {}, ForgedSignatureError, "verify"),
     ("untrusted signer", sign(make(), [OTHER]), {}, UntrustedSignerError, "untrusted"),
-    ("wrong swarm", sign(make(swarm=SwarmPolicy("swarm-b", (TRAINER.public,)).swarm_id),
-                         [TRAINER]), {}, WrongSwarmError, "swarm"),
+    (
+        "wrong swarm",
+        sign(make(swarm=SwarmPolicy("swarm-b", (TRAINER.public,)).swarm_id), [TRAINER]),
+        {},
+        WrongSwarmError,
+        "swarm",
+    ),
     ("rollback", GOOD, {"accepted_version": 7}, RollbackAttackError, "not newer"),
     ("replay", GOOD, {"accepted_version": 5}, RollbackAttackError, "not newer"),
     ("freeze (expired)", GOOD, {"now": NOW + 8 * 86400}, FreezeAttackError, "expired"),
-    ("endless data (payload)", GOOD, {"limits": ManifestLimits(max_payload_size=1000)},
-     EndlessDataAttackError, "exceeds"),
-    ("endless data (manifest size)", GOOD, {"limits": ManifestLimits(max_manifest_bytes=100)},
-     EndlessDataAttackError, "manifest is"),
+    (
+        "endless data (payload)",
+        GOOD,
+        {"limits": ManifestLimits(max_payload_size=1000)},
+        EndlessDataAttackError,
+        "exceeds",
+    ),
+    (
+        "endless data (manifest size)",
+        GOOD,
+        {"limits": ManifestLimits(max_manifest_bytes=100)},
+        EndlessDataAttackError,
+        "manifest is",
+    ),
     ("unknown field", tamper(GOOD, _set("extra", 1)), {}, MalformedManifestError, "unknown"),
-    ("missing field", tamper(GOOD, lambda d: d["signed"].pop("chunks")), {},
-     MalformedManifestError, "missing"),
+    (
+        "missing field",
+        tamper(GOOD, lambda d: d["signed"].pop("chunks")),
+        {},
+        MalformedManifestError,
+        "missing",
+    ),
     ("wrong type", tamper(GOOD, _set("version", "5")), {}, MalformedManifestError, "type"),
     ("bool as int", tamper(GOOD, _set("version", True)), {}, MalformedManifestError, "type"),
     ("not json", b"\xff{", {}, MalformedManifestError, "not JSON"),
-    ("chunk count", tamper(GOOD, _set("chunks", ["aa" * 32])), {}, MalformedManifestError,
-     "chunk hashes for"),
-    ("snapshot with base", sign(make(kind=SNAPSHOT, base_version=None), [TRAINER]), {},
-     MalformedManifestError, "snapshot"),
-    ("patch without base", sign(make(base_version=None), [TRAINER]), {},
-     MalformedManifestError, "base"),
-]  # fmt: skip
+    (
+        "chunk count",
+        tamper(GOOD, _set("chunks", ["aa" * 32])),
+        {},
+        MalformedManifestError,
+        "chunk hashes for",
+    ),
+    (
+        "snapshot with base",
+        sign(make(kind=SNAPSHOT, base_version=None), [TRAINER]),
+        {},
+        MalformedManifestError,
+        "snapshot",
+    ),
+    (
+        "patch without base",
+        sign(make(base_version=None), [TRAINER]),
+        {},
+        MalformedManifestError,
+        "base",
+    ),
+]
 
 
-@pytest.mark.parametrize(("name", "data", "kwargs", "error", "message"), ATTACKS,
-                         ids=[a[0] for a in ATTACKS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "data", "kwargs", "error", "message"), ATTACKS, ids=[a[0] for a in ATTACKS]
+)
 def test_attack_is_refused_with_its_own_error(name, data, kwargs, error, message) -> None:
     args = {"now": NOW + 10, "accepted_version": 4, **kwargs}
     with pytest.raises(error, match=message):

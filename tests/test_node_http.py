@@ -34,8 +34,16 @@ def make_node(tmp_path: Path) -> Node:
 async def _hostile_requests(node: Node) -> dict[str, int]:
     url = await node.start()
     key = SigningKey.generate()
-    m = manifest_for(b"z" * 100, swarm="t", version=0, kind=SNAPSHOT, target_state="00" * 16,
-                     layout="00" * 16, now=int(time.time()), chunk_size=16 * 1024)  # fmt: skip
+    m = manifest_for(
+        b"z" * 100,
+        swarm="t",
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
     node.store.put_payload(m, b"z" * 100)
     node.store.put_manifest(m, sign(m, [key]))
     digest = m.chunks[0]
@@ -51,15 +59,17 @@ async def _hostile_requests(node: Node) -> dict[str, int]:
                 "have unknown": s.get(f"{url}/have/{HEX}"),
                 "announce not json": s.post(f"{url}/announce", data=b"\xff\x00"),
                 "announce wrong shape": s.post(f"{url}/announce", json=[1, 2]),
-                "announce bad digest": s.post(f"{url}/announce", json={"url": None,
-                                                                       "digests": ["x"]}),
-                "announce bad url": s.post(f"{url}/announce", json={"url": "file:///x",
-                                                                    "digests": []}),
+                "announce bad digest": s.post(
+                    f"{url}/announce", json={"url": None, "digests": ["x"]}
+                ),
+                "announce bad url": s.post(
+                    f"{url}/announce", json={"url": "file:///x", "digests": []}
+                ),
                 "announce huge": s.post(f"{url}/announce", data=b"{" + b" " * 200_000),
                 "no such route": s.get(f"{url}/admin"),
                 "manifests bad version": s.get(f"{url}/manifests?version=x"),
                 "status after": s.get(f"{url}/status"),
-            }  # fmt: skip
+            }
             for name, call in calls.items():
                 async with call as resp:
                     await resp.read()
@@ -112,13 +122,19 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         urls.append(await node.start())
         started.set()
 
-    thread = threading.Thread(target=lambda: (loop.run_until_complete(serve()),
-                                              loop.run_forever()), daemon=True)  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: (loop.run_until_complete(serve()), loop.run_forever()), daemon=True
+    )
     thread.start()
     try:
         assert started.wait(10)
-        out = subprocess.run([sys.executable, "-m", "node.cli", "status", urls[0]], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "node.cli", "status", urls[0]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert "bytes_uploaded" in out.stdout and urls[0] in out.stdout
     finally:
@@ -141,7 +157,7 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         ("role = [\n", {}, "not valid TOML"),
         ("role = 'trainer'\nkey = 'k'\n", {"role": "rollout"}, "trust:"),  # flags override
     ],
-)  # fmt: skip
+)
 def test_bad_config_names_the_field(tmp_path: Path, toml: str, flags: dict, message: str) -> None:
     path = tmp_path / "c.toml"
     path.write_text(toml)
@@ -168,8 +184,15 @@ async def _manifests_by_version(node: Node) -> tuple[list, list, list]:
     from p2p_sync.manifest import SNAPSHOT, sign
 
     key = SigningKey.generate()
-    m = manifest_for(b"p" * 20_000, swarm=node.policy.swarm_id, version=0, kind=SNAPSHOT,
-                     target_state="aa" * 16, layout="bb" * 16, now=0)  # fmt: skip
+    m = manifest_for(
+        b"p" * 20_000,
+        swarm=node.policy.swarm_id,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="aa" * 16,
+        layout="bb" * 16,
+        now=0,
+    )
     node.store.put_manifest(m, sign(m, [key]))
     url = await node.start()
     try:
@@ -197,16 +220,24 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
     key = SigningKey.generate()
     policy = SwarmPolicy("rot", (key.public,))
     payload = b"q" * 100_000
-    m = manifest_for(payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT,
-                     target_state="aa" * 16, layout="bb" * 16, now=int(time.time()),
-                     chunk_size=16 * 1024)  # fmt: skip
+    m = manifest_for(
+        payload,
+        swarm=policy.swarm_id,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="aa" * 16,
+        layout="bb" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
     tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     trainer.store.put_payload(m, payload)
     trainer.store.put_manifest(m, sign(m, [key]))
     url = await trainer.start()
-    rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
-                      peers=(url,), p2p=False)  # fmt: skip
+    rcfg = NodeConfig(
+        role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),), peers=(url,), p2p=False
+    )
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
     rollout.store.put_manifest(m, sign(m, [key]))
     calls = []
@@ -232,8 +263,7 @@ def test_a_disk_that_keeps_losing_chunks_stops_the_download_with_a_clear_error(
 
 def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> None:
     given = "http://127.0.0.1:7000"
-    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), peers=(given,),
-                     poll_fanout=4)  # fmt: skip
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), peers=(given,), poll_fanout=4)
     node = Node(cfg, SwarmPolicy("t", (SigningKey.generate().public,)), Store.open(tmp_path))
     others = [f"http://127.0.0.1:{7001 + i}" for i in range(20)]
     for url in [given, *others]:

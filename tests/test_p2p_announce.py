@@ -25,9 +25,17 @@ POLICY = SwarmPolicy("test", (TRAINER.public,))
 
 
 def signed_manifest(version: int, key: SigningKey = TRAINER, swarm: str = POLICY.swarm_id):
-    m = manifest_for(bytes([version]) * 40_000, swarm=swarm, version=version, kind="snapshot",
-                     target_state="ab" * 16, layout="cd" * 16, now=NOW_MS // 1000,
-                     lifetime_s=3600, chunk_size=16 * 1024)  # fmt: skip
+    m = manifest_for(
+        bytes([version]) * 40_000,
+        swarm=swarm,
+        version=version,
+        kind="snapshot",
+        target_state="ab" * 16,
+        layout="cd" * 16,
+        now=NOW_MS // 1000,
+        lifetime_s=3600,
+        chunk_size=16 * 1024,
+    )
     return m, sign(m, [key])
 
 
@@ -86,7 +94,7 @@ def _smuggle(data: bytes) -> bytes:
         (message(sources=("ftp://x:1",)), "MalformedAnnouncementError"),
         (b" " * (256 * 1024 + 1), "OversizedAnnouncementError"),
     ],
-)  # fmt: skip
+)
 def test_bad_announcements_are_rejected_naming_the_attack(data: bytes, error: str) -> None:
     d = judge(data, POLICY, NOW_MS, nothing_known)
     assert d.verdict is Verdict.REJECT

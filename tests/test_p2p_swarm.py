@@ -55,8 +55,13 @@ class Eavesdropper:
 
     def __init__(self, root: Path, bootstrap: str, swarm_id: str) -> None:
         self.heard: list[bytes] = []
-        settings = P2PSettings("/ip4/127.0.0.1/tcp/0", root / "evil.key", topic(swarm_id),
-                               bootstrap=(bootstrap,), dht=False)  # fmt: skip
+        settings = P2PSettings(
+            "/ip4/127.0.0.1/tcp/0",
+            root / "evil.key",
+            topic(swarm_id),
+            bootstrap=(bootstrap,),
+            dht=False,
+        )
         self.host = P2PHost(settings, self.judge, lambda *a: None, lambda url: None)
 
     def judge(self, data: bytes, known: Callable[[str], bool]) -> Decision:
@@ -111,12 +116,18 @@ def test_swarm_from_one_bootstrap_address(swarm: Swarm, versions, tmp_path: Path
     join = ("--bootstrap", addr, "--config", str(gossip_only))
     trainer = swarm.start_trainer(extra=("--bootstrap", addr))
     rollouts = [swarm.start_rollout(f"r{i}", [], extra=join) for i in range(8)]
-    wait_for(lambda: all(trainer.url in (r.status() or {}).get("peers", []) for r in rollouts),
-             60, "every rollout to learn the trainer's URL from its signed record")  # fmt: skip
+    wait_for(
+        lambda: all(trainer.url in (r.status() or {}).get("peers", []) for r in rollouts),
+        60,
+        "every rollout to learn the trainer's URL from its signed record",
+    )
     # news counts as gossip-borne only once a node is in the topic's mesh (heartbeat: 1 s);
     # before that a rollout may hear of v0 through an HTTP push or its head query instead
-    wait_for(lambda: all(p2p(p).get("mesh_peers", 0) >= 1 for p in [trainer, *rollouts]),
-             60, "every node to join the announcement topic's gossip mesh")  # fmt: skip
+    wait_for(
+        lambda: all(p2p(p).get("mesh_peers", 0) >= 1 for p in [trainer, *rollouts]),
+        60,
+        "every node to join the announcement topic's gossip mesh",
+    )
 
     for v in range(5):
         swarm.publish(versions[v])
@@ -179,14 +190,18 @@ TRUST = ("--trust", "ed25519:" + "00" * 32)
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--role", "rollout", *TRUST, "--bootstrap", "/ip4/1.2.3.4/tcp/1"],
-         "config: bootstrap: '/ip4/1.2.3.4/tcp/1' is not a multiaddr ending in /p2p/<peer-id>"),
+        (
+            ["--role", "rollout", *TRUST, "--bootstrap", "/ip4/1.2.3.4/tcp/1"],
+            "config: bootstrap: '/ip4/1.2.3.4/tcp/1' is not a multiaddr ending in /p2p/<peer-id>",
+        ),
         (["--role", "bootstrap"], "config: trust: a bootstrap needs --trust"),
         (["--role", "bootstrap", *TRUST, "--no-p2p"], "config: p2p:"),
-        (["--role", "rollout", *TRUST, "--p2p-listen", "127.0.0.1:5"],
-         "config: p2p_listen: '127.0.0.1:5' is not a multiaddr"),
+        (
+            ["--role", "rollout", *TRUST, "--p2p-listen", "127.0.0.1:5"],
+            "config: p2p_listen: '127.0.0.1:5' is not a multiaddr",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_p2p_flags_get_a_one_line_error(argv, message, capsys, tmp_path: Path) -> None:
     code = main(["node", "--data-dir", str(tmp_path / "d"), *argv])
     err = capsys.readouterr().err

@@ -29,11 +29,16 @@ class Peer:
         self.seen: list[bytes] = []  # every message its judge was asked about
         self.accepted: list[bytes] = []
         self.urls: list[str] = []
-        base = {"listen": "/ip4/127.0.0.1/tcp/0", "identity_path": root / f"{name}.key",
-                "topic": TOPIC, "http_url": f"http://127.0.0.1:{_free_port()}"}  # fmt: skip
+        base = {
+            "listen": "/ip4/127.0.0.1/tcp/0",
+            "identity_path": root / f"{name}.key",
+            "topic": TOPIC,
+            "http_url": f"http://127.0.0.1:{_free_port()}",
+        }
         self.http_url = base["http_url"]
-        self.host = P2PHost(P2PSettings(**{**base, **settings}), self.judge, self.on_accept,
-                            self.urls.append)  # fmt: skip
+        self.host = P2PHost(
+            P2PSettings(**{**base, **settings}), self.judge, self.on_accept, self.urls.append
+        )
 
     def judge(self, data: bytes, known: Callable[[str], bool]) -> Decision:
         """Test rule: messages starting with b"good" are news, anything else an attack."""
@@ -90,11 +95,17 @@ def test_peers_find_each_others_urls_gossip_and_stop_cleanly(tmp_path: Path) -> 
         for p in peers:
             await p.host.start()
         everyone = {boot.http_url, *(p.http_url for p in peers)}
-        await until(lambda: all(set(p.urls) == everyone - {p.http_url} for p in peers), 30,
-                    "every peer to learn every other data-plane URL")  # fmt: skip
-        await publish_until(peers[0], b"good 1",
-                            lambda: all(_digest(b"good 1") in p.accepted for p in
-                                        [boot, *peers[1:]]), 30)  # fmt: skip
+        await until(
+            lambda: all(set(p.urls) == everyone - {p.http_url} for p in peers),
+            30,
+            "every peer to learn every other data-plane URL",
+        )
+        await publish_until(
+            peers[0],
+            b"good 1",
+            lambda: all(_digest(b"good 1") in p.accepted for p in [boot, *peers[1:]]),
+            30,
+        )
         t0 = time.perf_counter()
         for _ in range(200):
             await boot.host.call(trio.sleep, 0)  # a round trip into the Trio thread and back
@@ -136,8 +147,9 @@ def test_rejected_message_is_not_forwarded_and_its_sender_is_blacklisted(tmp_pat
     async def scenario() -> None:
         hub = Peer(tmp_path, "hub", max_rejects=2)
         await hub.host.start()
-        evil, witness = (Peer(tmp_path, n, dht=False, bootstrap=(hub.host.addr,))
-                         for n in ("evil", "witness"))  # fmt: skip
+        evil, witness = (
+            Peer(tmp_path, n, dht=False, bootstrap=(hub.host.addr,)) for n in ("evil", "witness")
+        )
         await evil.host.start()
         await witness.host.start()
         try:

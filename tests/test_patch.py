@@ -25,8 +25,9 @@ def test_chain_of_ten_patches_reaches_the_final_version(tiny_versions: list) -> 
 
 
 def test_merged_chain_equals_direct_diff_on_workload(tiny_versions: list) -> None:
-    patches = [codec.decode(codec.encode(diff(a, b)))
-               for a, b in zip(tiny_versions, tiny_versions[1:])]  # fmt: skip
+    patches = [
+        codec.decode(codec.encode(diff(a, b))) for a, b in zip(tiny_versions, tiny_versions[1:])
+    ]
     merged = merge(patches)
     direct = diff(tiny_versions[0], tiny_versions[10])
     assert codec.encode(merged) == codec.encode(direct)

@@ -77,8 +77,10 @@ def test_a_failing_unproven_peer_makes_room_for_a_newcomer_a_healthy_one_does_no
     assert d.handle(PeerNamed(url(5))) == []  # full, nobody failing: refused
     d.handle(PeerFailed(url(3)))
     actions = d.handle(PeerNamed(url(5)))
-    assert actions == [PeerDropped(url(3), "displaced while unproven and failing"),
-                       PeerAdded(url(5))]  # fmt: skip
+    assert actions == [
+        PeerDropped(url(3), "displaced while unproven and failing"),
+        PeerAdded(url(5)),
+    ]
 
 
 def test_failures_in_a_row_drop_a_peer_and_an_answer_resets_the_count() -> None:
@@ -127,8 +129,13 @@ def test_random_events_keep_the_bounds_and_never_drop_a_proven_peer_for_hearsay(
     proven: set[str] = set()
     for op, i in script:
         u = url(i) if i < 8 else url(i, "10.0.0.1")
-        event = {"n": PeerNamed(u), "f": PeerFailed(u), "a": PeerAnswered(u),
-                 "v": PeerServedVerified(u), "m": PeerMisbehaved(u, "x")}[op]  # fmt: skip
+        event = {
+            "n": PeerNamed(u),
+            "f": PeerFailed(u),
+            "a": PeerAnswered(u),
+            "v": PeerServedVerified(u),
+            "m": PeerMisbehaved(u, "x"),
+        }[op]
         before = set(d.known)
         actions = d.handle(event)
         if op == "v" and u in d:
@@ -150,16 +157,31 @@ FAKES = 300
 
 
 def _node(tmp_path: Path, name: str, policy: SwarmPolicy, **kw) -> Node:
-    cfg = NodeConfig(role="rollout", data_dir=tmp_path / name, trust=("x",), p2p=False,
-                     poll_interval_s=0.05, max_peers=16, max_unproven_peers=6, **kw)  # fmt: skip
+    cfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path / name,
+        trust=("x",),
+        p2p=False,
+        poll_interval_s=0.05,
+        max_peers=16,
+        max_unproven_peers=6,
+        **kw,
+    )
     return Node(cfg, policy, Store.open(cfg.data_dir))
 
 
 def _publish(node: Node, key: SigningKey, version: int) -> tuple[Manifest, bytes]:
     payload = random.Random(version).randbytes(70_000)  # distinct chunks
-    m = manifest_for(payload, swarm=node.policy.swarm_id, version=version, kind=SNAPSHOT,
-                     target_state=f"{version:032x}", layout="bb" * 16, now=int(time.time()),
-                     chunk_size=16 * 1024)  # fmt: skip
+    m = manifest_for(
+        payload,
+        swarm=node.policy.swarm_id,
+        version=version,
+        kind=SNAPSHOT,
+        target_state=f"{version:032x}",
+        layout="bb" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
     node.store.put_payload(m, payload)
     node.store.put_manifest(m, sign(m, [key]))
     return m, payload

@@ -32,12 +32,23 @@ async def _sync(
 ) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
-    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k",
-                      chunk_size=16 * 1024, poll_interval_s=0.2)  # fmt: skip
+    tcfg = NodeConfig(
+        role="trainer",
+        data_dir=tmp_path / "t",
+        key=tmp_path / "k",
+        chunk_size=16 * 1024,
+        poll_interval_s=0.2,
+    )
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir, limits))
     url = await trainer.start()
-    rcfg = NodeConfig(role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),),
-                      peers=(url,), poll_interval_s=0.2, have_poll_s=0.05)  # fmt: skip
+    rcfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path / "r",
+        trust=(key.public.text(),),
+        peers=(url,),
+        poll_interval_s=0.2,
+        have_poll_s=0.05,
+    )
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir, limits))
     await rollout.start()
     seen: list[tuple[int, str]] = []
@@ -49,8 +60,13 @@ async def _sync(
         applied.set()
 
     hook = f'echo "$P2PSYNC_VERSION $P2PSYNC_STATE_HASH" >> {hook_log}'
-    follower = Follower(rollout, export=tmp_path / "export", callback=callback, on_update_cmd=hook,
-                        checkpoint_every=checkpoint_every)  # fmt: skip
+    follower = Follower(
+        rollout,
+        export=tmp_path / "export",
+        callback=callback,
+        on_update_cmd=hook,
+        checkpoint_every=checkpoint_every,
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(follower.run(stop))
     publisher = Publisher(trainer, key, publish, checkpoint_every)
@@ -64,17 +80,26 @@ async def _sync(
                     applied.clear()
                     await applied.wait()
         for store in (trainer.store, rollout.store):
-            held.append(([r.version for r in store.log],
-                         {m.version for m in store.manifests() if store.has_payload(m)}))
+            held.append(
+                (
+                    [r.version for r in store.log],
+                    {m.version for m in store.manifests() if store.has_payload(m)},
+                )
+            )
     finally:
         stop.set()
         await task
         publisher.close()
         await rollout.stop()
         await trainer.stop()
-    return {"seen": seen, "weights": follower.weights, "hook": hook_log.read_text(),
-            "export": json.loads((tmp_path / "export" / "version.json").read_text()),
-            "stores": (trainer.store, rollout.store), "held": held}  # fmt: skip
+    return {
+        "seen": seen,
+        "weights": follower.weights,
+        "hook": hook_log.read_text(),
+        "export": json.loads((tmp_path / "export" / "version.json").read_text()),
+        "stores": (trainer.store, rollout.store),
+        "held": held,
+    }
 
 
 def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> None:
@@ -93,9 +118,15 @@ def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
     tmp_path: Path, tiny_versions: list
 ) -> None:
     versions = tiny_versions[:5]
-    out = asyncio.run(_sync(tmp_path, versions, StoreLimits(max_chunk_bytes=1),
-                            PublishPolicy(anchor_every=3, catchup_spans=(2,)),
-                            checkpoint_every=1))  # fmt: skip
+    out = asyncio.run(
+        _sync(
+            tmp_path,
+            versions,
+            StoreLimits(max_chunk_bytes=1),
+            PublishPolicy(anchor_every=3, catchup_spans=(2,)),
+            checkpoint_every=1,
+        )
+    )
     assert bit_equal(out["weights"], versions[-1])
     for store in out["stores"]:
         kept = {m.version for m in store.manifests() if store.has_payload(m)}
@@ -107,9 +138,15 @@ def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
 
 def test_eviction_keeps_every_artifact_replay_needs(tmp_path: Path, tiny_versions: list) -> None:
     versions = tiny_versions[:5]
-    out = asyncio.run(_sync(tmp_path, versions, StoreLimits(max_chunk_bytes=1),
-                            PublishPolicy(anchor_every=100, catchup_spans=()),
-                            checkpoint_every=100))  # fmt: skip
+    out = asyncio.run(
+        _sync(
+            tmp_path,
+            versions,
+            StoreLimits(max_chunk_bytes=1),
+            PublishPolicy(anchor_every=100, catchup_spans=()),
+            checkpoint_every=100,
+        )
+    )
     for logged, held in out["held"]:  # no checkpoint since v0: the v0 anchor and every patch
         assert logged == [0, 1, 2, 3, 4] and held == {0, 1, 2, 3, 4}
 
@@ -118,8 +155,14 @@ def test_a_restart_replays_the_log_and_writes_weights_only_at_checkpoints(
     tmp_path: Path, tiny_versions: list
 ) -> None:
     versions = tiny_versions[:6]
-    out = asyncio.run(_sync(tmp_path, versions, publish=PublishPolicy(anchor_every=100,
-                            catchup_spans=()), checkpoint_every=2))  # fmt: skip
+    out = asyncio.run(
+        _sync(
+            tmp_path,
+            versions,
+            publish=PublishPolicy(anchor_every=100, catchup_spans=()),
+            checkpoint_every=2,
+        )
+    )
     for store in out["stores"]:
         again = Store.open(store.root)
         # clean shutdown checkpointed the head: v5 (checkpoints at v2, v4, then at close)
@@ -135,8 +178,9 @@ async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:
 
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
-    cfg = NodeConfig(role="trainer", data_dir=tmp_path, key=tmp_path / "k",
-                     manifest_lifetime_s=1000)  # fmt: skip
+    cfg = NodeConfig(
+        role="trainer", data_dir=tmp_path, key=tmp_path / "k", manifest_lifetime_s=1000
+    )
     node = TrainerNode(cfg, policy, Store.open(tmp_path))
     publisher = Publisher(node, key, PublishPolicy())
     (anchor,) = await publisher.publish(weights)

@@ -12,16 +12,28 @@ from p2p_sync.patch import apply, diff, merge
 from p2p_sync.tensors import bits_dtype, flat_bits
 from tests.helpers import bit_equal, clone_set, random_bits
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
-          torch.bool, torch.int32, torch.int64, torch.float8_e4m3fn]  # fmt: skip
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.int32,
+    torch.int64,
+    torch.float8_e4m3fn,
+]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (33, 17), (4001,), (2, 3, 5, 7)]
 # fraction of elements to change; -1 stands for "exactly one element"
 DENSITIES = [0.0, -1, 0.001, 0.01, 0.05, 0.13, 0.3, 0.6, 1.0]
 KINDS = ["ulp", "random", "sign_cross", "special"]
 
 # Float bit patterns that trip naive float code: NaN payloads, infinities, signed zeros.
-SPECIAL_F32 = np.array([0x7FC00001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x80000000, 0, 1,
-                        0x7FFFFFFF, 0x80000001], dtype=np.uint32).view(np.int32)  # fmt: skip
+SPECIAL_F32 = np.array(
+    [0x7FC00001, 0xFFC00000, 0x7F800000, 0xFF800000, 0x80000000, 0, 1, 0x7FFFFFFF, 0x80000001],
+    dtype=np.uint32,
+).view(np.int32)
 
 
 def special_bits(width: int, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -68,8 +80,9 @@ def version_pairs(draw: st.DrawFn) -> tuple[dict, dict]:
         seed = draw(st.integers(0, 2**32 - 1))
         t = random_bits(shape, dtype, seed)
         base[f"t{i}"] = t
-        new[f"t{i}"] = change(t, draw(st.sampled_from(DENSITIES)), draw(st.sampled_from(KINDS)),
-                              seed + 1)  # fmt: skip
+        new[f"t{i}"] = change(
+            t, draw(st.sampled_from(DENSITIES)), draw(st.sampled_from(KINDS)), seed + 1
+        )
     return base, new
 
 
@@ -94,8 +107,10 @@ def test_merged_chain_equals_direct_diff(pairs: list, steps: int, seed: int) -> 
     base, _ = pairs[0]
     chain = [base]
     for i in range(steps):
-        nxt = {k: change(v, 0.05, ["ulp", "random", "sign_cross"][i % 3], seed * 31 + i)
-               for k, v in chain[-1].items()}  # fmt: skip
+        nxt = {
+            k: change(v, 0.05, ["ulp", "random", "sign_cross"][i % 3], seed * 31 + i)
+            for k, v in chain[-1].items()
+        }
         chain.append(nxt)
     patches = [diff(a, b) for a, b in zip(chain, chain[1:])]
     merged, direct = merge(patches), diff(chain[0], chain[-1])

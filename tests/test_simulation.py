@@ -18,8 +18,14 @@ from simulations.scenario import ScenarioError, from_dict, load
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 1e6
-SMALL = dict(chunk_kb=64, max_requests_per_peer=1, min_requests_per_peer=1, seed_outstanding=8,
-             max_peers=16, latency_ms=1.0)  # fmt: skip
+SMALL = dict(
+    chunk_kb=64,
+    max_requests_per_peer=1,
+    min_requests_per_peer=1,
+    seed_outstanding=8,
+    max_peers=16,
+    latency_ms=1.0,
+)
 
 
 def run_transfers(up: list[float], down: list[float], flows: list[tuple[int, int, float]]):
@@ -40,8 +46,9 @@ def test_one_source_one_sink_goes_at_the_tighter_link() -> None:
 
 def test_star_shares_the_uplink_equally() -> None:
     n = 5
-    done, _ = run_transfers([10 * MB] + [0] * n, [0] + [100 * MB] * n,
-                            [(0, i, 10 * MB) for i in range(1, n + 1)])  # fmt: skip
+    done, _ = run_transfers(
+        [10 * MB] + [0] * n, [0] + [100 * MB] * n, [(0, i, 10 * MB) for i in range(1, n + 1)]
+    )
     assert all(t == pytest.approx(n * 10 / 10) for t in done.values())
 
 
@@ -70,9 +77,15 @@ def scenario(**kw):
 
 def test_one_rollout_gets_the_payload_at_link_speed() -> None:
     # one source: the scheduler's default deep pipeline (8 requests) hides the round trips
-    sc = scenario(peers=1, payload_mb=8.0, uplink_mbps=80.0, downlink_mbps=80.0,
-                  trainer_uplink_mbps=80.0, max_requests_per_peer=8,
-                  seed_outstanding=256)  # fmt: skip
+    sc = scenario(
+        peers=1,
+        payload_mb=8.0,
+        uplink_mbps=80.0,
+        downlink_mbps=80.0,
+        trainer_uplink_mbps=80.0,
+        max_requests_per_peer=8,
+        seed_outstanding=256,
+    )
     _, rep = simulate(sc)
     bound = rep["lower_bound_s"][0]
     assert bound == pytest.approx(8 * MB / (80e6 / 8))
@@ -81,11 +94,15 @@ def test_one_rollout_gets_the_payload_at_link_speed() -> None:
 
 
 def test_swarm_beats_the_star_and_respects_the_bound() -> None:
-    sc = scenario(peers=40, payload_mb=4.0, uplink_mbps=100.0, downlink_mbps=100.0,
-                  trainer_uplink_mbps=100.0)  # fmt: skip
+    sc = scenario(
+        peers=40, payload_mb=4.0, uplink_mbps=100.0, downlink_mbps=100.0, trainer_uplink_mbps=100.0
+    )
     _, rep = simulate(sc)
-    worst, bound, star = (rep["completion_time_s"]["worst"], rep["lower_bound_s"][0],
-                          rep["star_time_s"][0])  # fmt: skip
+    worst, bound, star = (
+        rep["completion_time_s"]["worst"],
+        rep["lower_bound_s"][0],
+        rep["star_time_s"][0],
+    )
     # 64 chunks only: start-up and the last relays weigh more than at scale (see ci.toml)
     assert bound <= worst <= 2.5 * bound < star / 10
     assert rep["honest_converged_fraction"] == 1.0
@@ -93,8 +110,15 @@ def test_swarm_beats_the_star_and_respects_the_bound() -> None:
 
 
 def test_adversaries_are_banned_or_outlasted_and_honest_peers_converge() -> None:
-    sc = scenario(peers=40, payload_mb=2.0, corrupt_fraction=0.1, stall_fraction=0.1,
-                  liar_fraction=0.1, request_timeout_s=0.5, versions=2)  # fmt: skip
+    sc = scenario(
+        peers=40,
+        payload_mb=2.0,
+        corrupt_fraction=0.1,
+        stall_fraction=0.1,
+        liar_fraction=0.1,
+        request_timeout_s=0.5,
+        versions=2,
+    )
     sim, rep = simulate(sc)
     assert rep["honest_converged_fraction"] == 1.0
     assert rep["bans"] > 0 and rep["false_bans"] == 0
@@ -102,8 +126,7 @@ def test_adversaries_are_banned_or_outlasted_and_honest_peers_converge() -> None
 
 
 def test_churn_every_honest_peer_still_converges() -> None:
-    sc = scenario(peers=40, payload_mb=2.0, churn_fraction=0.3, request_timeout_s=0.5,
-                  versions=2)  # fmt: skip
+    sc = scenario(peers=40, payload_mb=2.0, churn_fraction=0.3, request_timeout_s=0.5, versions=2)
     _, rep = simulate(sc)
     assert rep["churned_per_version"] == [12, 12]
     assert rep["honest_converged_fraction"] == 1.0
@@ -135,16 +158,26 @@ def test_bad_scenarios_name_the_field(values: dict, field: str) -> None:
 
 def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
     scen = tmp_path / "s.toml"
-    scen.write_text("peers = 12\npayload_mb = 1.0\nchunk_kb = 64\nversions = 2\n"
-                    "corrupt_fraction = 0.1\n")  # fmt: skip
+    scen.write_text(
+        "peers = 12\npayload_mb = 1.0\nchunk_kb = 64\nversions = 2\ncorrupt_fraction = 0.1\n"
+    )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "node.cli", "simulate", str(scen), "--out", str(out), "--quiet"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "report.json").read_text())
-    for key in ("peers", "honest_converged_fraction", "completion_time_s", "lower_bound_s",
-                "star_time_s", "trainer_upload_bytes", "payload_bytes", "redundant_bytes",
-                "bans", "false_bans"):  # fmt: skip
+    for key in (
+        "peers",
+        "honest_converged_fraction",
+        "completion_time_s",
+        "lower_bound_s",
+        "star_time_s",
+        "trainer_upload_bytes",
+        "payload_bytes",
+        "redundant_bytes",
+        "bans",
+        "false_bans",
+    ):
         assert key in rep, key
     assert len(rep["completion_time_s"]["per_version"]) == 2
     assert (out / "completion_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -178,9 +211,18 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     from p2p_sync.swarm import SwarmConfig
 
     sc, node, swarm = from_dict({}), NodeConfig(), SwarmConfig()
-    for name in ("max_requests_per_peer", "min_requests_per_peer", "max_requests_total",
-                 "max_concurrent_uploads", "upload_queue", "seed_outstanding", "reseed_after_s",
-                 "chunk_kb", "max_peers", "min_request_timeout_s"):  # fmt: skip
+    for name in (
+        "max_requests_per_peer",
+        "min_requests_per_peer",
+        "max_requests_total",
+        "max_concurrent_uploads",
+        "upload_queue",
+        "seed_outstanding",
+        "reseed_after_s",
+        "chunk_kb",
+        "max_peers",
+        "min_request_timeout_s",
+    ):
         want = node.chunk_size // 1024 if name == "chunk_kb" else getattr(node, name)
         assert getattr(sc, name) == want, name
     for name in ("request_timeout_s", "endgame_sources"):

@@ -26,8 +26,12 @@ from p2p_sync.swarm import (
     TimerFired,
 )
 
-FAST = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FAST = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @st.composite
@@ -39,10 +43,14 @@ def swarms(draw: st.DrawFn) -> tuple[int, dict[str, set[int]], dict[str, set[int
     for i in range(n):
         honest[f"h{draw(st.integers(0, n_honest - 1))}"].add(i)
     evil = {f"e{i}": set(draw(st.sets(st.integers(0, n - 1), min_size=1))) for i in range(n_evil)}
-    config = SwarmConfig(max_requests_per_peer=draw(st.integers(1, 4)),
-                         max_requests_total=draw(st.integers(1, 10)),
-                         endgame_sources=draw(st.integers(1, 3)), request_timeout_s=1.0,
-                         min_request_timeout_s=0.2, seed=draw(st.integers(0, 9)))  # fmt: skip
+    config = SwarmConfig(
+        max_requests_per_peer=draw(st.integers(1, 4)),
+        max_requests_total=draw(st.integers(1, 10)),
+        endgame_sources=draw(st.integers(1, 3)),
+        request_timeout_s=1.0,
+        min_request_timeout_s=0.2,
+        seed=draw(st.integers(0, 9)),
+    )
     return n, honest, evil, config
 
 
@@ -195,8 +203,7 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
 class SeederMachine(RuleBasedStateMachine):
     """A :class:`SuperSeeder` answering requesters that fetch some of what they are shown."""
 
-    @initialize(n=st.integers(1, 30), outstanding=st.integers(1, 6),
-                reseed=st.floats(0.1, 3.0))  # fmt: skip
+    @initialize(n=st.integers(1, 30), outstanding=st.integers(1, 6), reseed=st.floats(0.1, 3.0))
     def start(self, n: int, outstanding: int, reseed: float) -> None:
         self.keys = [f"c{i}" for i in range(n)]
         self.seeder = SuperSeeder(outstanding=outstanding, reseed_after_s=reseed)

@@ -66,8 +66,9 @@ def test_word_sums_are_the_terms_of_those_words(t: torch.Tensor, data: st.DataOb
     raw += b"\0" * (-len(raw) % 8)
     want: statehash.Sums = (0, 0)
     for j in picked:
-        want = statehash.add(want, statehash.term_py(j, int.from_bytes(raw[8 * j : 8 * j + 8],
-                                                                       "little")))  # fmt: skip
+        want = statehash.add(
+            want, statehash.term_py(j, int.from_bytes(raw[8 * j : 8 * j + 8], "little"))
+        )
     assert statehash.word_sums(t, words) == want
     w = statehash._words(t)
     body = [j for j in picked if j < w.body.numel()]

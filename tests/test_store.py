@@ -164,8 +164,11 @@ def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path)
     for trial in range(40):
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.store_writer", str(tmp_path), "--seed", str(trial)],
-            stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         assert proc.stdout is not None
         for _ in range(rnd.randint(0, 4)):  # let it commit a few versions first
             line = proc.stdout.readline()
@@ -181,8 +184,12 @@ def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path)
         allowed = ("partial write", "not the checkpoint", "no manifest names this pack")
         assert all(d.endswith(allowed) for d in store.dropped), store.dropped
         assert all(store.has_payload(m) for m in store.manifests())  # pack first, then manifest
-        assert not [p for d in (store.root, store.pack_dir, store.manifest_dir)
-                    for p in d.iterdir() if p.name.endswith(".tmp")]  # fmt: skip
+        assert not [
+            p
+            for d in (store.root, store.pack_dir, store.manifest_dir)
+            for p in d.iterdir()
+            if p.name.endswith(".tmp")
+        ]
         for p in store.manifest_dir.iterdir():
             assert parse(p.read_bytes())[0].digest + ".json" == p.name
         if committed >= 0:  # nothing already accepted is lost, and it rebuilds verified

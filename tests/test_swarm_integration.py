@@ -37,10 +37,12 @@ def test_six_rollouts_converge_bit_exact_and_relay(swarm: Swarm, versions) -> No
         down_before = sum((r.status() or {})["bytes_downloaded"] for r in rollouts)
         swarm.publish(weights)
         swarm.wait_version(rollouts, v)
-        per_version.append((
-            (trainer.status() or {})["bytes_uploaded"] - before,
-            sum((r.status() or {})["bytes_downloaded"] for r in rollouts) - down_before,
-        ))  # fmt: skip
+        per_version.append(
+            (
+                (trainer.status() or {})["bytes_uploaded"] - before,
+                sum((r.status() or {})["bytes_downloaded"] for r in rollouts) - down_before,
+            )
+        )
     for r in rollouts:
         assert r.export is not None
         exported = load_file(r.export / "model.safetensors")
@@ -75,9 +77,11 @@ def test_peer_serving_corrupt_chunks_is_banned_and_honest_rollouts_converge(
 ) -> None:
     trainer = swarm.start_trainer()
     evil = subprocess.Popen(
-        [sys.executable, "-m", "tests.evil_peer", trainer.url], cwd=ROOT, text=True,
+        [sys.executable, "-m", "tests.evil_peer", trainer.url],
+        cwd=ROOT,
+        text=True,
         stdout=subprocess.PIPE,
-    )  # fmt: skip
+    )
     try:
         assert evil.stdout is not None
         evil_url = evil.stdout.readline().strip()
@@ -89,8 +93,11 @@ def test_peer_serving_corrupt_chunks_is_banned_and_honest_rollouts_converge(
         assert any(evil_url in s["banned"] for s in statuses)
         assert all(set(s["banned"]) <= {evil_url} for s in statuses)  # no honest peer banned
         assert all(s["state_hash"] == state_hash(versions[3]).hex() for s in statuses)
-        wait_for(lambda: (get_json(f"{evil_url}/stats") or {}).get("served", 0) > 0, 5,
-                 "the evil peer to have been asked for a chunk")  # fmt: skip
+        wait_for(
+            lambda: (get_json(f"{evil_url}/stats") or {}).get("served", 0) > 0,
+            5,
+            "the evil peer to have been asked for a chunk",
+        )
     finally:
         evil.terminate()
         evil.wait(timeout=10)

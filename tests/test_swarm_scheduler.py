@@ -26,8 +26,9 @@ from p2p_sync.swarm import (
 class Harness:
     """Runs a scheduler against simulated peers and checks invariants on every action."""
 
-    def __init__(self, n: int, honest: dict[str, set[int]], evil: dict[str, set[int]],
-                 config: SwarmConfig) -> None:  # fmt: skip
+    def __init__(
+        self, n: int, honest: dict[str, set[int]], evil: dict[str, set[int]], config: SwarmConfig
+    ) -> None:
         self.sched = Scheduler(n, config)
         self.honest, self.evil = honest, evil
         self.now = 0.0
@@ -77,9 +78,12 @@ def swarms(draw: st.DrawFn):
     for i in range(n):  # every chunk has at least one honest source
         honest[f"h{draw(st.integers(0, n_honest - 1))}"].add(i)
     evil = {f"e{i}": set(draw(st.sets(st.integers(0, n - 1), min_size=1))) for i in range(n_evil)}
-    config = SwarmConfig(max_requests_per_peer=draw(st.integers(1, 4)),
-                         max_requests_total=draw(st.integers(1, 12)),
-                         request_timeout_s=1.0, seed=draw(st.integers(0, 9)))  # fmt: skip
+    config = SwarmConfig(
+        max_requests_per_peer=draw(st.integers(1, 4)),
+        max_requests_total=draw(st.integers(1, 12)),
+        request_timeout_s=1.0,
+        seed=draw(st.integers(0, 9)),
+    )
     return n, honest, evil, config
 
 

@@ -39,11 +39,24 @@ OTHER_SWARM = SwarmPolicy("elsewhere", (TRAINER.public,))
 LAYOUT = "cd" * 16
 
 
-def signed(version: int = 5, key: SigningKey = TRAINER, swarm: str = POLICY.swarm_id,
-           layout: str = LAYOUT, size: int = 40_000) -> bytes:  # fmt: skip
-    m = manifest_for(bytes([version % 256]) * size, swarm=swarm, version=version,
-                     kind="snapshot", target_state="ab" * 16, layout=layout, now=NOW,
-                     lifetime_s=3600, chunk_size=16 * 1024)  # fmt: skip
+def signed(
+    version: int = 5,
+    key: SigningKey = TRAINER,
+    swarm: str = POLICY.swarm_id,
+    layout: str = LAYOUT,
+    size: int = 40_000,
+) -> bytes:
+    m = manifest_for(
+        bytes([version % 256]) * size,
+        swarm=swarm,
+        version=version,
+        kind="snapshot",
+        target_state="ab" * 16,
+        layout=layout,
+        now=NOW,
+        lifetime_s=3600,
+        chunk_size=16 * 1024,
+    )
     return sign(m, [key])
 
 
@@ -62,9 +75,13 @@ AUTHENTICITY = [
     ("forged", _forge(signed()), {}, ForgedSignatureError),
     ("impostor", signed(key=STRANGER), {}, UntrustedSignerError),
     ("other swarm", signed(swarm=OTHER_SWARM.swarm_id), {}, WrongSwarmError),
-    ("endless data", signed(), {"limits": TrustLimits(ManifestLimits(max_payload_size=1000))},
-     EndlessDataAttackError),
-]  # fmt: skip
+    (
+        "endless data",
+        signed(),
+        {"limits": TrustLimits(ManifestLimits(max_payload_size=1000))},
+        EndlessDataAttackError,
+    ),
+]
 
 
 def _judge(g: TrustedSet, raw: bytes, now: int = NOW) -> announce.Decision:
@@ -78,8 +95,9 @@ def manifest_digest(raw: bytes) -> str:
     return parse(raw)[0].digest
 
 
-@pytest.mark.parametrize(("name", "data", "kw", "error"), AUTHENTICITY,
-                         ids=[a[0] for a in AUTHENTICITY])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "data", "kw", "error"), AUTHENTICITY, ids=[a[0] for a in AUTHENTICITY]
+)
 def test_every_path_refuses_an_inauthentic_manifest(name, data, kw, error) -> None:
     g = gate(**kw)
     with pytest.raises(error):
@@ -172,8 +190,9 @@ def test_every_refusal_is_a_manifest_error() -> None:
 
 async def _learn_from(tmp_path: Path) -> tuple[list[int], list[int], set[str]]:
     def node(name: str) -> Node:
-        cfg = NodeConfig(role="rollout", data_dir=tmp_path / name, trust=("x",), p2p=False,
-                         poll_interval_s=60)  # fmt: skip
+        cfg = NodeConfig(
+            role="rollout", data_dir=tmp_path / name, trust=("x",), p2p=False, poll_interval_s=60
+        )
         return Node(cfg, POLICY, Store.open(cfg.data_dir))
 
     seed, rollout = node("seed"), node("rollout")

@@ -32,13 +32,16 @@ CHAIN = [patch(v, v + 1, 10) for v in range(10)]
     [
         (PeerState(3, h(3)), CHAIN, [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)]),
         (PeerState(3, h(3)), [*CHAIN, patch(3, 10, 50)], [(3, 10)]),  # merged beats chain
-        (PeerState(3, h(3)), [*CHAIN, patch(3, 10, 80)], [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8),
-                                                          (8, 9), (9, 10)]),  # chain is cheaper
+        (
+            PeerState(3, h(3)),
+            [*CHAIN, patch(3, 10, 80)],
+            [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8), (8, 9), (9, 10)],
+        ),  # chain is cheaper
         (PeerState(3, h(3)), [*CHAIN, snap(8, 30)], [(None, 8), (8, 9), (9, 10)]),  # anchor
         (PeerState(), [*CHAIN, snap(0, 100), snap(8, 100)], [(None, 8), (8, 9), (9, 10)]),
         (PeerState(10, h(10)), CHAIN, []),
     ],
-)  # fmt: skip
+)
 def test_planner_picks_the_cheapest_path(local, artifacts, expected) -> None:
     steps = plan(local, artifacts)
     assert [(a.base_version, a.version) for a in steps] == expected

@@ -94,16 +94,18 @@ class DataServer:
         self.app = web.Application(
             client_max_size=limits.max_request_bytes, middlewares=[self._learn_requester]
         )
-        self.app.add_routes([
-            web.get("/chunk/{sha}", self.get_chunk),
-            web.get("/manifests", self.get_manifests),
-            web.get("/manifest/{digest}", self.get_manifest),
-            web.get("/have/{digest}", self.get_have),
-            web.get("/peers", self.get_peers),
-            web.post("/announce", self.post_announce),
-            web.get("/status", self.get_status),
-            web.get("/metrics", self.get_metrics),
-        ])  # fmt: skip
+        self.app.add_routes(
+            [
+                web.get("/chunk/{sha}", self.get_chunk),
+                web.get("/manifests", self.get_manifests),
+                web.get("/manifest/{digest}", self.get_manifest),
+                web.get("/have/{digest}", self.get_have),
+                web.get("/peers", self.get_peers),
+                web.post("/announce", self.post_announce),
+                web.get("/status", self.get_status),
+                web.get("/metrics", self.get_metrics),
+            ]
+        )
         self._runner: web.AppRunner | None = None
 
     @web.middleware

@@ -149,8 +149,11 @@ class P2PHost:
         self.settings = settings
         self._on_known = on_known  # a genuine announcement of news we already had, and when
         self._judge, self._on_accept, self._on_peer_url, self._known = (
-            judge, on_accept, on_peer_url, known,
-        )  # fmt: skip
+            judge,
+            on_accept,
+            on_peer_url,
+            known,
+        )
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
         self.addr: str | None = None
@@ -175,8 +178,7 @@ class P2PHost:
         self._loop = asyncio.get_running_loop()
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its failures reach us as errors
         ready: asyncio.Future[str] = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="libp2p",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="libp2p", daemon=True)
         self._thread.start()
         try:
             self.addr = await asyncio.wait_for(ready, self.settings.start_timeout_s)
@@ -270,10 +272,13 @@ class P2PHost:
         s = self.settings
         extra = [multiaddr.Multiaddr(http_multiaddr(s.http_url))] if s.http_url else []
         conn = ConnectionConfig(
-            max_connections=s.max_connections * 2, high_watermark=s.max_connections * 2,
-            low_watermark=s.max_connections, min_connections=1,
-            max_connections_per_peer=1, dial_timeout=s.dial_timeout_s,
-        )  # fmt: skip
+            max_connections=s.max_connections * 2,
+            high_watermark=s.max_connections * 2,
+            low_watermark=s.max_connections,
+            min_connections=1,
+            max_connections_per_peer=1,
+            dial_timeout=s.dial_timeout_s,
+        )
 
         def advertised(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
             return [*_rehost(addrs, s.advertise_host), *extra]
@@ -284,9 +289,13 @@ class P2PHost:
         host = self._host = self._new_host()
         gossipsub = GossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
-            degree=6, degree_low=4, degree_high=12, heartbeat_interval=1,
-            heartbeat_initial_delay=0.1, do_px=False,
-        )  # fmt: skip
+            degree=6,
+            degree_low=4,
+            degree_high=12,
+            heartbeat_interval=1,
+            heartbeat_initial_delay=0.1,
+            do_px=False,
+        )
         pubsub = self._pubsub = Pubsub(host, gossipsub)
         dht = self._dht = KadDHT(host, DHTMode.SERVER) if self.settings.dht else None
         _never_dial_http(host)
