@@ -103,15 +103,20 @@ def scan_select(
         changed = _changed_ranks(r, int(members[c]), bool(complement[c]), bits.device)
         if changed.numel():
             parts.append((torch.nonzero(cls_all == c).reshape(-1)[changed], c))
+    return _in_position_order(parts, members, consumed)
+
+
+def _in_position_order(
+    parts: list[tuple[torch.Tensor, int]], members: np.ndarray, consumed: np.ndarray
+) -> Selected:
+    """Merge each class's changed positions (ascending within the class) into one ascending
+    list, keeping each element's class and its index among the class's changed ones."""
     if not parts:
         empty = np.zeros(0, np.int64)
         return Selected(empty, np.zeros(0, np.uint8), empty, members, consumed)
     pos = torch.cat([p for p, _ in parts])
-    cls = torch.cat(
-        [torch.full((p.numel(),), c, dtype=torch.uint8, device=p.device) for p, c in parts]
-    )
+    cls = torch.cat([torch.full_like(p, c, dtype=torch.uint8) for p, c in parts])
     within = torch.cat([torch.arange(p.numel(), device=p.device) for p, _ in parts])
     pos, order = torch.sort(pos)
-    return Selected(
-        pos.cpu().numpy(), cls[order].cpu().numpy(), within[order].cpu().numpy(), members, consumed
-    )
+    host = [t.cpu().numpy() for t in (pos, cls[order], within[order])]
+    return Selected(*host, members, consumed)

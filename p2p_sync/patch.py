@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -231,33 +231,36 @@ def diff(
     along as ``Patch.target_digest``."""
     layout = layout_of(base)
     check_layout(layout, layout_of(new), "new version")
-    biggest = max((s.numel for s in layout), default=0)
+    before = digest if digest is not None else StateDigest.of(base, workers)
+    after = before.copy()
+    one = _tracked_differ(base, new, after, max((s.numel for s in layout), default=0))
+    if workers > 1 and len(layout) > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            found = list(pool.map(one, layout))
+    else:
+        found = [one(spec) for spec in layout]
+    deltas = {spec.name: d for spec, d in zip(layout, found) if d is not None}
+    return Patch(layout, before.hash(), after.hash(), deltas, after)
+
+
+def _tracked_differ(
+    base: TensorSet, new: TensorSet, after: StateDigest, biggest: int
+) -> Callable[[TensorSpec], TensorDelta | None]:
+    """Diff one tensor (a reused compare buffer per thread) and move ``after`` to its new
+    sums while the positions are still on the tensors' device; then hand the delta to the
+    host, where it is coded."""
     local = threading.local()
 
     def one(spec: TensorSpec) -> TensorDelta | None:
-        if not hasattr(local, "scratch"):  # one reused compare buffer per thread
+        if not hasattr(local, "scratch"):
             local.scratch = np.empty(biggest, dtype=bool)
-        return diff_tensor(spec, base[spec.name], new[spec.name], local.scratch)
-
-    before = digest if digest is not None else StateDigest.of(base, workers)
-    after = before.copy()
-
-    def tracked(spec: TensorSpec) -> TensorDelta | None:
-        delta = one(spec)
+        delta = diff_tensor(spec, base[spec.name], new[spec.name], local.scratch)
         if delta is None:
             return None
-        # in the worker too, while the positions are still on the tensors' device: the
-        # target's sums from the changed words
         update(after, spec, base[spec.name], new[spec.name], delta.positions)
         return delta.host()
 
-    if workers > 1 and len(layout) > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            found = list(pool.map(tracked, layout))
-    else:
-        found = [tracked(spec) for spec in layout]
-    deltas = {spec.name: d for spec, d in zip(layout, found) if d is not None}
-    return Patch(layout, before.hash(), after.hash(), deltas, after)
+    return one
 
 
 def require_contiguous(t: torch.Tensor, name: str) -> None:

@@ -17,9 +17,10 @@ tensors or into an engine's live ones, one tensor at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -128,32 +129,14 @@ def apply_frames(
     written. Chunks are verified against the signed manifest before this runs, so that takes a
     patch the trainer itself signed inconsistent; the caller then rebuilds from the store.
     """
-    check_layout(info.layout, layout_of(weights), "weights")
-    known = digest.hash()
-    if info.base_hash != known:
-        raise BaseMismatchError(f"weights are {known.hex()}, patch is for {info.base_hash.hex()}")
-    rows = {r.spec.name: r for r in info.rows if r.coding != codec.UNCHANGED}
-    for name in rows:
-        require_contiguous(weights[name], name)
+    rows = _rows_to_apply(weights, info, digest)
     written: list[str] = []
-
-    def one(name: str) -> None:
-        row, flat = rows[name], flat_bits(weights[name])
-        bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
-        delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
-        delta.validate()
-        with torch.no_grad():
-            track(digest, row.spec, flat, delta.positions, lambda: add_delta(flat, delta, +1))
-        written.append(name)
-
     try:
-        names = distinct_tensors(weights, rows)
-        if workers > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(one, names))
-        else:
-            for name in names:
-                one(name)
+        _map(
+            lambda n: _apply_frame(weights, rows[n], data, digest, written),
+            distinct_tensors(weights, rows),
+            workers,
+        )
         follow_aliases(weights, rows, digest)
         got = digest.hash()
         if got != info.target_hash:
@@ -164,6 +147,47 @@ def apply_frames(
         if not written:
             raise
         raise TornApplyError(f"{exc} (after {len(written)} tensor(s) were written)") from exc
+
+
+def _rows_to_apply(
+    weights: Weights, info: codec.PatchInfo, digest: StateDigest
+) -> dict[str, codec.FrameInfo]:
+    """The changed tensors' rows, after every check that needs no decoding: layout, base
+    state, tensors patchable in place. Nothing has been written when these fail."""
+    check_layout(info.layout, layout_of(weights), "weights")
+    known = digest.hash()
+    if info.base_hash != known:
+        raise BaseMismatchError(f"weights are {known.hex()}, patch is for {info.base_hash.hex()}")
+    rows = {r.spec.name: r for r in info.rows if r.coding != codec.UNCHANGED}
+    for name in rows:
+        require_contiguous(weights[name], name)
+    return rows
+
+
+def _apply_frame(
+    weights: Weights,
+    row: codec.FrameInfo,
+    data: memoryview,
+    digest: StateDigest,
+    written: list[str],
+) -> None:
+    """Decode one frame (coding 3 against the tensor itself) and add it in place."""
+    flat = flat_bits(weights[row.spec.name])
+    bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
+    delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
+    delta.validate()
+    with torch.no_grad():
+        track(digest, row.spec, flat, delta.positions, partial(add_delta, flat, delta, +1))
+    written.append(row.spec.name)
+
+
+def _map(fn: Callable[[str], None], names: list[str], workers: int) -> None:
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(fn, names))
+    else:
+        for name in names:
+            fn(name)
 
 
 def _load_base(

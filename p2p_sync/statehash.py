@@ -102,30 +102,49 @@ def _terms_torch(u: torch.Tensor, j: torch.Tensor) -> Sums:
     return a, b
 
 
-def _sums_py(body: np.ndarray, words: np.ndarray, gather: bool) -> tuple:
-    """Sums of the terms of ``body[words]`` (``gather``) or of all of ``body`` (numba
-    compiles this; uint64 arithmetic wraps)."""
-    a = np.uint64(0)
-    b = np.uint64(0)
+ALL, WORDS, ELEMENTS = 0, 1, 2  # what the host kernel's ``idx`` means
+
+
+def _sums_py(body: np.ndarray, idx: np.ndarray, mode: int, shift: int, tail: np.uint64) -> tuple:
+    """Sums of terms (numba compiles this; uint64 arithmetic wraps) of: every word of
+    ``body`` (ALL); the words ``body[idx]`` (WORDS); or the distinct words holding the sorted
+    element positions ``idx``, word = position >> ``shift`` (ELEMENTS). A word index past
+    ``body`` is the zero-padded ``tail`` word."""
     k0, k1 = np.uint64(K0), np.uint64(K1)
     f1, f2, s1, s2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
-    for n in range(words.size if gather else body.size):
-        i = words[n] if gather else n
-        j = np.uint64(i)
-        x = body[i] ^ (j * k0)
+
+    def lane0(u: np.uint64, j: np.uint64) -> np.uint64:
+        x = u ^ (j * k0)
         x ^= x >> np.uint64(33)
         x *= f1
         x ^= x >> np.uint64(33)
         x *= f2
-        x ^= x >> np.uint64(33)
-        y = body[i] ^ (j * k1)
+        return x ^ (x >> np.uint64(33))
+
+    def lane1(u: np.uint64, j: np.uint64) -> np.uint64:
+        y = u ^ (j * k1)
         y ^= y >> np.uint64(30)
         y *= s1
         y ^= y >> np.uint64(27)
         y *= s2
-        y ^= y >> np.uint64(31)
-        a += x
-        b += y
+        return y ^ (y >> np.uint64(31))
+
+    a = np.uint64(0)
+    b = np.uint64(0)
+    if mode == ALL:  # the hot loop of a full hash: no index, no branch
+        for i in range(body.size):
+            a += lane0(body[i], np.uint64(i))
+            b += lane1(body[i], np.uint64(i))
+        return a, b
+    last = -1
+    for n in range(idx.size):
+        i = idx[n] >> shift if mode == ELEMENTS else idx[n]
+        if i == last:  # sorted positions: a word's elements are neighbours
+            continue
+        last = i if mode == ELEMENTS else -1
+        u = body[i] if i < body.size else tail
+        a += lane0(u, np.uint64(i))
+        b += lane1(u, np.uint64(i))
     return a, b
 
 
@@ -196,7 +215,7 @@ def tensor_sums(t: torch.Tensor) -> Sums:
     w = _words(t)
     n = w.body.numel()
     if w.body.device.type == "cpu":
-        a, b = _kernels()["sums"](_host(w.body), _NO_WORDS, False)
+        a, b = _kernels()["sums"](_host(w.body), _NO_WORDS, ALL, 0, np.uint64(0))
         sums = (int(a), int(b))
     else:
         sums = (0, 0)
@@ -217,10 +236,25 @@ def word_sums(t: torch.Tensor, words: torch.Tensor) -> Sums:
     if w.tail is not None and words.numel() and int(words[-1]) == n:
         sums, words = term_py(n, w.tail), words[:-1]
     if w.body.device.type == "cpu":
-        a, b = _kernels()["sums"](_host(w.body), words.numpy(), True)
+        a, b = _kernels()["sums"](_host(w.body), words.numpy(), WORDS, 0, np.uint64(0))
         return add(sums, (int(a), int(b)))
     idx = words.to(w.body.device, non_blocking=True)
     return add(sums, _terms_torch(w.body[idx], idx))
+
+
+_SHIFT = {1: 3, 2: 2, 4: 1, 8: 0}  # element index -> word index, by element width
+
+
+def position_sums(t: torch.Tensor, positions: torch.Tensor, itemsize: int) -> Sums:
+    """The sums of the distinct words holding the elements at sorted flat ``positions``: one
+    pass over the positions on the host (no index arrays built), the word indices
+    deduplicated on the device on a GPU."""
+    if t.device.type != "cpu":
+        return word_sums(t, touched_words(positions, itemsize, t.device))
+    w = _words(t)
+    tail = np.uint64(w.tail or 0)
+    a, b = _kernels()["sums"](_host(w.body), positions.numpy(), ELEMENTS, _SHIFT[itemsize], tail)
+    return int(a), int(b)
 
 
 def touched_words(positions: torch.Tensor, itemsize: int, device: torch.device) -> torch.Tensor:
@@ -287,10 +321,15 @@ def track(
         write()
         digest.sums[spec.name] = tensor_sums(flat)
         return
-    words = touched_words(positions, spec.itemsize, flat.device)
-    before = word_sums(flat, words)
+    if flat.device.type != "cpu":  # the word indices are found once, on the device
+        words = touched_words(positions, spec.itemsize, flat.device)
+        before = word_sums(flat, words)
+        write()
+        digest.replace(spec.name, before, word_sums(flat, words))
+        return
+    before = position_sums(flat, positions, spec.itemsize)
     write()
-    digest.replace(spec.name, before, word_sums(flat, words))
+    digest.replace(spec.name, before, position_sums(flat, positions, spec.itemsize))
 
 
 def update(
@@ -305,5 +344,5 @@ def update(
     if positions is None:
         digest.sums[spec.name] = tensor_sums(new)
         return
-    words = touched_words(positions, spec.itemsize, old.device)
-    digest.replace(spec.name, word_sums(old, words), word_sums(new, words))
+    before = position_sums(old, positions, spec.itemsize)
+    digest.replace(spec.name, before, position_sums(new, positions, spec.itemsize))
