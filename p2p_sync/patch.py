@@ -316,7 +316,8 @@ def _add_all(weights: TensorSet, patch: Patch, sign: int, digest: StateDigest) -
         for name in distinct_tensors(weights, patch.deltas):
             flat, delta = flat_bits(weights[name]), patch.deltas[name]
             write = functools.partial(add_delta, flat, delta, sign)
-            track(digest, specs[name], flat, delta.positions, write)
+            signed = delta.deltas if sign > 0 else -delta.deltas
+            track(digest, specs[name], flat, delta.positions, write, signed)
     follow_aliases(weights, patch.deltas, digest)
 
 

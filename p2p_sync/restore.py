@@ -177,7 +177,8 @@ def _apply_frame(
     delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
     delta.validate()
     with torch.no_grad():
-        track(digest, row.spec, flat, delta.positions, partial(add_delta, flat, delta, +1))
+        write = partial(add_delta, flat, delta, +1)
+        track(digest, row.spec, flat, delta.positions, write, delta.deltas)
     written.append(row.spec.name)
 
 

@@ -53,6 +53,8 @@ DEVICE_CHUNK_WORDS = 1 << 25
 
 Sums = tuple[int, int]
 _NO_WORDS = np.zeros(0, np.int64)
+_NO_ELEMS = (np.zeros(0, np.int8), np.zeros(0, np.int8))
+_ZERO = np.uint64(0)
 _SUMS = struct.Struct("<QQ")
 
 
@@ -102,14 +104,25 @@ def _terms_torch(u: torch.Tensor, j: torch.Tensor) -> Sums:
     return a, b
 
 
-ALL, WORDS, ELEMENTS = 0, 1, 2  # what the host kernel's ``idx`` means
+ALL, WORDS, ELEMENTS, APPLY = 0, 1, 2, 3  # what the host kernel does with ``idx``
 
 
-def _sums_py(body: np.ndarray, idx: np.ndarray, mode: int, shift: int, tail: np.uint64) -> tuple:
-    """Sums of terms (numba compiles this; uint64 arithmetic wraps) of: every word of
-    ``body`` (ALL); the words ``body[idx]`` (WORDS); or the distinct words holding the sorted
-    element positions ``idx``, word = position >> ``shift`` (ELEMENTS). A word index past
-    ``body`` is the zero-padded ``tail`` word."""
+def _sums_py(
+    body: np.ndarray,
+    idx: np.ndarray,
+    mode: int,
+    shift: int,
+    tail: np.uint64,
+    elems: np.ndarray,
+    deltas: np.ndarray,
+) -> tuple:
+    """The host kernel (numba compiles this; uint64 arithmetic wraps). Sums of the terms of:
+    every word of ``body`` (ALL); the words ``body[idx]`` (WORDS); the distinct words holding
+    the sorted element positions ``idx``, word = position >> ``shift`` (ELEMENTS), a word past
+    ``body`` being the zero-padded ``tail``. APPLY adds ``deltas`` to ``elems`` (the same
+    memory, element by element) at positions ``idx`` and sums each touched word just before
+    and just after, in one pass; it stops at the first position in the tail word.
+    Returns (sum0, sum1, after0, after1, positions consumed)."""
     k0, k1 = np.uint64(K0), np.uint64(K1)
     f1, f2, s1, s2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
 
@@ -129,13 +142,25 @@ def _sums_py(body: np.ndarray, idx: np.ndarray, mode: int, shift: int, tail: np.
         y *= s2
         return y ^ (y >> np.uint64(31))
 
-    a = np.uint64(0)
-    b = np.uint64(0)
+    zero = np.uint64(0)
+    a, b, c, d = zero, zero, zero, zero
     if mode == ALL:  # the hot loop of a full hash: no index, no branch
         for i in range(body.size):
             a += lane0(body[i], np.uint64(i))
             b += lane1(body[i], np.uint64(i))
-        return a, b
+        return a, b, c, d, 0
+    if mode == APPLY:
+        k = 0
+        while k < idx.size and idx[k] >> shift < body.size:
+            w = idx[k] >> shift
+            a += lane0(body[w], np.uint64(w))
+            b += lane1(body[w], np.uint64(w))
+            while k < idx.size and idx[k] >> shift == w:
+                elems[idx[k]] += deltas[k]
+                k += 1
+            c += lane0(body[w], np.uint64(w))
+            d += lane1(body[w], np.uint64(w))
+        return a, b, c, d, k
     last = -1
     for n in range(idx.size):
         i = idx[n] >> shift if mode == ELEMENTS else idx[n]
@@ -145,7 +170,7 @@ def _sums_py(body: np.ndarray, idx: np.ndarray, mode: int, shift: int, tail: np.
         u = body[i] if i < body.size else tail
         a += lane0(u, np.uint64(i))
         b += lane1(u, np.uint64(i))
-    return a, b
+    return a, b, c, d, 0
 
 
 _KERNELS: dict[str, Callable] = {}
@@ -215,7 +240,7 @@ def tensor_sums(t: torch.Tensor) -> Sums:
     w = _words(t)
     n = w.body.numel()
     if w.body.device.type == "cpu":
-        a, b = _kernels()["sums"](_host(w.body), _NO_WORDS, ALL, 0, np.uint64(0))
+        a, b, *_ = _kernels()["sums"](_host(w.body), _NO_WORDS, ALL, 0, _ZERO, *_NO_ELEMS)
         sums = (int(a), int(b))
     else:
         sums = (0, 0)
@@ -236,7 +261,7 @@ def word_sums(t: torch.Tensor, words: torch.Tensor) -> Sums:
     if w.tail is not None and words.numel() and int(words[-1]) == n:
         sums, words = term_py(n, w.tail), words[:-1]
     if w.body.device.type == "cpu":
-        a, b = _kernels()["sums"](_host(w.body), words.numpy(), WORDS, 0, np.uint64(0))
+        a, b, *_ = _kernels()["sums"](_host(w.body), words.numpy(), WORDS, 0, _ZERO, *_NO_ELEMS)
         return add(sums, (int(a), int(b)))
     idx = words.to(w.body.device, non_blocking=True)
     return add(sums, _terms_torch(w.body[idx], idx))
@@ -253,7 +278,8 @@ def position_sums(t: torch.Tensor, positions: torch.Tensor, itemsize: int) -> Su
         return word_sums(t, touched_words(positions, itemsize, t.device))
     w = _words(t)
     tail = np.uint64(w.tail or 0)
-    a, b = _kernels()["sums"](_host(w.body), positions.numpy(), ELEMENTS, _SHIFT[itemsize], tail)
+    idx, shift = positions.numpy(), _SHIFT[itemsize]
+    a, b, *_ = _kernels()["sums"](_host(w.body), idx, ELEMENTS, shift, tail, *_NO_ELEMS)
     return int(a), int(b)
 
 
@@ -314,9 +340,12 @@ def track(
     flat: torch.Tensor,
     positions: torch.Tensor | None,
     write: Callable[[], None],
+    deltas: torch.Tensor | None = None,
 ) -> None:
     """Run ``write`` (which changes ``flat``, tensor ``spec.name``, at sorted ``positions``;
-    None: anywhere) and bring ``digest`` along: O(changed words), or O(tensor) when dense."""
+    None: anywhere) and bring ``digest`` along: O(changed words), or O(tensor) when dense.
+    On the host, ``deltas`` (what ``write`` adds at ``positions``) lets one pass do both: each
+    word is summed, patched and summed again while in cache."""
     if positions is None:
         write()
         digest.sums[spec.name] = tensor_sums(flat)
@@ -327,9 +356,37 @@ def track(
         write()
         digest.replace(spec.name, before, word_sums(flat, words))
         return
+    if deltas is not None and _fused(digest, spec, flat, positions, deltas):
+        return
     before = position_sums(flat, positions, spec.itemsize)
     write()
     digest.replace(spec.name, before, position_sums(flat, positions, spec.itemsize))
+
+
+def _fused(
+    digest: StateDigest,
+    spec: TensorSpec,
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    deltas: torch.Tensor,
+) -> bool:
+    """Add ``deltas`` at ``positions`` of host tensor ``flat`` (its bit view) and move the
+    sums, in one pass; False (nothing done) when its words are not a view of its memory."""
+    w = _words(flat)
+    if not flat.is_contiguous() or (w.body.numel() and w.body.data_ptr() != flat.data_ptr()):
+        return False
+    idx, elems = positions.numpy(), flat.numpy()
+    shift = _SHIFT[spec.itemsize]
+    a, b, c, d, k = _kernels()["sums"](
+        _host(w.body), idx, APPLY, shift, _ZERO, elems, deltas.numpy()
+    )
+    digest.replace(spec.name, (int(a), int(b)), (int(c), int(d)))
+    if k < idx.size:  # the last, partial word: the two-pass way
+        rest, more = positions[k:], deltas[k:]
+        before = position_sums(flat, rest, spec.itemsize)
+        elems[idx[k:]] += more.numpy()
+        digest.replace(spec.name, before, position_sums(flat, rest, spec.itemsize))
+    return True
 
 
 def update(
