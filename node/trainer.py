@@ -21,7 +21,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
-from p2p_sync.patch import Patch, apply, check_layout, diff, diff_tensor, merge
+from p2p_sync.patch import Patch, add_all, check_layout, diff, diff_tensor, merge
 from p2p_sync.restore import restore
 from p2p_sync.seeding import SuperSeeder
 from p2p_sync.statehash import StateDigest, update
@@ -47,6 +46,7 @@ from p2p_sync.tensors import (
     layout_of,
     layout_of_specs,
 )
+from p2p_sync.threads import map_workers
 from p2p_sync.versions import PublishPolicy, to_publish
 from p2p_sync.weights_io import load_weights, pread_into, read_index, save_weights, write_to
 
@@ -250,8 +250,7 @@ class Publisher:
             prev[name] = new  # the old tensor goes now, not after the whole file
             return name, frame, hist
 
-        with ThreadPoolExecutor(WORKERS) as pool:
-            done = list(pool.map(one, entries))
+        done = map_workers(one, entries, WORKERS)
         frames = {name: f for name, f, _ in done if f is not None}
         history = {name: h for name, _, h in done if h is not None}
         return frames, history
@@ -328,7 +327,7 @@ class Publisher:
         """Bring ``prev`` to the new version: apply the step in place (O(patch)), or take the
         caller's tensors when they are handed over (``owned``), or copy them once (v0)."""
         if self.prev is not None and step is not None and not owned:
-            apply(self.prev, step, verify_target=False, digest=self.digest)
+            add_all(self.prev, step)  # its sums are the diff's target digest, adopted below
         elif owned:
             self.prev = dict(new)
         else:

@@ -159,7 +159,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,6 +193,7 @@ from p2p_sync.tensors import (
     layout_fingerprint,
     layout_of,
 )
+from p2p_sync.threads import map_workers
 
 # A base tensor's bit patterns as the class scans take them: numpy on the host, torch on a GPU.
 Bits = np.ndarray | torch.Tensor
@@ -1383,13 +1383,6 @@ def _base_bits(base: TensorSet | None, spec: TensorSpec) -> Bits | None:
     return scan_view(base[spec.name])
 
 
-def _map(fn: Callable, items: list, workers: int) -> list:
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            return list(pool.map(fn, items))
-    return [fn(x) for x in items]
-
-
 def encode(
     patch: Patch,
     level: int = DEFAULT_LEVEL,
@@ -1407,7 +1400,9 @@ def encode(
     if base is not None:
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
-    frames = _map(lambda d: encode_frame(d, level, _base_bits(base, d.spec)), changed, workers)
+    frames = map_workers(
+        lambda d: encode_frame(d, level, _base_bits(base, d.spec)), changed, workers
+    )
     by_name = {d.spec.name: f for d, f in zip(changed, frames)}
     return assemble(patch.layout, patch.base_hash, patch.target_hash, by_name, level)
 
@@ -1560,7 +1555,7 @@ def _decode_rows(
         bits = _base_bits(base, row.spec) if row.coding == CLASSED else None
         return decode_frame(row, data[row.offset : row.offset + row.size], bits)
 
-    return _map(one, rows, workers)
+    return map_workers(one, rows, workers)
 
 
 def decode(

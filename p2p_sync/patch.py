@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +38,7 @@ from p2p_sync.tensors import (
     layout_fingerprint,
     layout_of,
 )
+from p2p_sync.threads import map_workers
 
 # A tensor whose changed fraction exceeds this is held dense in memory: a sparse entry costs
 # 8 bytes of position plus the delta, a dense one just the delta.
@@ -234,11 +234,7 @@ def diff(
     before = digest if digest is not None else StateDigest.of(base, workers)
     after = before.copy()
     one = _tracked_differ(base, new, after, max((s.numel for s in layout), default=0))
-    if workers > 1 and len(layout) > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            found = list(pool.map(one, layout))
-    else:
-        found = [one(spec) for spec in layout]
+    found = map_workers(one, layout, workers)
     deltas = {spec.name: d for spec, d in zip(layout, found) if d is not None}
     return Patch(layout, before.hash(), after.hash(), deltas, after)
 
@@ -268,17 +264,30 @@ def require_contiguous(t: torch.Tensor, name: str) -> None:
         raise LayoutMismatchError(f"tensor {name!r} is not contiguous; cannot patch it in place")
 
 
-def add_delta(flat: torch.Tensor, delta: TensorDelta, sign: int) -> None:
+def add_delta(
+    flat: torch.Tensor, delta: TensorDelta, sign: int, digest: StateDigest | None = None
+) -> None:
+    """Add ``sign * delta`` to ``flat`` (a tensor's bit view) in place; with ``digest``, its
+    sums follow in O(changed words) (on the host in the same pass as the adds)."""
     deltas = delta.deltas.to(flat.device, non_blocking=True)
     if sign < 0:
         deltas = -deltas  # wrapping negation: exact inverse of the wrapping add
-    if delta.positions is None:
+    write = functools.partial(_write, flat, delta.positions, deltas)
+    with torch.no_grad():
+        if digest is None:
+            write()
+        else:
+            track(digest, delta.spec, flat, delta.positions, write, deltas)
+
+
+def _write(flat: torch.Tensor, positions: torch.Tensor | None, deltas: torch.Tensor) -> None:
+    if positions is None:
         flat += deltas
     elif flat.device.type == "cpu":
         view = flat.numpy()  # numpy's fancy-index add is ~2x faster than torch's on CPU
-        view[delta.positions.numpy()] += deltas.numpy()
+        view[positions.numpy()] += deltas.numpy()
     else:
-        flat[delta.positions.to(flat.device, non_blocking=True)] += deltas
+        flat[positions.to(flat.device, non_blocking=True)] += deltas
 
 
 def aliases(weights: TensorSet, names: Iterable[str]) -> dict[str, str]:
@@ -310,15 +319,15 @@ def follow_aliases(weights: TensorSet, names: Iterable[str], digest: StateDigest
         digest.sums[alias] = digest.sums[name]
 
 
-def _add_all(weights: TensorSet, patch: Patch, sign: int, digest: StateDigest) -> None:
-    specs = {s.name: s for s in patch.layout}
-    with torch.no_grad():
-        for name in distinct_tensors(weights, patch.deltas):
-            flat, delta = flat_bits(weights[name]), patch.deltas[name]
-            write = functools.partial(add_delta, flat, delta, sign)
-            signed = delta.deltas if sign > 0 else -delta.deltas
-            track(digest, specs[name], flat, delta.positions, write, signed)
-    follow_aliases(weights, patch.deltas, digest)
+def add_all(
+    weights: TensorSet, patch: Patch, sign: int = 1, digest: StateDigest | None = None
+) -> None:
+    """Add ``sign * patch`` to ``weights`` in place, tied tensors once, with no checks (the
+    caller made them); ``digest`` follows when given."""
+    for name in distinct_tensors(weights, patch.deltas):
+        add_delta(flat_bits(weights[name]), patch.deltas[name], sign, digest)
+    if digest is not None:
+        follow_aliases(weights, patch.deltas, digest)
 
 
 def check_applicable(weights: TensorSet, patch: Patch) -> None:
@@ -354,9 +363,9 @@ def apply(
         raise BaseMismatchError(
             f"weights hash to {have.hex()}, patch was made for base {patch.base_hash.hex()}"
         )
-    _add_all(weights, patch, +1, digest)
+    add_all(weights, patch, +1, digest)
     if verify_target and digest.hash() != patch.target_hash:
-        _add_all(weights, patch, -1, digest)
+        add_all(weights, patch, -1, digest)
         raise TargetMismatchError(
             f"patched weights do not hash to target {patch.target_hash.hex()}; apply undone"
         )

@@ -17,10 +17,8 @@ tensors or into an engine's live ones, one tensor at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -40,9 +38,10 @@ from p2p_sync.patch import (
     follow_aliases,
     require_contiguous,
 )
-from p2p_sync.statehash import StateDigest, track
+from p2p_sync.statehash import StateDigest
 from p2p_sync.store import AcceptedState, Checkpoint, Store
 from p2p_sync.tensors import flat_bits, layout_of
+from p2p_sync.threads import map_workers
 from p2p_sync.weights_io import WeightsFileError, load_into, load_weights
 
 log = logging.getLogger("p2psync.restore")
@@ -132,7 +131,7 @@ def apply_frames(
     rows = _rows_to_apply(weights, info, digest)
     written: list[str] = []
     try:
-        _map(
+        map_workers(
             lambda n: _apply_frame(weights, rows[n], data, digest, written),
             distinct_tensors(weights, rows),
             workers,
@@ -176,19 +175,8 @@ def _apply_frame(
     bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
     delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
     delta.validate()
-    with torch.no_grad():
-        write = partial(add_delta, flat, delta, +1)
-        track(digest, row.spec, flat, delta.positions, write, delta.deltas)
+    add_delta(flat, delta, +1, digest)
     written.append(row.spec.name)
-
-
-def _map(fn: Callable[[str], None], names: list[str], workers: int) -> None:
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(fn, names))
-    else:
-        for name in names:
-            fn(name)
 
 
 def _load_base(

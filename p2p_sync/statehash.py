@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +41,7 @@ import torch
 import xxhash
 
 from p2p_sync.tensors import Layout, TensorSet, TensorSpec, layout_of, spec_record
+from p2p_sync.threads import map_workers
 
 DOMAIN = b"p2psync state hash v2\x00"
 MASK = (1 << 64) - 1
@@ -188,12 +188,6 @@ def _kernels() -> dict[str, Callable]:
     return _KERNELS
 
 
-def warm() -> None:
-    """Compile (or load from cache) the host kernels now, not inside the first version."""
-    tensor_sums(torch.zeros(3, dtype=torch.int32))
-    word_sums(torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-
-
 def add(a: Sums, b: Sums) -> Sums:
     return (a[0] + b[0]) & MASK, (a[1] + b[1]) & MASK
 
@@ -307,11 +301,7 @@ class StateDigest:
         """Hash every tensor in full (on its device; ``workers`` host tensors at once)."""
         layout = layout_of(tensors)
         names = [s.name for s in layout]
-        if workers > 1 and len(names) > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                found = list(pool.map(lambda n: tensor_sums(tensors[n]), names))
-        else:
-            found = [tensor_sums(tensors[n]) for n in names]
+        found = map_workers(lambda n: tensor_sums(tensors[n]), names, workers)
         return cls(layout, dict(zip(names, found)))
 
     def hash(self) -> bytes:
