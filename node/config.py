@@ -57,6 +57,7 @@ class NodeConfig:
     min_requests_per_peer: int = 2
     max_requests_total: int = 64
     min_request_timeout_s: float = 2.0  # adaptive request timeout floor (see p2p_sync.swarm)
+    stall_timeout_s: float = 30.0  # a chunk no reachable peer holds for this long: re-plan
     max_concurrent_uploads: int = 16
     upload_queue: int = 64
     seed_outstanding: int = 8  # trainer: chunks handed to one requester at a time
@@ -147,6 +148,7 @@ def _check(cfg: NodeConfig) -> None:
         "watch_interval_s",
         "reseed_after_s",
         "min_request_timeout_s",
+        "stall_timeout_s",
         "p2p_refresh_s",
         "p2p_start_timeout_s",
         "announce_per_s",

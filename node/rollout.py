@@ -34,7 +34,7 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from node.fetch import fetch_payload
 from node.runtime import Node
 from p2p_sync.atomic import atomic_write_bytes
-from p2p_sync.errors import LayoutMismatchError, NoPathError, PatchError
+from p2p_sync.errors import DownloadStalledError, LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.statehash import StateDigest, state_hash
@@ -98,6 +98,7 @@ class Follower:
                 restored.replayed,
             )
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
+        self.stalled: set[str] = set()  # manifests whose download stalled: planned around once
         self.pending: list[tuple[Manifest, float]] = []  # fetched, not yet applied (hold mode)
         self.ready = asyncio.Event()  # set while ``pending`` is not empty
         self.advanced = asyncio.Event()  # replaced (after being set) at every applied version
@@ -122,14 +123,21 @@ class Follower:
         return self.state
 
     def _plan(self) -> list[Manifest]:
+        """The cheapest path to the head, around artifacts whose download stalled when
+        another path exists (else through them again: their sources may be back)."""
         by_digest = {m.digest: m for m in self.node.store.manifests()}
         start = self.planned
         newer = self.node.trusted.newer(by_digest.values(), start.version)
-        arts = [artifact(m) for m in newer if m.digest not in self.refused]
-        try:
-            return [by_digest[a.ident] for a in plan(start, arts)]
-        except NoPathError:
-            return []
+        usable = [artifact(m) for m in newer if m.digest not in self.refused]
+        for avoid in (self.stalled, set()):
+            try:
+                path = plan(start, [a for a in usable if a.ident not in avoid])
+            except NoPathError:
+                continue
+            if not avoid:
+                self.stalled.clear()  # through them again: they get a fresh chance
+            return [by_digest[a.ident] for a in path]
+        return []
 
     # ------------------------------------------------------------ applying
 
@@ -335,6 +343,10 @@ class Follower:
                     except PatchError as exc:  # verified chunks, bad content: a trainer bug
                         log.error("v%d refused: %s; planning around it", m.version, exc)
                         self.refused.add(m.digest)
+                        break
+                    except DownloadStalledError as exc:  # nobody reachable serves it now
+                        log.warning("%s; re-planning", exc)
+                        self.stalled.add(exc.digest)
                         break
                 try:
                     await asyncio.wait_for(self.node.new_info.wait(), 1.0)

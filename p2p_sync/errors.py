@@ -200,6 +200,16 @@ class PeerBusyError(PeerError):
     """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
 
 
+class DownloadStalledError(P2PSyncError):
+    """Some chunk of a payload has had no reachable source for ``stall_timeout_s``, and nothing
+    else moved: waiting longer would hang the node on peers that left, lied or were banned.
+    The caller re-plans (another artifact, an anchor) and may come back to this one later."""
+
+    def __init__(self, message: str, digest: str, indices: frozenset[int]) -> None:
+        super().__init__(message)
+        self.digest, self.indices = digest, indices
+
+
 class P2PError(P2PSyncError):
     """libp2p could not start or a bridged call failed (the node falls back to --peers)."""
 

@@ -42,21 +42,30 @@ LRU (``memory_cache_bytes``), so relaying costs no disk read.
 
 The store trusts its caller to have verified manifests (``trusted.TrustedSet``) and chunks
 (``chunks.verify_chunk``) before putting them; it re-parses manifests on open, and its owner
-re-checks their signatures through the same gate (``drop_refused``). One owner: a node's
-store is used from the event loop's thread (and read-only ``payload`` calls from a worker
-while that thread waits for it).
+re-checks their signatures through the same gate (``drop_refused``).
+
+Threads: one owner, a lock. A node calls its store from the event loop (chunks in and out,
+manifests, the log), from worker threads (applying a payload, writing a checkpoint,
+re-verifying a pack) and from the libp2p thread (``has_manifest``). Every public method holds
+``Store._lock`` (re-entrant) while it reads or changes the in-memory indexes or the files they
+describe; bulk I/O runs outside it (hashing a mapped payload, writing checkpoint weights, a
+trainer's pack) or takes it one chunk at a time (re-verifying a pack), so the event loop never
+waits for more than one chunk's worth of work.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import mmap
 import os
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with, fsync_dir
 from p2p_sync.chunks import chunk_hash
@@ -110,6 +119,21 @@ def _is_temp(path: Path) -> bool:
     return path.name.startswith(".") and path.name.endswith(".tmp")
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(method: Callable[Concatenate[Store, _P], _R]) -> Callable[Concatenate[Store, _P], _R]:
+    """Run ``method`` holding the store's lock (see the module docstring: one owner)."""
+
+    @functools.wraps(method)
+    def run(self: Store, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Store:
     """One node's durable state. Create with :meth:`open`."""
 
@@ -129,6 +153,7 @@ class Store:
         self.checkpoint: Checkpoint | None = None
         self.log: list[AcceptedState] = []  # records past the checkpoint, oldest first
         self.dropped: list[str] = []  # what the last self-check removed, for logs and tests
+        self._lock = threading.RLock()  # the one owner of everything above (module docstring)
 
     @classmethod
     def open(cls, root: str | os.PathLike[str], limits: StoreLimits = StoreLimits()) -> Store:
@@ -193,20 +218,25 @@ class Store:
         try:
             self._verify_pack(m)
         except FileNotFoundError:
-            self._valid.pop(m.digest, None)
-        return len(self._valid.get(m.digest, ())) == len(m.chunks)
+            with self._lock:
+                self._valid.pop(m.digest, None)
+        with self._lock:
+            return len(self._valid.get(m.digest, ())) == len(m.chunks)
 
     def _verify_pack(self, m: Manifest) -> None:
-        """Re-hash every slot of ``m``'s pack: the slots that match are the chunks we hold."""
-        valid = self._valid.setdefault(m.digest, set())
+        """Re-hash every slot of ``m``'s pack: the slots that match are the chunks we hold.
+        The lock is taken per slot, so chunks keep flowing while a large pack is checked."""
         with open(self.pack_path(m.digest), "rb") as f:
             for i, want in enumerate(m.chunks):
-                data = f.read(m.chunk_length(i))
-                if chunk_hash(data) == want:
-                    valid.add(i)
-                elif data.strip(b"\0"):  # not a hole never written: bytes that rotted or tore
-                    self._invalidate(m.digest, i, "does not match its hash")
+                with self._lock:
+                    f.seek(i * m.chunk_size)
+                    data = f.read(m.chunk_length(i))
+                    if chunk_hash(data) == want:
+                        self._valid.setdefault(m.digest, set()).add(i)
+                    elif data.strip(b"\0"):  # not a hole never written: rotted or torn bytes
+                        self._invalidate(m.digest, i, "does not match its hash")
 
+    @_locked
     def _invalidate(self, mdigest: str, index: int, why: str) -> None:
         """Slot ``index`` of a pack no longer counts as held (its bytes failed their hash)."""
         self._valid.get(mdigest, set()).discard(index)
@@ -254,22 +284,25 @@ class Store:
             raise ValueError(
                 f"payload is {len(payload)} bytes, manifest says {manifest.payload_size}"
             )
-        self._write_slot(manifest, 0, payload)
-        self._valid[manifest.digest] = set(range(len(manifest.chunks)))
-        self._index(manifest)
+        self._write_slot(manifest, 0, payload)  # a pack nobody names yet: no lock needed
         view = memoryview(payload)
-        for i, c in enumerate(manifest.chunks):  # the seed serves these next: keep them hot
-            self._remember(c, bytes(view[self._slot(manifest, i)]))
+        with self._lock:
+            self._valid[manifest.digest] = set(range(len(manifest.chunks)))
+            self._index(manifest)
+            for i, c in enumerate(manifest.chunks):  # the seed serves these next: keep them hot
+                self._remember(c, bytes(view[self._slot(manifest, i)]))
 
     def put_pack_file(self, manifest: Manifest, path: Path) -> None:
         """Adopt a payload file written (and hashed, for ``manifest``) by this node as its pack,
         by rename: a multi-GB snapshot is never copied. Same order rule as ``put_payload``."""
         if os.stat(path).st_size != manifest.payload_size:
             raise ValueError(f"{path} is not {manifest.payload_size} bytes")
-        os.replace(path, self.pack_path(manifest.digest))
-        self._valid[manifest.digest] = set(range(len(manifest.chunks)))
-        self._index(manifest)
+        with self._lock:
+            os.replace(path, self.pack_path(manifest.digest))
+            self._valid[manifest.digest] = set(range(len(manifest.chunks)))
+            self._index(manifest)
 
+    @_locked
     def put_chunk(self, data: bytes | memoryview, digest: str | None = None) -> str:
         """Store a verified chunk of a known manifest (idempotent); returns its hash. Pass
         ``digest`` only when the caller has just computed it from these very bytes. A chunk
@@ -305,9 +338,11 @@ class Store:
         hot = self._hot.pop(digest, None)
         self._hot_bytes -= len(hot) if hot is not None else 0
 
+    @_locked
     def has_chunk(self, digest: str) -> bool:
         return any(i in self._valid.get(d, ()) for d, i in self._locate(digest))
 
+    @_locked
     def have_indices(self, manifest: Manifest) -> list[int]:
         """Indices of ``manifest``'s chunks held here (in its own pack or another's)."""
         valid = self._valid.get(manifest.digest, set())
@@ -315,6 +350,7 @@ class Store:
             return list(range(len(manifest.chunks)))
         return [i for i, c in enumerate(manifest.chunks) if i in valid or self.has_chunk(c)]
 
+    @_locked
     def get_chunk(self, digest: str) -> bytes | None:
         """The chunk's bytes, verified; a slot corrupted on disk is dropped, never served."""
         hot = self._hot.get(digest)
@@ -340,6 +376,7 @@ class Store:
             return None
         return data
 
+    @_locked
     def chunk_bytes(self) -> int:
         """Bytes of verified chunks held on disk."""
         total = 0
@@ -350,6 +387,7 @@ class Store:
 
     # ------------------------------------------------------------ manifests
 
+    @_locked
     def put_manifest(self, manifest: Manifest, data: bytes) -> None:
         """Keep a verified manifest (its exact signed bytes, so it can be served onward)."""
         atomic_write_bytes(self.manifest_dir / f"{manifest.digest}.json", data)
@@ -365,6 +403,7 @@ class Store:
             if (manifest.digest, i) not in where:
                 where.append((manifest.digest, i))
 
+    @_locked
     def drop_refused(self, admit: Callable[[bytes], object]) -> list[tuple[str, str]]:
         """Forget every manifest (and its pack) that ``admit`` refuses by raising ManifestError:
         the owner's trust gate (``TrustedSet.admit_stored``) at restart, as the store cannot
@@ -390,23 +429,29 @@ class Store:
                 self._where.pop(c, None)
         self._drop(self.manifest_dir / f"{digest}.json", why)
 
+    @_locked
     def manifests(self) -> list[Manifest]:
         return sorted((m for m, _ in self._manifests.values()), key=lambda m: (m.version, m.kind))
 
+    @_locked
     def has_manifest(self, digest: str) -> bool:
         return digest in self._manifests
 
+    @_locked
     def manifest_count(self) -> int:
         return len(self._manifests)
 
+    @_locked
     def manifest(self, digest: str) -> Manifest | None:
         entry = self._manifests.get(digest)
         return entry[0] if entry else None
 
+    @_locked
     def manifest_bytes(self, digest: str) -> bytes | None:
         entry = self._manifests.get(digest)
         return entry[1] if entry else None
 
+    @_locked
     def has_payload(self, manifest: Manifest) -> bool:
         return all(self.has_chunk(c) for c in manifest.chunks)
 
@@ -415,12 +460,14 @@ class Store:
         mapped read-only and re-hashed slot by slot: no copy of the payload is made (a fresh
         copy of a 100 MB payload costs more CPU, in page faults, than hashing it). Safe to
         call from a worker thread (it reads the in-memory cache but does not reorder it)."""
-        if len(self._valid.get(manifest.digest, ())) == len(manifest.chunks):
-            view = self._map_pack(manifest)
-            if view is not None and self._all_slots_match(manifest, view):
-                return view
-        hot = [self._hot.get(c) for c in manifest.chunks]
-        parts = [h or self._peek(c) for h, c in zip(hot, manifest.chunks, strict=True)]
+        with self._lock:
+            complete = len(self._valid.get(manifest.digest, ())) == len(manifest.chunks)
+            view = self._map_pack(manifest) if complete else None
+        if view is not None and self._all_slots_match(manifest, view):  # hashing: no lock
+            return view
+        with self._lock:
+            hot = [self._hot.get(c) for c in manifest.chunks]
+            parts = [h or self._peek(c) for h, c in zip(hot, manifest.chunks, strict=True)]
         if any(p is None for p in parts):
             return None
         return memoryview(b"".join(p for p in parts if p is not None))
@@ -457,11 +504,16 @@ class Store:
     @property
     def state(self) -> AcceptedState | None:
         """The accepted head: the newest log record, else the checkpoint."""
+        with self._lock:
+            return self._head()
+
+    def _head(self) -> AcceptedState | None:
         if self.log:
             return self.log[-1]
         c = self.checkpoint
         return AcceptedState(c.version, c.state_hash, None) if c else None
 
+    @_locked
     def record(self, version: int, state_hash: str, manifest_digest: str) -> None:
         """Append (version, state, artifact) to the log, durably: the weights now hold
         ``version``, reached by applying that verified artifact to the previous state. One small
@@ -488,14 +540,16 @@ class Store:
                 f"refusing to replace checkpoint v{self.checkpoint.version} with older v{version}"
             )
         final = self.weights_dir / f"v{version}-{state_hash[:32]}.safetensors"
-        atomic_write_with(final, write)
+        atomic_write_with(final, write)  # the full weights, a new file: no lock needed
         doc = {"version": version, "state_hash": state_hash, "weights": final.name}
-        atomic_write_bytes(self.checkpoint_path, json.dumps(doc).encode())
-        old, self.checkpoint = self.checkpoint, Checkpoint(version, state_hash, final)
-        if old is not None and old.weights != final:
-            old.weights.unlink(missing_ok=True)
-        self._rewrite_log([r for r in self.log if r.version > version])
+        with self._lock:
+            atomic_write_bytes(self.checkpoint_path, json.dumps(doc).encode())
+            old, self.checkpoint = self.checkpoint, Checkpoint(version, state_hash, final)
+            if old is not None and old.weights != final:
+                old.weights.unlink(missing_ok=True)
+            self._rewrite_log([r for r in self.log if r.version > version])
 
+    @_locked
     def drop_checkpoint(self, why: str) -> None:
         """Forget a checkpoint whose weights failed their hash: the node starts over from an
         anchor (re-fetched), never from unverified weights."""
@@ -506,6 +560,7 @@ class Store:
         self._drop(self.checkpoint.weights, why)
         self.checkpoint = None
 
+    @_locked
     def truncate_log(self, version: int, why: str) -> None:
         """Drop the record of ``version`` and every later one (a logged artifact failed on
         replay): the node re-fetches from the last state it can rebuild."""
@@ -518,6 +573,7 @@ class Store:
         atomic_write_bytes(self.log_path, b"".join(_log_line(r) for r in records))
         self.log = list(records)
 
+    @_locked
     def checkpoint_due(self, every: int) -> bool:
         """True when the head is ``every`` or more versions past the base replay starts from,
         or nothing can rebuild it: time to write the full weights again."""
@@ -527,6 +583,7 @@ class Store:
         base, _ = self.replay_chain()
         return base is None or head.version - base.version >= every
 
+    @_locked
     def replay_chain(self) -> tuple[Checkpoint | Manifest | None, list[Manifest]]:
         """What rebuilds the accepted weights: a base (the checkpoint, or the newest logged
         snapshot whose payload is held) and the logged patches after it, in order."""
@@ -591,6 +648,7 @@ class Store:
 
     # ------------------------------------------------------------ eviction
 
+    @_locked
     def protected(self) -> set[str]:
         """Digests of manifests still needed: every artifact the log names (replay rebuilds the
         weights from them), and for catch-up the newest anchor and every later one. The newest
@@ -601,6 +659,7 @@ class Store:
         logged = {r.manifest for r in self.log if r.manifest is not None}
         return logged | {m.digest for m in self.manifests() if m.version >= floor}
 
+    @_locked
     def evict(self) -> list[str]:
         """Drop whole packs of unprotected artifacts, oldest version first, until the chunks
         held are under ``max_chunk_bytes``. Returns the digests of the manifests dropped."""

@@ -10,7 +10,11 @@ hash), :class:`ChunkFailed` (transport error, or the peer lacks the chunk it cla
 :class:`PeerBusy` (the peer refused for lack of upload slots), :class:`TimerFired`.
 
 Actions (outputs): :class:`RequestChunk`, :class:`CancelRequest`, :class:`PeerBanned`,
-:class:`DownloadCompleted`.
+:class:`DownloadCompleted`, :class:`DownloadStalled`.
+
+Time: the scheduler never asks for a fixed tick. After each event, :meth:`Scheduler.next_timer`
+says when it next needs a :class:`TimerFired` (the oldest request's timeout, the end of a busy
+peer's back-off, a stall deadline), or ``None`` when only a peer's answer can move it on.
 
 Policy:
 
@@ -37,6 +41,10 @@ Policy:
   last source of a chunk must stay usable, or the download could never finish.
 * a busy peer (all its upload slots taken) is no failure: it keeps its have-map and is left
   alone for ``busy_backoff_s``.
+* stall: a missing chunk that no usable peer has claimed for ``stall_timeout_s`` (nobody
+  reachable holds it: they left, were banned, or failed to serve it) makes the scheduler emit
+  :class:`DownloadStalled` once; the caller gives up on this payload and re-plans (another
+  artifact, an anchor) instead of waiting for ever. A source appearing again ends the stall.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class SwarmConfig:
     endgame_sources: int = 2
     score_alpha: float = 0.3
     busy_backoff_s: float = 0.05
+    stall_timeout_s: float = 30.0  # a chunk nobody reachable holds for this long: re-plan
     seed: int = 0
 
 
@@ -138,7 +147,14 @@ class DownloadCompleted:
     pass
 
 
-Action = RequestChunk | CancelRequest | PeerBanned | DownloadCompleted
+@dataclass(frozen=True)
+class DownloadStalled:
+    """These missing chunks have had no usable source for ``stall_timeout_s``."""
+
+    indices: frozenset[int]
+
+
+Action = RequestChunk | CancelRequest | PeerBanned | DownloadCompleted | DownloadStalled
 
 
 @dataclass
@@ -174,6 +190,9 @@ class Scheduler:
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._per_peer = self.config.max_requests_per_peer
         self._done_reported = False
+        self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
+        self._stuck_since: float | None = None  # orphans and no progress since then
+        self._stall_reported = False
         salt = self.config.seed.to_bytes(8, "little", signed=True)
         self._tiebreak = {
             i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, salt=salt).digest()
@@ -188,6 +207,18 @@ class Scheduler:
 
     def requests_in_flight(self) -> int:
         return self._n_inflight
+
+    def next_timer(self, now: float) -> float | None:
+        """When the scheduler next needs a :class:`TimerFired`: the oldest request's timeout,
+        the end of a busy peer's back-off, or a stall deadline (``None``: only news helps)."""
+        times = [t for t in self.busy_until.values() if t > now]
+        if self.inflight:
+            oldest = min(min(peers.values()) for peers in self.inflight.values())
+            times.append(oldest + self._timeout_limit())
+        if self._orphans and not self._stall_reported:
+            stuck = now if self._stuck_since is None else self._stuck_since
+            times.append(stuck + self.config.stall_timeout_s)
+        return min(times, default=None)
 
     # ------------------------------------------------------------ events
 
@@ -209,7 +240,7 @@ class Scheduler:
                 self.busy_until[event.peer] = now + self.config.busy_backoff_s
         elif isinstance(event, TimerFired):
             actions += self._timeouts(now)
-        return actions + self._schedule(now)
+        return actions + self._schedule(now) + self._stalled(now)
 
     def _peer_had(self, peer: str, indices: frozenset[int]) -> None:
         if peer in self.banned:
@@ -220,10 +251,22 @@ class Scheduler:
             if i in self.holders and i not in known:
                 known.add(i)
                 self.holders[i].add(peer)
+                if i in self._orphans:
+                    self._orphans.discard(i)
+                    self._progress()  # a source appeared for a chunk that had none
+
+    def _unhold(self, peer: str, index: int) -> None:
+        """``peer`` no longer counts as holding ``index`` (it left, failed, was banned)."""
+        holders = self.holders.get(index)
+        if holders is None:
+            return
+        holders.discard(peer)
+        if not holders:
+            self._orphans.add(index)
 
     def _forget_peer(self, peer: str) -> list[Action]:
         for i in self.peer_chunks.pop(peer, set()):
-            self.holders.get(i, set()).discard(peer)
+            self._unhold(peer, i)
         cancelled = []
         for i in list(self.peer_inflight.get(peer, ())):
             self._drop_request(peer, i)
@@ -255,6 +298,8 @@ class Scheduler:
         if ev.index not in self.missing:
             return []
         self.missing.discard(ev.index)
+        self._orphans.discard(ev.index)
+        self._progress()
         for peer in self.holders.pop(ev.index, ()):  # have-maps keep only what is still missing
             self.peer_chunks[peer].discard(ev.index)
         losers = list(self.inflight.get(ev.index, {}))
@@ -267,7 +312,7 @@ class Scheduler:
             return []
         # A peer that cannot serve a chunk it claimed no longer counts as holding it.
         self.peer_chunks.get(peer, set()).discard(index)
-        self.holders.get(index, set()).discard(peer)
+        self._unhold(peer, index)
         self.stats.setdefault(peer, PeerStats()).failures += 1
         return []
 
@@ -277,17 +322,40 @@ class Scheduler:
         self.banned.add(peer)
         return [*self._forget_peer(peer), PeerBanned(peer, reason)]
 
+    def _timeout_limit(self) -> float:
+        """How old a request may grow: ``timeout_factor`` typical chunk times, bounded."""
+        c = self.config
+        if self._chunk_time is None:
+            return c.request_timeout_s
+        typical = c.timeout_factor * self._chunk_time
+        return min(c.request_timeout_s, max(c.min_request_timeout_s, typical))
+
+    def _progress(self) -> None:
+        """A chunk verified or an orphan found a source: the stall clock starts again."""
+        self._stuck_since = None
+        self._stall_reported = False
+
+    def _stalled(self, now: float) -> list[Action]:
+        """Report a stall once when some chunk has had no source, and nothing has moved, for
+        ``stall_timeout_s`` (chunks without a source are normal while a swarm fills in, as
+        long as other chunks keep arriving). O(1) except when it fires."""
+        if not self._orphans or self._stall_reported:
+            return []
+        if self._stuck_since is None:
+            self._stuck_since = now
+        if self._stuck_since + self.config.stall_timeout_s > now:  # as next_timer() sums it
+            return []
+        self._stall_reported = True
+        return [DownloadStalled(frozenset(self._orphans))]
+
     def _timeouts(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        c = self.config
-        limit = c.request_timeout_s
-        if self._chunk_time is not None:
-            limit = min(limit, max(c.min_request_timeout_s, c.timeout_factor * self._chunk_time))
+        limit = self._timeout_limit()
         expired = [
             (peer, i)
             for i, peers in self.inflight.items()
             for peer, started in peers.items()
-            if now - started >= limit
+            if started + limit <= now  # the very sum next_timer() wakes us at
         ]
         for peer, i in expired:
             if peer in self.banned or self._drop_request(peer, i) is None:

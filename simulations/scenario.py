@@ -64,7 +64,6 @@ class Scenario:
     min_request_timeout_s: float = _SWARM.min_request_timeout_s
     timeout_factor: float = _SWARM.timeout_factor
     endgame_sources: int = _SWARM.endgame_sources
-    tick_s: float = 0.25  # the node's scheduler timer
     time_limit_factor: float = 50.0  # give up on a version after this many lower bounds
     links: tuple[LinkClass, ...] = field(default=())
 
@@ -98,7 +97,6 @@ _POSITIVE = (
     "uplink_mbps",
     "downlink_mbps",
     "trainer_uplink_mbps",
-    "tick_s",
     "request_timeout_s",
     "min_request_timeout_s",
     "timeout_factor",

@@ -74,6 +74,7 @@ class Peer:
     queue: deque[tuple[Peer, int, int]] = field(default_factory=deque)  # waiting for a slot
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
+    timer_at: float | None = None  # when the scheduler's next TimerFired is due
     done_at: float | None = None
 
 
@@ -300,16 +301,24 @@ class SwarmSim:
         have = p.have.setdefault(art.ident, set())
         seed = self.sc.seed * 1_000_003 + p.idx * 1009 + art.version
         p.sched = Scheduler(self._n_chunks(art), self.sc.swarm_config(seed), have)
+        p.timer_at = None
         self._feed(p, TimerFired())
         for q in p.neighbors:
             if q not in p.banned:
                 self._subscribe(p, q)
-        self.clock.after(self.sc.tick_s, self._tick, p, p.generation)
 
-    def _tick(self, p: Peer, gen: int) -> None:
-        if p.generation == gen and p.sched is not None:
+    def _arm(self, p: Peer) -> None:
+        """Wake the scheduler when it says it next needs time (as the node's driver does)."""
+        assert p.sched is not None
+        wake = p.sched.next_timer(self.clock.now)
+        if wake is not None and (p.timer_at is None or wake < p.timer_at):
+            p.timer_at = wake
+            self.clock.at(wake, self._timer, p, p.generation, wake)
+
+    def _timer(self, p: Peer, gen: int, wake: float) -> None:
+        if p.generation == gen and p.sched is not None and p.timer_at == wake:
+            p.timer_at = None
             self._feed(p, TimerFired())
-            self.clock.after(self.sc.tick_s, self._tick, p, gen)
 
     def _feed(self, p: Peer, event: Event) -> None:
         sched = p.sched
@@ -327,6 +336,7 @@ class SwarmSim:
             elif isinstance(action, DownloadCompleted):
                 self._completed(p)
                 return
+        self._arm(p)
 
     def _completed(self, p: Peer) -> None:
         assert p.artifact is not None

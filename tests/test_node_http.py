@@ -213,9 +213,10 @@ def test_manifests_can_be_listed_by_version(tmp_path: Path) -> None:
 
 
 async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
-    from node.fetch import MAX_ATTEMPTS, fetch_payload
+    from node.fetch import fetch_payload
     from node.trainer import TrainerNode
     from p2p_sync.store import StoreError
+    from p2p_sync.transport.download import DriverLimits
 
     key = SigningKey.generate()
     policy = SwarmPolicy("rot", (key.public,))
@@ -249,7 +250,7 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
     finally:
         await rollout.stop()
         await trainer.stop()
-    assert len(calls) == MAX_ATTEMPTS
+    assert len(calls) == DriverLimits().max_attempts
     return str(err.value), trainer.bytes_uploaded
 
 

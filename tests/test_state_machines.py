@@ -15,6 +15,7 @@ from p2p_sync.swarm import (
     ChunkFailed,
     ChunkVerified,
     DownloadCompleted,
+    DownloadStalled,
     Event,
     PeerBanned,
     PeerBusy,
@@ -49,6 +50,7 @@ def swarms(draw: st.DrawFn) -> tuple[int, dict[str, set[int]], dict[str, set[int
         endgame_sources=draw(st.integers(1, 3)),
         request_timeout_s=1.0,
         min_request_timeout_s=0.2,
+        stall_timeout_s=draw(st.sampled_from([0.5, 5.0])),
         seed=draw(st.integers(0, 9)),
     )
     return n, honest, evil, config
@@ -70,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.verified: set[int] = set()
         self.banned: set[str] = set()
         self.completions = 0
+        self.stalls = 0
         self.arriving: tuple[str, int] | None = None
         for peer, chunks in sorted({**self.honest, **self.evil}.items()):
             self.feed(PeerHad(peer, frozenset(chunks)))
@@ -97,6 +100,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.banned.add(action.peer)
         elif isinstance(action, DownloadCompleted):
             self.completions += 1
+        elif isinstance(action, DownloadStalled):
+            assert action.indices, "a stall names its chunks"
+            assert not action.indices & self.verified, "stalled on a verified chunk"
+            assert not any(self.sched.holders[i] for i in action.indices), "it had a source"
+            self.stalls += 1
 
     def take(self, k: int) -> tuple[str, int]:
         return self.pending.pop(k % len(self.pending))
@@ -190,8 +198,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             if self.pending:
                 self.now += 0.01
                 self.arrive(*self.take(0))
-            else:
-                self.now += 2.0
+            else:  # nothing in flight: the scheduler must say when it next needs time
+                wake = self.sched.next_timer(self.now)
+                assert wake is not None, "stuck without a timer"
+                self.now = max(self.now, wake)
                 self.feed(TimerFired())
         assert self.completions == 1 and self.verified == set(range(self.n))
 

@@ -220,3 +220,74 @@ def test_a_data_dir_from_an_older_state_hash_is_refused_untouched(tmp_path: Path
     (old / "format.json").write_text("not json")
     with pytest.raises(StoreError, match="format.json: unreadable"):
         Store.open(old)
+
+
+def test_the_store_stays_consistent_under_its_threads(tmp_path: Path) -> None:
+    """The event loop stores and serves chunks while worker threads re-verify packs and read
+    payloads and the libp2p thread asks for manifests: the lock keeps every index whole."""
+    import threading
+
+    from p2p_sync.chunks import manifest_for
+
+    store = Store.open(tmp_path, StoreLimits(memory_cache_bytes=64 * 1024))  # LRU churns
+    rng = random.Random(3)
+    payloads = [rng.randbytes(40 * 4096) for _ in range(6)]
+    ms = [
+        manifest_for(
+            p,
+            swarm="t",
+            version=v,
+            kind="snapshot",
+            target_state="aa" * 16,
+            layout="bb" * 16,
+            now=1,
+            chunk_size=4096,
+        )
+        for v, p in enumerate(payloads)
+    ]
+    for m in ms:
+        store.put_manifest(m, b"{}")
+    errors: list[BaseException] = []
+
+    def worker(job) -> None:
+        try:
+            for n in range(1000):
+                job(n)
+        except BaseException as exc:  # reported below, with the failing thread's traceback
+            errors.append(exc)
+
+    def put(n: int) -> None:
+        m, p = ms[n % 6], payloads[n % 6]
+        i = (n * 7) % 40
+        store.put_chunk(p[i * 4096 : (i + 1) * 4096], m.chunks[i])
+
+    def get(n: int) -> None:
+        m, p = ms[n % 6], payloads[n % 6]
+        i = (n * 11) % 40
+        data = store.get_chunk(m.chunks[i])
+        assert data is None or data == p[i * 4096 : (i + 1) * 4096]
+
+    def verify(n: int) -> None:
+        store.verify_pack(ms[n % 6])
+        store.have_indices(ms[(n + 1) % 6])
+
+    def read(n: int) -> None:
+        view = store.payload(ms[n % 6])
+        assert view is None or bytes(view) == payloads[n % 6]
+        assert store.has_manifest(ms[n % 6].digest) and store.chunk_bytes() >= 0
+
+    threads = [threading.Thread(target=worker, args=(j,)) for j in (put, get, verify, read)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: races show up within a few hundred ops
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for m, p in zip(ms, payloads):  # fill in what the writer skipped, then check it all
+        for i in range(40):
+            store.put_chunk(p[i * 4096 : (i + 1) * 4096], m.chunks[i])
+        assert store.verify_pack(m) and bytes(store.payload(m)) == p

@@ -1,0 +1,253 @@
+"""A chunk nobody can serve: the scheduler reports a stall, the driver stops with a clear error
+instead of waiting for ever, and a rollout re-plans through an anchor.
+
+The driver runs against an in-process chunk source (the same driver the node runs over HTTP);
+the rollout test runs real trainer and rollout nodes on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.config import NodeConfig
+from node.rollout import Follower
+from node.runtime import Node
+from node.trainer import Publisher, TrainerNode
+from p2p_sync.chunks import manifest_for
+from p2p_sync.errors import DownloadStalledError, PeerError
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy
+from p2p_sync.statehash import state_hash
+from p2p_sync.store import Store
+from p2p_sync.swarm import (
+    ChunkFailed,
+    ChunkVerified,
+    DownloadStalled,
+    PeerHad,
+    PeerLost,
+    Scheduler,
+    SwarmConfig,
+    TimerFired,
+)
+from p2p_sync.transport.download import Download, DriverLimits, download
+from p2p_sync.versions import PublishPolicy
+from tests.helpers import bit_equal
+
+CHUNK = 16 * 1024
+
+# ---------------------------------------------------------------- the scheduler alone
+
+
+def test_a_chunk_whose_only_holder_fails_it_stalls_once_after_the_timeout() -> None:
+    s = Scheduler(2, SwarmConfig(stall_timeout_s=5.0))
+    s.handle(PeerHad("a", frozenset({0, 1})), 0.0)
+    s.handle(ChunkVerified("a", 0, 10), 1.0)
+    assert s.handle(ChunkFailed("a", 1), 2.0) == []  # chunk 1 has no source from now on
+    assert s.next_timer(2.0) == pytest.approx(7.0)
+    assert not any(isinstance(a, DownloadStalled) for a in s.handle(TimerFired(), 6.9))
+    stalled = [a for a in s.handle(TimerFired(), 7.0) if isinstance(a, DownloadStalled)]
+    assert stalled == [DownloadStalled(frozenset({1}))]
+    assert not any(isinstance(a, DownloadStalled) for a in s.handle(TimerFired(), 20.0))
+
+
+def test_chunks_without_a_source_do_not_stall_while_others_keep_arriving() -> None:
+    s = Scheduler(4, SwarmConfig(stall_timeout_s=5.0))
+    s.handle(PeerHad("a", frozenset({0, 1, 2})), 0.0)
+    for t, i in ((4.0, 0), (8.0, 1), (12.0, 2)):  # chunk 3 has no source all along
+        actions = s.handle(ChunkVerified("a", i, 10), t)
+        assert not any(isinstance(a, DownloadStalled) for a in actions)
+    assert s.next_timer(12.0) == pytest.approx(17.0)
+    assert s.handle(PeerHad("b", frozenset({3})), 16.0)  # a source appears: request it
+    assert s.next_timer(16.0) is not None and s.next_timer(16.0) > 17.0  # timeout, no stall
+
+
+def test_a_lost_peer_takes_its_claims_with_it() -> None:
+    s = Scheduler(1, SwarmConfig(stall_timeout_s=1.0))
+    s.handle(PeerHad("a", frozenset({0})), 0.0)
+    s.handle(PeerLost("a"), 0.5)
+    assert [a for a in s.handle(TimerFired(), 1.5) if isinstance(a, DownloadStalled)]
+
+
+def test_the_timer_follows_the_oldest_request_and_busy_backoff() -> None:
+    cfg = SwarmConfig(request_timeout_s=3.0, busy_backoff_s=0.5, stall_timeout_s=100.0)
+    s = Scheduler(1, cfg)
+    assert s.next_timer(0.0) == pytest.approx(100.0)  # nothing known yet: only a stall
+    s.handle(PeerHad("a", frozenset({0})), 1.0)
+    assert s.next_timer(1.0) == pytest.approx(4.0)  # the request sent at 1.0 times out at 4.0
+
+
+# ---------------------------------------------------------------- the driver, in process
+
+
+class _Sink:
+    """An in-memory store: what the driver writes, and whether it re-verifies."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, bytes] = {}
+
+    def have_indices(self, m: Manifest) -> list[int]:
+        return [i for i, sha in enumerate(m.chunks) if sha in self.chunks]
+
+    def put_chunk(self, data: bytes, digest: str | None = None) -> str:
+        assert digest is not None
+        self.chunks[digest] = bytes(data)
+        return digest
+
+    def verify_pack(self, m: Manifest) -> bool:
+        return all(sha in self.chunks for sha in m.chunks)
+
+
+class _Source:
+    """Peers in this process; ``lost`` chunks are claimed by their holder but never served."""
+
+    def __init__(self, payload: bytes, peers: list[str], lost: set[int]) -> None:
+        self.payload, self._peers, self.lost = payload, peers, lost
+        self.requests: list[tuple[str, int]] = []
+
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
+        self.requests.append((peer, index))
+        if index in self.lost:
+            raise PeerError(f"{peer}: 404")
+        return self.payload[index * CHUNK : (index + 1) * CHUNK]
+
+    async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
+        if known >= 0:  # a long poll: nothing new will come
+            await asyncio.Event().wait()
+        return list(range(len(m.chunks)))
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def served(self, peer: str, nbytes: int) -> None:
+        self.bytes += nbytes
+
+    def misbehaved(self, peer: str, reason: str) -> None:
+        raise AssertionError(f"{peer} banned: {reason}")
+
+
+def _manifest(payload: bytes) -> Manifest:
+    return manifest_for(
+        payload,
+        swarm="stall",
+        version=0,
+        kind=SNAPSHOT,
+        target_state="aa" * 16,
+        layout="bb" * 16,
+        now=int(time.time()),
+        chunk_size=CHUNK,
+    )
+
+
+async def _download(lost: set[int]) -> tuple[_Sink, _Source, _Counting, float]:
+    payload = random.Random(0).randbytes(5 * CHUNK)
+    m = _manifest(payload)
+    sink, source, listener = _Sink(), _Source(payload, ["p1", "p2"], lost), _Counting()
+    config = SwarmConfig(stall_timeout_s=0.3, seed=1)
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(
+            download(m, source, sink, listener, config, DriverLimits(have_poll_s=0.05)), 20
+        )
+    finally:
+        took = time.monotonic() - t0
+    return sink, source, listener, took
+
+
+def test_the_driver_fetches_every_chunk_from_an_in_process_source() -> None:
+    sink, source, listener, _ = asyncio.run(_download(lost=set()))
+    assert len(sink.chunks) == 5
+    assert 5 * CHUNK <= listener.bytes <= 2 * 5 * CHUNK  # endgame: at most 2 copies a chunk
+    assert {p for p, _ in source.requests} == {"p1", "p2"}  # both sources used
+
+
+def test_a_chunk_nobody_can_serve_stops_the_download_with_a_clear_error() -> None:
+    with pytest.raises(DownloadStalledError) as err:
+        asyncio.run(_download(lost={3}))
+    assert err.value.indices == frozenset({3})
+    assert "no reachable source" in str(err.value)
+
+
+def test_the_driver_keeps_what_it_verified_before_the_stall() -> None:
+    payload = random.Random(0).randbytes(5 * CHUNK)
+    m = _manifest(payload)
+    sink, source = _Sink(), _Source(payload, ["p1"], {4})
+    d = Download(m, source, sink, _Counting(), SwarmConfig(stall_timeout_s=0.2), DriverLimits())
+    with pytest.raises(DownloadStalledError):
+        asyncio.run(asyncio.wait_for(d.run(), 20))
+    assert sink.have_indices(m) == [0, 1, 2, 3]  # the next try only needs chunk 4
+    assert not d.requests and all(t.done() for t in d.followers.values())  # nothing leaks
+
+
+# ---------------------------------------------------------------- a rollout re-plans
+
+
+async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
+    key = SigningKey.generate()
+    policy = SwarmPolicy("stall", (key.public,))
+    tcfg = NodeConfig(
+        role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", chunk_size=CHUNK, p2p=False
+    )
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    url = await trainer.start()
+    rcfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path / "r",
+        trust=(key.public.text(),),
+        peers=(url,),
+        poll_interval_s=0.2,
+        have_poll_s=0.05,
+        stall_timeout_s=0.5,
+        p2p=False,
+    )
+    rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
+    await rollout.start()
+    blocked: set[str] = set()
+    serve = trainer.store.get_chunk
+
+    def get_chunk(sha: str) -> bytes | None:  # the trainer's copy of one patch chunk is gone
+        return None if sha in blocked else serve(sha)
+
+    trainer.store.get_chunk = get_chunk  # type: ignore[method-assign]
+    follower = Follower(rollout)
+    stop = asyncio.Event()
+    task = asyncio.create_task(follower.run(stop))
+    publisher = Publisher(trainer, key, PublishPolicy(anchor_every=1, catchup_spans=()), 10)
+    try:
+        await publisher.publish(versions[0])
+        async with asyncio.timeout(60):
+            while follower.state.version != 0:
+                await follower.advanced.wait()
+        for m in await publisher.publish(versions[1]):
+            if m.kind != SNAPSHOT:
+                blocked.add(m.chunks[0])
+        async with asyncio.timeout(60):
+            while follower.state.version != 1:
+                await follower.advanced.wait()
+        kinds = [u.kind for u in follower.updates]
+    finally:
+        stop.set()
+        await task
+        publisher.close()
+        await rollout.stop()
+        await trainer.stop()
+    return {"kinds": kinds, "weights": follower.weights, "stalled": follower.stalled}
+
+
+def test_a_rollout_whose_patch_stalls_re_plans_through_the_anchor(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = asyncio.run(_replan(tmp_path, tiny_versions[:2]))
+    assert out["kinds"] == [SNAPSHOT, SNAPSHOT]  # the patch stalled, the anchor came instead
+    assert bit_equal(out["weights"], tiny_versions[1])
+    assert state_hash(out["weights"]) == state_hash(tiny_versions[1])
