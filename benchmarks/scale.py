@@ -153,15 +153,14 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
     with Trainer(
         key=root / "api.key",
         data_dir=root / "api-t",
-        anchor_every=1000,
-        patch_format=args.patch_format,
+        publish={"anchor_every": 1000, "patch_format": args.patch_format},
     ) as trainer:
         with Rollout(
             trust=[str(pub)],
             peers=[trainer.url],
             data_dir=root / "api-r",
             model=engine,
-            have_poll_s=0.05,
+            download={"have_poll_s": 0.05},
         ) as rollout:
             for v in range(args.versions):
                 if v:

@@ -43,7 +43,10 @@ from node.trainer import TrainerNode  # noqa: E402
 from p2p_sync.chunks import manifest_for  # noqa: E402
 from p2p_sync.keys import PublicKey, SigningKey  # noqa: E402
 from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402
+from p2p_sync.peers import PeerLimits  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
+from p2p_sync.swarm import SwarmConfig  # noqa: E402
+from p2p_sync.transport.http import HttpLimits  # noqa: E402
 
 SWARM = "bench"
 
@@ -56,9 +59,9 @@ async def worker(args: argparse.Namespace) -> None:
         data_dir=Path(args.data_dir),
         trust=(args.pubkey,),
         peers=(args.trainer,),
-        poll_interval_s=0.5,
-        have_poll_s=0.2,
-        max_upload_mbps=float(args.upload_mbps),
+        directory=PeerLimits(poll_interval_s=0.5),
+        download=SwarmConfig(have_poll_s=0.2),
+        http=HttpLimits(max_upload_mbps=float(args.upload_mbps)),
     )
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
@@ -93,8 +96,8 @@ async def start_trainer(
         role="trainer",
         data_dir=root / "trainer",
         key=root / "k",
-        poll_interval_s=5.0,
-        max_upload_mbps=upload_mbps,
+        directory=PeerLimits(poll_interval_s=5.0),
+        http=HttpLimits(max_upload_mbps=upload_mbps),
     )
     store = Store.open(cfg.data_dir)
     payload = os.urandom(size)

@@ -37,7 +37,7 @@ from node.rollout import Follower, Update
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
 from p2p_sync.manifest import Manifest
-from p2p_sync.store import Store, StoreLimits
+from p2p_sync.store import Store
 
 T = TypeVar("T")
 
@@ -106,8 +106,7 @@ class _Embedded:
 
     async def _open_node(self, node_cls: type[Node]) -> Node:
         policy, key = policy_for(self.cfg)
-        limits = StoreLimits(max_chunk_bytes=int(self.cfg.store_max_gb * 1e9))
-        store = await asyncio.to_thread(Store.open, self.cfg.data_dir, limits)
+        store = await asyncio.to_thread(Store.open, self.cfg.data_dir, self.cfg.store)
         node = node_cls(self.cfg, policy, store)
         node.signer = key
         await node.start()

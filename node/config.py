@@ -1,21 +1,63 @@
-"""Node configuration: one dataclass holding every setting, loaded from TOML, overridden by flags.
+"""Node configuration: one tree of frozen dataclasses, loaded from TOML, overridden by flags.
 
-Errors name the field: ``config: peers: 'ftp://x' is not http://host:port``.
+The top level holds what an operator sets per node (role, addresses, keys, peers, files). Every
+limit lives in a section, and each section is the very dataclass the code it bounds takes, so
+nothing is copied field by field and no limit is a bare number in code:
+
+==============  ===========================================  ================================
+TOML table      dataclass                                    bounds
+==============  ===========================================  ================================
+``[publish]``   :class:`p2p_sync.versions.PublishPolicy`     the trainer's artifacts, chunks,
+                                                             coding, manifest lifetime, seeding
+``[download]``  :class:`p2p_sync.swarm.SwarmConfig`          one download: scheduler + driver
+                                                             (a simulation embeds it too)
+``[http]``      :class:`p2p_sync.transport.http.HttpLimits`  the data plane, both sides
+``[directory]`` :class:`p2p_sync.peers.PeerLimits`           the peer table and polling
+``[store]``     :class:`p2p_sync.store.StoreLimits`          disk budget, checkpoints
+``[manifest]``  :class:`p2p_sync.manifest.ManifestLimits`    manifests peers offer
+``[announce]``  :class:`p2p_sync.announce.AnnounceLimits`    announcements, gossip rate
+``[libp2p]``    :class:`Libp2pLimits`                        the libp2p host
+==============  ===========================================  ================================
+
+Flags and keyword arguments name a section's field with a dot (``"download.stall_timeout_s"``)
+or give a whole section (a dict, or the dataclass). Errors name the field:
+``config: peers: 'ftp://x' is not http://host:port``, ``config: download.max_requests_total:
+must be >= 1``; a setting from before the tree names where it went.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from p2p_sync.errors import ConfigError  # noqa: F401 (re-exported)
-from p2p_sync.transport.http import valid_peer_url
+from p2p_sync.announce import AnnounceLimits
+from p2p_sync.errors import ConfigError
+from p2p_sync.manifest import ManifestLimits
+from p2p_sync.peers import PeerLimits
+from p2p_sync.settings import check_numbers, from_table, typed
+from p2p_sync.store import StoreLimits
+from p2p_sync.swarm import SwarmConfig
+from p2p_sync.transport.http import HttpLimits, valid_peer_url
+from p2p_sync.trusted import TrustLimits
+from p2p_sync.versions import PublishPolicy
+
+__all__ = ["ConfigError", "Libp2pLimits", "NodeConfig", "load"]
 
 ROLES = ("trainer", "rollout", "bootstrap")
 MULTIADDR = re.compile(r"^(/[A-Za-z0-9.\-_:\[\]]+)+$")
+
+
+@dataclass(frozen=True)
+class Libp2pLimits:
+    """Bounds of the libp2p host (the fields of ``transport.p2p.P2PSettings`` of that name)."""
+
+    max_connections: int = 16
+    max_rejects: int = 3  # rejected announcements before the sender is blacklisted
+    refresh_s: float = 30.0  # Kademlia self-lookup period
+    start_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -30,59 +72,77 @@ class NodeConfig:
     threshold: int = 1
     peers: tuple[str, ...] = ()
     watch: Path | None = None
-    watch_interval_s: float = 0.02  # trainer: how often --watch looks for new files
     export: Path | None = None
     on_update: str | None = None
     device: str = "auto"
-    chunk_size: int = 256 * 1024
-    patch_format: int = 2  # trainer: 2 codes positions by the base's exponents (smaller), 1 is
-    # faster to encode and decode on a CPU (see README: what a version costs)
-    anchor_every: int = 10
-    checkpoint_every: int = 10  # full weights written every N versions (else one log line each)
-    catchup_spans: tuple[int, ...] = (4, 16)
-    manifest_lifetime_s: int = 7 * 86400
-    poll_interval_s: float = 1.0
-    poll_fanout: int = 8  # peers asked per poll round (the --peers given, then random others)
-    have_poll_s: float = 0.2
-    max_peers: int = 64
-    max_unproven_peers: int = 32  # of max_peers: slots for peers not yet proven by verified bytes
-    peer_max_failures: int = 5  # failures in a row before a peer is dropped (until named again)
-    store_max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
-    reseed_after_s: float = 2.0
     progress: bool = False
-    max_upload_mbps: float = 0.0  # cap on chunk upload, Mbit/s (0: none)
-    # Swarm knobs (p2p_sync.swarm / seeding / transport.http; `p2psync simulate` takes the same
-    # names): defaults suit small swarms; configs/simulations/*.toml show large-swarm values.
-    max_requests_per_peer: int = 8
-    min_requests_per_peer: int = 2
-    max_requests_total: int = 64
-    min_request_timeout_s: float = 2.0  # adaptive request timeout floor (see p2p_sync.swarm)
-    stall_timeout_s: float = 30.0  # a chunk no reachable peer holds for this long: re-plan
-    max_concurrent_uploads: int = 16
-    upload_queue: int = 64
-    seed_outstanding: int = 8  # trainer: chunks handed to one requester at a time
-    # libp2p control plane (transport/p2p.py): discovery and gossip announcements
     p2p: bool = True  # False (--no-p2p): HTTP only, peers from --peers
     p2p_listen: str | None = None  # multiaddr; default: a free TCP port on the --listen host
     bootstrap: tuple[str, ...] = ()  # multiaddrs with /p2p/<peer-id>
-    p2p_max_connections: int = 16
-    p2p_max_rejects: int = 3  # rejected announcements before the sender is blacklisted
-    p2p_refresh_s: float = 30.0  # Kademlia self-lookup period
-    p2p_start_timeout_s: float = 30.0
-    announce_max_age_s: int = 600  # older announcements are rejected as replays
-    announce_per_s: float = 2.0  # trainer's gossip rate (py-libp2p drops > 10 msg/s per peer)
+    publish: PublishPolicy = field(default_factory=PublishPolicy)
+    download: SwarmConfig = field(default_factory=SwarmConfig)
+    http: HttpLimits = field(default_factory=HttpLimits)
+    directory: PeerLimits = field(default_factory=PeerLimits)
+    store: StoreLimits = field(default_factory=StoreLimits)
+    manifest: ManifestLimits = field(default_factory=ManifestLimits)
+    announce: AnnounceLimits = field(default_factory=AnnounceLimits)
+    libp2p: Libp2pLimits = field(default_factory=Libp2pLimits)
 
     @property
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
         return host or "127.0.0.1", int(port)
 
+    @property
+    def trust_limits(self) -> TrustLimits:
+        return TrustLimits(manifest=self.manifest, announce=self.announce)
 
+
+SECTIONS = {f.name for f in fields(NodeConfig) if f.default_factory is not MISSING}
 _PATHS = {"data_dir", "key", "watch", "export"}
-_TUPLES = {"trust", "peers", "catchup_spans", "bootstrap"}
+_TUPLES = {"trust", "peers", "bootstrap", "publish.catchup_spans"}
+_ZERO_OK = {
+    "download.seed",
+    "http.max_upload_mbps",
+    "manifest.clock_skew_s",
+    "announce.clock_skew_s",
+}
+_MOVED = {  # settings from before the tree -> where they live now
+    "chunk_size": "publish.chunk_size",
+    "patch_format": "publish.patch_format",
+    "anchor_every": "publish.anchor_every",
+    "catchup_spans": "publish.catchup_spans",
+    "manifest_lifetime_s": "publish.lifetime_s",
+    "seed_outstanding": "publish.seed_outstanding",
+    "reseed_after_s": "publish.reseed_after_s",
+    "watch_interval_s": "publish.watch_interval_s",
+    "checkpoint_every": "store.checkpoint_every",
+    "store_max_gb": "store.max_gb",
+    "max_upload_mbps": "http.max_upload_mbps",
+    "max_concurrent_uploads": "http.max_concurrent_uploads",
+    "upload_queue": "http.upload_queue",
+    "max_requests_per_peer": "download.max_requests_per_peer",
+    "min_requests_per_peer": "download.min_requests_per_peer",
+    "max_requests_total": "download.max_requests_total",
+    "min_request_timeout_s": "download.min_request_timeout_s",
+    "stall_timeout_s": "download.stall_timeout_s",
+    "have_poll_s": "download.have_poll_s",
+    "max_peers": "directory.max_peers",
+    "max_unproven_peers": "directory.max_unproven",
+    "peer_max_failures": "directory.max_failures",
+    "poll_fanout": "directory.poll_fanout",
+    "poll_interval_s": "directory.poll_interval_s",
+    "announce_max_age_s": "announce.max_age_s",
+    "announce_per_s": "announce.per_s",
+    "p2p_max_connections": "libp2p.max_connections",
+    "p2p_max_rejects": "libp2p.max_rejects",
+    "p2p_refresh_s": "libp2p.refresh_s",
+    "p2p_start_timeout_s": "libp2p.start_timeout_s",
+}
 
 
 def _coerce(name: str, value: Any) -> Any:
+    """A TOML or flag value in the field's type (paths, comma-separated lists)."""
     if value is None:
         return None
     if name in _PATHS:
@@ -90,87 +150,51 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _TUPLES:
         items = value.split(",") if isinstance(value, str) else list(value)
         items = [i.strip() if isinstance(i, str) else i for i in items]
-        return (
-            tuple(int(i) for i in items)
-            if name == "catchup_spans"
-            else tuple(i for i in items if i)
-        )
+        if name == "publish.catchup_spans":
+            return tuple(int(i) for i in items)
+        return tuple(i for i in items if i)
     return value
 
 
-def _check(cfg: NodeConfig) -> None:
-    def bad(name: str, why: str) -> ConfigError:
-        return ConfigError(f"config: {name}: {why}")
-
-    if cfg.role not in ROLES:
-        raise bad("role", f"{cfg.role!r} is not one of {', '.join(ROLES)}")
-    try:
-        host, port = cfg.host_port
-        if not 0 <= port < 65536:
-            raise ValueError
-    except ValueError:
-        raise bad("listen", f"{cfg.listen!r} is not HOST:PORT") from None
-    for peer in cfg.peers:
-        if not valid_peer_url(peer):
-            raise bad("peers", f"{peer!r} is not http://host:port")
-    if cfg.role == "trainer" and cfg.key is None:
-        raise bad("key", "a trainer needs --key (create one with p2psync keygen)")
-    if cfg.role == "rollout" and not cfg.trust:
-        raise bad("trust", "a rollout needs --trust (the trainer's public key or .pub file)")
-    if cfg.patch_format not in (1, 2):
-        raise bad("patch_format", "must be 1 or 2")
-    if not 16 * 1024 <= cfg.chunk_size <= 64 * 2**20:
-        raise bad("chunk_size", "must be between 16 KiB and 64 MiB")
-    if cfg.anchor_every < 1 or any(s < 2 for s in cfg.catchup_spans):
-        raise bad("anchor_every", "must be >= 1 (and catch-up spans >= 2)")
-    for name in (
-        "max_requests_per_peer",
-        "min_requests_per_peer",
-        "max_requests_total",
-        "max_concurrent_uploads",
-        "upload_queue",
-        "seed_outstanding",
-        "poll_fanout",
-        "checkpoint_every",
-        "max_peers",
-        "max_unproven_peers",
-        "peer_max_failures",
-    ):
-        if getattr(cfg, name) < 1:
-            raise bad(name, "must be >= 1")
-    if not cfg.store_max_gb > 0:
-        raise bad("store_max_gb", "must be positive")
-    if cfg.max_upload_mbps < 0:
-        raise bad("max_upload_mbps", "must be >= 0 (0 means no cap)")
-    for name in (
-        "poll_interval_s",
-        "have_poll_s",
-        "watch_interval_s",
-        "reseed_after_s",
-        "min_request_timeout_s",
-        "stall_timeout_s",
-        "p2p_refresh_s",
-        "p2p_start_timeout_s",
-        "announce_per_s",
-        "announce_max_age_s",
-    ):
-        if not getattr(cfg, name) > 0:
-            raise bad(name, "must be positive")
-    _check_p2p(cfg, bad)
+def _nest(values: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys (``download.stall_timeout_s``) into their section's table."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        section, dot, rest = key.partition(".")
+        if not dot:
+            out[key] = value
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"config: {key}: unknown setting")
+        table = out.setdefault(section, {})
+        if not isinstance(table, dict):
+            table = out[section] = {f.name: getattr(table, f.name) for f in fields(table)}
+        table[rest] = value
+    return out
 
 
-def _check_p2p(cfg: NodeConfig, bad: Any) -> None:
-    for addr in cfg.bootstrap:
-        if not MULTIADDR.match(addr) or "/p2p/" not in addr:
-            raise bad("bootstrap", f"{addr!r} is not a multiaddr ending in /p2p/<peer-id>")
-    if cfg.p2p_listen is not None and not MULTIADDR.match(cfg.p2p_listen):
-        raise bad("p2p_listen", f"{cfg.p2p_listen!r} is not a multiaddr like /ip4/HOST/tcp/PORT")
-    if cfg.role == "bootstrap" and not cfg.p2p:
-        raise bad("p2p", "a bootstrap node is a libp2p node: drop --no-p2p")
-    if cfg.role == "bootstrap" and not cfg.trust:
-        raise bad("trust", "a bootstrap needs --trust (to check announcements before relaying)")
-    if cfg.p2p_max_connections < 1 or cfg.p2p_max_rejects < 1:
-        raise bad("p2p_max_connections", "connection and reject limits must be >= 1")
+def _unknown(key: str) -> ValueError:
+    moved = _MOVED.get(key)
+    if moved is None:
+        return ValueError(f"{key}: unknown setting")
+    section, _, name = moved.partition(".")
+    return ValueError(f"{key}: now {name} in the [{section}] table")
+
+
+def _build(values: dict[str, Any]) -> NodeConfig:
+    default = NodeConfig()
+    changes: dict[str, Any] = {}
+    for key, value in _nest(values).items():
+        try:
+            if key in SECTIONS:
+                changes[key] = from_table(key, getattr(default, key), value, _coerce)
+            elif key in {f.name for f in fields(NodeConfig)}:
+                changes[key] = typed(key, _coerce(key, value), getattr(default, key))
+            else:
+                raise _unknown(key)
+        except ValueError as exc:
+            raise ConfigError(f"config: {exc}") from None
+    return replace(default, **changes)
 
 
 def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
@@ -183,20 +207,68 @@ def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
             raise ConfigError(f"config: cannot read {path} ({exc.strerror})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    known = {f.name for f in fields(NodeConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"config: {unknown[0]}: unknown setting")
-    cfg = NodeConfig()
-    try:
-        cfg = replace(cfg, **{k: _coerce(k, v) for k, v in values.items()})
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"config: bad value ({exc})") from None
-    for f in fields(NodeConfig):
-        value, default = getattr(cfg, f.name), getattr(NodeConfig(), f.name)
-        if default is not None and not isinstance(value, type(default)):
-            if not (isinstance(default, float) and isinstance(value, int)):
-                raise ConfigError(f"config: {f.name}: expected {type(default).__name__}")
-    _check(cfg)
+    values = _nest(values)
+    for key, value in _nest({k: v for k, v in overrides.items() if v is not None}).items():
+        if key in SECTIONS and isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    cfg = _build(values)
+    check(cfg)
     return cfg
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _bad(name: str, why: str) -> ConfigError:
+    return ConfigError(f"config: {name}: {why}")
+
+
+def _check_numbers(cfg: NodeConfig) -> None:
+    """Every numeric limit in a section is positive (counts >= 1), unless 0 means "none"."""
+    for section in sorted(SECTIONS):
+        zero_ok = frozenset(n.partition(".")[2] for n in _ZERO_OK if n.startswith(section + "."))
+        try:
+            check_numbers(section, getattr(cfg, section), zero_ok)
+        except ValueError as exc:
+            raise ConfigError(f"config: {exc}") from None
+
+
+def _check_roles(cfg: NodeConfig) -> None:
+    if cfg.role not in ROLES:
+        raise _bad("role", f"{cfg.role!r} is not one of {', '.join(ROLES)}")
+    if cfg.role == "trainer" and cfg.key is None:
+        raise _bad("key", "a trainer needs --key (create one with p2psync keygen)")
+    if cfg.role == "rollout" and not cfg.trust:
+        raise _bad("trust", "a rollout needs --trust (the trainer's public key or .pub file)")
+    if cfg.role == "bootstrap" and not cfg.p2p:
+        raise _bad("p2p", "a bootstrap node is a libp2p node: drop --no-p2p")
+    if cfg.role == "bootstrap" and not cfg.trust:
+        raise _bad("trust", "a bootstrap needs --trust (to check announcements before relaying)")
+
+
+def _check_addresses(cfg: NodeConfig) -> None:
+    try:
+        _, port = cfg.host_port
+        if not 0 <= port < 65536:
+            raise ValueError
+    except ValueError:
+        raise _bad("listen", f"{cfg.listen!r} is not HOST:PORT") from None
+    for peer in cfg.peers:
+        if not valid_peer_url(peer):
+            raise _bad("peers", f"{peer!r} is not http://host:port")
+    for addr in cfg.bootstrap:
+        if not MULTIADDR.match(addr) or "/p2p/" not in addr:
+            raise _bad("bootstrap", f"{addr!r} is not a multiaddr ending in /p2p/<peer-id>")
+    if cfg.p2p_listen is not None and not MULTIADDR.match(cfg.p2p_listen):
+        raise _bad("p2p_listen", f"{cfg.p2p_listen!r} is not a multiaddr like /ip4/HOST/tcp/PORT")
+
+
+def check(cfg: NodeConfig) -> None:
+    """Raise ConfigError naming the first setting that cannot work."""
+    _check_roles(cfg)
+    _check_addresses(cfg)
+    _check_numbers(cfg)
+    if cfg.directory.max_unproven > cfg.directory.max_peers:
+        raise _bad("directory.max_unproven", "must be <= directory.max_peers")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from node.runtime import Node
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import SwarmConfig
-from p2p_sync.transport.download import DriverLimits, HttpChunkSource, download
+from p2p_sync.transport.download import HttpChunkSource, download
 
 
 class _Listener:
@@ -36,15 +37,7 @@ class _Listener:
 def swarm_config(node: Node) -> SwarmConfig:
     """The node's scheduler settings with a fresh tie-break seed: peers start on different
     chunks, so they have something to trade from the first second."""
-    cfg = node.cfg
-    return SwarmConfig(
-        max_requests_per_peer=cfg.max_requests_per_peer,
-        min_requests_per_peer=cfg.min_requests_per_peer,
-        max_requests_total=cfg.max_requests_total,
-        min_request_timeout_s=cfg.min_request_timeout_s,
-        stall_timeout_s=cfg.stall_timeout_s,
-        seed=random.getrandbits(31),
-    )
+    return replace(node.cfg.download, seed=random.getrandbits(31))
 
 
 async def fetch_payload(
@@ -57,5 +50,4 @@ async def fetch_payload(
     assert node.client is not None
     source = HttpChunkSource(node.client, node.usable_peers)
     config = config or swarm_config(node)
-    limits = DriverLimits(have_poll_s=node.cfg.have_poll_s)
-    await download(manifest, source, node.store, _Listener(node, on_chunk), config, limits)
+    await download(manifest, source, node.store, _Listener(node, on_chunk), config)

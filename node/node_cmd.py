@@ -20,7 +20,7 @@ from node.trainer import Publisher, TrainerNode, watch
 from p2p_sync.errors import P2PSyncError
 from p2p_sync.keys import load_public_key, load_signing_key
 from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.store import Store, StoreLimits
+from p2p_sync.store import Store
 
 
 def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
@@ -36,8 +36,7 @@ def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
 
 async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
     policy, key = policy_for(cfg)
-    limits = StoreLimits(max_chunk_bytes=int(cfg.store_max_gb * 1e9))
-    store = await asyncio.to_thread(Store.open, cfg.data_dir, limits)
+    store = await asyncio.to_thread(Store.open, cfg.data_dir, cfg.store)
     node_cls = TrainerNode if cfg.role == "trainer" else Node
     node = node_cls(cfg, policy, store)
     node.signer = key  # the trainer signs its gossip announcements with its manifest key
@@ -56,7 +55,7 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
             refresher = asyncio.create_task(publisher.refresh_loop(stop))
             if cfg.watch is not None:
                 cfg.watch.mkdir(parents=True, exist_ok=True)
-                await watch(publisher, cfg.watch, stop, cfg.watch_interval_s)
+                await watch(publisher, cfg.watch, stop, cfg.publish.watch_interval_s)
             else:
                 await stop.wait()
             await refresher
@@ -83,10 +82,10 @@ def cmd_node(args: argparse.Namespace) -> int:
         "on_update": args.on_update,
         "swarm": args.swarm,
         "device": args.device,
-        "chunk_size": args.chunk_size,
-        "max_upload_mbps": args.max_upload_mbps,
-        "patch_format": args.patch_format,
-        "checkpoint_every": args.checkpoint_every,
+        "publish.chunk_size": args.chunk_size,
+        "http.max_upload_mbps": args.max_upload_mbps,
+        "publish.patch_format": args.patch_format,
+        "store.checkpoint_every": args.checkpoint_every,
         "p2p": False if args.no_p2p else None,
         "p2p_listen": args.p2p_listen,
         "bootstrap": args.bootstrap,

@@ -84,7 +84,7 @@ class Follower:
     ):
         self.node, self.device = node, device
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
-        self.checkpoint_every = checkpoint_every or node.cfg.checkpoint_every
+        self.checkpoint_every = checkpoint_every or node.cfg.store.checkpoint_every
         self.hold = hold
         self.weights: dict[str, torch.Tensor] | None = None
         self.digest: StateDigest | None = None  # the weights' sums, kept current in O(patch)
@@ -226,7 +226,7 @@ class Follower:
         await self._persist(m)
         up.apply_s, up.export_s, up.persist_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         up.at = time.time()
-        self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
+        self.node.evict()  # a few unlinks: inline
         self._note(up)
         self.node.set_version(m.version)
         if self.callback is not None:

@@ -21,6 +21,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import asdict
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -38,7 +39,6 @@ from p2p_sync.peers import (
     PeerEntry,
     PeerEvent,
     PeerFailed,
-    PeerLimits,
     PeerMisbehaved,
     PeerNamed,
     PeerServedVerified,
@@ -49,11 +49,10 @@ from p2p_sync.store import Store
 from p2p_sync.transport.http import (
     DataClient,
     DataServer,
-    HttpLimits,
     PeerError,
     gather_quietly,
 )
-from p2p_sync.trusted import TrustedSet, TrustLimits
+from p2p_sync.trusted import TrustedSet
 
 log = logging.getLogger("p2psync.node")
 _SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
@@ -91,35 +90,15 @@ class Metrics:
         self.version.set(-1)
 
 
-def _peer_directory(cfg: NodeConfig) -> PeerDirectory:
-    limits = PeerLimits(
-        max_peers=cfg.max_peers,
-        max_unproven=cfg.max_unproven_peers,
-        max_failures=cfg.peer_max_failures,
-        poll_fanout=cfg.poll_fanout,
-    )
-    return PeerDirectory(limits, given=frozenset(cfg.peers))
-
-
-def _trust_limits(cfg: NodeConfig) -> TrustLimits:
-    return TrustLimits(announce=announce.AnnounceLimits(max_age_s=cfg.announce_max_age_s))
-
-
 class Node:
     """Shared machinery of trainer and rollout nodes (implements the data plane's NodeView)."""
 
     def __init__(self, cfg: NodeConfig, policy: SwarmPolicy, store: Store) -> None:
         self.cfg, self.policy, self.store = cfg, policy, store
         self.metrics = Metrics()
-        self.directory = _peer_directory(cfg)
+        self.directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))
         self.url: str | None = None
-        cap = cfg.max_upload_mbps * 1e6 / 8 if cfg.max_upload_mbps else None
-        limits = HttpLimits(
-            max_concurrent_uploads=cfg.max_concurrent_uploads,
-            upload_queue=cfg.upload_queue,
-            max_upload_bytes_per_s=cap,
-        )
-        self.server = DataServer(self, limits)
+        self.server = DataServer(self, cfg.http)
         self.client: DataClient | None = None
         self.new_info = asyncio.Event()
         self._learning: set[str] = set()
@@ -136,9 +115,10 @@ class Node:
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self._started_at = store.state.version if store.state else None  # version at start
         self.trusted = TrustedSet(
-            policy, lambda: self.accepted_version, _trust_limits(cfg), self._accepted_layout
+            policy, lambda: self.accepted_version, cfg.trust_limits, self._accepted_layout
         )
-        self._gossip_rate = TokenBucket(cfg.announce_per_s, max(1.0, cfg.announce_per_s))
+        rate = cfg.announce.per_s
+        self._gossip_rate = TokenBucket(rate, max(1.0, rate))
         self.metrics.version.set(store.state.version if store.state else -1)
         for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
             log.warning("dropped stored manifest %s: %s", digest[:16], why)
@@ -149,7 +129,7 @@ class Node:
         host, port = self.cfg.host_port
         bound = await self.server.start(host, port)
         self.url = f"http://{self.cfg.advertise_host or host}:{bound}"
-        self.client = DataClient(self.url)
+        self.client = DataClient(self.url, self.cfg.http)
         self.directory.me = self.url
         for peer in self.cfg.peers:
             self.add_peer(peer)
@@ -178,10 +158,7 @@ class Node:
                 topic=announce.topic(self.policy.swarm_id),
                 http_url=self.url,
                 bootstrap=self.cfg.bootstrap,
-                max_connections=self.cfg.p2p_max_connections,
-                max_rejects=self.cfg.p2p_max_rejects,
-                refresh_s=self.cfg.p2p_refresh_s,
-                start_timeout_s=self.cfg.p2p_start_timeout_s,
+                **asdict(self.cfg.libp2p),
             )
             node = p2p.P2PHost(
                 settings,
@@ -390,7 +367,7 @@ class Node:
 
     def _on_p2p_peer(self, url: str) -> None:
         """A data-plane URL from a signed peer record: add it, and ask it for its head now."""
-        if len(self._p2p_urls) < 4 * self.cfg.max_peers:
+        if len(self._p2p_urls) < 4 * self.cfg.directory.max_peers:
             self._p2p_urls.add(url)
         known = url in self.peers
         self.add_peer(url)
@@ -408,7 +385,7 @@ class Node:
         """Pull fallback: every poll interval, ask some peers for their manifests and peers."""
         while True:
             await self.poll_once()
-            await asyncio.sleep(self.cfg.poll_interval_s)
+            await asyncio.sleep(self.cfg.directory.poll_interval_s)
 
     async def poll_once(self) -> None:
         assert self.client is not None
@@ -420,7 +397,7 @@ class Node:
                 self._peer_event(PeerFailed(peer))
                 continue
             self._peer_event(PeerAnswered(peer))  # answered: reset its failure count
-            for url in (plist or {}).get("peers", [])[: self.cfg.max_peers]:
+            for url in (plist or {}).get("peers", [])[: self.cfg.directory.max_peers]:
                 if isinstance(url, str):
                     self.add_peer(url)
             fresh = self.trusted.wanted(index, self.store.has_manifest)

@@ -62,7 +62,9 @@ class TrainerNode(Node):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.seeder = SuperSeeder(self.cfg.seed_outstanding, self.cfg.reseed_after_s)
+        self.seeder = SuperSeeder(
+            self.cfg.publish.seed_outstanding, self.cfg.publish.reseed_after_s
+        )
 
     def chunk(self, sha256: str) -> bytes | None:
         data = super().chunk(sha256)
@@ -113,8 +115,8 @@ class Publisher:
         """``policy`` and ``checkpoint_every`` default to the node's config."""
         cfg = node.cfg
         self.node, self.key = node, key
-        self.policy = policy or PublishPolicy(cfg.anchor_every, cfg.catchup_spans)
-        self.checkpoint_every = checkpoint_every or cfg.checkpoint_every
+        self.policy = policy or cfg.publish
+        self.checkpoint_every = checkpoint_every or cfg.store.checkpoint_every
         self.prev: dict[str, torch.Tensor] | None = None
         self.prev_hash: bytes | None = None
         # ``prev``'s per-tensor sums, so each version's state hash costs O(patch); a build
@@ -154,8 +156,8 @@ class Publisher:
             target_state=target,
             layout=layout,
             now=int(time.time()),
-            lifetime_s=self.node.cfg.manifest_lifetime_s,
-            chunk_size=self.node.cfg.chunk_size,
+            lifetime_s=self.policy.lifetime_s,
+            chunk_size=self.policy.chunk_size,
             **extra,
         )
 
@@ -166,7 +168,7 @@ class Publisher:
         with os.fdopen(fd, "wb") as f:
             write_to(f, new)
         t0 = time.perf_counter()
-        chunks = file_chunk_hashes(name, self.node.cfg.chunk_size)
+        chunks = file_chunk_hashes(name, self.policy.chunk_size)
         m = self._manifest(version, SNAPSHOT, target, layout, None, chunks=chunks)
         self.timings.hash_sign_s += time.perf_counter() - t0
         return m, sign(m, [self.key]), Path(name)
@@ -185,7 +187,7 @@ class Publisher:
         step = diff(self.prev, new, digest=self.digest, workers=WORKERS)
         self._target_digest = step.target_digest
         t1 = time.perf_counter()
-        base = self.prev if self.node.cfg.patch_format == 2 else None
+        base = self.prev if self.policy.patch_format == 2 else None
         payload = codec.encode(step, workers=WORKERS, base=base, base_hash=self.prev_hash)
         if self.history.maxlen:  # kept in format 1: merging it needs no base
             self.history.append(payload if base is None else codec.encode(step, workers=WORKERS))
@@ -228,7 +230,7 @@ class Publisher:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
         to the file's version tensor by tensor (the digest by the words that changed)."""
         assert self.prev is not None
-        prev, fmt2 = self.prev, self.node.cfg.patch_format == 2
+        prev, fmt2 = self.prev, self.policy.patch_format == 2
         local = threading.local()
         biggest = max((e[4] - e[3] for e in entries), default=0)
 
@@ -407,9 +409,7 @@ class Publisher:
         for m in newest.values():
             if now < m.expires - (m.expires - m.created) // 2:
                 continue
-            renewed = dataclasses.replace(
-                m, created=now, expires=now + self.node.cfg.manifest_lifetime_s
-            )
+            renewed = dataclasses.replace(m, created=now, expires=now + self.policy.lifetime_s)
             self.node.store.put_manifest(renewed, sign(renewed, [self.key]))
             fresh.append(renewed)
         return fresh

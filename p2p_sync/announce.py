@@ -82,6 +82,7 @@ class AnnounceLimits:
     max_sources: int = 4
     max_age_s: int = 600
     clock_skew_s: int = 300
+    per_s: float = 2.0  # a trainer's gossip rate (py-libp2p drops > 10 msg/s per peer)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class PeerLimits:
     max_unproven: int = 32  # slots open to peers that have not served verified bytes yet
     max_failures: int = 5  # consecutive failures before a peer is dropped
     poll_fanout: int = 8  # peers asked per poll round: the given ones, then random others
+    poll_interval_s: float = 1.0  # the node's pull fallback: one poll round this often
 
 
 class Source(enum.Enum):

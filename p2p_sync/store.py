@@ -87,8 +87,13 @@ STATE_HASH_FORMAT = 2
 class StoreLimits:
     """Bounds of the local cache."""
 
-    max_chunk_bytes: int = 4 * 2**30
+    max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
+    checkpoint_every: int = 10  # full weights every N versions (else one log line each)
     memory_cache_bytes: int = 32 * 2**20  # recently stored or served chunks, kept verified
+
+    @property
+    def max_chunk_bytes(self) -> int:
+        return int(self.max_gb * 1e9)
 
 
 @dataclass(frozen=True)

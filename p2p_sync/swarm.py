@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SwarmConfig:
-    """Every limit of the scheduler."""
+    """Every limit of one download (``[download]`` in a node's config; a simulation scenario
+    embeds the same table): the scheduler's, and its driver's (the last three)."""
 
     max_requests_per_peer: int = 8  # with few sources; many sources share the total
     min_requests_per_peer: int = 2
@@ -70,7 +71,10 @@ class SwarmConfig:
     score_alpha: float = 0.3
     busy_backoff_s: float = 0.05
     stall_timeout_s: float = 30.0  # a chunk nobody reachable holds for this long: re-plan
-    seed: int = 0
+    seed: int = 0  # tie-break salt (a node draws a fresh one per download)
+    have_poll_s: float = 0.2  # driver: how often the set of peers to follow is refreshed
+    have_failures: int = 3  # driver: have-map errors in a row before a peer counts as lost
+    max_attempts: int = 3  # driver: downloads of one payload when stored chunks rot on disk
 
 
 # ---------------------------------------------------------------- events

@@ -32,14 +32,27 @@ PATCH, SNAPSHOT = "patch", "snapshot"
 
 @dataclass(frozen=True)
 class PublishPolicy:
-    """What the trainer publishes besides the 1-step patch (configurable)."""
+    """Everything the trainer decides when it publishes a version (``[publish]`` in a node's
+    config): which artifacts besides the 1-step patch, how they are chunked and coded, how long
+    their manifests live, and how its uploads are super-seeded."""
 
     anchor_every: int = 10
     catchup_spans: tuple[int, ...] = (4, 16)
+    chunk_size: int = 256 * 1024
+    patch_format: int = 2  # 2 codes positions by the base's exponents (smaller); 1 is faster
+    # to encode and decode on a CPU (see README: what a version costs)
+    lifetime_s: int = 7 * 86400  # manifests expire (and are re-signed) after this
+    seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
+    reseed_after_s: float = 2.0  # a chunk handed out but not fetched is offered again after
+    watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1 or any(s < 2 for s in self.catchup_spans):
             raise ValueError("anchor_every must be >= 1 and catch-up spans >= 2")
+        if self.patch_format not in (1, 2):
+            raise ValueError("patch_format must be 1 or 2")
+        if not 16 * 1024 <= self.chunk_size <= 64 * 2**20:
+            raise ValueError("chunk_size must be between 16 KiB and 64 MiB")
 
 
 def to_publish(version: int, policy: PublishPolicy) -> list[tuple[str, int | None]]:

@@ -146,7 +146,8 @@ class Swarm:
         self, anchor_every: int = 100, at: Placement = LOOPBACK, extra: tuple[str, ...] = ()
     ) -> Proc:
         cfg = self.root / "trainer.toml"
-        cfg.write_text(f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n")
+        publish = f"anchor_every = {anchor_every}\nchunk_size = {self.chunk_size}\n"
+        cfg.write_text(f"[publish]\n{publish}")
         self.trainer = self._spawn(
             "trainer",
             [

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from p2p_sync.errors import ScenarioError  # noqa: F401 (re-exported)
+from p2p_sync.settings import check_numbers, from_table
 from p2p_sync.swarm import SwarmConfig
-
-_SWARM = SwarmConfig()
 
 
 @dataclass(frozen=True)
@@ -57,13 +56,7 @@ class Scenario:
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
     seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0
-    max_requests_per_peer: int = _SWARM.max_requests_per_peer
-    min_requests_per_peer: int = _SWARM.min_requests_per_peer
-    max_requests_total: int = _SWARM.max_requests_total
-    request_timeout_s: float = _SWARM.request_timeout_s
-    min_request_timeout_s: float = _SWARM.min_request_timeout_s
-    timeout_factor: float = _SWARM.timeout_factor
-    endgame_sources: int = _SWARM.endgame_sources
+    download: SwarmConfig = field(default_factory=SwarmConfig)  # the node's [download] table
     time_limit_factor: float = 50.0  # give up on a version after this many lower bounds
     links: tuple[LinkClass, ...] = field(default=())
 
@@ -76,16 +69,8 @@ class Scenario:
         return int(self.payload_mb * 1e6)
 
     def swarm_config(self, seed: int) -> SwarmConfig:
-        return SwarmConfig(
-            max_requests_per_peer=self.max_requests_per_peer,
-            min_requests_per_peer=self.min_requests_per_peer,
-            max_requests_total=self.max_requests_total,
-            request_timeout_s=self.request_timeout_s,
-            min_request_timeout_s=self.min_request_timeout_s,
-            timeout_factor=self.timeout_factor,
-            endgame_sources=self.endgame_sources,
-            seed=seed,
-        )
+        """The scenario's download settings with one peer's tie-break seed."""
+        return replace(self.download, seed=seed)
 
 
 def _bad(name: str, why: str) -> ScenarioError:
@@ -97,9 +82,6 @@ _POSITIVE = (
     "uplink_mbps",
     "downlink_mbps",
     "trainer_uplink_mbps",
-    "request_timeout_s",
-    "min_request_timeout_s",
-    "timeout_factor",
     "time_limit_factor",
     "reseed_after_s",
 )
@@ -113,10 +95,6 @@ _AT_LEAST_ONE = (
     "trainer_max_concurrent_uploads",
     "upload_queue",
     "seed_outstanding",
-    "max_requests_per_peer",
-    "min_requests_per_peer",
-    "max_requests_total",
-    "endgame_sources",
 )
 _FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
 
@@ -137,6 +115,10 @@ def check(s: Scenario) -> Scenario:
         raise _bad("corrupt_fraction", "adversaries must leave at least one honest peer")
     if sum(c.fraction for c in s.links) > 1:
         raise _bad("links", "fractions add up to more than 1")
+    try:
+        check_numbers("download", s.download, frozenset({"seed"}))
+    except ValueError as exc:
+        raise ScenarioError(f"scenario: {exc}") from None
     return s
 
 
@@ -165,6 +147,12 @@ def from_dict(values: dict[str, Any], name: str = "scenario") -> Scenario:
     for key, value in values.items():
         if key == "links":
             kwargs[key] = _links(value)
+            continue
+        if key == "download":
+            try:
+                kwargs[key] = from_table(key, SwarmConfig(), value)
+            except ValueError as exc:
+                raise ScenarioError(f"scenario: {exc}") from None
             continue
         default = getattr(Scenario(), key)
         if isinstance(default, bool) or not isinstance(value, (type(default), int)):

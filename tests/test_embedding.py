@@ -19,7 +19,9 @@ from p2p_sync import Rollout, Trainer
 from p2p_sync.errors import LayoutMismatchError
 from p2p_sync.keys import SigningKey, write_keypair
 from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
+from p2p_sync.swarm import SwarmConfig
 from tests import store_writer
 from tests.helpers import bit_equal
 
@@ -73,15 +75,18 @@ def test_engine_model_follows_the_trainer_in_place(tmp_path: Path, device: str) 
     engine = tiny_llama(seed=2).to(device)  # other weights at first: v0 overwrites them
     engine_params = {n: p.data_ptr() for n, p in engine.named_parameters()}
     with Trainer(
-        key=tmp_path / "trainer.key", data_dir=tmp_path / "t", chunk_size=16384, poll_interval_s=0.2
+        key=tmp_path / "trainer.key",
+        data_dir=tmp_path / "t",
+        publish={"chunk_size": 16384},
+        directory={"poll_interval_s": 0.2},
     ) as trainer:
         with Rollout(
             trust=[str(pub)],
             peers=[trainer.url],
             data_dir=tmp_path / "r",
             model=engine,
-            have_poll_s=0.05,
-            poll_interval_s=0.2,
+            download={"have_poll_s": 0.05},
+            directory={"poll_interval_s": 0.2},
         ) as rollout:
             for v in range(4):
                 if v:
@@ -117,7 +122,7 @@ def test_an_engine_model_of_another_layout_is_refused_untouched(tmp_path: Path) 
             peers=[trainer.url],
             data_dir=tmp_path / "r",
             model=engine,
-            have_poll_s=0.05,
+            download={"have_poll_s": 0.05},
         ) as rollout:
             assert rollout.wait_for_update(timeout=60)
             with pytest.raises(LayoutMismatchError, match="'b.weight'"):
@@ -182,8 +187,8 @@ async def _recover(tmp_path: Path, damage) -> tuple[Follower, Store]:
         data_dir=tmp_path / "r",
         trust=(key.public.text(),),
         peers=(url,),
-        poll_interval_s=0.2,
-        have_poll_s=0.05,
+        directory=PeerLimits(poll_interval_s=0.2),
+        download=SwarmConfig(have_poll_s=0.05),
     )
     store = Store.open(rcfg.data_dir)
     try:

@@ -20,13 +20,16 @@ from node.runtime import Node
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 
 HEX = "ab" * 32
 
 
 def make_node(tmp_path: Path) -> Node:
-    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), poll_interval_s=60)
+    cfg = NodeConfig(
+        role="rollout", data_dir=tmp_path, trust=("x",), directory=PeerLimits(poll_interval_s=60)
+    )
     policy = SwarmPolicy("t", (SigningKey.generate().public,))
     return Node(cfg, policy, Store.open(tmp_path))
 
@@ -152,8 +155,21 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         ("role = 'trainer'\n", {}, "key:"),
         ("role = 'boss'\n", {}, "role:"),
         ("role = 'rollout'\ntrust = ['k']\nlisten = 'nope'\n", {}, "listen:"),
-        ("role = 'rollout'\ntrust = ['k']\nchunk_size = 10\n", {}, "chunk_size:"),
-        ("role = 'rollout'\ntrust = ['k']\npoll_interval_s = 'x'\n", {}, "poll_interval_s:"),
+        ("role = 'rollout'\ntrust = ['k']\n[publish]\nchunk_size = 10\n", {}, "publish: chunk"),
+        (
+            "role = 'rollout'\ntrust = ['k']\n[directory]\npoll_interval_s = 'x'\n",
+            {},
+            "directory.p",
+        ),
+        (
+            "role = 'rollout'\ntrust = ['k']\n[download]\nmax_requests_total = 0\n",
+            {},
+            "total: must",
+        ),
+        ("role = 'rollout'\ntrust = ['k']\n[download]\nwarp = 9\n", {}, "download.warp: unknown"),
+        ("role = 'rollout'\ntrust = ['k']\ndownload = 3\n", {}, "download: expected a table"),
+        ("role = 'rollout'\ntrust = ['k']\nstore_max_gb = 2\n", {}, r"max_gb in the \[store\]"),
+        ("role = 'rollout'\ntrust = ['k']\n", {"store.max_gb": -1.0}, "store.max_gb: must be pos"),
         ("role = [\n", {}, "not valid TOML"),
         ("role = 'trainer'\nkey = 'k'\n", {"role": "rollout"}, "trust:"),  # flags override
     ],
@@ -166,9 +182,19 @@ def test_bad_config_names_the_field(tmp_path: Path, toml: str, flags: dict, mess
 
 
 def test_example_configs_load() -> None:
-    for name in ("trainer", "rollout"):
+    for name in ("trainer", "rollout", "bootstrap"):
         cfg = load(ROOT / "configs" / f"{name}.toml", {})
         assert cfg.role == name
+    assert load(ROOT / "configs" / "bootstrap.toml", {}).libp2p.max_connections == 64
+
+
+def test_sections_come_from_the_file_and_flags_override_one_field(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("role = 'rollout'\ntrust = ['k']\n[download]\nmax_requests_total = 9\n")
+    cfg = load(path, {"download.stall_timeout_s": 4, "publish.catchup_spans": "2,8"})
+    assert cfg.download.max_requests_total == 9 and cfg.download.stall_timeout_s == 4.0
+    assert cfg.publish.catchup_spans == (2, 8)
+    assert cfg.download.min_requests_per_peer == NodeConfig().download.min_requests_per_peer
 
 
 def test_cli_bad_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
@@ -216,7 +242,7 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
     from node.fetch import fetch_payload
     from node.trainer import TrainerNode
     from p2p_sync.store import StoreError
-    from p2p_sync.transport.download import DriverLimits
+    from p2p_sync.swarm import SwarmConfig
 
     key = SigningKey.generate()
     policy = SwarmPolicy("rot", (key.public,))
@@ -250,7 +276,7 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
     finally:
         await rollout.stop()
         await trainer.stop()
-    assert len(calls) == DriverLimits().max_attempts
+    assert len(calls) == SwarmConfig().max_attempts
     return str(err.value), trainer.bytes_uploaded
 
 
@@ -264,7 +290,13 @@ def test_a_disk_that_keeps_losing_chunks_stops_the_download_with_a_clear_error(
 
 def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> None:
     given = "http://127.0.0.1:7000"
-    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), peers=(given,), poll_fanout=4)
+    cfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path,
+        trust=("x",),
+        peers=(given,),
+        directory=PeerLimits(poll_fanout=4),
+    )
     node = Node(cfg, SwarmPolicy("t", (SigningKey.generate().public,)), Store.open(tmp_path))
     others = [f"http://127.0.0.1:{7001 + i}" for i in range(20)]
     for url in [given, *others]:

@@ -112,7 +112,7 @@ def test_swarm_from_one_bootstrap_address(swarm: Swarm, versions, tmp_path: Path
     addr = boot.multiaddr()
     assert addr is not None and printed == addr and "/p2p/12D3KooW" in addr
     gossip_only = tmp_path / "gossip-only.toml"  # no pull polling: news can only come by gossip
-    gossip_only.write_text("poll_interval_s = 120.0\n")
+    gossip_only.write_text("[directory]\npoll_interval_s = 120.0\n")
     join = ("--bootstrap", addr, "--config", str(gossip_only))
     trainer = swarm.start_trainer(extra=("--bootstrap", addr))
     rollouts = [swarm.start_rollout(f"r{i}", [], extra=join) for i in range(8)]

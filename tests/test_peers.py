@@ -162,9 +162,7 @@ def _node(tmp_path: Path, name: str, policy: SwarmPolicy, **kw) -> Node:
         data_dir=tmp_path / name,
         trust=("x",),
         p2p=False,
-        poll_interval_s=0.05,
-        max_peers=16,
-        max_unproven_peers=6,
+        directory=PeerLimits(max_peers=16, max_unproven=6, poll_interval_s=0.05),
         **kw,
     )
     return Node(cfg, policy, Store.open(cfg.data_dir))

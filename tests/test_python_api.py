@@ -16,18 +16,22 @@ from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.peers import PeerLimits
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store, StoreLimits
+from p2p_sync.swarm import SwarmConfig
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal
+
+CHUNK = 16 * 1024  # small chunks: tiny payloads still span several
 
 
 async def _sync(
     tmp_path: Path,
     versions: list[dict[str, torch.Tensor]],
     limits: StoreLimits = StoreLimits(),
-    publish: PublishPolicy = PublishPolicy(anchor_every=100, catchup_spans=(2,)),
+    publish: PublishPolicy = PublishPolicy(anchor_every=100, catchup_spans=(2,), chunk_size=CHUNK),
     checkpoint_every: int = 10,
 ) -> dict:
     key = SigningKey.generate()
@@ -36,8 +40,7 @@ async def _sync(
         role="trainer",
         data_dir=tmp_path / "t",
         key=tmp_path / "k",
-        chunk_size=16 * 1024,
-        poll_interval_s=0.2,
+        directory=PeerLimits(poll_interval_s=0.2),
     )
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir, limits))
     url = await trainer.start()
@@ -46,8 +49,8 @@ async def _sync(
         data_dir=tmp_path / "r",
         trust=(key.public.text(),),
         peers=(url,),
-        poll_interval_s=0.2,
-        have_poll_s=0.05,
+        directory=PeerLimits(poll_interval_s=0.2),
+        download=SwarmConfig(have_poll_s=0.05),
     )
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir, limits))
     await rollout.start()
@@ -122,8 +125,8 @@ def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
         _sync(
             tmp_path,
             versions,
-            StoreLimits(max_chunk_bytes=1),
-            PublishPolicy(anchor_every=3, catchup_spans=(2,)),
+            StoreLimits(max_gb=1e-9),
+            PublishPolicy(anchor_every=3, catchup_spans=(2,), chunk_size=CHUNK),
             checkpoint_every=1,
         )
     )
@@ -142,8 +145,8 @@ def test_eviction_keeps_every_artifact_replay_needs(tmp_path: Path, tiny_version
         _sync(
             tmp_path,
             versions,
-            StoreLimits(max_chunk_bytes=1),
-            PublishPolicy(anchor_every=100, catchup_spans=()),
+            StoreLimits(max_gb=1e-9),
+            PublishPolicy(anchor_every=100, catchup_spans=(), chunk_size=CHUNK),
             checkpoint_every=100,
         )
     )
@@ -159,7 +162,7 @@ def test_a_restart_replays_the_log_and_writes_weights_only_at_checkpoints(
         _sync(
             tmp_path,
             versions,
-            publish=PublishPolicy(anchor_every=100, catchup_spans=()),
+            publish=PublishPolicy(anchor_every=100, catchup_spans=(), chunk_size=CHUNK),
             checkpoint_every=2,
         )
     )

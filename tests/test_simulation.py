@@ -7,16 +7,19 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
 
+from p2p_sync.swarm import SwarmConfig
 from simulations.clock import Clock
 from simulations.network import Network
 from simulations.run import simulate
 from simulations.scenario import ScenarioError, from_dict, load
 
 ROOT = Path(__file__).resolve().parents[1]
+DOWNLOAD = {f.name for f in fields(SwarmConfig)}
 MB = 1e6
 SMALL = dict(
     chunk_kb=64,
@@ -72,7 +75,10 @@ def test_cancel_frees_the_link_and_keeps_moved_bytes_counted() -> None:
 
 
 def scenario(**kw):
-    return from_dict({**SMALL, **kw}, "test")
+    """A scenario from flat keywords: the download settings go to its [download] table."""
+    values = {**SMALL, **kw}
+    download = {k: values.pop(k) for k in list(values) if k in DOWNLOAD}
+    return from_dict({**values, "download": download}, "test")
 
 
 def test_one_rollout_gets_the_payload_at_link_speed() -> None:
@@ -206,24 +212,26 @@ def test_ci_scenario() -> None:
 
 
 def test_scenario_defaults_are_the_nodes_defaults() -> None:
-    """A scenario that sets no knob simulates nodes run with no config: same names, same values."""
+    """A scenario that sets no knob simulates nodes run with no config. The download settings
+    are the node's own table; the other knobs model node limits under the node's values."""
     from node.config import NodeConfig
-    from p2p_sync.swarm import SwarmConfig
 
-    sc, node, swarm = from_dict({}), NodeConfig(), SwarmConfig()
-    for name in (
-        "max_requests_per_peer",
-        "min_requests_per_peer",
-        "max_requests_total",
-        "max_concurrent_uploads",
-        "upload_queue",
-        "seed_outstanding",
-        "reseed_after_s",
-        "chunk_kb",
-        "max_peers",
-        "min_request_timeout_s",
-    ):
-        want = node.chunk_size // 1024 if name == "chunk_kb" else getattr(node, name)
-        assert getattr(sc, name) == want, name
-    for name in ("request_timeout_s", "endgame_sources"):
-        assert getattr(sc, name) == getattr(swarm, name), name
+    sc, node = from_dict({}), NodeConfig()
+    assert sc.download == node.download
+    assert sc.swarm_config(5) == replace(node.download, seed=5)
+    assert (sc.max_concurrent_uploads, sc.upload_queue) == (
+        node.http.max_concurrent_uploads,
+        node.http.upload_queue,
+    )
+    assert (sc.seed_outstanding, sc.reseed_after_s) == (
+        node.publish.seed_outstanding,
+        node.publish.reseed_after_s,
+    )
+    assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
+
+
+def test_a_scenario_download_table_is_checked_like_a_node_config() -> None:
+    with pytest.raises(ScenarioError, match="download.max_requests_total: must be >= 1"):
+        from_dict({"download": {"max_requests_total": 0}})
+    with pytest.raises(ScenarioError, match="download.warp: unknown setting"):
+        from_dict({"download": {"warp": 1}})

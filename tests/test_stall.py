@@ -23,6 +23,7 @@ from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import DownloadStalledError, PeerError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy
+from p2p_sync.peers import PeerLimits
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store
 from p2p_sync.swarm import (
@@ -35,7 +36,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.download import Download, DriverLimits, download
+from p2p_sync.transport.download import Download, download
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal
 
@@ -153,12 +154,10 @@ async def _download(lost: set[int]) -> tuple[_Sink, _Source, _Counting, float]:
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source, listener = _Sink(), _Source(payload, ["p1", "p2"], lost), _Counting()
-    config = SwarmConfig(stall_timeout_s=0.3, seed=1)
+    config = SwarmConfig(stall_timeout_s=0.3, seed=1, have_poll_s=0.05)
     t0 = time.monotonic()
     try:
-        await asyncio.wait_for(
-            download(m, source, sink, listener, config, DriverLimits(have_poll_s=0.05)), 20
-        )
+        await asyncio.wait_for(download(m, source, sink, listener, config), 20)
     finally:
         took = time.monotonic() - t0
     return sink, source, listener, took
@@ -182,7 +181,7 @@ def test_the_driver_keeps_what_it_verified_before_the_stall() -> None:
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source = _Sink(), _Source(payload, ["p1"], {4})
-    d = Download(m, source, sink, _Counting(), SwarmConfig(stall_timeout_s=0.2), DriverLimits())
+    d = Download(m, source, sink, _Counting(), SwarmConfig(stall_timeout_s=0.2))
     with pytest.raises(DownloadStalledError):
         asyncio.run(asyncio.wait_for(d.run(), 20))
     assert sink.have_indices(m) == [0, 1, 2, 3]  # the next try only needs chunk 4
@@ -195,9 +194,7 @@ def test_the_driver_keeps_what_it_verified_before_the_stall() -> None:
 async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("stall", (key.public,))
-    tcfg = NodeConfig(
-        role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", chunk_size=CHUNK, p2p=False
-    )
+    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     url = await trainer.start()
     rcfg = NodeConfig(
@@ -205,9 +202,8 @@ async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> di
         data_dir=tmp_path / "r",
         trust=(key.public.text(),),
         peers=(url,),
-        poll_interval_s=0.2,
-        have_poll_s=0.05,
-        stall_timeout_s=0.5,
+        directory=PeerLimits(poll_interval_s=0.2),
+        download=SwarmConfig(have_poll_s=0.05, stall_timeout_s=0.5),
         p2p=False,
     )
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
@@ -222,7 +218,9 @@ async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> di
     follower = Follower(rollout)
     stop = asyncio.Event()
     task = asyncio.create_task(follower.run(stop))
-    publisher = Publisher(trainer, key, PublishPolicy(anchor_every=1, catchup_spans=()), 10)
+    publisher = Publisher(
+        trainer, key, PublishPolicy(anchor_every=1, catchup_spans=(), chunk_size=CHUNK), 10
+    )
     try:
         await publisher.publish(versions[0])
         async with asyncio.timeout(60):

@@ -29,6 +29,7 @@ from p2p_sync.errors import (
 )
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import ManifestLimits, SwarmPolicy, canonical, parse, sign
+from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 from p2p_sync.trusted import TrustedSet, TrustLimits
 
@@ -191,7 +192,11 @@ def test_every_refusal_is_a_manifest_error() -> None:
 async def _learn_from(tmp_path: Path) -> tuple[list[int], list[int], set[str]]:
     def node(name: str) -> Node:
         cfg = NodeConfig(
-            role="rollout", data_dir=tmp_path / name, trust=("x",), p2p=False, poll_interval_s=60
+            role="rollout",
+            data_dir=tmp_path / name,
+            trust=("x",),
+            p2p=False,
+            directory=PeerLimits(poll_interval_s=60),
         )
         return Node(cfg, POLICY, Store.open(cfg.data_dir))
 

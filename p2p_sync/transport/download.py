@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from p2p_sync.chunks import verify_chunk
@@ -45,15 +44,6 @@ from p2p_sync.swarm import (
     TimerFired,
 )
 from p2p_sync.transport.http import DataClient
-
-
-@dataclass(frozen=True)
-class DriverLimits:
-    """The driver's own limits (the scheduler's are in :class:`SwarmConfig`)."""
-
-    have_poll_s: float = 0.2  # how often the set of peers to follow is refreshed
-    have_failures: int = 3  # have-map errors in a row before a peer counts as lost
-    max_attempts: int = 3  # downloads of one payload when stored chunks rot on disk
 
 
 class ChunkSource(Protocol):
@@ -124,10 +114,9 @@ class Download:
         sink: ChunkSink,
         listener: DownloadListener,
         config: SwarmConfig,
-        limits: DriverLimits,
     ) -> None:
         self.m, self.source, self.sink, self.listener = m, source, sink, listener
-        self.limits = limits
+        self.config = config
         self.sched = Scheduler(len(m.chunks), config, sink.have_indices(m))
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.requests: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -153,14 +142,14 @@ class Download:
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
         known, failures = -1, 0
-        while not self.done.is_set() and failures < self.limits.have_failures:
+        while not self.done.is_set() and failures < self.config.have_failures:
             if peer not in self.source.peers():
                 break
             try:
                 have = await self.source.have(peer, self.m, known)
             except PeerError:
                 failures += 1
-                await asyncio.sleep(self.limits.have_poll_s * failures)  # back-off, bounded
+                await asyncio.sleep(self.config.have_poll_s * failures)  # back-off, bounded
                 continue
             failures, known = 0, len(have)
             self.events.put_nowait(PeerHad(peer, frozenset(have)))
@@ -173,7 +162,7 @@ class Download:
                 task = self.followers.get(peer)
                 if task is None or task.done():
                     self.followers[peer] = asyncio.create_task(self._follow(peer))
-            await asyncio.sleep(self.limits.have_poll_s)
+            await asyncio.sleep(self.config.have_poll_s)
 
     def _act(self, actions: list[Action]) -> None:
         for a in actions:
@@ -235,15 +224,14 @@ async def download(
     sink: ChunkSink,
     listener: DownloadListener,
     config: SwarmConfig,
-    limits: DriverLimits = DriverLimits(),
 ) -> None:
     """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified."""
-    for _attempt in range(limits.max_attempts):
-        await Download(m, source, sink, listener, config, limits).run()
+    for _attempt in range(config.max_attempts):
+        await Download(m, source, sink, listener, config).run()
         if await asyncio.to_thread(sink.verify_pack, m):
             return
         # a stored chunk vanished or rotted on disk: fetch what is missing again
     raise StoreError(
         f"{m.digest}: chunks stored for this payload keep failing "
-        f"their hash on disk ({limits.max_attempts} downloads)"
+        f"their hash on disk ({config.max_attempts} downloads)"
     )

@@ -57,7 +57,7 @@ class HttpLimits:
     max_chunk_bytes: int = 64 * 2**20
     request_timeout_s: float = 10.0
     connect_timeout_s: float = 3.0
-    max_upload_bytes_per_s: float | None = None  # cap on chunk bytes served (None: no cap)
+    max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
 
@@ -89,7 +89,7 @@ class DataServer:
         self.node, self.limits = node, limits
         self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
         self._queued = 0
-        rate = limits.max_upload_bytes_per_s
+        rate = limits.max_upload_mbps * 1e6 / 8 or None
         self._bucket = TokenBucket(rate, max(rate / 10, 1 << 20)) if rate else None
         self.app = web.Application(
             client_max_size=limits.max_request_bytes, middlewares=[self._learn_requester]
