@@ -65,8 +65,8 @@ async def worker(args: argparse.Namespace) -> None:
     )
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
-    await node.learn(args.trainer, [args.digest])
-    manifest = node.manifest(args.digest)
+    await node.learner.learn(args.trainer, [args.digest])
+    manifest = node.store.manifest(args.digest)
     assert manifest is not None, "could not learn the manifest"
     reader = asyncio.StreamReader()
     await asyncio.get_running_loop().connect_read_pipe(
@@ -79,11 +79,11 @@ async def worker(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     await fetch_payload(node, manifest)
     elapsed = time.monotonic() - t0
-    print(json.dumps({"done": elapsed, "down": node.bytes_downloaded}), flush=True)
+    print(json.dumps({"done": elapsed, "down": node.metrics.bytes_downloaded}), flush=True)
     await reader.readline()  # EOF or "stop": keep serving peers until then
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = [usage.ru_utime - cpu0[0], usage.ru_stime - cpu0[1], usage.ru_nvcsw + usage.ru_nivcsw]
-    print(json.dumps({"up": node.bytes_uploaded, "cpu": cpu}), flush=True)
+    print(json.dumps({"up": node.metrics.bytes_uploaded, "cpu": cpu}), flush=True)
     await node.stop()
 
 
@@ -145,7 +145,7 @@ async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.
     for p in procs:
         assert p.stdout is not None
         json.loads(await asyncio.wait_for(p.stdout.readline(), 60))  # ready
-    trainer_before = trainer.bytes_uploaded
+    trainer_before = trainer.metrics.bytes_uploaded
     t0 = time.monotonic()
     for p in procs:
         assert p.stdin is not None
@@ -165,7 +165,7 @@ async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.
         "last_s": wall,
         "slowest_fetch_s": max(d["done"] for d in done),
         "aggregate_mbs": n * size / 1e6 / wall,
-        "trainer_upload_x": (trainer.bytes_uploaded - trainer_before) / size,
+        "trainer_upload_x": (trainer.metrics.bytes_uploaded - trainer_before) / size,
         "rollouts_upload_x": sum(u["up"] for u in ups) / size,
         "rollout_cpu_user_s": sum(u["cpu"][0] for u in ups),
         "rollout_cpu_sys_s": sum(u["cpu"][1] for u in ups),

@@ -24,9 +24,9 @@ class _Listener:
         self.node, self.on_chunk = node, on_chunk
 
     def served(self, peer: str, nbytes: int) -> None:
-        self.node.peer_served(peer)
-        self.node.notify_have()
-        self.node.count_download(nbytes)
+        self.node.peering.served(peer)
+        self.node.view.notify_have()
+        self.node.metrics.count_download(nbytes)
         if self.on_chunk is not None:
             self.on_chunk(nbytes)
 
@@ -48,6 +48,6 @@ async def fetch_payload(
 ) -> None:
     """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
     assert node.client is not None
-    source = HttpChunkSource(node.client, node.usable_peers)
+    source = HttpChunkSource(node.client, node.peering.usable)
     config = config or swarm_config(node)
     await download(manifest, source, node.store, _Listener(node, on_chunk), config)

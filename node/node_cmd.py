@@ -48,48 +48,56 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
     )
     print(f"p2psync libp2p {node.multiaddr or 'off (HTTP peers only)'}", flush=True)
     try:
-        if cfg.role == "bootstrap":
-            await stop.wait()
-        elif cfg.role == "trainer":
-            publisher = await asyncio.to_thread(Publisher, node, key)
-            refresher = asyncio.create_task(publisher.refresh_loop(stop))
-            if cfg.watch is not None:
-                cfg.watch.mkdir(parents=True, exist_ok=True)
-                await watch(publisher, cfg.watch, stop, cfg.publish.watch_interval_s)
-            else:
-                await stop.wait()
-            await refresher
-            await asyncio.to_thread(publisher.close)
-        else:
-            follower = await asyncio.to_thread(
-                Follower, node, pick_device(cfg.device), cfg.export, cfg.on_update
-            )
-            await follower.run(stop)
+        await _run_role(node, key, cfg, stop)
     finally:
         await node.stop()
 
 
+async def _run_role(node: Node, key: object | None, cfg: NodeConfig, stop: asyncio.Event) -> None:
+    """The role's own loop until ``stop``: relay only, publish, or follow."""
+    if cfg.role == "bootstrap":
+        await stop.wait()
+    elif cfg.role == "trainer":
+        publisher = await asyncio.to_thread(Publisher, node, key)
+        refresher = asyncio.create_task(publisher.refresh_loop(stop))
+        if cfg.watch is not None:
+            cfg.watch.mkdir(parents=True, exist_ok=True)
+            await watch(publisher, cfg.watch, stop, cfg.publish.watch_interval_s)
+        else:
+            await stop.wait()
+        await refresher
+        await asyncio.to_thread(publisher.close)
+    else:
+        device = pick_device(cfg.device)
+        follower = await asyncio.to_thread(Follower, node, device, cfg.export, cfg.on_update)
+        await follower.run(stop)
+
+
+# flag (argparse dest) -> config setting it overrides
+_FLAGS = {
+    "role": "role",
+    "data_dir": "data_dir",
+    "listen": "listen",
+    "key": "key",
+    "trust": "trust",
+    "peers": "peers",
+    "watch": "watch",
+    "export": "export",
+    "on_update": "on_update",
+    "swarm": "swarm",
+    "device": "device",
+    "chunk_size": "publish.chunk_size",
+    "max_upload_mbps": "http.max_upload_mbps",
+    "patch_format": "publish.patch_format",
+    "checkpoint_every": "store.checkpoint_every",
+    "p2p_listen": "p2p_listen",
+    "bootstrap": "bootstrap",
+}
+
+
 def cmd_node(args: argparse.Namespace) -> int:
-    overrides = {
-        "role": args.role,
-        "data_dir": args.data_dir,
-        "listen": args.listen,
-        "key": args.key,
-        "trust": args.trust,
-        "peers": args.peers,
-        "watch": args.watch,
-        "export": args.export,
-        "on_update": args.on_update,
-        "swarm": args.swarm,
-        "device": args.device,
-        "publish.chunk_size": args.chunk_size,
-        "http.max_upload_mbps": args.max_upload_mbps,
-        "publish.patch_format": args.patch_format,
-        "store.checkpoint_every": args.checkpoint_every,
-        "p2p": False if args.no_p2p else None,
-        "p2p_listen": args.p2p_listen,
-        "bootstrap": args.bootstrap,
-    }
+    overrides = {setting: getattr(args, dest) for dest, setting in _FLAGS.items()}
+    overrides["p2p"] = False if args.no_p2p else None
     cfg = load(args.config, overrides)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s", stream=sys.stderr
@@ -127,26 +135,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    node = sub.add_parser("node", help="run a trainer, rollout or bootstrap node")
+def _add_node_files(node: argparse.ArgumentParser) -> None:
     node.add_argument("--role", choices=["trainer", "rollout", "bootstrap"])
     node.add_argument("--config", type=Path, help="TOML file; flags override it")
     node.add_argument("--data-dir", type=Path)
-    node.add_argument(
-        "--listen",
-        help="HOST:PORT for HTTP: the data plane (bootstrap: status and "
-        "metrics only); port 0: any free",
-    )
     node.add_argument("--key", type=Path, help="trainer: signing key file (p2psync keygen)")
     node.add_argument("--trust", action="append", help="trusted public key or .pub (repeatable)")
-    node.add_argument("--peers", help="comma-separated http://host:port of known peers")
     node.add_argument("--watch", type=Path, help="trainer: publish *.safetensors appearing here")
     node.add_argument("--export", type=Path, help="rollout: write model.safetensors here")
     node.add_argument("--on-update", help="rollout: shell command run after each new version")
     node.add_argument("--swarm", help="swarm name (default: default)")
     node.add_argument("--device", help="cpu, cuda or auto")
     node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
-    node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
     node.add_argument(
         "--patch-format",
         type=int,
@@ -159,6 +159,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="write full weights every N versions (default 10; else a log line)",
     )
+
+
+def _add_node_network(node: argparse.ArgumentParser) -> None:
+    node.add_argument(
+        "--listen",
+        help="HOST:PORT for HTTP: the data plane (bootstrap: status and "
+        "metrics only); port 0: any free",
+    )
+    node.add_argument("--peers", help="comma-separated http://host:port of known peers")
+    node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
     node.add_argument(
         "--bootstrap",
         action="append",
@@ -166,6 +176,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     node.add_argument("--p2p-listen", help="libp2p multiaddr (default: free port, --listen host)")
     node.add_argument("--no-p2p", action="store_true", help="no libp2p: HTTP peers from --peers")
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    node = sub.add_parser("node", help="run a trainer, rollout or bootstrap node")
+    _add_node_files(node)
+    _add_node_network(node)
     node.set_defaults(func=cmd_node)
 
     status = sub.add_parser("status", help="print a node's status")

@@ -89,14 +89,7 @@ class Follower:
         self.weights: dict[str, torch.Tensor] | None = None
         self.digest: StateDigest | None = None  # the weights' sums, kept current in O(patch)
         self.into = dict(into) if into is not None else None  # an engine's tensors, if attached
-        restored = restore(node.store, device, self.into, WORKERS)
-        if restored is not None:
-            self.weights, self.digest = restored.weights, restored.digest
-            log.info(
-                "restored v%d (%d logged patches replayed)",
-                restored.state.version,
-                restored.replayed,
-            )
+        self._rebuild(self.into)  # the head, from the checkpoint and the logged patches
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
         self.stalled: set[str] = set()  # manifests whose download stalled: planned around once
         self.pending: list[tuple[Manifest, float]] = []  # fetched, not yet applied (hold mode)
@@ -161,11 +154,15 @@ class Follower:
             raise
         return self.weights
 
-    def _rebuild(self, target: Mapping[str, torch.Tensor]) -> None:
-        """Bring half-written tensors back to the last accepted state, in place."""
+    def _rebuild(self, target: Mapping[str, torch.Tensor] | None) -> None:
+        """Rebuild the accepted state from the store (at start, or to bring half-written
+        tensors back), in place into ``target`` when given."""
         restored = restore(self.node.store, self.device, target, WORKERS)
         self.weights = restored.weights if restored is not None else None
         self.digest = restored.digest if restored is not None else None
+        if restored is not None:
+            state, replayed = restored.state, restored.replayed
+            log.info("restored v%d (%d logged patches replayed)", state.version, replayed)
 
     async def _checkpoint_done(self) -> None:
         if self._checkpointing is not None:
@@ -228,7 +225,7 @@ class Follower:
         up.at = time.time()
         self.node.evict()  # a few unlinks: inline
         self._note(up)
-        self.node.set_version(m.version)
+        self.node.metrics.version.set(m.version)
         if self.callback is not None:
             self.callback(m.version, self.weights)
         await self._hook(m)
@@ -258,7 +255,7 @@ class Follower:
             return await self._apply_all()
         finally:
             self.ready.clear()
-            self.node.new_info.set()  # re-plan from where the weights are now
+            self.node.learner.new_info.set()  # re-plan from where the weights are now
 
     async def _apply_all(self) -> list[Update]:
         async with self._lock:
@@ -334,7 +331,7 @@ class Follower:
         await self._export_if_stale()
         try:
             while not stop.is_set():
-                self.node.new_info.clear()
+                self.node.learner.new_info.clear()
                 for m in self._plan():
                     if stop.is_set():
                         return
@@ -349,7 +346,7 @@ class Follower:
                         self.stalled.add(exc.digest)
                         break
                 try:
-                    await asyncio.wait_for(self.node.new_info.wait(), 1.0)
+                    await asyncio.wait_for(self.node.learner.new_info.wait(), 1.0)
                 except TimeoutError:
                     pass
         finally:

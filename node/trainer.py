@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from node.dataview import SeedingView
 from node.runtime import Node
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
@@ -35,7 +36,6 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import Patch, add_all, check_layout, diff, diff_tensor, merge
 from p2p_sync.restore import restore
-from p2p_sync.seeding import SuperSeeder
 from p2p_sync.statehash import StateDigest, update
 from p2p_sync.tensors import (
     Layout,
@@ -60,24 +60,7 @@ Built = tuple[Manifest, bytes, bytes | Path]  # manifest, its signed bytes, payl
 class TrainerNode(Node):
     """A node that seeds: each requester is shown a few chunks of its own (super-seeding)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.seeder = SuperSeeder(
-            self.cfg.publish.seed_outstanding, self.cfg.publish.reseed_after_s
-        )
-
-    def chunk(self, sha256: str) -> bytes | None:
-        data = super().chunk(sha256)
-        if data is not None:
-            self.seeder.note_served(sha256)
-            self.notify_have()  # its requester may be offered more now
-        return data
-
-    def have(self, digest: str, requester: str | None) -> list[int] | None:
-        m = self.manifest(digest)
-        if m is None:
-            return None
-        return self.seeder.offer(m.chunks, requester, time.monotonic())
+    view_class = SeedingView
 
 
 @dataclass
@@ -230,7 +213,6 @@ class Publisher:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
         to the file's version tensor by tensor (the digest by the words that changed)."""
         assert self.prev is not None
-        prev, fmt2 = self.prev, self.policy.patch_format == 2
         local = threading.local()
         biggest = max((e[4] - e[3] for e in entries), default=0)
 
@@ -240,22 +222,30 @@ class Publisher:
             pread_into(fd, new, start + begin, path, name)
             if not hasattr(local, "scratch"):
                 local.scratch = np.empty(biggest, dtype=bool)
-            old = prev[name]
-            spec = TensorSpec(name, shape, dtype)
-            delta = diff_tensor(spec, old, new, local.scratch)
-            frame = hist = None
-            if delta is not None:
-                update(digest, spec, old, new, delta.positions)
-                bits = flat_bits(old).numpy() if fmt2 else None
-                frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
-                hist = codec.encode_frame(delta, codec.DEFAULT_LEVEL) if fmt2 else frame
-            prev[name] = new  # the old tensor goes now, not after the whole file
-            return name, frame, hist
+            return name, *self._frame_of(TensorSpec(name, shape, dtype), new, digest, local.scratch)
 
         done = map_workers(one, entries, WORKERS)
         frames = {name: f for name, f, _ in done if f is not None}
         history = {name: h for name, _, h in done if h is not None}
         return frames, history
+
+    def _frame_of(
+        self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: np.ndarray
+    ) -> tuple[tuple | None, tuple | None]:
+        """One tensor's frame and history frame (None, None if unchanged); ``prev`` and the
+        digest move to ``new``, and the old tensor goes now, not after the whole file."""
+        assert self.prev is not None
+        old = self.prev[spec.name]
+        delta = diff_tensor(spec, old, new, scratch)
+        frame = hist = None
+        if delta is not None:
+            update(digest, spec, old, new, delta.positions)
+            fmt2 = self.policy.patch_format == 2
+            bits = flat_bits(old).numpy() if fmt2 else None
+            frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
+            hist = codec.encode_frame(delta, codec.DEFAULT_LEVEL) if fmt2 else frame
+        self.prev[spec.name] = new
+        return frame, hist
 
     def _rebuild_prev(self) -> None:
         """``prev`` from the store: checkpoint + logged patches (at start, or after a file
@@ -277,16 +267,12 @@ class Publisher:
                 built.append(self._snapshot(version, weights, target, layout_hex))
                 t.snapshot_s = time.perf_counter() - t1
                 continue
-            if base == version - 1 and step is not None and self.prev_hash is not None:
-                payload, base_state = step, self.prev_hash.hex()
-                t.patch_bytes = len(step)
-            elif base is not None and version - base <= len(self.history):
-                merged = self._merged(version - base)
-                payload, base_state = codec.encode(merged, workers=WORKERS), merged.base_hash.hex()
-                t.encode_s += time.perf_counter() - t1
-            else:
+            assert base is not None
+            patch = self._patch_payload(version, base, step)
+            if patch is None:
                 continue
             t2 = time.perf_counter()
+            payload, base_state = patch
             m = self._manifest(
                 version,
                 PATCH,
@@ -299,6 +285,20 @@ class Publisher:
             built.append((m, sign(m, [self.key]), payload))
             t.hash_sign_s += time.perf_counter() - t2
         return built
+
+    def _patch_payload(self, version: int, base: int, step: bytes | None) -> tuple | None:
+        """(payload, base state) of the patch ``base`` -> ``version``: the step just coded, or
+        a merge of the last steps; None when the history no longer reaches back to ``base``."""
+        t, t1 = self.timings, time.perf_counter()
+        if base == version - 1 and step is not None and self.prev_hash is not None:
+            t.patch_bytes = len(step)
+            return step, self.prev_hash.hex()
+        if version - base > len(self.history):
+            return None
+        merged = self._merged(version - base)
+        payload = codec.encode(merged, workers=WORKERS)
+        t.encode_s += time.perf_counter() - t1
+        return payload, merged.base_hash.hex()
 
     def _store(
         self,
@@ -366,10 +366,10 @@ class Publisher:
         assert new is not None
         await asyncio.to_thread(self._store, version, target, new, step, built, owned)
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
-        self.node.set_version(version)
+        self.node.metrics.version.set(version)
         manifests = [m for m, _, _ in built]
-        await self.node.announce([m.digest for m in manifests])
-        self.node.new_info.set()
+        await self.node.learner.announce([m.digest for m in manifests])
+        self.node.learner.new_info.set()
         t = self.timings
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
@@ -419,7 +419,7 @@ class Publisher:
             renewed = await asyncio.to_thread(self.refresh, int(time.time()))
             if renewed:
                 log.info("re-signed %d manifest(s) nearing expiry", len(renewed))
-                await self.node.announce([m.digest for m in renewed])
+                await self.node.learner.announce([m.digest for m in renewed])
             try:
                 await asyncio.wait_for(stop.wait(), interval)
             except TimeoutError:

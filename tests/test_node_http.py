@@ -277,7 +277,7 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
         await rollout.stop()
         await trainer.stop()
     assert len(calls) == SwarmConfig().max_attempts
-    return str(err.value), trainer.bytes_uploaded
+    return str(err.value), trainer.metrics.bytes_uploaded
 
 
 def test_a_disk_that_keeps_losing_chunks_stops_the_download_with_a_clear_error(
@@ -304,7 +304,7 @@ def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> Non
     node.ban(others[0], "test")
     seen: set[str] = set()
     for _ in range(40):
-        targets = node.directory.poll_targets(random.Random())
+        targets = node.peering.directory.poll_targets(random.Random())
         assert targets[0] == given and len(targets) == len(set(targets)) == 4
         assert others[0] not in targets
         seen.update(targets[1:])

@@ -206,16 +206,18 @@ async def _flooded_swarm(tmp_path: Path) -> tuple[bool, int, bytes, bytes]:
     await rollout.start()
     try:
         rollout.add_peer(seed_url)  # hearsay at first ...
-        await rollout.learn(seed_url, [m1.digest])
-        assert rollout.directory.unproven() == [seed_url]  # (a manifest proves nothing)
+        await rollout.learner.learn(seed_url, [m1.digest])
+        assert rollout.peering.directory.unproven() == [seed_url]  # (a manifest proves nothing)
         await asyncio.wait_for(fetch_payload(rollout, m1), 30)  # ... proven by its chunks
-        assert rollout.directory.unproven() == []
+        assert rollout.peering.directory.unproven() == []
         await _flood(rollout.url)
         survived = seed_url in rollout.peers
-        unproven = len(rollout.directory.unproven())
+        unproven = len(rollout.peering.directory.unproven())
         flood = asyncio.create_task(_flood(rollout.url))  # and it goes on while v2 spreads
         m2, payload = _publish(seed, key, 2)
-        await seed.announce([m2.digest])  # the push path: the seed learned the rollout's URL
+        await seed.learner.announce(
+            [m2.digest]
+        )  # the push path: the seed learned the rollout's URL
         await asyncio.wait_for(_until_stored(rollout, m2.digest), 30)
         await asyncio.wait_for(fetch_payload(rollout, m2), 30)
         got = bytes(rollout.store.payload(m2) or b"")
@@ -229,10 +231,10 @@ async def _flooded_swarm(tmp_path: Path) -> tuple[bool, int, bytes, bytes]:
 
 async def _until_stored(node: Node, digest: str) -> None:
     while not node.store.has_manifest(digest):  # bounded by the caller's wait_for
-        node.new_info.clear()
+        node.learner.new_info.clear()
         if node.store.has_manifest(digest):
             return
-        await node.new_info.wait()
+        await node.learner.new_info.wait()
 
 
 def test_a_flood_of_fake_peers_cannot_push_out_a_proven_peer_and_the_node_converges(

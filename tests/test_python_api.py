@@ -181,11 +181,9 @@ async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:
 
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
-    cfg = NodeConfig(
-        role="trainer", data_dir=tmp_path, key=tmp_path / "k", manifest_lifetime_s=1000
-    )
+    cfg = NodeConfig(role="trainer", data_dir=tmp_path, key=tmp_path / "k")
     node = TrainerNode(cfg, policy, Store.open(tmp_path))
-    publisher = Publisher(node, key, PublishPolicy())
+    publisher = Publisher(node, key, PublishPolicy(lifetime_s=1000))
     (anchor,) = await publisher.publish(weights)
     early = publisher.refresh(anchor.created + 100)  # not yet half-way: nothing to do
     renewed = publisher.refresh(anchor.created + 600)

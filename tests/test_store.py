@@ -146,7 +146,7 @@ def test_store_refuses_to_go_back_a_version(tmp_path: Path) -> None:
 
 
 def test_eviction_keeps_the_newest_anchor_and_its_chain(tmp_path: Path) -> None:
-    store = Store.open(tmp_path, StoreLimits(max_chunk_bytes=200_000))
+    store = Store.open(tmp_path, StoreLimits(max_gb=200_000 / 1e9))
     manifests = [put_version(store, v)[0] for v in range(7)]
     dropped = store.evict()
     assert store.chunk_bytes() <= 200_000 and dropped

@@ -210,12 +210,12 @@ async def _learn_from(tmp_path: Path) -> tuple[list[int], list[int], set[str]]:
     url = await seed.start()
     await rollout.start()
     try:
-        first = await rollout.learn(url, [parse(swapped)[0].digest])
-        second = await rollout.learn(url, [parse(good)[0].digest])
+        first = await rollout.learner.learn(url, [parse(swapped)[0].digest])
+        second = await rollout.learner.learn(url, [parse(good)[0].digest])
     finally:
         await rollout.stop()
         await seed.stop()
-    return [m.version for m in first], [m.version for m in second], rollout.directory.banned
+    return [m.version for m in first], [m.version for m in second], rollout.peering.directory.banned
 
 
 def test_a_node_declines_news_for_other_tensors_and_keeps_the_relay(tmp_path: Path) -> None:
@@ -236,9 +236,9 @@ def test_gossip_stores_only_inline_manifests_that_are_news(tmp_path: Path) -> No
     async def hear(raw: bytes) -> bool:
         m = parse(raw)[0]
         a = Announcement(POLICY.swarm_id, m.version, (m.digest,), int(time.time() * 1000))
-        decision = node._judge(announce.encode(a, [TRAINER], [raw]), lambda d: False)
+        decision = node.learner.judge(announce.encode(a, [TRAINER], [raw]), lambda d: False)
         assert decision.verdict is Verdict.ACCEPT, decision.reason
-        node._on_gossip(decision, None, a.issued_ms)
+        node.learner.on_gossip(decision, None, a.issued_ms)
         await node.stop()  # settles the relay task it may have spawned
         return node.store.has_manifest(m.digest)
 

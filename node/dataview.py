@@ -1,0 +1,97 @@
+"""What the HTTP data plane sees of a node (``transport.http.NodeView``): manifests, have-maps,
+chunks, peers, status and metrics, read from the node's store and directory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from p2p_sync.seeding import SuperSeeder
+
+if TYPE_CHECKING:
+    from node.runtime import Node
+
+
+class DataView:
+    """A rollout's (and a bootstrap's) data plane: it serves every chunk it holds."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
+
+    def manifest_index(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "digest": m.digest,
+                "version": m.version,
+                "kind": m.kind,
+                "base_version": m.base_version,
+                "payload_size": m.payload_size,
+            }
+            for m in self.node.store.manifests()
+        ]
+
+    def manifest_bytes(self, digest: str) -> bytes | None:
+        return self.node.store.manifest_bytes(digest)
+
+    def notify_have(self) -> None:
+        """A have-map changed: wake the long polls of ``GET /have?known=N``."""
+        news, self._have_news = self._have_news, asyncio.Event()
+        news.set()
+
+    async def have_changed(self, timeout: float) -> None:
+        news = self._have_news
+        try:
+            async with asyncio.timeout(timeout):
+                await news.wait()
+        except TimeoutError:
+            pass
+
+    def have(self, digest: str, requester: str | None) -> list[int] | None:
+        m = self.node.store.manifest(digest)
+        return None if m is None else self.node.store.have_indices(m)
+
+    def chunk(self, sha256: str) -> bytes | None:
+        return self.node.store.get_chunk(sha256)
+
+    def peer_urls(self) -> list[str]:
+        return sorted(self.node.peering.usable())
+
+    def count_upload(self, nbytes: int) -> None:
+        self.node.metrics.count_upload(nbytes)
+
+    def status(self) -> dict[str, Any]:
+        return self.node.status()
+
+    def metrics_text(self) -> bytes:
+        return self.node.metrics.text()
+
+    def on_announce(self, url: str | None, digests: list[str]) -> None:
+        self.node.learner.on_announce(url, digests)
+
+    def add_peer(self, url: str) -> None:
+        self.node.add_peer(url)
+
+
+class SeedingView(DataView):
+    """The trainer's data plane: each requester is shown a few chunks of its own
+    (super-seeding), so rollouts fetch different chunks and trade them among themselves."""
+
+    def __init__(self, node: Node) -> None:
+        super().__init__(node)
+        publish = node.cfg.publish
+        self.seeder = SuperSeeder(publish.seed_outstanding, publish.reseed_after_s)
+
+    def chunk(self, sha256: str) -> bytes | None:
+        data = super().chunk(sha256)
+        if data is not None:
+            self.seeder.note_served(sha256)
+            self.notify_have()  # its requester may be offered more now
+        return data
+
+    def have(self, digest: str, requester: str | None) -> list[int] | None:
+        m = self.node.store.manifest(digest)
+        if m is None:
+            return None
+        return self.seeder.offer(m.chunks, requester, time.monotonic())

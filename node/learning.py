@@ -1,0 +1,240 @@
+"""How a node learns and spreads signed manifests: HTTP announcements, libp2p gossip, polls.
+
+Every manifest, whichever way it came, passes the node's one trust gate (``TrustedSet``) before
+it is stored; accepted news is relayed once (HTTP push to peers gossip does not reach) and wakes
+the rollout's planner (``new_info``). The libp2p host calls ``judge`` in its own thread (pure:
+no store writes) and ``on_gossip`` / ``on_p2p_peer`` on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from p2p_sync import announce
+from p2p_sync.errors import LayoutSwapAttackError, ManifestError, RollbackAttackError
+from p2p_sync.manifest import Manifest
+from p2p_sync.peers import PeerAnswered, PeerFailed
+from p2p_sync.ratelimit import TokenBucket
+from p2p_sync.transport.http import PeerError, gather_quietly
+
+if TYPE_CHECKING:
+    from node.runtime import Node
+
+log = logging.getLogger("p2psync.node")
+_SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
+
+
+class Learner:
+    """One node's manifest traffic, both ways."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.new_info = asyncio.Event()  # set whenever a manifest is accepted
+        self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
+        self._learning: set[str] = set()
+        self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
+        self._tasks: list[asyncio.Task[Any]] = []
+        rate = node.cfg.announce.per_s
+        self._gossip_rate = TokenBucket(rate, max(1.0, rate))
+        self._started_at = node.accepted_version  # version at start
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(coro))
+
+    # ------------------------------------------------------------ HTTP: announcements, fetches
+
+    def on_announce(self, url: str | None, digests: list[str]) -> None:
+        node = self.node
+        if url is not None:
+            node.add_peer(url)
+        if url is None or url in node.peering.banned:
+            return
+        fresh = [d for d in digests if not node.store.has_manifest(d)]
+        if fresh:
+            self.spawn(self.learn(url, fresh))
+
+    async def learn(self, peer: str, digests: list[str]) -> list[Manifest]:
+        """Fetch, verify and keep manifests ``peer`` offers; relay the accepted ones onward."""
+        accepted = []
+        for digest in digests:
+            if digest in self._learning or self.node.store.has_manifest(digest):
+                continue
+            self._learning.add(digest)
+            try:
+                manifest = await self._learn_one(peer, digest)
+            finally:
+                self._learning.discard(digest)
+            if manifest is not None:
+                accepted.append(manifest)
+        if accepted:
+            self.new_info.set()
+            await self.announce([m.digest for m in accepted], exclude={peer})
+        return accepted
+
+    async def _learn_one(self, peer: str, digest: str) -> Manifest | None:
+        node = self.node
+        assert node.client is not None
+        try:
+            limit = node.trusted.limits.manifest.max_manifest_bytes
+            data = await node.client.get_bytes(f"{peer}/manifest/{digest}", limit)
+            manifest = node.trusted.admit(data, time.time(), digest)
+        except PeerError:
+            node.peering.handle(PeerFailed(peer))
+            return None
+        except (RollbackAttackError, LayoutSwapAttackError):
+            return None  # signed news not for us (stale, other tensors): not this peer's doing
+        except ManifestError as exc:
+            node.ban(peer, f"offered a bad manifest ({exc})")
+            return None
+        node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
+        node.store.put_manifest(manifest, data)
+        return manifest
+
+    async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
+        """Tell peers about manifests: gossip for our own publications (relays pass
+        ``exclude``; gossipsub relays by itself), HTTP push to peers gossip does not reach."""
+        node = self.node
+        if node.client is None or not digests:
+            return
+        if node.p2p is not None and node.signer is not None and not exclude:
+            await self._gossip(digests)
+        skip = exclude | self._p2p_urls
+        peers = [p for p in node.peering.usable() if p not in skip]
+        await gather_quietly([node.client.announce(p, digests) for p in peers])
+
+    # ------------------------------------------------------------ pull fallback
+
+    async def poll_loop(self) -> None:
+        """Every poll interval, ask some peers for their manifests and peers."""
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.node.cfg.directory.poll_interval_s)
+
+    async def poll_once(self) -> None:
+        node = self.node
+        assert node.client is not None
+        peers = node.peering.directory.poll_targets(_SAMPLER)
+        indexes = await gather_quietly([node.client.get_json(f"{p}/manifests") for p in peers])
+        lists = await gather_quietly([node.client.get_json(f"{p}/peers") for p in peers])
+        for peer, index, plist in zip(peers, indexes, lists):
+            if index is None:
+                node.peering.handle(PeerFailed(peer))
+                continue
+            node.peering.handle(PeerAnswered(peer))  # answered: reset its failure count
+            for url in (plist or {}).get("peers", [])[: node.cfg.directory.max_peers]:
+                if isinstance(url, str):
+                    node.add_peer(url)
+            fresh = node.trusted.wanted(index, node.store.has_manifest)
+            if fresh:
+                await self.learn(peer, fresh)
+
+    async def _ask_head(self, peer: str) -> None:
+        node = self.node
+        assert node.client is not None
+        (index,) = await gather_quietly([node.client.get_json(f"{peer}/manifests")])
+        fresh = node.trusted.wanted(index, node.store.has_manifest)
+        if fresh:
+            await self.learn(peer, fresh)
+
+    # ------------------------------------------------------------ gossip (libp2p)
+
+    async def _gossip(self, digests: list[str]) -> None:
+        """One signed announcement per version, at most ``[announce] per_s`` a second
+        (gossipsub silently drops bursts above ~10 msg/s per peer), manifests inline."""
+        by_version: dict[int, list[str]] = {}
+        for digest in digests:
+            m = self.node.store.manifest(digest)
+            if m is not None:
+                by_version.setdefault(m.version, []).append(digest)
+        step = self.node.trusted.limits.announce.max_digests
+        for version, group in sorted(by_version.items()):
+            for start in range(0, len(group), step):
+                await self._gossip_one(version, group[start : start + step])
+
+    async def _gossip_one(self, version: int, digests: list[str]) -> None:
+        node = self.node
+        assert node.signer is not None and node.url is not None
+        wait = self._gossip_rate.reserve(1, time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)  # rate limit, not synchronization
+        a = announce.Announcement(
+            node.policy.swarm_id, version, tuple(digests), int(time.time() * 1000), (node.url,)
+        )
+        inline = [b for b in map(node.store.manifest_bytes, digests) if b is not None]
+        data = announce.encode(a, [node.signer], inline, node.trusted.limits.announce)
+        try:
+            await node.p2p.publish(data)
+        except Exception as exc:  # gossip is best effort: the pull path still covers peers
+            log.warning("gossip publish of v%d failed: %s", version, exc)
+
+    def judge(self, data: bytes, known: Callable[[str], bool]) -> announce.Decision:
+        """Runs in the libp2p thread, inside gossipsub validation (pure: no store writes)."""
+        return self.node.trusted.judge(data, int(time.time() * 1000), known)
+
+    def heard(self, decision: announce.Decision, at_ms: int) -> None:
+        """Gossip brought a genuine announcement (new, or news we already had by HTTP): keep
+        how long it took from the trainer's signature, the first time per version."""
+        a = decision.announcement
+        assert a is not None
+        if self._started_at is not None and a.version <= self._started_at:
+            return  # news from before this process started (history re-sent to a newcomer)
+        self.announce_latency_ms.setdefault(a.version, at_ms - a.issued_ms)
+        while len(self.announce_latency_ms) > 64:
+            del self.announce_latency_ms[min(self.announce_latency_ms)]
+
+    def on_gossip(self, decision: announce.Decision, sender: str | None, at_ms: int) -> None:
+        """An accepted announcement: keep its inline manifests, fetch the others by digest."""
+        a = decision.announcement
+        assert a is not None
+        self.heard(decision, at_ms)
+        if self.node.cfg.role == "bootstrap":
+            return
+        stored = self._keep_inline(decision)
+        if stored:
+            self.new_info.set()
+            self.spawn(self.announce(stored, exclude=set(a.sources)))
+        store, inline = self.node.store, {m.digest for m, _ in decision.manifests}
+        missing = [d for d in a.digests if d not in inline and not store.has_manifest(d)]
+        if missing:  # too big to ride inline: fetch by digest, from the sender or a source
+            banned = self.node.peering.banned
+            peers = [p for p in dict.fromkeys([sender, *a.sources]) if p and p not in banned]
+            self.spawn(self._learn_any(peers, missing))
+
+    def _keep_inline(self, decision: announce.Decision) -> list[str]:
+        """Store the fresh manifests an announcement carried inline; their digests."""
+        stored = []
+        for m, raw in self.node.trusted.fresh_inline(decision):
+            if not self.node.store.has_manifest(m.digest):
+                self.node.store.put_manifest(m, raw)
+                stored.append(m.digest)
+        return stored
+
+    async def _learn_any(self, peers: list[str], digests: list[str]) -> None:
+        """The forwarder may not hold the manifests yet (it judged, then forwarded at once):
+        fall back to the announced sources."""
+        for peer in peers:
+            digests = [d for d in digests if not self.node.store.has_manifest(d)]
+            if not digests:
+                return
+            await self.learn(peer, digests)
+
+    def on_p2p_peer(self, url: str) -> None:
+        """A data-plane URL from a signed peer record: add it, and ask it for its head now."""
+        node = self.node
+        if len(self._p2p_urls) < 4 * node.cfg.directory.max_peers:
+            self._p2p_urls.add(url)
+        known = url in node.peers
+        node.add_peer(url)
+        if not known and url in node.peers and node.cfg.role != "bootstrap":
+            self.spawn(self._ask_head(url))
