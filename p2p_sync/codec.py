@@ -998,6 +998,35 @@ def _select_numpy(
     return Selected(pos[order], cls[order], within[order], cmap.members, consumed)
 
 
+def _sentinel_ranks(ranks: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each class's coded ranks closed by a sentinel 2^62, so the select scan reads a class's
+    next rank without a bounds check; and where each class's ranks start."""
+    first = starts[:-1] + np.arange(N_CLASSES)
+    padded = np.full(ranks.size + N_CLASSES, 2**62, np.int64)
+    padded[np.arange(ranks.size) + np.repeat(np.arange(N_CLASSES), np.diff(starts))] = ranks
+    return padded, first
+
+
+def _select_compiled(
+    select: Callable,
+    u: np.ndarray,
+    shift: int,
+    ranks: np.ndarray,
+    starts: np.ndarray,
+    complement: np.ndarray,
+    cap: int,
+) -> Selected | None:
+    """:func:`scan_select` by the compiled kernel ``select`` over base words ``u``."""
+    out_pos, out_within = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    out_cls = np.empty(cap, np.uint8)
+    members, cursor = np.zeros(N_CLASSES, np.int64), np.zeros(N_CLASSES, np.int64)
+    padded, first = _sentinel_ranks(ranks, starts)
+    k = select(u, shift, padded, first, complement, out_pos, out_cls, out_within, members, cursor)
+    if k < 0:
+        return None
+    return Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
+
+
 def scan_select(
     base_bits: Bits,
     dtype: torch.dtype,
@@ -1008,35 +1037,15 @@ def scan_select(
 ) -> Selected | None:
     """Positions of the changed elements given each class's sorted coded ranks
     (``ranks[starts[c]:starts[c+1]]``); None when more than ``cap`` elements would change."""
+    shift = MANTISSA_BITS[dtype]
     if isinstance(base_bits, torch.Tensor):
-        return device_scans.scan_select(
-            base_bits, MANTISSA_BITS[dtype], ranks, starts, complement, cap
-        )
+        return device_scans.scan_select(base_bits, shift, ranks, starts, complement, cap)
     kernels = _kernels()
     if not kernels["fast"]:
         found = _select_numpy(base_bits, dtype, ranks, starts, complement)
         return found if found.pos.size <= cap else None
-    out_pos, out_within = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    out_cls = np.empty(cap, np.uint8)
-    members, cursor = np.zeros(N_CLASSES, np.int64), np.zeros(N_CLASSES, np.int64)
-    first = starts[:-1] + np.arange(N_CLASSES)  # each class's ranks, then one sentinel
-    padded = np.full(ranks.size + N_CLASSES, 2**62, np.int64)
-    padded[np.arange(ranks.size) + np.repeat(np.arange(N_CLASSES), np.diff(starts))] = ranks
-    k = kernels["select"](
-        _unsigned(base_bits),
-        MANTISSA_BITS[dtype],
-        padded,
-        first,
-        complement,
-        out_pos,
-        out_cls,
-        out_within,
-        members,
-        cursor,
-    )
-    if k < 0:
-        return None
-    return Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
+    u = _unsigned(base_bits)
+    return _select_compiled(kernels["select"], u, shift, ranks, starts, complement, cap)
 
 
 def _classed_streams(delta: TensorDelta, base_bits: Bits) -> list[bytes]:
