@@ -15,6 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file
@@ -31,17 +32,10 @@ def uploaded(procs: list[Proc]) -> int:
 def run(
     root: Path, size: str, n_versions: int, late_at: int, console: Console, patch_format: int = 2
 ) -> bool:
+    """Publish ``n_versions`` versions to three rollouts, a fourth joining at ``late_at``;
+    print a row per version. True when every rollout ends bit-identical to the trainer."""
     swarm = Swarm(root, chunk_size=64 * 1024)
-    table = Table(
-        "version",
-        "artifacts",
-        "applied at all",
-        "exported at all",
-        "trainer sent",
-        "rollouts sent",
-        "rollouts",
-        title="p2psync swarm demo",
-    )
+    table = _version_table()
     try:
         trainer = swarm.start_trainer(anchor_every=4, extra=("--patch-format", str(patch_format)))
         rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url]) for i in range(3)]
@@ -51,27 +45,49 @@ def run(
             if v == late_at:
                 rollouts.append(swarm.start_rollout("rollout-late", [rollouts[0].url]))
                 console.print(f"rollout-late joins at v{v} ({rollouts[-1].url})")
-            t_up, r_up = uploaded([trainer]), uploaded(rollouts)
-            t0 = swarm.publish(weights)
-            swarm.wait_version(rollouts, v, timeout=300)
-            ups = [(r.status() or {}).get("last_update") or {} for r in rollouts]
-            applied = max(u.get("applied_at", 0.0) for u in ups) - t0
-            exported = max(u.get("at", 0.0) for u in ups) - t0
-            kinds = sorted({m["kind"] for m in _manifests(trainer) if m["version"] == v})
-            table.add_row(
-                f"v{v}",
-                "+".join(kinds),
-                f"{applied:.2f} s",
-                f"{exported:.2f} s",
-                f"{uploaded([trainer]) - t_up:,} B",
-                f"{uploaded(rollouts) - r_up:,} B",
-                str(len(rollouts)),
-            )
+            table.add_row(*_publish_version(swarm, trainer, rollouts, v, weights))
             last = weights
         console.print(table)
         return _check(swarm, rollouts, last, console)
     finally:
         swarm.stop()
+
+
+def _version_table() -> Table:
+    """The demo's table, one row per version (:func:`_publish_version` fills them)."""
+    return Table(
+        "version",
+        "artifacts",
+        "applied at all",
+        "exported at all",
+        "trainer sent",
+        "rollouts sent",
+        "rollouts",
+        title="p2psync swarm demo",
+    )
+
+
+def _publish_version(
+    swarm: Swarm, trainer: Proc, rollouts: list[Proc], v: int, weights: dict[str, torch.Tensor]
+) -> list[str]:
+    """Publish version ``v`` and wait until every rollout has it. Its table row: the artifacts,
+    how long until the last rollout applied and exported it, and who uploaded how much."""
+    t_up, r_up = uploaded([trainer]), uploaded(rollouts)
+    t0 = swarm.publish(weights)
+    swarm.wait_version(rollouts, v, timeout=300)
+    ups = [(r.status() or {}).get("last_update") or {} for r in rollouts]
+    applied = max(u.get("applied_at", 0.0) for u in ups) - t0
+    exported = max(u.get("at", 0.0) for u in ups) - t0
+    kinds = sorted({m["kind"] for m in _manifests(trainer) if m["version"] == v})
+    return [
+        f"v{v}",
+        "+".join(kinds),
+        f"{applied:.2f} s",
+        f"{exported:.2f} s",
+        f"{uploaded([trainer]) - t_up:,} B",
+        f"{uploaded(rollouts) - r_up:,} B",
+        str(len(rollouts)),
+    ]
 
 
 def _manifests(proc: Proc) -> list[dict]:

@@ -112,6 +112,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def _print_inspect(path: Path, d: dict, console: Console) -> None:
+    """What `inspect` prints without --json: the summary, then the table of tensors."""
+    _print_summary(path, d, console)
+    console.print(_rows_table(d["rows"]))
+
+
+def _print_summary(path: Path, d: dict, console: Console) -> None:
+    """The patch as a whole: format, size, the states it joins, how much it changes."""
     console.print(
         f"[bold]{path}[/]: p2psync patch v{d['format_version']}, {d['bytes']:,} bytes, "
         f"{d['tensors']} tensors ({d['changed_tensors']} changed)"
@@ -123,6 +130,10 @@ def _print_inspect(path: Path, d: dict, console: Console) -> None:
         f"{_fmt(d['bits_per_changed'], '.2f')} bits per changed element, "
         f"{d['ratio_vs_dense']:.1f}x smaller than dense ({d['dense_bytes']:,} bytes)"
     )
+
+
+def _rows_table(rows: list[dict]) -> Table:
+    """One line per tensor: how its frame is coded and what it costs."""
     table = Table(
         "tensor",
         "shape",
@@ -134,7 +145,7 @@ def _print_inspect(path: Path, d: dict, console: Console) -> None:
         "bits/changed",
         "vs dense",
     )
-    for r in d["rows"]:
+    for r in rows:
         table.add_row(
             r["name"],
             "x".join(map(str, r["shape"])) or "scalar",
@@ -146,7 +157,7 @@ def _print_inspect(path: Path, d: dict, console: Console) -> None:
             _fmt(r["bits_per_changed"], ".2f"),
             _fmt(r["ratio_vs_dense"], ".1f"),
         )
-    console.print(table)
+    return table
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -167,7 +178,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     patch = sub.add_parser("patch", help="create, apply or inspect a patch between weight files")
     psub = patch.add_subparsers(dest="patch_command", required=True, metavar="COMMAND")
+    _add_create(psub)
+    _add_apply(psub)
+    _add_inspect(psub)
 
+
+def _add_create(psub: argparse._SubParsersAction) -> None:
+    """`patch create`: the base and new weights in, a patch out."""
     create = psub.add_parser("create", help="write the patch that turns --base into --new")
     create.add_argument("--base", type=Path, required=True, help="base weights (.safetensors)")
     create.add_argument("--new", type=Path, required=True, help="new weights (.safetensors)")
@@ -180,18 +197,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="1-22",
         help="zstd level (default %(default)s)",
     )
+    _add_run_options(create)
     create.set_defaults(func=cmd_create)
 
+
+def _add_apply(psub: argparse._SubParsersAction) -> None:
+    """`patch apply`: base weights and a patch in, the patched weights out."""
     app = psub.add_parser("apply", help="apply a patch to --base and write --out")
     app.add_argument("--base", type=Path, required=True, help="base weights (.safetensors)")
     app.add_argument("--patch", type=Path, required=True, help="patch file")
     app.add_argument("--out", type=Path, required=True, help="patched weights to write")
+    _add_run_options(app)
     app.set_defaults(func=cmd_apply)
 
-    for p in (create, app):
-        p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
-        p.add_argument("--workers", type=int, default=1, help="threads for frames (default 1)")
 
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """Where create and apply load the weights, and how many threads code the frames."""
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+    p.add_argument("--workers", type=int, default=1, help="threads for frames (default 1)")
+
+
+def _add_inspect(psub: argparse._SubParsersAction) -> None:
+    """`patch inspect`: what a patch holds, checked in full with --verify."""
     insp = psub.add_parser("inspect", help="show what a patch contains")
     insp.add_argument("file", type=Path, help="patch file")
     insp.add_argument("--json", action="store_true", help="print JSON instead of a table")

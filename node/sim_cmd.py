@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from simulations import scenario as scenarios
 from simulations.run import simulate_to
@@ -15,30 +23,9 @@ from simulations.swarm_sim import VersionResult
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     sc = scenarios.load(args.scenario, peers=args.peers, seed=args.seed, versions=args.versions)
-    console = Console(stderr=True)
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, disable=args.quiet) as bar:
-        tasks: dict[int, int] = {}
-
-        def progress(version: int, done: int, total: int) -> None:
-            if version not in tasks:
-                tasks[version] = bar.add_task(f"v{version} honest peers synced", total=total)
-            bar.update(tasks[version], completed=done)
-
-        def on_version(r: VersionResult) -> None:
-            progress(r.version, r.converged, r.honest)
-            last = r.completion_s[-1] if r.completion_s else float("nan")
-            bar.console.print(
-                f"v{r.version}: {r.converged}/{r.honest} honest peers in {last:.3f} s "
-                f"(lower bound {r.lower_bound_s:.3f} s, x{last / r.lower_bound_s:.2f}), trainer "
-                f"sent {r.trainer_upload_bytes / sc.payload_bytes:.2f}x the payload"
-            )
-
+    with _progress_bar(args.quiet) as bar:
+        progress = _progress_reporter(bar)
+        on_version = _version_reporter(bar, sc, progress)
         rep = simulate_to(sc, args.out, not args.no_plots, on_version, progress)
     print(
         f"{sc.name}: worst x{rep['ratio_to_bound']['worst']:.2f} of the lower bound, "
@@ -46,6 +33,47 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"bans; report in {args.out / 'report.json'}"
     )
     return 0
+
+
+def _progress_bar(quiet: bool) -> Progress:
+    """Progress bars on stderr, so stdout holds only the summary line."""
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    return Progress(*columns, console=Console(stderr=True), disable=quiet)
+
+
+def _progress_reporter(bar: Progress) -> Callable[[int, int, int], None]:
+    """The simulation's progress callback: one bar per version, made when it first reports."""
+    tasks: dict[int, TaskID] = {}
+
+    def progress(version: int, done: int, total: int) -> None:
+        if version not in tasks:
+            tasks[version] = bar.add_task(f"v{version} honest peers synced", total=total)
+        bar.update(tasks[version], completed=done)
+
+    return progress
+
+
+def _version_reporter(
+    bar: Progress, sc: scenarios.Scenario, progress: Callable[[int, int, int], None]
+) -> Callable[[VersionResult], None]:
+    """The callback for a finished version: settle its bar and print how it went against the
+    lower bound and what the trainer uploaded."""
+
+    def on_version(r: VersionResult) -> None:
+        progress(r.version, r.converged, r.honest)
+        last = r.completion_s[-1] if r.completion_s else float("nan")
+        bar.console.print(
+            f"v{r.version}: {r.converged}/{r.honest} honest peers in {last:.3f} s "
+            f"(lower bound {r.lower_bound_s:.3f} s, x{last / r.lower_bound_s:.2f}), trainer "
+            f"sent {r.trainer_upload_bytes / sc.payload_bytes:.2f}x the payload"
+        )
+
+    return on_version
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import TypedDict
 
 from p2p_sync.errors import (
     ChunkHashMismatchError,
@@ -99,6 +100,27 @@ def file_chunk_hashes(
     return tuple(hashes), size
 
 
+class _PayloadFields(TypedDict):
+    """A manifest's description of its payload."""
+
+    payload_size: int
+    chunk_size: int
+    chunks: tuple[str, ...]
+
+
+def _payload_fields(
+    payload: bytes | memoryview | None,
+    chunk_size: int,
+    chunks: tuple[tuple[str, ...], int] | None,
+) -> _PayloadFields:
+    """Size and chunk hashes of the payload: as given (hashed while read from disk), else
+    hashed here from ``payload`` in memory."""
+    if chunks is None:
+        assert payload is not None
+        chunks = chunk_hashes(payload, chunk_size), len(payload)
+    return {"payload_size": chunks[1], "chunk_size": chunk_size, "chunks": chunks[0]}
+
+
 def manifest_for(
     payload: bytes | memoryview | None,
     *,
@@ -116,9 +138,6 @@ def manifest_for(
 ) -> Manifest:
     """The (unsigned) manifest describing ``payload``, cut into ``chunk_size`` chunks. Pass
     ``chunks`` (hashes, size; from :func:`file_chunk_hashes`) instead for a payload on disk."""
-    if chunks is None:
-        assert payload is not None
-        chunks = chunk_hashes(payload, chunk_size), len(payload)
     return Manifest(
         swarm=swarm,
         version=version,
@@ -128,9 +147,7 @@ def manifest_for(
         target_state=target_state,
         layout=layout,
         codec=CODECS[kind],
-        payload_size=chunks[1],
-        chunk_size=chunk_size,
-        chunks=chunks[0],
         created=now,
         expires=now + lifetime_s,
+        **_payload_fields(payload, chunk_size, chunks),
     )

@@ -165,7 +165,7 @@ import numpy as np
 import torch
 import zstandard
 
-from p2p_sync import device_scans
+from p2p_sync import device_scans, jit
 from p2p_sync.device_scans import Selected
 from p2p_sync.errors import (
     BadMagicError,
@@ -785,6 +785,28 @@ def _code_classes(rank: np.ndarray, bounds: np.ndarray, members: np.ndarray) -> 
 # numpy (class_map + class_ranks/class_select above), several times slower.
 
 
+@jit.step
+def _count_classes(u: np.ndarray, shift: int, h: np.ndarray, start: int, end: int) -> None:
+    """Count the classes of ``u[start:end]`` into the four histograms ``h`` in turn, so runs of
+    one class do not wait on one counter."""
+    i = start
+    while i + 4 <= end:
+        h[0, (u[i] >> shift) & 15] += 1
+        h[1, (u[i + 1] >> shift) & 15] += 1
+        h[2, (u[i + 2] >> shift) & 15] += 1
+        h[3, (u[i + 3] >> shift) & 15] += 1
+        i += 4
+    while i < end:
+        h[0, (u[i] >> shift) & 15] += 1
+        i += 1
+
+
+@jit.step
+def _class_count(h: np.ndarray, c: int) -> int:
+    """Class ``c``'s count over the four histograms."""
+    return h[0, c] + h[1, c] + h[2, c] + h[3, c]
+
+
 def _rank_scan_py(
     u: np.ndarray,
     shift: int,
@@ -794,30 +816,91 @@ def _rank_scan_py(
     members: np.ndarray,
 ) -> None:
     """Kernel: class and class rank of each sorted position; class sizes into ``members``.
-    Between two changed positions the loop only counts, into four histograms in turn, so runs
-    of one class do not wait on one counter."""
+    Between two changed positions the loop only counts."""
     h = np.zeros((4, 16), np.int64)
     start = 0
-    for j in range(pos.size + 1):
-        end = pos[j] if j < pos.size else u.size
-        i = start
-        while i + 4 <= end:
-            h[0, (u[i] >> shift) & 15] += 1
-            h[1, (u[i + 1] >> shift) & 15] += 1
-            h[2, (u[i + 2] >> shift) & 15] += 1
-            h[3, (u[i + 3] >> shift) & 15] += 1
-            i += 4
-        while i < end:
-            h[0, (u[i] >> shift) & 15] += 1
-            i += 1
-        if j < pos.size:
-            c = (u[end] >> shift) & 15
-            cls[j] = c
-            rank[j] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
-            h[0, c] += 1
-            start = end + 1
+    for j in range(pos.size):
+        end = pos[j]
+        _count_classes(u, shift, h, start, end)
+        c = (u[end] >> shift) & 15
+        cls[j] = c
+        rank[j] = _class_count(h, c)
+        h[0, c] += 1
+        start = end + 1
+    _count_classes(u, shift, h, start, u.size)
     for c in range(16):
-        members[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+        members[c] = _class_count(h, c)
+
+
+# The select scan's per-class state: coded ranks, each class's first, class sizes so far
+# (complement classes), where each class reads ranks, its next coded rank, its skip count.
+_SelectState = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@jit.step
+def _select_start(complement: np.ndarray, state: _SelectState) -> None:
+    """Point every class at its first coded rank; a normal class skips the members before it."""
+    ranks, first, _, cursor, due, skip = state
+    for c in range(16):
+        cursor[c] = first[c]
+        due[c] = ranks[first[c]]
+        skip[c] = 0 if complement[c] else due[c]
+
+
+@jit.step
+def _next_coded(c: int, state: _SelectState) -> int:
+    """A normal class's skip ran out: this member is its next coded rank, so it changed. Move
+    to the following rank; return its index among the class's changed elements."""
+    ranks, first, _, cursor, due, skip = state
+    cur, seen = cursor[c], due[c]
+    cursor[c] = cur + 1
+    due[c] = ranks[cur + 1]
+    skip[c] = due[c] - seen - 1
+    return cur - first[c]
+
+
+@jit.step
+def _complement_member(c: int, state: _SelectState) -> int:
+    """A member of complement class ``c``: -1 when coded (it stays), else it changed and this is
+    its index among the class's changed elements."""
+    ranks, first, members, cursor, due, _ = state
+    cur, seen = cursor[c], members[c]
+    members[c] = seen + 1
+    if seen == due[c]:
+        cursor[c] = cur + 1
+        due[c] = ranks[cur + 1]
+        return -1
+    return seen - (cur - first[c])
+
+
+@jit.step
+def _select_walk(
+    u: np.ndarray, shift: int, complement: np.ndarray, state: _SelectState, out: tuple
+) -> int:
+    """Emit the changed elements in order into ``out`` (position, class, index among the class's
+    changed elements); the common element costs one decrement. The count, or -1 past the cap."""
+    out_pos, out_cls, out_within = out
+    skip = state[5]
+    k = 0
+    for i in range(u.size):
+        c = (u[i] >> shift) & 15
+        left = skip[c]
+        if left > 0:
+            skip[c] = left - 1
+            continue
+        if complement[c]:
+            within = _complement_member(c, state)
+            if within < 0:  # a coded member: it stays
+                continue
+        else:
+            within = _next_coded(c, state)
+        if k == out_pos.size:
+            return -1
+        out_pos[k] = i
+        out_cls[k] = c
+        out_within[k] = within
+        k += 1
+    return k
 
 
 def _select_scan_py(
@@ -834,46 +917,16 @@ def _select_scan_py(
 ) -> int:
     """Kernel: walk the base once; an element is changed when its class rank is the class's
     next coded rank (or, in a complement class, is not). ``ranks`` holds each class's coded
-    ranks from ``first[c]`` on, closed by a sentinel >= 2^62. Emits changed positions in order,
-    with class and index among the class's changed elements; fills ``members`` (class sizes)
-    and ``cursor`` (where each class stopped reading ``ranks``). Returns the number emitted, -1
-    past the cap.
-
-    The common element costs one decrement: ``skip[c]`` counts the class-c elements left before
-    its next coded rank (0 for a complement class, whose every member takes the slow path)."""
+    ranks from ``first[c]`` on, closed by a sentinel >= 2^62. Emits changed positions in order;
+    fills ``members`` (class sizes) and ``cursor`` (where each class stopped reading ``ranks``).
+    Returns the number emitted, -1 past the cap. ``skip[c]`` counts the class-c elements left
+    before its next coded rank (0 for a complement class: its every member takes the slow path)."""
     skip, due = np.empty(16, np.int64), np.empty(16, np.int64)
-    for c in range(16):
-        cursor[c] = first[c]
-        due[c] = ranks[first[c]]
-        skip[c] = 0 if complement[c] else due[c]
-    k, cap = 0, out_pos.size
-    for i in range(u.size):
-        c = (u[i] >> shift) & 15
-        left = skip[c]
-        if left > 0:
-            skip[c] = left - 1
-            continue
-        cur = cursor[c]
-        if complement[c]:
-            seen = members[c]
-            members[c] = seen + 1
-            if seen == due[c]:  # a coded member: it stays
-                cursor[c] = cur + 1
-                due[c] = ranks[cur + 1]
-                continue
-            within = seen - (cur - first[c])
-        else:  # skip ran out: this element is the next coded rank
-            seen = due[c]
-            cursor[c] = cur + 1
-            due[c] = ranks[cur + 1]
-            skip[c] = due[c] - seen - 1
-            within = cur - first[c]
-        if k == cap:
-            return -1
-        out_pos[k] = i
-        out_cls[k] = c
-        out_within[k] = within
-        k += 1
+    state = (ranks, first, members, cursor, due, skip)
+    _select_start(complement, state)
+    k = _select_walk(u, shift, complement, state, (out_pos, out_cls, out_within))
+    if k < 0:
+        return k
     for c in range(16):
         if not complement[c]:
             members[c] = due[c] - skip[c]
@@ -887,23 +940,16 @@ def _kernels() -> dict[str, Callable]:
     """The scans compiled by numba (cached on disk), or ``fast=False``: then callers take the
     word-parallel numpy paths (a Python loop per element would take seconds)."""
     if not _KERNELS:
-        try:
-            import numba
-        except ImportError:  # pragma: no cover - numba is a dependency; this keeps a fallback
-            _KERNELS.update(fast=False)
-            return _KERNELS
-        kernels = {
-            "rank": _rank_scan_py,
-            "select": _select_scan_py,
-            "rice": _rice_decode_py,
-            "rice_encode": _rice_encode_py,
-            "gather": _gather_py,
-        }
-        try:
-            compiled = {k: numba.njit(cache=True, nogil=True)(f) for k, f in kernels.items()}
-        except RuntimeError:  # no writable cache location: compile in memory each process
-            compiled = {k: numba.njit(nogil=True)(f) for k, f in kernels.items()}
-        _KERNELS.update(compiled, fast=True)
+        compiled = jit.compile_kernels(
+            {
+                "rank": _rank_scan_py,
+                "select": _select_scan_py,
+                "rice": _rice_decode_py,
+                "rice_encode": _rice_encode_py,
+                "gather": _gather_py,
+            }
+        )
+        _KERNELS.update(compiled or {}, fast=compiled is not None)
     return _KERNELS
 
 
@@ -952,6 +998,35 @@ def _select_numpy(
     return Selected(pos[order], cls[order], within[order], cmap.members, consumed)
 
 
+def _sentinel_ranks(ranks: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each class's coded ranks closed by a sentinel 2^62, so the select scan reads a class's
+    next rank without a bounds check; and where each class's ranks start."""
+    first = starts[:-1] + np.arange(N_CLASSES)
+    padded = np.full(ranks.size + N_CLASSES, 2**62, np.int64)
+    padded[np.arange(ranks.size) + np.repeat(np.arange(N_CLASSES), np.diff(starts))] = ranks
+    return padded, first
+
+
+def _select_compiled(
+    select: Callable,
+    u: np.ndarray,
+    shift: int,
+    ranks: np.ndarray,
+    starts: np.ndarray,
+    complement: np.ndarray,
+    cap: int,
+) -> Selected | None:
+    """:func:`scan_select` by the compiled kernel ``select`` over base words ``u``."""
+    out_pos, out_within = np.empty(cap, np.int64), np.empty(cap, np.int64)
+    out_cls = np.empty(cap, np.uint8)
+    members, cursor = np.zeros(N_CLASSES, np.int64), np.zeros(N_CLASSES, np.int64)
+    padded, first = _sentinel_ranks(ranks, starts)
+    k = select(u, shift, padded, first, complement, out_pos, out_cls, out_within, members, cursor)
+    if k < 0:
+        return None
+    return Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
+
+
 def scan_select(
     base_bits: Bits,
     dtype: torch.dtype,
@@ -962,35 +1037,15 @@ def scan_select(
 ) -> Selected | None:
     """Positions of the changed elements given each class's sorted coded ranks
     (``ranks[starts[c]:starts[c+1]]``); None when more than ``cap`` elements would change."""
+    shift = MANTISSA_BITS[dtype]
     if isinstance(base_bits, torch.Tensor):
-        return device_scans.scan_select(
-            base_bits, MANTISSA_BITS[dtype], ranks, starts, complement, cap
-        )
+        return device_scans.scan_select(base_bits, shift, ranks, starts, complement, cap)
     kernels = _kernels()
     if not kernels["fast"]:
         found = _select_numpy(base_bits, dtype, ranks, starts, complement)
         return found if found.pos.size <= cap else None
-    out_pos, out_within = np.empty(cap, np.int64), np.empty(cap, np.int64)
-    out_cls = np.empty(cap, np.uint8)
-    members, cursor = np.zeros(N_CLASSES, np.int64), np.zeros(N_CLASSES, np.int64)
-    first = starts[:-1] + np.arange(N_CLASSES)  # each class's ranks, then one sentinel
-    padded = np.full(ranks.size + N_CLASSES, 2**62, np.int64)
-    padded[np.arange(ranks.size) + np.repeat(np.arange(N_CLASSES), np.diff(starts))] = ranks
-    k = kernels["select"](
-        _unsigned(base_bits),
-        MANTISSA_BITS[dtype],
-        padded,
-        first,
-        complement,
-        out_pos,
-        out_cls,
-        out_within,
-        members,
-        cursor,
-    )
-    if k < 0:
-        return None
-    return Selected(out_pos[:k], out_cls[:k], out_within[:k], members, cursor - first)
+    u = _unsigned(base_bits)
+    return _select_compiled(kernels["select"], u, shift, ranks, starts, complement, cap)
 
 
 def _classed_streams(delta: TensorDelta, base_bits: Bits) -> list[bytes]:
@@ -1100,6 +1155,44 @@ def _rice_encode_py(
             i += 1
 
 
+@jit.step
+def _unary_code(unary: np.ndarray, bit: int) -> tuple[int, int]:
+    """The unary code from bit ``bit`` on: (its zeros, the bit after its one), or (-1, bit)
+    when the stream runs out first."""
+    nbits, q = unary.size * 8, 0
+    while True:
+        if bit >= nbits:
+            return -1, bit
+        if (unary[bit >> 3] >> (bit & 7)) & 1:
+            return q, bit + 1
+        q += 1
+        bit += 1
+
+
+@jit.step
+def _remainder(planes: np.ndarray, plane_start: np.ndarray, plane_pos: np.ndarray, k: int) -> int:
+    """A code's ``k`` remainder bits, bit j the next unread bit of plane j."""
+    rem = 0
+    for j in range(k):
+        p = plane_pos[j]
+        rem |= np.int64((planes[plane_start[j] + (p >> 3)] >> (p & 7)) & 1) << j
+        plane_pos[j] = p + 1
+    return rem
+
+
+@jit.step
+def _unary_padding_ok(unary: np.ndarray, bit: int) -> bool:
+    """After the last code only zero bits, fewer than 8 of them, may follow."""
+    nbits = unary.size * 8
+    if nbits - bit >= 8:
+        return False
+    while bit < nbits:
+        if (unary[bit >> 3] >> (bit & 7)) & 1:
+            return False
+        bit += 1
+    return True
+
+
 def _rice_decode_py(
     unary: np.ndarray,
     planes: np.ndarray,
@@ -1112,40 +1205,23 @@ def _rice_decode_py(
     """Kernel: every class's ranks from its Rice codes (raw unary bytes and remainder planes,
     plane j at byte ``plane_start[j]``). Returns 0, or 1 when the unary stream runs out, 2 when
     a gap leaves the tensor, 3 when bits follow the last code (other than < 8 zero pads)."""
-    bit, nbits, i = 0, unary.size * 8, 0
+    bit, i = 0, 0
     plane_pos = np.zeros(64, np.int64)
     for c in range(16):
         kc, prev = k[c], -1
         for _ in range(coded[c]):
-            q = 0
-            while True:
-                if bit >= nbits:
-                    return 1
-                if (unary[bit >> 3] >> (bit & 7)) & 1:
-                    break
-                q += 1
-                bit += 1
-            bit += 1
+            q, bit = _unary_code(unary, bit)
+            if q < 0:
+                return 1
             if q > (numel >> kc):
                 return 2
-            rem = 0
-            for j in range(kc):
-                p = plane_pos[j]
-                rem |= np.int64((planes[plane_start[j] + (p >> 3)] >> (p & 7)) & 1) << j
-                plane_pos[j] = p + 1
-            gap = (q << kc) | rem
+            gap = (q << kc) | _remainder(planes, plane_start, plane_pos, kc)
             if gap >= numel or prev + gap + 1 >= numel:
                 return 2
             prev += gap + 1
             ranks[i] = prev
             i += 1
-    if nbits - bit >= 8:
-        return 3
-    while bit < nbits:
-        if (unary[bit >> 3] >> (bit & 7)) & 1:
-            return 3
-        bit += 1
-    return 0
+    return 0 if _unary_padding_ok(unary, bit) else 3
 
 
 _RICE_ERRORS = {

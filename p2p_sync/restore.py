@@ -131,21 +131,39 @@ def apply_frames(
     rows = _rows_to_apply(weights, info, digest)
     written: list[str] = []
     try:
-        map_workers(
-            lambda n: _apply_frame(weights, rows[n], data, digest, written),
-            distinct_tensors(weights, rows),
-            workers,
-        )
-        follow_aliases(weights, rows, digest)
-        got = digest.hash()
-        if got != info.target_hash:
-            raise TargetMismatchError(
-                f"patched weights hash to {got.hex()}, not the target {info.target_hash.hex()}"
-            )
+        _write_frames(weights, rows, data, digest, written, workers)
+        _check_target(digest, info.target_hash)
     except PatchError as exc:
         if not written:
             raise
         raise TornApplyError(f"{exc} (after {len(written)} tensor(s) were written)") from exc
+
+
+def _write_frames(
+    weights: Weights,
+    rows: dict[str, codec.FrameInfo],
+    data: memoryview,
+    digest: StateDigest,
+    written: list[str],
+    workers: int,
+) -> None:
+    """Decode and write every changed tensor (tied ones once; aliases take their sums), naming in
+    ``written`` each one written, so a failure can tell a torn apply from an untouched one."""
+    map_workers(
+        lambda n: _apply_frame(weights, rows[n], data, digest, written),
+        distinct_tensors(weights, rows),
+        workers,
+    )
+    follow_aliases(weights, rows, digest)
+
+
+def _check_target(digest: StateDigest, target: bytes) -> None:
+    """The patched weights' state hash, from their tracked sums, must be the signed target."""
+    got = digest.hash()
+    if got != target:
+        raise TargetMismatchError(
+            f"patched weights hash to {got.hex()}, not the target {target.hex()}"
+        )
 
 
 def _rows_to_apply(

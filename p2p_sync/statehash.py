@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
+from p2p_sync import jit
 from p2p_sync.tensors import Layout, TensorSet, TensorSpec, layout_of, spec_record
 from p2p_sync.threads import map_workers
 
@@ -106,6 +107,80 @@ def _terms_torch(u: torch.Tensor, j: torch.Tensor) -> Sums:
 
 ALL, WORDS, ELEMENTS, APPLY = 0, 1, 2, 3  # what the host kernel does with ``idx``
 
+_K0, _K1 = np.uint64(K0), np.uint64(K1)
+_F1, _F2, _S1, _S2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
+
+
+@jit.step
+def _lane0(u: np.uint64, j: np.uint64) -> np.uint64:
+    """Lane 0's term of word ``u`` at index ``j``: fmix64 (uint64 arithmetic wraps)."""
+    x = u ^ (j * _K0)
+    x ^= x >> np.uint64(33)
+    x *= _F1
+    x ^= x >> np.uint64(33)
+    x *= _F2
+    return x ^ (x >> np.uint64(33))
+
+
+@jit.step
+def _lane1(u: np.uint64, j: np.uint64) -> np.uint64:
+    """Lane 1's term of word ``u`` at index ``j``: SplitMix64's finalizer (uint64 wraps)."""
+    y = u ^ (j * _K1)
+    y ^= y >> np.uint64(30)
+    y *= _S1
+    y ^= y >> np.uint64(27)
+    y *= _S2
+    return y ^ (y >> np.uint64(31))
+
+
+@jit.step
+def _sum_all(body: np.ndarray) -> tuple[np.uint64, np.uint64]:
+    """Both lanes' sums over every word: the hot loop of a full hash, no index, no branch."""
+    a, b = _ZERO, _ZERO
+    for i in range(body.size):
+        a += _lane0(body[i], np.uint64(i))
+        b += _lane1(body[i], np.uint64(i))
+    return a, b
+
+
+@jit.step
+def _sum_listed(
+    body: np.ndarray, idx: np.ndarray, mode: int, shift: int, tail: np.uint64
+) -> tuple[np.uint64, np.uint64]:
+    """Both lanes' sums over the words ``idx`` names (WORDS), or over the distinct words holding
+    the sorted element positions ``idx`` (ELEMENTS), a word past ``body`` being ``tail``."""
+    a, b = _ZERO, _ZERO
+    last = -1
+    for n in range(idx.size):
+        i = idx[n] >> shift if mode == ELEMENTS else idx[n]
+        if i == last:  # sorted positions: a word's elements are neighbours
+            continue
+        last = i if mode == ELEMENTS else -1
+        u = body[i] if i < body.size else tail
+        a += _lane0(u, np.uint64(i))
+        b += _lane1(u, np.uint64(i))
+    return a, b
+
+
+@jit.step
+def _sum_apply(
+    body: np.ndarray, idx: np.ndarray, shift: int, elems: np.ndarray, deltas: np.ndarray
+) -> tuple:
+    """APPLY: each touched whole word summed, patched and summed again while in cache (see
+    :func:`_sums_py`); (before0, before1, after0, after1, positions consumed)."""
+    a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
+    k = 0
+    while k < idx.size and idx[k] >> shift < body.size:
+        w = idx[k] >> shift
+        a += _lane0(body[w], np.uint64(w))
+        b += _lane1(body[w], np.uint64(w))
+        while k < idx.size and idx[k] >> shift == w:
+            elems[idx[k]] += deltas[k]
+            k += 1
+        c += _lane0(body[w], np.uint64(w))
+        d += _lane1(body[w], np.uint64(w))
+    return a, b, c, d, k
+
 
 def _sums_py(
     body: np.ndarray,
@@ -116,75 +191,31 @@ def _sums_py(
     elems: np.ndarray,
     deltas: np.ndarray,
 ) -> tuple:
-    """The host kernel (numba compiles this; uint64 arithmetic wraps). Sums of the terms of:
-    every word of ``body`` (ALL); the words ``body[idx]`` (WORDS); the distinct words holding
-    the sorted element positions ``idx``, word = position >> ``shift`` (ELEMENTS), a word past
-    ``body`` being the zero-padded ``tail``. APPLY adds ``deltas`` to ``elems`` (the same
-    memory, element by element) at positions ``idx`` and sums each touched word just before
-    and just after, in one pass; it stops at the first position in the tail word.
+    """The host kernel (numba compiles this and its steps; uint64 arithmetic wraps). Sums of the
+    terms of: every word of ``body`` (ALL); the words ``body[idx]`` (WORDS); the distinct words
+    holding the sorted element positions ``idx``, word = position >> ``shift`` (ELEMENTS), a
+    word past ``body`` being the zero-padded ``tail``. APPLY adds ``deltas`` to ``elems`` (the
+    same memory, element by element) at positions ``idx`` and sums each touched word just
+    before and just after, in one pass; it stops at the first position in the tail word.
     Returns (sum0, sum1, after0, after1, positions consumed)."""
-    k0, k1 = np.uint64(K0), np.uint64(K1)
-    f1, f2, s1, s2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
-
-    def lane0(u: np.uint64, j: np.uint64) -> np.uint64:
-        x = u ^ (j * k0)
-        x ^= x >> np.uint64(33)
-        x *= f1
-        x ^= x >> np.uint64(33)
-        x *= f2
-        return x ^ (x >> np.uint64(33))
-
-    def lane1(u: np.uint64, j: np.uint64) -> np.uint64:
-        y = u ^ (j * k1)
-        y ^= y >> np.uint64(30)
-        y *= s1
-        y ^= y >> np.uint64(27)
-        y *= s2
-        return y ^ (y >> np.uint64(31))
-
-    zero = np.uint64(0)
-    a, b, c, d = zero, zero, zero, zero
-    if mode == ALL:  # the hot loop of a full hash: no index, no branch
-        for i in range(body.size):
-            a += lane0(body[i], np.uint64(i))
-            b += lane1(body[i], np.uint64(i))
-        return a, b, c, d, 0
     if mode == APPLY:
-        k = 0
-        while k < idx.size and idx[k] >> shift < body.size:
-            w = idx[k] >> shift
-            a += lane0(body[w], np.uint64(w))
-            b += lane1(body[w], np.uint64(w))
-            while k < idx.size and idx[k] >> shift == w:
-                elems[idx[k]] += deltas[k]
-                k += 1
-            c += lane0(body[w], np.uint64(w))
-            d += lane1(body[w], np.uint64(w))
-        return a, b, c, d, k
-    last = -1
-    for n in range(idx.size):
-        i = idx[n] >> shift if mode == ELEMENTS else idx[n]
-        if i == last:  # sorted positions: a word's elements are neighbours
-            continue
-        last = i if mode == ELEMENTS else -1
-        u = body[i] if i < body.size else tail
-        a += lane0(u, np.uint64(i))
-        b += lane1(u, np.uint64(i))
-    return a, b, c, d, 0
+        return _sum_apply(body, idx, shift, elems, deltas)
+    if mode == ALL:
+        a, b = _sum_all(body)
+    else:
+        a, b = _sum_listed(body, idx, mode, shift, tail)
+    return a, b, _ZERO, _ZERO, 0
 
 
 _KERNELS: dict[str, Callable] = {}
 
 
 def _kernels() -> dict[str, Callable]:
-    """The host scans, compiled by numba (cached on disk) on first use."""
+    """The host scans, compiled by numba (cached on disk) on first use; without numba, the
+    Python kernel (correct, and very slow)."""
     if not _KERNELS:
-        import numba
-
-        try:
-            _KERNELS["sums"] = numba.njit(cache=True, nogil=True)(_sums_py)
-        except RuntimeError:  # no writable cache location: compile in memory
-            _KERNELS["sums"] = numba.njit(nogil=True)(_sums_py)
+        compiled = jit.compile_kernels({"sums": _sums_py})
+        _KERNELS.update(compiled or {"sums": _sums_py})
     return _KERNELS
 
 

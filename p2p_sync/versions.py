@@ -127,7 +127,15 @@ def plan(
         head = max((a.version for a in arts), default=local.version)
     if local.version == head:
         return []
-    start: Node = (local.version, local.state_hash)
+    path = _cheapest_path((local.version, local.state_hash), head, arts)
+    if path is None:
+        raise NoPathError(f"no announced chain leads from v{local.version} to v{head}")
+    return path
+
+
+def _cheapest_path(start: Node, head: int, arts: list[Artifact]) -> list[Artifact] | None:
+    """Dijkstra from ``start`` to any state of version ``head``, cost (bytes, hops); equal
+    costs leave the queue in push order, so the plan is deterministic. None: no chain."""
     queue: list[tuple[int, int, int, Node]] = [(0, 0, 0, start)]
     best: dict[Node, tuple[int, int]] = {start: (0, 0)}
     back: dict[Node, tuple[Node, Artifact]] = {}
@@ -144,7 +152,7 @@ def plan(
                 best[nxt], back[nxt] = key, (node, a)
                 tie += 1
                 heapq.heappush(queue, (*key, tie, nxt))
-    raise NoPathError(f"no announced chain leads from v{local.version} to v{head}")
+    return None
 
 
 def _path(back: dict[Node, tuple[Node, Artifact]], node: Node) -> list[Artifact]:

@@ -147,13 +147,11 @@ class P2PHost:
         on_known: Callable[[Decision, int], None] | None = None,
     ) -> None:
         self.settings = settings
+        self._judge = judge
+        self._on_accept = on_accept
+        self._on_peer_url = on_peer_url
+        self._known = known
         self._on_known = on_known  # a genuine announcement of news we already had, and when
-        self._judge, self._on_accept, self._on_peer_url, self._known = (
-            judge,
-            on_accept,
-            on_peer_url,
-            known,
-        )
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
         self.addr: str | None = None
@@ -162,6 +160,11 @@ class P2PHost:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
+        self._init_thread_state()
+
+    def _init_thread_state(self) -> None:
+        """The Trio thread, the handles that bridge to it and the libp2p objects living in it:
+        none until :meth:`start` runs the thread."""
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token: trio.lowlevel.TrioToken | None = None
