@@ -1171,10 +1171,10 @@ def _rice_encode_py(
 
 
 @jit.step
-def _unary_code(unary: np.ndarray, bit: int) -> tuple[int, int]:
+def _unary_code(unary: np.ndarray, bit: int, nbits: int) -> tuple[int, int]:
     """The unary code from bit ``bit`` on: (its zeros, the bit after its one), or (-1, bit)
     when the stream runs out first."""
-    nbits, q = unary.size * 8, 0
+    q = 0
     while True:
         if bit >= nbits:
             return -1, bit
@@ -1185,14 +1185,17 @@ def _unary_code(unary: np.ndarray, bit: int) -> tuple[int, int]:
 
 
 @jit.step
-def _remainder(planes: np.ndarray, plane_start: np.ndarray, plane_pos: np.ndarray, k: int) -> int:
-    """A code's ``k`` remainder bits, bit j the next unread bit of plane j."""
-    rem = 0
+def _rice_gap(
+    q: int, k: int, planes: np.ndarray, plane_start: np.ndarray, plane_pos: np.ndarray
+) -> int:
+    """A code's gap: quotient ``q`` above its ``k`` remainder bits, bit j the next unread bit of
+    plane j."""
+    gap = q << k
     for j in range(k):
         p = plane_pos[j]
-        rem |= np.int64((planes[plane_start[j] + (p >> 3)] >> (p & 7)) & 1) << j
+        gap |= np.int64((planes[plane_start[j] + (p >> 3)] >> (p & 7)) & 1) << j
         plane_pos[j] = p + 1
-    return rem
+    return gap
 
 
 @jit.step
@@ -1220,17 +1223,17 @@ def _rice_decode_py(
     """Kernel: every class's ranks from its Rice codes (raw unary bytes and remainder planes,
     plane j at byte ``plane_start[j]``). Returns 0, or 1 when the unary stream runs out, 2 when
     a gap leaves the tensor, 3 when bits follow the last code (other than < 8 zero pads)."""
-    bit, i = 0, 0
+    bit, nbits, i = 0, unary.size * 8, 0
     plane_pos = np.zeros(64, np.int64)
     for c in range(16):
         kc, prev = k[c], -1
         for _ in range(coded[c]):
-            q, bit = _unary_code(unary, bit)
+            q, bit = _unary_code(unary, bit, nbits)
             if q < 0:
                 return 1
             if q > (numel >> kc):
                 return 2
-            gap = (q << kc) | _remainder(planes, plane_start, plane_pos, kc)
+            gap = _rice_gap(q, kc, planes, plane_start, plane_pos)
             if gap >= numel or prev + gap + 1 >= numel:
                 return 2
             prev += gap + 1
