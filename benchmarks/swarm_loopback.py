@@ -46,7 +46,7 @@ from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402
 from p2p_sync.peers import PeerLimits  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
 from p2p_sync.swarm import SwarmConfig  # noqa: E402
-from p2p_sync.transport.http import HttpLimits  # noqa: E402
+from p2p_sync.transport.dataplane import HttpLimits  # noqa: E402
 
 SWARM = "bench"
 

@@ -11,7 +11,7 @@ TOML table      dataclass                                    bounds
                                                              coding, manifest lifetime, seeding
 ``[download]``  :class:`p2p_sync.swarm.SwarmConfig`          one download: scheduler + driver
                                                              (a simulation embeds it too)
-``[http]``      :class:`p2p_sync.transport.http.HttpLimits`  the data plane, both sides
+``[http]``      :class:`p2p_sync.transport.dataplane.HttpLimits`  the data plane, both sides
 ``[directory]`` :class:`p2p_sync.peers.PeerLimits`           the peer table and polling
 ``[store]``     :class:`p2p_sync.store.StoreLimits`          disk budget, checkpoints
 ``[manifest]``  :class:`p2p_sync.manifest.ManifestLimits`    manifests peers offer
@@ -40,7 +40,7 @@ from p2p_sync.peers import PeerLimits
 from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.swarm import SwarmConfig
-from p2p_sync.transport.http import HttpLimits, valid_peer_url
+from p2p_sync.transport.dataplane import HttpLimits, valid_peer_url
 from p2p_sync.trusted import TrustLimits
 from p2p_sync.versions import PublishPolicy
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from node.runtime import Node
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import SwarmConfig
-from p2p_sync.transport.download import HttpChunkSource, download
+from p2p_sync.transport.download import DataPlaneSource, download
 
 
 class _Listener:
@@ -48,6 +48,6 @@ async def fetch_payload(
 ) -> None:
     """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
     assert node.client is not None
-    source = HttpChunkSource(node.client, node.peering.usable)
+    source = DataPlaneSource(node.client, node.peering.usable)
     config = config or swarm_config(node)
     await download(manifest, source, node.store, _Listener(node, on_chunk), config)

@@ -16,11 +16,11 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from p2p_sync import announce
-from p2p_sync.errors import LayoutSwapAttackError, ManifestError, RollbackAttackError
+from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, RollbackAttackError
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
-from p2p_sync.transport.http import PeerError, gather_quietly
+from p2p_sync.transport.dataplane import gather_quietly
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -39,6 +39,7 @@ class Learner:
         self._learning: set[str] = set()
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
         self._tasks: list[asyncio.Task[Any]] = []
+        self._poller: asyncio.Task[None] | None = None
         rate = node.cfg.announce.per_s
         self._gossip_rate = TokenBucket(rate, max(1.0, rate))
         self._started_at = node.accepted_version  # version at start
@@ -51,6 +52,16 @@ class Learner:
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(coro))
+
+    def start_polling(self) -> None:
+        self._poller = asyncio.create_task(self.poll_loop())
+        self._tasks.append(self._poller)
+
+    async def settled(self) -> None:
+        """Wait until the learning started so far (fetches, relays) is done: every manifest
+        offered before this call has been accepted or refused."""
+        busy = [t for t in self._tasks if not t.done() and t is not self._poller]
+        await asyncio.gather(*busy, return_exceptions=True)
 
     # ------------------------------------------------------------ HTTP: announcements, fetches
 

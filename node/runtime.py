@@ -1,4 +1,4 @@
-"""A running node: store, trust gate, peers, HTTP server and client, libp2p, metrics.
+"""A running node: store, trust gate, peers, data plane and client, libp2p, metrics.
 
 Trainer and rollout share this; each adds its own loop (``trainer.Publisher``,
 ``rollout.Follower``). The parts, one concern each: ``Peering`` (the sans-I/O peer directory
@@ -8,6 +8,10 @@ and what its actions do), ``Learner`` (manifests in and out: announcements, goss
 shared list bootstraps everyone. New versions spread by push (``POST /announce``, relayed once
 by every node that accepts the manifest) with a periodic pull of ``/manifests`` as the
 fallback for anything missed.
+
+The wire is the node's ``transport`` (``node.transports``): sockets (aiohttp, libp2p) by default,
+or an in-memory network that puts many nodes in one process for tests; the node's parts answer
+and judge the same way on either.
 
 With libp2p (``transport/p2p.py``, on unless ``--no-p2p``) the peer source and the push path
 are pluggable additions, not a second code path: HTTP URLs from signed peer records feed
@@ -21,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from dataclasses import asdict
 from typing import Any
 
 from node.config import NodeConfig
@@ -29,15 +32,16 @@ from node.dataview import DataView
 from node.learning import Learner
 from node.metrics import Metrics
 from node.peering import Peering
-from p2p_sync import announce
+from node.transports import HttpTransport, MemoryTransport
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.peers import PeerDirectory, PeerEntry, Source
 from p2p_sync.store import Store
-from p2p_sync.transport.http import DataClient, DataServer
+from p2p_sync.transport.dataplane import PeerClient
 from p2p_sync.trusted import TrustedSet
 
 log = logging.getLogger("p2psync.node")
+Transport = HttpTransport | MemoryTransport
 
 
 def warm_codec() -> None:
@@ -61,8 +65,17 @@ class Node:
 
     view_class: type[DataView] = DataView  # the trainer's super-seeds
 
-    def __init__(self, cfg: NodeConfig, policy: SwarmPolicy, store: Store) -> None:
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        policy: SwarmPolicy,
+        store: Store,
+        transport: Transport | None = None,
+    ) -> None:
+        """``transport``: sockets by default; ``MemoryTransport`` puts the node on an
+        in-memory network (tests with many nodes in one process)."""
         self.cfg, self.policy, self.store = cfg, policy, store
+        self.transport: Transport = transport or HttpTransport()
         self.metrics = Metrics()
         directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))
         self.peering = Peering(directory, self.metrics)
@@ -70,7 +83,7 @@ class Node:
             policy, lambda: self.accepted_version, cfg.trust_limits, self._accepted_layout
         )
         self.url: str | None = None
-        self.client: DataClient | None = None
+        self.client: PeerClient | None = None
         self.signer: SigningKey | None = None  # set on the trainer: signs gossip announcements
         self.p2p: Any = None  # transport.p2p.P2PHost once libp2p is up
         self.multiaddr: str | None = None
@@ -78,7 +91,6 @@ class Node:
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self.learner = Learner(self)
         self.view = self.view_class(self)
-        self.server = DataServer(self.view, cfg.http)
         self.metrics.version.set(self.accepted_version if store.state else -1)
         for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
             log.warning("dropped stored manifest %s: %s", digest[:16], why)
@@ -86,10 +98,8 @@ class Node:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        host, port = self.cfg.host_port
-        bound = await self.server.start(host, port)
-        self.url = f"http://{self.cfg.advertise_host or host}:{bound}"
-        self.client = DataClient(self.url, self.cfg.http)
+        self.url = await self.transport.serve(self)
+        self.client = self.transport.client(self)
         self.peering.directory.me = self.url
         for peer in self.cfg.peers:
             self.add_peer(peer)
@@ -97,7 +107,7 @@ class Node:
             await self._start_p2p()
         if self.cfg.role != "bootstrap":  # a bootstrap holds no weights: nothing to poll for
             await asyncio.to_thread(warm_codec)
-            self.learner.spawn(self.learner.poll_loop())
+            self.learner.start_polling()
         # Everything alive now (torch, libp2p, aiohttp, the weights' tensors) lives as long as
         # the node: move it out of the collector's sight. Full collections otherwise walk those
         # millions of objects again and again while chunks stream in (measured: 8 loopback
@@ -107,33 +117,8 @@ class Node:
 
     async def _start_p2p(self) -> None:
         """libp2p is an addition: if it cannot start, the node carries on from --peers."""
-        try:
-            from p2p_sync.transport import p2p  # imported here: --no-p2p nodes never load it
-
-            host, _ = self.cfg.host_port
-            settings = p2p.P2PSettings(
-                listen=self.cfg.p2p_listen or p2p.default_listen(host),
-                advertise_host=self.cfg.advertise_host,
-                identity_path=self.cfg.data_dir / p2p.IDENTITY_FILE,
-                topic=announce.topic(self.policy.swarm_id),
-                http_url=self.url,
-                bootstrap=self.cfg.bootstrap,
-                **asdict(self.cfg.libp2p),
-            )
-            learner = self.learner
-            node = p2p.P2PHost(
-                settings,
-                learner.judge,
-                learner.on_gossip,
-                learner.on_p2p_peer,
-                self.store.has_manifest,
-                learner.heard,
-            )
-            self.multiaddr = await node.start()
-        except Exception as exc:  # any failure (import, identity file, bind): HTTP only
-            log.warning("libp2p unavailable, using --peers only: %s", exc)
-            return
-        self.p2p = node
+        self.p2p = await self.transport.gossip(self)
+        self.multiaddr = self.p2p.addr if self.p2p is not None else None
 
     async def stop(self) -> None:
         if self.p2p is not None:
@@ -141,7 +126,7 @@ class Node:
         await self.learner.stop()
         if self.client is not None:
             await self.client.close()
-        await self.server.stop()
+        await self.transport.stop()
 
     # ------------------------------------------------------------ peers and state
 

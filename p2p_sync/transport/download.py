@@ -6,9 +6,9 @@ their outcomes into scheduler events; it sleeps until the scheduler's own next d
 against the signed manifest before it reaches the :class:`ChunkSink` (and so before it is
 relayed); bytes that fail the hash get the serving peer banned, by the scheduler's rule.
 
-Where the bytes come from is the source's business: HTTP today (:class:`HttpChunkSource`),
-libp2p streams or relays tomorrow, and an in-process network in tests; the driver, the
-scheduler and the verification are the same for all of them.
+Where the bytes come from is the source's business: a peer's data plane
+(:class:`DataPlaneSource`, over HTTP or the in-memory network of tests), libp2p streams or
+relays tomorrow; the driver, the scheduler and the verification are the same for all of them.
 
 Outcomes: :func:`download` returns once every chunk is in the sink, verified on re-read; it
 raises :class:`~p2p_sync.errors.DownloadStalledError` when the scheduler reports that some
@@ -43,7 +43,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.dataplane import PeerClient
 
 
 class ChunkSource(Protocol):
@@ -81,10 +81,11 @@ class DownloadListener(Protocol):
     def misbehaved(self, peer: str, reason: str) -> None: ...
 
 
-class HttpChunkSource:
-    """The HTTP data plane as a chunk source: ``GET /chunk/{sha}``, ``GET /have/{digest}``."""
+class DataPlaneSource:
+    """A peer client (HTTP, or in memory) as a chunk source: ``GET /chunk/{sha}`` and
+    ``GET /have/{digest}``."""
 
-    def __init__(self, client: DataClient, peers: Callable[[], list[str]]) -> None:
+    def __init__(self, client: PeerClient, peers: Callable[[], list[str]]) -> None:
         self.client, self._peers = client, peers
 
     def peers(self) -> list[str]:

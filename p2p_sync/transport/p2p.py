@@ -31,12 +31,10 @@ key: a restarted node keeps its peer id.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import ipaddress
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +53,8 @@ from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, PROTOCOL_ID_V1
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2p_sync.announce import Decision, Verdict
 from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
+from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
 
 log = logging.getLogger("p2psync.p2p")
 IDENTITY_FILE = "p2p-identity.key"
@@ -130,10 +128,6 @@ def load_or_create_identity(path: Path) -> Any:
 # ---------------------------------------------------------------- host
 
 
-Judge = Callable[[bytes, Callable[[str], bool]], Decision]
-OnAccept = Callable[[Decision, "str | None", int], None]
-
-
 class P2PHost:
     """One libp2p host in its own Trio thread; every public method is called from asyncio."""
 
@@ -144,20 +138,22 @@ class P2PHost:
         on_accept: OnAccept,
         on_peer_url: Callable[[str], None],
         known: Callable[[str], bool] = lambda digest: False,
-        on_known: Callable[[Decision, int], None] | None = None,
+        on_known: OnKnown | None = None,
     ) -> None:
         self.settings = settings
-        self._judge = judge
-        self._on_accept = on_accept
+        self.gate = GossipValidator(
+            judge,
+            on_accept,
+            known,
+            on_known,  # a genuine announcement of news we already had, and when
+            self._to_loop,
+            settings.max_rejects,
+            settings.seen_digests,
+        )
         self._on_peer_url = on_peer_url
-        self._known = known
-        self._on_known = on_known  # a genuine announcement of news we already had, and when
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
         self.addr: str | None = None
-        self.counts = collections.Counter[str]()
-        self._rejects = collections.Counter[ID]()
-        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self._init_thread_state()
@@ -240,10 +236,15 @@ class P2PHost:
             "addr": self.addr,
             **self._snapshot,
             "http_peers": len(self._urls),
-            "accepted": self.counts["accept"],
-            "rejected": self.counts["reject"],
-            "ignored": self.counts["ignore"],
+            "accepted": self.gate.counts["accept"],
+            "rejected": self.gate.counts["reject"],
+            "ignored": self.gate.counts["ignore"],
         }
+
+    def _to_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Hand a validation result to the node's asyncio loop (from the Trio thread)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
 
     def _take_snapshot(self) -> None:
         self._snapshot = {
@@ -343,35 +344,17 @@ class P2PHost:
         """Gossipsub validation hook: Accept forwards, anything else drops (Reject penalizes)."""
         if self._host is not None and forwarder == self._host.get_id():
             return True  # our own publication
-        decision = self._judge(bytes(msg.data), lambda d: d in self._seen or self._known(d))
-        self.counts[decision.verdict.value] += 1
-        if decision.verdict is Verdict.REJECT:
-            self._penalize(forwarder, decision.reason)
-            return False
-        if decision.verdict is Verdict.IGNORE:
-            if self._on_known is not None and decision.announcement is not None:
-                self._loop.call_soon_threadsafe(  # type: ignore[union-attr]
-                    self._on_known, decision, int(time.time() * 1000)
+        outcome = self.gate.validate(
+            bytes(msg.data), str(forwarder), self._urls.get(str(forwarder))
+        )
+        if outcome.blacklist and self._pubsub is not None:
+            if not self._pubsub.is_peer_blacklisted(forwarder):
+                log.warning(
+                    "blacklisted %s after %d rejected messages", forwarder, self.gate.max_rejects
                 )
-            return False
-        assert decision.announcement is not None
-        for digest in decision.announcement.digests:
-            self._seen[digest] = None
-        while len(self._seen) > self.settings.seen_digests:
-            self._seen.popitem(last=False)
-        now_ms = int(time.time() * 1000)
-        sender = self._urls.get(str(forwarder))
-        self._loop.call_soon_threadsafe(self._on_accept, decision, sender, now_ms)  # type: ignore[union-attr]
-        return True
-
-    def _penalize(self, peer: ID, reason: str) -> None:
-        self._rejects[peer] += 1
-        log.warning("rejected announcement from %s: %s", peer, reason)
-        if self._rejects[peer] >= self.settings.max_rejects and self._pubsub is not None:
-            if not self._pubsub.is_peer_blacklisted(peer):
-                log.warning("blacklisted %s after %d rejected messages", peer, self._rejects[peer])
-                self._pubsub.add_to_blacklist(peer)
+                self._pubsub.add_to_blacklist(forwarder)
                 self._take_snapshot()
+        return outcome.forward
 
     async def _maintain(self) -> None:
         """Keep joined: bootstrap dials, periodic Kademlia refresh, bounded top-up, URL harvest."""

@@ -1,0 +1,109 @@
+"""How a node meets the wire: real sockets (:class:`HttpTransport`: aiohttp data plane, libp2p
+gossip) or the in-memory network of tests (:class:`MemoryTransport`, N nodes in one process).
+
+Either way the node's own parts answer and judge: the data plane's router
+(``transport.dataplane``) and the gossip validator (``transport.gossip``); a transport only
+carries bytes, so a control-plane test in memory checks what a real node does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from p2p_sync import announce
+from p2p_sync.transport.dataplane import DataRouter, PeerClient
+from p2p_sync.transport.http import DataClient, DataServer
+from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork
+
+if TYPE_CHECKING:
+    from node.runtime import Node
+
+log = logging.getLogger("p2psync.node")
+
+
+class HttpTransport:
+    """Sockets: the aiohttp server and client, and a libp2p host when ``p2p`` is on."""
+
+    def __init__(self) -> None:
+        self.server: DataServer | None = None
+
+    async def serve(self, node: Node) -> str:
+        """Listen on the node's address; returns its advertised URL."""
+        host, port = node.cfg.host_port
+        self.server = DataServer(node.view, node.cfg.http)
+        bound = await self.server.start(host, port)
+        return f"http://{node.cfg.advertise_host or host}:{bound}"
+
+    def client(self, node: Node) -> PeerClient:
+        return DataClient(node.url, node.cfg.http)
+
+    async def gossip(self, node: Node) -> Any:
+        """A started libp2p host (its multiaddr in ``addr``). libp2p is an addition: if it
+        cannot start, the node carries on from --peers (None)."""
+        try:
+            from p2p_sync.transport import p2p  # imported here: --no-p2p nodes never load it
+
+            cfg, learner = node.cfg, node.learner
+            settings = p2p.P2PSettings(
+                listen=cfg.p2p_listen or p2p.default_listen(cfg.host_port[0]),
+                advertise_host=cfg.advertise_host,
+                identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
+                topic=announce.topic(node.policy.swarm_id),
+                http_url=node.url,
+                bootstrap=cfg.bootstrap,
+                **asdict(cfg.libp2p),
+            )
+            host = p2p.P2PHost(
+                settings,
+                learner.judge,
+                learner.on_gossip,
+                learner.on_p2p_peer,
+                node.store.has_manifest,
+                learner.heard,
+            )
+            await host.start()
+        except Exception as exc:  # any failure (import, identity file, bind): HTTP only
+            log.warning("libp2p unavailable, using --peers only: %s", exc)
+            return None
+        return host
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop()
+
+
+class MemoryTransport:
+    """One node's attachment to a :class:`MemoryNetwork` under ``name``."""
+
+    def __init__(self, network: MemoryNetwork, name: str) -> None:
+        self.network, self.name = network, name
+        self.url: str | None = None
+
+    async def serve(self, node: Node) -> str:
+        self.url = self.network.listen(DataRouter(node.view, node.cfg.http), self.name)
+        return self.url
+
+    def client(self, node: Node) -> PeerClient:
+        return MemoryClient(self.network, node.url, node.cfg.http)
+
+    async def gossip(self, node: Node) -> MemoryGossipHost:
+        assert node.url is not None
+        learner, limits = node.learner, node.cfg.libp2p
+        host = MemoryGossipHost(
+            self.network,
+            node.url,
+            learner.judge,
+            learner.on_gossip,
+            learner.on_p2p_peer,
+            node.store.has_manifest,
+            learner.heard,
+            limits.max_rejects,
+        )
+        await host.start()
+        return host
+
+    async def stop(self) -> None:
+        if self.url is not None:
+            self.network.close(self.url)

@@ -1,0 +1,328 @@
+"""The data plane's requests and answers, apart from any server library.
+
+Routes (all responses are small JSON except chunk bodies and metrics):
+
+=========================  ==================================================================
+GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent; at
+                            most ``max_concurrent_uploads`` at once, up to ``upload_queue``
+                            more wait their turn, beyond that (or after waiting
+                            ``request_timeout_s``) 503; a reader slower than
+                            ``request_timeout_s`` is cut off
+GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
+                            ``?version=N`` lists only that version's manifests
+GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
+GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]};
+                            with ``?known=N`` a long poll: the answer waits (up to
+                            ``have_wait_s``) until the list is no longer N long, so news
+                            of a chunk reaches peers one latency after it is verified
+GET  /peers                 {"peers": [base URLs this node knows]}
+POST /announce              {"url": sender base URL or null, "digests": [...]} -> 202
+GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
+GET  /metrics               Prometheus text exposition
+=========================  ==================================================================
+
+A requester names its own data-plane URL in the ``X-P2PSync-Peer`` header: that is how a node
+that only knew the trainer becomes known to everyone (via the trainer's ``/peers`` list).
+
+Everything a peer sends is untrusted: path parameters are validated before use, request bodies
+are capped (``max_request_bytes``), and any malformed request gets a 4xx without touching state.
+
+Why a router of its own: the aiohttp server (``transport.http``) and the in-memory network
+(``transport.memory``, N nodes in one process for tests) answer requests with the same code,
+so a control-plane test in memory exercises exactly what a real node serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from p2p_sync.errors import PeerBusyError, PeerError
+from p2p_sync.ratelimit import TokenBucket
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+URL = re.compile(r"^http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+PEER_HEADER = "X-P2PSync-Peer"
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Bounds of the data plane, on both sides."""
+
+    max_concurrent_uploads: int = 16
+    max_request_bytes: int = 64 * 1024
+    max_json_bytes: int = 16 * 2**20
+    max_chunk_bytes: int = 64 * 2**20
+    request_timeout_s: float = 10.0
+    connect_timeout_s: float = 3.0
+    max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
+    upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
+    have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
+
+
+class NodeView(Protocol):
+    """What the data plane needs from a node (implemented by ``node.dataview.DataView``)."""
+
+    def manifest_index(self) -> list[dict[str, Any]]: ...
+    def manifest_bytes(self, digest: str) -> bytes | None: ...
+    def have(self, digest: str, requester: str | None) -> list[int] | None: ...
+    async def have_changed(self, timeout: float) -> None: ...
+    def chunk(self, sha256: str) -> bytes | None: ...
+    def peer_urls(self) -> list[str]: ...
+    def status(self) -> dict[str, Any]: ...
+    def metrics_text(self) -> bytes: ...
+    def count_upload(self, nbytes: int) -> None: ...
+    def on_announce(self, url: str | None, digests: list[str]) -> None: ...
+    def add_peer(self, url: str) -> None: ...
+
+
+def valid_peer_url(url: str) -> bool:
+    return bool(URL.match(url)) and len(url) < 256
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request, as any transport hands it over (``path`` already normalized)."""
+
+    method: str
+    path: str
+    query: Mapping[str, str] = field(default_factory=dict)
+    peer: str | None = None  # the X-P2PSync-Peer header: the requester's own URL, unproven
+    body: bytes = b""
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = JSON
+    upload: bool = False  # chunk bytes: counted as uploaded once the transport sent them all
+
+
+class Refused(Exception):
+    """A request answered with an error status (inside the router only)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status, self.text = status, text
+
+
+def _json(doc: Any, status: int = 200) -> Reply:
+    return Reply(status, json.dumps(doc).encode())
+
+
+def _hex(value: str, name: str) -> str:
+    if not HEX64.match(value):
+        raise Refused(400, f"{name} must be 64 lowercase hex digits")
+    return value
+
+
+# the routes, and how many path segments each takes (its name, then a digest for some)
+_ARITY = {n: 1 for n in ("manifests", "peers", "announce", "status", "metrics")} | {
+    n: 2 for n in ("chunk", "manifest", "have")
+}
+
+Handler = Callable[[Request, str], Awaitable[Reply]]
+
+
+class DataRouter:
+    """Answers data-plane requests for one node; the upload slots and cap live here."""
+
+    def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
+        self.node, self.limits = node, limits
+        self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
+        self._queued = 0
+        rate = limits.max_upload_mbps * 1e6 / 8 or None
+        self._bucket = TokenBucket(rate, max(rate / 10, 1 << 20)) if rate else None
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("GET", "manifests"): self._manifests,
+            ("GET", "manifest"): self._manifest,
+            ("GET", "have"): self._have,
+            ("GET", "peers"): self._peers,
+            ("POST", "announce"): self._announce,
+            ("GET", "status"): self._status,
+            ("GET", "metrics"): self._metrics,
+        }
+
+    @asynccontextmanager
+    async def serve(self, req: Request) -> AsyncIterator[Reply]:
+        """The reply to ``req``, valid inside the block: a chunk keeps its upload slot until
+        the transport has sent it (or given up)."""
+        self._learn_requester(req.peer)
+        release: Callable[[], None] = _nothing
+        try:
+            reply, release = await self._respond(req)
+        except Refused as r:
+            reply = Reply(r.status, r.text.encode(), "text/plain")
+        try:
+            yield reply
+        finally:
+            release()
+
+    def sent(self, reply: Reply) -> None:
+        """The transport delivered ``reply`` whole: count the chunk bytes uploaded."""
+        if reply.upload:
+            self.node.count_upload(len(reply.body))
+
+    def _learn_requester(self, url: str | None) -> None:
+        if url is not None and valid_peer_url(url):
+            self.node.add_peer(url)
+
+    async def _respond(self, req: Request) -> tuple[Reply, Callable[[], None]]:
+        parts = req.path.strip("/").split("/")
+        name, arg = parts[0], "/".join(parts[1:])
+        if _ARITY.get(name) != len(parts):
+            raise Refused(404, "no such route")
+        if (req.method, name) == ("GET", "chunk"):
+            return await self._chunk(arg), self._uploads.release
+        handler = self._routes.get((req.method, name))
+        if handler is None:
+            raise Refused(405, f"{req.method} is not allowed on /{name}")
+        return await handler(req, arg), _nothing
+
+    # ------------------------------------------------------------ chunks
+
+    async def _upload_slot(self) -> None:
+        """Wait for an upload slot (bounded queue, bounded wait) or refuse with 503."""
+        if self._uploads.locked() and self._queued >= self.limits.upload_queue:
+            raise Refused(503, "upload queue full")
+        self._queued += 1
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                await self._uploads.acquire()
+        except TimeoutError:
+            raise Refused(503, "no upload slot in time") from None
+        finally:
+            self._queued -= 1
+
+    async def _chunk(self, sha: str) -> Reply:
+        """The chunk's bytes, holding an upload slot (the caller releases it)."""
+        _hex(sha, "sha")
+        await self._upload_slot()
+        try:
+            data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), < a thread hop
+            if data is None:
+                raise Refused(404, "no such chunk here")
+            if self._bucket is not None:  # upload cap: wait our turn before sending
+                await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
+        except BaseException:
+            self._uploads.release()
+            raise
+        return Reply(200, data, "application/octet-stream", upload=True)
+
+    # ------------------------------------------------------------ the control plane
+
+    async def _manifests(self, req: Request, _: str) -> Reply:
+        index = self.node.manifest_index()
+        if "version" in req.query:  # manifests of one version (patch, snapshot, catch-ups)
+            try:
+                version = int(req.query["version"])
+            except ValueError:
+                raise Refused(400, "version must be an integer") from None
+            index = [m for m in index if m["version"] == version]
+        return _json(index)
+
+    async def _manifest(self, req: Request, digest: str) -> Reply:
+        data = self.node.manifest_bytes(_hex(digest, "digest"))
+        if data is None:
+            raise Refused(404, "no such manifest here")
+        return Reply(200, data)
+
+    async def _have(self, req: Request, digest: str) -> Reply:
+        _hex(digest, "digest")
+        known = req.query.get("known")
+        if known is not None and not (known.isdigit() and len(known) < 9):
+            raise Refused(400, "known must be a small non-negative integer")
+        have = self.node.have(digest, req.peer)
+        deadline = time.monotonic() + self.limits.have_wait_s
+        while have is not None and known is not None and len(have) == int(known):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await self.node.have_changed(left)
+            have = self.node.have(digest, req.peer)
+        if have is None:
+            raise Refused(404, "no such manifest here")
+        return _json({"have": have})
+
+    async def _peers(self, req: Request, _: str) -> Reply:
+        return _json({"peers": self.node.peer_urls()})
+
+    async def _announce(self, req: Request, _: str) -> Reply:
+        if len(req.body) > self.limits.max_request_bytes:
+            raise Refused(413, "body over the request limit")
+        try:
+            doc = json.loads(req.body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise Refused(400, "body must be JSON of at most 64 KiB") from None
+        url, digests = (doc.get("url"), doc.get("digests")) if isinstance(doc, dict) else (0, 0)
+        if not (url is None or isinstance(url, str)) or not isinstance(digests, list):
+            raise Refused(400, "expected {url, digests}")
+        if not all(isinstance(d, str) and HEX64.match(d) for d in digests):
+            raise Refused(400, "digests must be 64 hex digits each")
+        if url is not None and not valid_peer_url(url):
+            raise Refused(400, "url must be http://host:port")
+        self.node.on_announce(url, digests)
+        return _json({"ok": True}, status=202)
+
+    async def _status(self, req: Request, _: str) -> Reply:
+        return _json(self.node.status())
+
+    async def _metrics(self, req: Request, _: str) -> Reply:
+        return Reply(200, self.node.metrics_text(), "text/plain")
+
+
+def _nothing() -> None:
+    pass
+
+
+# ---------------------------------------------------------------- the client side
+
+
+class PeerClient(Protocol):
+    """What a node asks of its peers' data planes (``DataClient`` over HTTP,
+    ``MemoryClient`` in one process). Every failure is a ``PeerError``."""
+
+    self_url: str | None
+    limits: HttpLimits
+
+    async def get_json(self, url: str) -> Any: ...
+    async def get_bytes(self, url: str, limit: int | None = None) -> bytes: ...
+    async def announce(self, peer: str, digests: list[str]) -> None: ...
+    async def close(self) -> None: ...
+
+
+def check_reply(url: str, status: int, length: int, limit: int, expect: int = 200) -> None:
+    """A reply's status and announced length, judged before its body is read."""
+    if status == 503:
+        raise PeerBusyError(f"{url}: busy")
+    if status != expect:
+        raise PeerError(f"{url}: HTTP {status}")
+    if length > limit:
+        raise PeerError(f"{url}: response of {length} bytes over limit")
+
+
+def parse_json(url: str, body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise PeerError(f"{url}: not JSON") from None
+
+
+async def gather_quietly(calls: list[Awaitable[Any]]) -> list[Any]:
+    """Run calls concurrently; a PeerError becomes None in the result (peers come and go)."""
+
+    async def one(call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except PeerError:
+            return None
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))

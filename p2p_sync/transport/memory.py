@@ -1,0 +1,174 @@
+"""An in-memory network: many nodes in one process, one event loop, no sockets.
+
+The py-ipv8 way of testing a P2P protocol: N real nodes (their stores, trust gates, peer
+directories, learners, download drivers and routers) in one process, with only the wire
+replaced. Requests go straight to the target node's :class:`~p2p_sync.transport.dataplane.
+DataRouter`, the code that answers HTTP requests in a real node, so what a test checks here is
+what a node serves; gossip goes through each receiver's :class:`~p2p_sync.transport.gossip.
+GossipValidator`, the code a libp2p host runs inside gossipsub validation.
+
+What it does not model: bandwidth, connection set-up, partial reads (the simulator and the
+netns tier cover those). What it adds for tests: ``cut`` / ``restore`` a node's reachability,
+an optional one-way ``latency_s``, and a count of requests by route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from p2p_sync.errors import PeerError
+from p2p_sync.transport.dataplane import (
+    DataRouter,
+    HttpLimits,
+    Request,
+    check_reply,
+    parse_json,
+)
+from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
+
+SUFFIX = ".mem"
+
+
+class MemoryNetwork:
+    """Named data planes and one gossip topic, shared by the nodes of one test."""
+
+    def __init__(self, latency_s: float = 0.0) -> None:
+        self.latency_s = latency_s
+        self.routers: dict[str, DataRouter] = {}
+        self.gossip: dict[str, MemoryGossipHost] = {}
+        self.down: set[str] = set()
+        self.requests = collections.Counter[str]()  # route name -> requests made
+        self._next_port = 1
+
+    def listen(self, router: DataRouter, name: str) -> str:
+        """Attach a node's router; returns its URL (``http://<name>.mem:<port>``)."""
+        url = f"http://{name}{SUFFIX}:{self._next_port}"
+        self._next_port += 1
+        self.routers[url] = router
+        return url
+
+    def close(self, url: str) -> None:
+        self.routers.pop(url, None)
+
+    def cut(self, url: str) -> None:
+        """Make ``url`` unreachable (its requests and gossip fail) until :meth:`restore`."""
+        self.down.add(url)
+
+    def restore(self, url: str) -> None:
+        self.down.discard(url)
+
+    def router(self, url: str) -> DataRouter:
+        base = f"http://{urlsplit(url).netloc}"
+        router = self.routers.get(base)
+        if router is None or base in self.down:
+            raise PeerError(f"{base}: connection refused")
+        return router
+
+    async def travel(self) -> None:
+        """One way across the network: the latency, or at least one turn of the loop."""
+        await asyncio.sleep(self.latency_s)
+
+
+class MemoryClient:
+    """A node's client over the memory network (the face of ``http.DataClient``)."""
+
+    def __init__(
+        self, network: MemoryNetwork, self_url: str | None, limits: HttpLimits = HttpLimits()
+    ) -> None:
+        self.network, self.self_url, self.limits = network, self_url, limits
+
+    async def _request(
+        self, method: str, url: str, limit: int, body: bytes = b"", expect: int = 200
+    ) -> bytes:
+        parts = urlsplit(url)
+        req = Request(method, parts.path, dict(parse_qsl(parts.query)), self.self_url, body)
+        self.network.requests[parts.path.strip("/").split("/")[0]] += 1
+        await self.network.travel()
+        router = self.network.router(url)
+        async with router.serve(req) as reply:
+            check_reply(url, reply.status, len(reply.body), limit, expect)
+        await self.network.travel()
+        if self.self_url in self.network.down:
+            raise PeerError(f"{url}: connection lost")
+        router.sent(reply)
+        return reply.body
+
+    async def get_json(self, url: str) -> Any:
+        return parse_json(url, await self._request("GET", url, self.limits.max_json_bytes))
+
+    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+        return await self._request("GET", url, limit or self.limits.max_chunk_bytes)
+
+    async def announce(self, peer: str, digests: list[str]) -> None:
+        body = json.dumps({"url": self.self_url, "digests": digests}).encode()
+        await self._request("POST", f"{peer}/announce", 1024, body, expect=202)
+
+    async def close(self) -> None:
+        pass
+
+
+class MemoryGossipHost:
+    """A libp2p host's face (``start``, ``stop``, ``publish``, ``status``) over the memory
+    network: every host subscribed to one topic, each message validated by every receiver."""
+
+    def __init__(
+        self,
+        network: MemoryNetwork,
+        url: str,
+        judge: Judge,
+        on_accept: OnAccept,
+        on_peer_url: Callable[[str], None],
+        known: Callable[[str], bool],
+        on_known: OnKnown | None = None,
+        max_rejects: int = 3,
+        seen_digests: int = 4096,
+    ) -> None:
+        self.network, self.url, self.on_peer_url = network, url, on_peer_url
+        self.gate = GossipValidator(
+            judge, on_accept, known, on_known, self._schedule, max_rejects, seen_digests
+        )
+        self.blacklist: set[str] = set()
+        self.addr = f"/memory/{url[7:]}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _schedule(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon(fn, *args)
+
+    async def start(self) -> str:
+        """Join the topic; every member learns every other's URL (as signed peer records
+        carry them over libp2p)."""
+        self._loop = asyncio.get_running_loop()
+        for other in self.network.gossip.values():
+            other._schedule(other.on_peer_url, self.url)
+            self._schedule(self.on_peer_url, other.url)
+        self.network.gossip[self.url] = self
+        return self.addr
+
+    async def stop(self) -> None:
+        self.network.gossip.pop(self.url, None)
+
+    async def publish(self, data: bytes) -> None:
+        """Deliver to every other member not cut off and not blacklisting us."""
+        await self.network.travel()
+        for host in list(self.network.gossip.values()):
+            if host is self or self.url in host.blacklist or host.url in self.network.down:
+                continue
+            if host.gate.validate(data, self.url, self.url).blacklist:
+                host.blacklist.add(self.url)
+
+    def status(self) -> dict[str, Any]:
+        counts = self.gate.counts
+        return {
+            "peer_id": self.url,
+            "connected": len(self.network.gossip) - 1,
+            "blacklisted": len(self.blacklist),
+            "accepted": counts["accept"],
+            "rejected": counts["reject"],
+            "ignored": counts["ignore"],
+        }

@@ -1,0 +1,219 @@
+"""The control plane with N real nodes in one process (``tests/nodebase.py``): how nodes learn
+versions and each other, whom they ban, what gossip they believe, and what a flood of fake
+peers does. Real stores, gates, directories, drivers and routers; only the wire is in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from p2p_sync import announce
+from p2p_sync.chunks import manifest_for
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.peers import PeerLimits, Source
+from p2p_sync.statehash import state_hash
+from p2p_sync.transport.memory import MemoryClient
+from tests.helpers import bit_equal
+from tests.nodebase import MemorySwarm
+
+
+def _run(coro) -> dict:
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+# ---------------------------------------------------------------- learning
+
+
+async def _learn(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer = await swarm.start_trainer()
+        rollouts = [await swarm.start_rollout(f"r{i}") for i in range(4)]
+        for v, tensors in enumerate(versions):
+            await swarm.publish(tensors)
+            await swarm.converge(v)
+        return {
+            "trainer": trainer.url,
+            "weights": [swarm.weights(r) for r in rollouts],
+            "known": [set(r.peers) for r in rollouts],
+            "urls": [r.url for r in rollouts],
+            "uploaded": [r.metrics.bytes_uploaded for r in rollouts],
+            "trainer uploaded": trainer.metrics.bytes_uploaded,
+            "requests": dict(swarm.network.requests),
+        }
+
+
+def test_rollouts_that_know_only_the_trainer_learn_every_version_and_each_other(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_learn(tmp_path, tiny_versions[:3]))
+    for weights in out["weights"]:
+        assert bit_equal(weights, tiny_versions[2])
+    for me, known in zip(out["urls"], out["known"]):
+        others = set(out["urls"]) - {me}
+        assert out["trainer"] in known
+        assert known & others, f"{me} learned no other rollout from the trainer's /peers list"
+    assert out["requests"]["announce"] > 0 and out["requests"]["chunk"] > 0
+    assert sum(out["uploaded"]) > 0, "no rollout relayed a chunk: the swarm is a star"
+
+
+# ---------------------------------------------------------------- bans
+
+
+def _manifest(
+    swarm: str, key: SigningKey, version: int, layout: str = "00" * 16
+) -> tuple[Manifest, bytes, bytes]:
+    """A snapshot manifest for ``swarm`` signed by ``key``, with its payload."""
+    payload = b"not the swarm's weights " * 100
+    m = manifest_for(
+        payload,
+        swarm=swarm,
+        version=version,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout=layout,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
+    return m, sign(m, [key]), payload
+
+
+async def _ban(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        await swarm.start_trainer()
+        rollout = await swarm.start_rollout("r0")
+        await swarm.publish(versions[0])
+        await swarm.converge(0)
+        forger = SigningKey.generate()  # a key the swarm does not trust
+        evil = await swarm.node("evil", policy=SwarmPolicy("memory", (forger.public,)))
+        m, data, payload = _manifest(swarm.policy.swarm_id, forger, 5)
+        evil.store.put_payload(m, payload)
+        evil.store.put_manifest(m, data)
+        evil.add_peer(rollout.url or "", Source.GIVEN)
+        await evil.learner.announce([m.digest])  # POST /announce: "fetch this from me"
+        await rollout.learner.settled()  # the rollout fetched the manifest and judged it
+        banned = set(rollout.peering.banned)
+        await swarm.publish(versions[1])  # honest news still arrives
+        await swarm.converge(1)
+        return {
+            "banned": banned,
+            "evil": evil.url,
+            "has forged": rollout.store.has_manifest(m.digest),
+            "weights": swarm.weights(rollout),
+            "usable": rollout.peering.usable(),
+        }
+
+
+def test_a_peer_offering_a_forged_manifest_is_banned_and_honest_versions_still_arrive(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_ban(tmp_path, tiny_versions[:2]))
+    assert out["evil"] in out["banned"] and out["evil"] not in out["usable"]
+    assert not out["has forged"]
+    assert bit_equal(out["weights"], tiny_versions[1])
+
+
+# ---------------------------------------------------------------- gossip
+
+
+def _stale_announcement(swarm: MemorySwarm, version: int) -> tuple[bytes, str]:
+    """A genuine (trainer-signed) announcement of a genuine manifest for an old version, for
+    the tensors the swarm holds (so only the version floor can refuse it)."""
+    assert swarm.trainer is not None
+    layout = swarm.trainer.store.manifests()[0].layout
+    m, data, _ = _manifest(swarm.policy.swarm_id, swarm.key, version, layout)
+    a = announce.Announcement(
+        swarm.policy.swarm_id, version, (m.digest,), int(time.time() * 1000), ()
+    )
+    return announce.encode(a, [swarm.key], [data]), m.digest
+
+
+async def _gossip(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path, gossip=True) as swarm:
+        await swarm.start_trainer()
+        # no --peers and no polls: news can only come by gossip
+        quiet = PeerLimits(poll_interval_s=60)
+        rollouts = [await swarm.start_rollout(f"r{i}", directory=quiet, peers=()) for i in range(3)]
+        for v in (0, 1):
+            await swarm.publish(versions[v])
+            await swarm.converge(v)
+        attacker = await swarm.node("attacker")
+        stale, stale_digest = _stale_announcement(swarm, 0)
+        await attacker.p2p.publish(stale)  # genuine but below every rollout's floor
+        forged = announce.encode(
+            announce.Announcement(
+                swarm.policy.swarm_id, 9, ("ab" * 32,), int(time.time() * 1000), ()
+            ),
+            [SigningKey.generate()],
+        )
+        for _ in range(5):  # blacklisted after max_rejects (3): the rest are not even judged
+            await attacker.p2p.publish(forged)
+        await swarm.publish(versions[2])
+        await swarm.converge(2)
+        return {
+            "stale stored": [r.store.has_manifest(stale_digest) for r in rollouts],
+            "versions": [r.accepted_version for r in rollouts],
+            "status": [r.p2p.status() for r in rollouts],
+            "attacker": attacker.url,
+            "blacklists": [r.p2p.blacklist for r in rollouts],
+            "weights": [swarm.weights(r) for r in rollouts],
+            "latency": [r.learner.announce_latency_ms for r in rollouts],
+            "announce posts": swarm.network.requests["announce"],
+        }
+
+
+def test_gossip_alone_carries_versions_above_the_floor_and_blacklists_forgers(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_gossip(tmp_path, tiny_versions[:3]))
+    assert out["announce posts"] == 0  # every rollout was reachable by gossip: no HTTP push
+    for weights in out["weights"]:
+        assert bit_equal(weights, tiny_versions[2])
+    assert not any(out["stale stored"]), "a stale announcement's manifest got past the floor"
+    assert out["versions"] == [2, 2, 2]
+    for status, blacklist, latency in zip(out["status"], out["blacklists"], out["latency"]):
+        assert status["rejected"] == 3  # forged: judged until the third, then cut off
+        assert out["attacker"] in blacklist
+        assert status["accepted"] >= 3  # v0, v1, v2 from the trainer (and the stale one)
+        assert set(latency) >= {1, 2}
+
+
+# ---------------------------------------------------------------- peer-table flood
+
+
+async def _flood(tmp_path: Path, versions: list) -> dict:
+    limits = PeerLimits(poll_interval_s=0.2, max_peers=16, max_unproven=8)
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer = await swarm.start_trainer()
+        rollouts = [await swarm.start_rollout(f"r{i}", directory=limits) for i in range(3)]
+        await swarm.publish(versions[0])
+        await swarm.converge(0)
+        target = rollouts[0]
+        proven = {u for u, e in target.peers.items() if e.trusted}
+        for i in range(500):  # fake URLs, named in announcements and in the peer header
+            fake = f"http://fake-{i}.mem:{1000 + i}"
+            client = MemoryClient(swarm.network, fake)
+            await client.announce(target.url or "", [])
+        size_after_flood = len(target.peers)
+        await swarm.publish(versions[1])
+        await swarm.converge(1)
+        return {
+            "trainer": trainer.url,
+            "proven": proven,
+            "known": set(target.peers),
+            "size": size_after_flood,
+            "weights": swarm.weights(target),
+            "hash": state_hash(swarm.weights(target) or {}),
+        }
+
+
+def test_a_flood_of_fake_peers_cannot_push_out_known_good_ones(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_flood(tmp_path, tiny_versions[:2]))
+    assert out["trainer"] in out["proven"]
+    assert out["proven"] <= out["known"], "a flood displaced peers that had served verified bytes"
+    assert out["size"] <= 16
+    assert bit_equal(out["weights"], tiny_versions[1])
+    assert out["hash"] == state_hash(tiny_versions[1])
