@@ -3,8 +3,9 @@
 Like a node: per version it stores a real artifact (a patch of a small bf16 tensor set, or a
 snapshot), logs it, and checkpoints the full weights every third version; at start it rebuilds
 its weights from the store (checkpoint + replay). Prints ``committed <version>`` after each
-accepted version is durable. Stops by itself after
-``--max-versions`` versions so it can never run away.
+accepted version is durable (or sends it down a pipe, forked from a
+preloaded forkserver: the crash test starts 40 writers, and importing torch 40 times would be
+most of its minute). Stops by itself after ``--max-versions`` versions so it can never run away.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import torch
 from safetensors.torch import save
@@ -104,27 +107,37 @@ def publish(
     return m
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("root")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-versions", type=int, default=200)
-    args = parser.parse_args()
-    rnd = random.Random(args.seed)
+def run(root: str, seed: int, max_versions: int, report: Callable[[int], None]) -> None:
+    """Rebuild from the store, then commit up to ``max_versions`` versions, reporting each."""
+    rnd = random.Random(seed)
     key = SigningKey.generate()
     swarm = SwarmPolicy("crash", (key.public,)).swarm_id
-    store = Store.open(args.root)
+    store = Store.open(root)
     restored = restore(store)
     prev = restored.weights if restored else None
     start = restored.state.version + 1 if restored else 0
-    for version in range(start, start + args.max_versions):
+    for version in range(start, start + max_versions):
         new = _next(prev, rnd) if prev is not None else _initial()
         m = publish(store, key, swarm, version, prev, new)
         store.record(version, m.target_state, m.digest)
         if version % 3 == 0:  # checkpoints now and then, as a node does every K versions
             store.set_checkpoint(version, m.target_state, lambda p, w=new: save_weights(p, w))
         prev = new
-        print(f"committed {version}", flush=True)
+        report(version)
+
+
+def run_to_pipe(root: str, seed: int, conn: Connection, max_versions: int = 200) -> None:
+    """:func:`run` in a forked child (the crash test): each commit goes down ``conn``."""
+    run(root, seed, max_versions, conn.send)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-versions", type=int, default=200)
+    args = parser.parse_args()
+    run(args.root, args.seed, args.max_versions, lambda v: print(f"committed {v}", flush=True))
     return 0
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -93,6 +94,46 @@ def test_hostile_requests_get_4xx_and_the_node_keeps_serving(tmp_path: Path) -> 
     assert codes.pop("chunk not hex") == 404  # the router refuses the path outright
     for name, code in codes.items():
         assert code in (400, 404), (name, code)
+
+
+async def _long_poll_across_stop(node: Node) -> tuple[int, dict, bool]:
+    """A peer long-polls a have-map that will not change; the node stops meanwhile."""
+    url = await node.start()
+    m = manifest_for(
+        b"z" * 100,
+        swarm="t",
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
+    node.store.put_payload(m, b"z" * 100)
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    async with aiohttp.ClientSession() as s:
+        poll = asyncio.create_task(s.get(f"{url}/have/{m.digest}?known=1"))  # holds 1 of 1
+        router = node.transport.server.router
+        for _ in range(500):  # bounded: until the server holds the poll
+            if router.polls_held:
+                break
+            await asyncio.sleep(0.01)
+        held = router.polls_held == 1
+        await node.stop()
+        async with await poll as resp:
+            return resp.status, await resp.json(), held
+
+
+def test_stopping_a_node_answers_held_long_polls_at_once(tmp_path: Path) -> None:
+    node = make_node(tmp_path)
+    node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=600.0))
+
+    async def bounded() -> tuple[int, dict, bool]:
+        async with asyncio.timeout(30):  # without close() the poll would hold for 600 s
+            return await _long_poll_across_stop(node)
+
+    status, body, held = asyncio.run(bounded())
+    assert held and status == 200 and body == {"have": [0]}
 
 
 async def _status_and_metrics(node: Node) -> tuple[dict, str]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
+import multiprocessing
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -159,27 +158,24 @@ def test_eviction_keeps_the_newest_anchor_and_its_chain(tmp_path: Path) -> None:
 
 def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path) -> None:
     rnd = random.Random(1234)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ctx = multiprocessing.get_context("forkserver")  # a clean process, torch imported once
+    ctx.set_forkserver_preload(["tests.store_writer"])
     committed = -1
     for trial in range(40):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.store_writer", str(tmp_path), "--seed", str(trial)],
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=env,
-        )
-        assert proc.stdout is not None
+        ours, theirs = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=store_writer.run_to_pipe, args=(str(tmp_path), trial, theirs))
+        proc.start()
+        theirs.close()
         for _ in range(rnd.randint(0, 4)):  # let it commit a few versions first
-            line = proc.stdout.readline()
-            assert line.startswith("committed"), line
-            committed = int(line.split()[1])
+            assert ours.poll(60), "the writer committed nothing in 60 s"
+            committed = ours.recv()
         spin = rnd.randint(0, 200_000)  # then kill at a random instant mid-write
         while spin:
             spin -= 1
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        proc.stdout.close()
+        proc.kill()  # SIGKILL
+        proc.join(timeout=30)
+        assert proc.exitcode == -signal.SIGKILL
+        ours.close()
         store = Store.open(tmp_path)
         allowed = ("partial write", "not the checkpoint", "no manifest names this pack")
         assert all(d.endswith(allowed) for d in store.dropped), store.dropped

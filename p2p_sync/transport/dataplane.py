@@ -139,6 +139,8 @@ class DataRouter:
         self.node, self.limits = node, limits
         self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
         self._queued = 0
+        self._closing = asyncio.Event()  # set by close(): long polls answer at once
+        self.polls_held = 0  # have-map long polls waiting for news now
         rate = limits.max_upload_mbps * 1e6 / 8 or None
         self._bucket = TokenBucket(rate, max(rate / 10, 1 << 20)) if rate else None
         self._routes: dict[tuple[str, str], Handler] = {
@@ -170,6 +172,11 @@ class DataRouter:
         """The transport delivered ``reply`` whole: count the chunk bytes uploaded."""
         if reply.upload:
             self.node.count_upload(len(reply.body))
+
+    def close(self) -> None:
+        """The node is stopping: held long polls answer now with what is there (a server
+        waits for its handlers before it closes, up to ``have_wait_s`` each otherwise)."""
+        self._closing.set()
 
     def _learn_requester(self, url: str | None) -> None:
         if url is not None and valid_peer_url(url):
@@ -244,13 +251,24 @@ class DataRouter:
         deadline = time.monotonic() + self.limits.have_wait_s
         while have is not None and known is not None and len(have) == int(known):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or self._closing.is_set():
                 break
-            await self.node.have_changed(left)
+            await self._news_or_close(left)
             have = self.node.have(digest, req.peer)
         if have is None:
             raise Refused(404, "no such manifest here")
         return _json({"have": have})
+
+    async def _news_or_close(self, timeout: float) -> None:
+        news = asyncio.ensure_future(self.node.have_changed(timeout))
+        closing = asyncio.ensure_future(self._closing.wait())
+        self.polls_held += 1
+        try:
+            await asyncio.wait((news, closing), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.polls_held -= 1
+            news.cancel()
+            closing.cancel()
 
     async def _peers(self, req: Request, _: str) -> Reply:
         return _json({"peers": self.node.peer_urls()})

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from p2p_sync.errors import PeerError
+from p2p_sync.errors import PeerBusyError, PeerError
 from p2p_sync.transport.dataplane import (
     PEER_HEADER,
     DataRouter,
@@ -27,6 +27,8 @@ from p2p_sync.transport.dataplane import (
     check_reply,
     parse_json,
 )
+
+__all__ = ["DataClient", "DataServer", "HttpLimits", "PeerBusyError", "PeerError"]
 
 
 class DataServer:
@@ -49,6 +51,7 @@ class DataServer:
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        self.router.close()
         if self._runner is not None:
             await self._runner.cleanup()
 

@@ -53,7 +53,9 @@ class MemoryNetwork:
         return url
 
     def close(self, url: str) -> None:
-        self.routers.pop(url, None)
+        router = self.routers.pop(url, None)
+        if router is not None:
+            router.close()
 
     def cut(self, url: str) -> None:
         """Make ``url`` unreachable (its requests and gossip fail) until :meth:`restore`."""
