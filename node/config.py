@@ -103,6 +103,7 @@ _PATHS = {"data_dir", "key", "watch", "export"}
 _TUPLES = {"trust", "peers", "bootstrap", "publish.catchup_spans"}
 _ZERO_OK = {
     "download.seed",
+    "publish.chunk_size",  # 0: picked from each payload's size
     "http.max_upload_mbps",
     "manifest.clock_skew_s",
     "announce.clock_skew_s",

@@ -1,11 +1,14 @@
 """Cutting payloads into chunks, and checking each chunk against its signed manifest.
 
-Default chunk size: 256 KiB. Why: a swarm spreads a payload well only when it has many more
-chunks than peers fetch at once (a 100 MB patch is 400 chunks; the 0.5 MB one-step patch of the
-30M workload is 3, so three peers can serve it in parallel); per-request HTTP cost stays small
-against the transfer (~1 ms of overhead vs ~1 ms to move 256 KiB at 2 Gbit/s); and the manifest
-stays small (65 hex bytes a chunk: 26 KB for 100 MB). BitTorrent settled on 256 KiB-4 MiB for
-the same reasons. Configurable per publisher within the manifest limits (16 KiB-64 MiB).
+Chunk size: picked from the payload size (:func:`chunk_size_for`, the publisher's default;
+configurable within the manifest limits, 16 KiB-64 MiB). About ``TARGET_CHUNKS`` chunks per
+payload, a power of two between 64 KiB and 4 MiB. Why: a chunk is relayed only once it is
+whole and verified, so each relay generation costs a chunk time, and a swarm spreads a payload
+well only with many more chunks than peers fetch at once (a 100 MB patch: 763 chunks of 128
+KiB; simulated, 1,000 peers finish at x1.25 of the bound with 128 KiB vs x1.32 with 256);
+below 64 KiB the per-request cost of a real node (~0.3-1 ms of HTTP and scheduling) rivals the
+transfer; and the manifest stays small (65 hex bytes a chunk: 50 KB for 763 chunks).
+BitTorrent settled on 256 KiB-4 MiB pieces for the same reasons, for larger files.
 
 Hash: SHA-256 (hashlib, ~2 GB/s with SHA extensions): standard, no extra dependency.
 """
@@ -13,6 +16,7 @@ Hash: SHA-256 (hashlib, ~2 GB/s with SHA extensions): standard, no extra depende
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from typing import TypedDict
 
@@ -24,7 +28,17 @@ from p2p_sync.errors import (
 )
 from p2p_sync.manifest import CODECS, Manifest
 
-DEFAULT_CHUNK_SIZE = 256 * 1024
+DEFAULT_CHUNK_SIZE = 256 * 1024  # for callers that cut without knowing the whole size
+AUTO = 0  # chunk_size=AUTO: chunk_size_for(the payload's size)
+TARGET_CHUNKS = 768
+MIN_AUTO_CHUNK, MAX_AUTO_CHUNK = 64 * 1024, 4 * 2**20
+
+
+def chunk_size_for(payload_size: int) -> int:
+    """The chunk size for a payload of ``payload_size`` bytes: the power of two nearest to
+    ``payload_size / TARGET_CHUNKS``, within [64 KiB, 4 MiB]."""
+    ideal = min(max(payload_size / TARGET_CHUNKS, MIN_AUTO_CHUNK), MAX_AUTO_CHUNK)
+    return 1 << round(math.log2(ideal))
 
 
 def chunk_hash(data: bytes | memoryview) -> str:
@@ -86,10 +100,11 @@ class Assembler:
 
 
 def file_chunk_hashes(
-    path: str | os.PathLike[str], chunk_size: int = DEFAULT_CHUNK_SIZE
+    path: str | os.PathLike[str], chunk_size: int = AUTO
 ) -> tuple[tuple[str, ...], int]:
     """Chunk hashes and size of a payload file, read block by block into one reused buffer
     (a multi-GB snapshot is hashed without ever being held, or mapped, in memory)."""
+    chunk_size = chunk_size or chunk_size_for(os.path.getsize(path))
     buf = bytearray(chunk_size)
     view = memoryview(buf)
     hashes, size = [], 0
@@ -117,7 +132,9 @@ def _payload_fields(
     hashed here from ``payload`` in memory."""
     if chunks is None:
         assert payload is not None
+        chunk_size = chunk_size or chunk_size_for(len(payload))
         chunks = chunk_hashes(payload, chunk_size), len(payload)
+    chunk_size = chunk_size or chunk_size_for(chunks[1])  # as file_chunk_hashes picked it
     return {"payload_size": chunks[1], "chunk_size": chunk_size, "chunks": chunks[0]}
 
 
@@ -133,10 +150,11 @@ def manifest_for(
     lifetime_s: int = 7 * 86400,
     base_version: int | None = None,
     base_state: str | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = AUTO,
     chunks: tuple[tuple[str, ...], int] | None = None,
 ) -> Manifest:
-    """The (unsigned) manifest describing ``payload``, cut into ``chunk_size`` chunks. Pass
+    """The (unsigned) manifest describing ``payload``, cut into ``chunk_size`` chunks
+    (``AUTO``: :func:`chunk_size_for` its size). Pass
     ``chunks`` (hashes, size; from :func:`file_chunk_hashes`) instead for a payload on disk."""
     return Manifest(
         swarm=swarm,

@@ -20,11 +20,15 @@ Policy:
 
 * rarest-first: unrequested chunks are taken in order of how few usable peers hold them (ties
   broken by a seeded hash, so peers spread over different chunks);
-* several sources at once, bounded per peer and overall; the per-peer bound shrinks as sources
-  grow (``max_requests_total / sources``, within [``min_requests_per_peer``,
-  ``max_requests_per_peer``]): deep pipelines to one peer when it is the only source, requests
-  spread thin over many when a swarm offers many (a deep queue at one uploader delays every
-  chunk it holds, and so every relay behind it);
+* several sources at once, each with as many requests in flight as its bandwidth-delay product
+  holds (its measured delivery rate x its round trip / the chunk size, rounded up, within
+  [``min_requests_per_peer``, ``max_requests_per_peer``]; ``initial_requests_per_peer`` until
+  measured), and at most ``max_requests_total`` in all. This is a TCP window, or BitTorrent's
+  request queue, per source: a fast near source gets one request at a time (a deep queue at an
+  uploader delays every chunk it holds, and so every relay behind it), a fast distant one
+  enough to cover the round trip, so its link never idles between chunks. The round trip comes
+  from the first have-map answer (``PeerHad.rtt_s``) and from chunk replies (at least one);
+  the delivery rate is measured between deliveries, so pipelining does not hide it;
 * a chunk goes to the free holder with the best score per request we already have in flight
   there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
   peer that timed out or crawls is not chosen just because it is idle);
@@ -50,6 +54,7 @@ Policy:
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -61,11 +66,15 @@ class SwarmConfig:
     """Every limit of one download (``[download]`` in a node's config; a simulation scenario
     embeds the same table): the scheduler's, and its driver's (the last three)."""
 
-    max_requests_per_peer: int = 8  # with few sources; many sources share the total
-    min_requests_per_peer: int = 2
-    max_requests_total: int = 64
+    # Requests in flight per source follow its bandwidth-delay product (delivery rate x round
+    # trip / chunk size, plus one), within these bounds; before the first measurement a source
+    # gets ``initial_requests_per_peer``. All sources together: at most ``max_requests_total``.
+    max_requests_per_peer: int = 32
+    min_requests_per_peer: int = 1
+    initial_requests_per_peer: int = 2
+    max_requests_total: int = 256
     request_timeout_s: float = 10.0
-    min_request_timeout_s: float = 2.0
+    min_request_timeout_s: float = 0.25  # the floor of the adaptive timeout (round trips too)
     timeout_factor: float = 4.0
     endgame_sources: int = 2
     score_alpha: float = 0.3
@@ -82,10 +91,12 @@ class SwarmConfig:
 
 @dataclass(frozen=True)
 class PeerHad:
-    """``peer`` holds (at least) these chunks."""
+    """``peer`` holds (at least) these chunks. ``rtt_s``: how long a request to it took to be
+    answered when the answer came at once (the first have-map): a round-trip sample."""
 
     peer: str
     indices: frozenset[int]
+    rtt_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -165,12 +176,23 @@ Action = RequestChunk | CancelRequest | PeerBanned | DownloadCompleted | Downloa
 class PeerStats:
     """What the scheduler knows of one peer's service."""
 
-    throughput: float = 0.0  # EWMA bytes/s of verified chunks
+    throughput: float = 0.0  # EWMA of its delivery rate, bytes/s (see Scheduler._delivered)
     failures: int = 0
     verified: int = 0
+    rtt: float | None = None  # smallest round trip seen (have-map answers, chunk replies)
+    last_delivery: float = float("-inf")  # when its last chunk arrived
 
     def score(self) -> float:
         return (self.throughput + 1.0) / (1 + self.failures)
+
+    def depth(self, chunk_bytes: float, config: SwarmConfig) -> int:
+        """Requests to keep in flight: its bandwidth-delay product in chunks, plus one, so the
+        next request is already there when a chunk leaves (one per source leaves the link
+        idle for a round trip after every chunk; more than the product only queues)."""
+        want = config.initial_requests_per_peer
+        if self.rtt is not None and self.throughput:
+            want = math.ceil(self.throughput * self.rtt / chunk_bytes)
+        return min(config.max_requests_per_peer, max(config.min_requests_per_peer, want))
 
 
 @dataclass
@@ -192,7 +214,10 @@ class Scheduler:
         self.busy_until: dict[str, float] = {}
         self._n_inflight = 0
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
-        self._per_peer = self.config.max_requests_per_peer
+        self._depth: dict[str, int] = {}  # requests each source may have in flight
+        self._chunk_bytes = 0.0  # mean size of the chunks verified so far
+        self._samples = 0
+        self._unmeasured_depth = PeerStats().depth(1.0, self.config)
         self._done_reported = False
         self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
         self._stuck_since: float | None = None  # orphans and no progress since then
@@ -230,7 +255,7 @@ class Scheduler:
         """Apply one event, then schedule; returns the actions to carry out."""
         actions: list[Action] = []
         if isinstance(event, PeerHad):
-            self._peer_had(event.peer, event.indices)
+            self._peer_had(event.peer, event.indices, event.rtt_s)
         elif isinstance(event, PeerLost):
             actions += self._forget_peer(event.peer)
         elif isinstance(event, ChunkVerified):
@@ -246,10 +271,12 @@ class Scheduler:
             actions += self._timeouts(now)
         return actions + self._schedule(now) + self._stalled(now)
 
-    def _peer_had(self, peer: str, indices: frozenset[int]) -> None:
+    def _peer_had(self, peer: str, indices: frozenset[int], rtt: float | None) -> None:
         if peer in self.banned:
             return
-        self.stats.setdefault(peer, PeerStats())
+        stats = self.stats.setdefault(peer, PeerStats())
+        if rtt is not None:
+            self._rtt_sample(peer, stats, rtt)
         known = self.peer_chunks.setdefault(peer, set())
         for i in indices:
             if i in self.holders and i not in known:
@@ -292,12 +319,7 @@ class Scheduler:
         started = self._drop_request(ev.peer, ev.index)
         stats = self.stats.setdefault(ev.peer, PeerStats())
         if started is not None:
-            took = max(now - started, 1e-6)
-            rate = ev.nbytes / took
-            a = self.config.score_alpha
-            ct = self._chunk_time
-            self._chunk_time = took if ct is None else a * took + (1 - a) * ct
-            stats.throughput = rate if not stats.verified else a * rate + (1 - a) * stats.throughput
+            self._measure(ev, stats, started, now)
         stats.verified += 1
         if ev.index not in self.missing:
             return []
@@ -310,6 +332,25 @@ class Scheduler:
         for peer in losers:  # endgame: the other copies are no longer needed
             self._drop_request(peer, ev.index)
         return [CancelRequest(p, ev.index) for p in losers]
+
+    def _measure(self, ev: ChunkVerified, stats: PeerStats, started: float, now: float) -> None:
+        """Learn from one verified reply: the typical chunk time (for time-outs), the peer's
+        delivery rate (bytes over the time since its previous delivery or since the request,
+        whichever is later: pipelined requests do not make a peer look slow) and its round
+        trip (a reply takes at least one), hence how many requests to keep there."""
+        a, took = self.config.score_alpha, max(now - started, 1e-6)
+        ct = self._chunk_time
+        self._chunk_time = took if ct is None else a * took + (1 - a) * ct
+        rate = ev.nbytes / max(now - max(started, stats.last_delivery), 1e-6)
+        stats.throughput = rate if not stats.verified else a * rate + (1 - a) * stats.throughput
+        stats.last_delivery = now
+        self._samples += 1
+        self._chunk_bytes += (ev.nbytes - self._chunk_bytes) / self._samples
+        self._rtt_sample(ev.peer, stats, took)
+
+    def _rtt_sample(self, peer: str, stats: PeerStats, rtt: float) -> None:
+        stats.rtt = rtt if stats.rtt is None else min(stats.rtt, rtt)
+        self._depth[peer] = stats.depth(max(self._chunk_bytes, 1.0), self.config)
 
     def _failed(self, peer: str, index: int) -> list[Action]:
         if self._drop_request(peer, index) is None:
@@ -371,13 +412,8 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
 
     def _free(self, peer: str) -> bool:
-        return len(self.peer_inflight.get(peer, ())) < self._per_peer
-
-    def _per_peer_limit(self) -> int:
-        c = self.config
-        sources = sum(1 for chunks in self.peer_chunks.values() if chunks) or 1
-        share = -(-c.max_requests_total // sources)
-        return min(c.max_requests_per_peer, max(c.min_requests_per_peer, share))
+        depth = self._depth.get(peer) or self._unmeasured_depth
+        return len(self.peer_inflight.get(peer, ())) < depth
 
     def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:
         candidates = (self.holders.get(index, set()) & free).difference(exclude)
@@ -409,7 +445,6 @@ class Scheduler:
         budget = self.config.max_requests_total - self._n_inflight
         if budget <= 0:
             return []
-        self._per_peer = self._per_peer_limit()
         free = self._free_peers(now)
         out: list[Action] = []
         if free and len(self.inflight) < len(self.missing):

@@ -38,7 +38,7 @@ class PublishPolicy:
 
     anchor_every: int = 10
     catchup_spans: tuple[int, ...] = (4, 16)
-    chunk_size: int = 256 * 1024
+    chunk_size: int = 0  # 0: picked from each payload's size (p2p_sync.chunks.chunk_size_for)
     patch_format: int = 2  # 2 codes positions by the base's exponents (smaller); 1 is faster
     # to encode and decode on a CPU (see README: what a version costs)
     lifetime_s: int = 7 * 86400  # manifests expire (and are re-signed) after this
@@ -51,8 +51,8 @@ class PublishPolicy:
             raise ValueError("anchor_every must be >= 1 and catch-up spans >= 2")
         if self.patch_format not in (1, 2):
             raise ValueError("patch_format must be 1 or 2")
-        if not 16 * 1024 <= self.chunk_size <= 64 * 2**20:
-            raise ValueError("chunk_size must be between 16 KiB and 64 MiB")
+        if self.chunk_size and not 16 * 1024 <= self.chunk_size <= 64 * 2**20:
+            raise ValueError("chunk_size must be 0 (by payload size) or 16 KiB to 64 MiB")
 
 
 def to_publish(version: int, policy: PublishPolicy) -> list[tuple[str, int | None]]:

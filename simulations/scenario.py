@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from p2p_sync.chunks import chunk_size_for
 from p2p_sync.errors import ScenarioError  # noqa: F401 (re-exported)
 from p2p_sync.settings import check_numbers, from_table
 from p2p_sync.swarm import SwarmConfig
@@ -48,7 +49,7 @@ class Scenario:
     stall_fraction: float = 0.0
     liar_fraction: float = 0.0
     seed: int = 0
-    chunk_kb: int = 256
+    chunk_kb: int = 0  # the trainer's chunk size; 0: its default, picked from the payload size
     max_peers: int = 64  # overlay: neighbours of every rollout (the node's peer-list bound)
     trainer_peers: int = 64  # neighbours the trainer serves
     max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
@@ -62,7 +63,7 @@ class Scenario:
 
     @property
     def chunk_bytes(self) -> int:
-        return self.chunk_kb * 1024
+        return self.chunk_kb * 1024 or chunk_size_for(self.payload_bytes)
 
     @property
     def payload_bytes(self) -> int:
@@ -88,7 +89,6 @@ _POSITIVE = (
 _AT_LEAST_ONE = (
     "peers",
     "versions",
-    "chunk_kb",
     "max_peers",
     "trainer_peers",
     "max_concurrent_uploads",
@@ -109,8 +109,9 @@ def check(s: Scenario) -> Scenario:
     for name in _FRACTIONS:
         if not 0 <= getattr(s, name) <= 1:
             raise _bad(name, "must be between 0 and 1")
-    if s.latency_ms < 0 or s.churn_downtime < 0:
-        raise _bad("latency_ms" if s.latency_ms < 0 else "churn_downtime", "must be >= 0")
+    for name in ("latency_ms", "churn_downtime", "chunk_kb"):
+        if getattr(s, name) < 0:
+            raise _bad(name, "must be >= 0")
     if s.corrupt_fraction + s.stall_fraction + s.liar_fraction >= 1:
         raise _bad("corrupt_fraction", "adversaries must leave at least one honest peer")
     if sum(c.fraction for c in s.links) > 1:

@@ -382,8 +382,9 @@ class SwarmSim:
         )
 
     def _deliver_have(self, p: Peer, q_idx: int, gen: int, indices: frozenset[int]) -> None:
-        if p.generation == gen and p.online and q_idx not in p.banned and indices:
-            self._feed(p, PeerHad(q_idx, indices))
+        """The first answer of a have-map subscription: a round trip after asking."""
+        if p.generation == gen and p.online and q_idx not in p.banned:
+            self._feed(p, PeerHad(q_idx, indices, 2 * self.lat))
 
     def _push_have(self, q: Peer, p_idx: int, index: int) -> None:
         key = (q.idx, p_idx)

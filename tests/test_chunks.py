@@ -6,7 +6,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p_sync.chunks import Assembler, manifest_for, split, verify_chunk
+from p2p_sync.chunks import (
+    AUTO,
+    MAX_AUTO_CHUNK,
+    MIN_AUTO_CHUNK,
+    TARGET_CHUNKS,
+    Assembler,
+    chunk_size_for,
+    file_chunk_hashes,
+    manifest_for,
+    split,
+    verify_chunk,
+)
 from p2p_sync.errors import (
     ChunkHashMismatchError,
     ChunkIndexError,
@@ -68,3 +79,32 @@ def test_token_bucket_paces_to_its_rate() -> None:
     assert bucket.reserve(10, now=10.0) == 0.0  # idle time refills up to the burst only
     with pytest.raises(ValueError):
         TokenBucket(rate=0, burst=1)
+
+
+@given(st.integers(0, 2**40), st.integers(0, 2**40))
+def test_the_chunk_size_follows_the_payload_size(a: int, b: int) -> None:
+    small, large = sorted((a, b))
+    size = chunk_size_for(small)
+    assert MIN_AUTO_CHUNK <= size <= MAX_AUTO_CHUNK and size & (size - 1) == 0  # a power of two
+    assert size <= chunk_size_for(large)  # never smaller for a larger payload
+    if MIN_AUTO_CHUNK * TARGET_CHUNKS * 2 <= small <= MAX_AUTO_CHUNK * TARGET_CHUNKS // 2:
+        assert TARGET_CHUNKS / 1.5 <= -(-small // size) <= TARGET_CHUNKS * 1.5
+
+
+def test_auto_chunking_agrees_in_memory_and_on_disk(tmp_path) -> None:
+    payload = bytes(range(256)) * (100_000_000 // 256 // 40)  # 2.5 MB: the 64 KiB floor
+    path = tmp_path / "payload"
+    path.write_bytes(payload)
+    on_disk = file_chunk_hashes(path, AUTO)
+    m = manifest_for(
+        payload,
+        swarm="00" * 32,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="11" * 16,
+        layout="22" * 16,
+        now=0,
+    )
+    assert m.chunk_size == chunk_size_for(len(payload)) == MIN_AUTO_CHUNK
+    assert (m.chunks, m.payload_size) == on_disk
+    assert chunk_size_for(100_000_000) == 128 * 1024  # a 100 MB patch: 763 chunks

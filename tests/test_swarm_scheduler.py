@@ -122,7 +122,7 @@ def test_random_event_sequences_keep_invariants_and_finish(swarm, script) -> Non
 def test_rarest_chunk_is_requested_first() -> None:
     s = Scheduler(3, SwarmConfig(max_requests_total=1))
     for peer, chunks in {"a": {0, 1, 2}, "b": {0, 1}, "c": {0}}.items():
-        s._peer_had(peer, frozenset(chunks))  # learn all have-maps before scheduling
+        s._peer_had(peer, frozenset(chunks), None)  # learn all have-maps before scheduling
     assert s.handle(TimerFired(), 0) == [RequestChunk("a", 2)]
 
 
@@ -163,3 +163,39 @@ def test_many_peers_spread_requests_over_sources() -> None:
         actions += s.handle(PeerHad(f"p{p}", frozenset(rnd.sample(range(64), 40))), 0)
     peers = {a.peer for a in actions if isinstance(a, RequestChunk)}
     assert len(peers) >= 12
+
+
+def _pipeline(rate: float, rtt: float, chunk: int, n: int = 400) -> int:
+    """Requests the scheduler keeps at one source behind a FIFO pipe (``rate`` bytes/s, a
+    reply ``rtt`` after its request at the earliest), after 80 chunks."""
+    s = Scheduler(n, SwarmConfig(max_requests_total=256))
+    queue: list[tuple[float, int]] = []  # (arrival time, index), in arrival order
+    free_at = 0.0  # when the source's link is free for the next chunk
+
+    def send(actions: list, now: float) -> None:
+        nonlocal free_at
+        for a in actions:
+            if isinstance(a, RequestChunk):
+                free_at = max(free_at, now + rtt / 2) + chunk / rate
+                queue.append((free_at + rtt / 2, a.index))
+
+    send(s.handle(PeerHad("p", frozenset(range(n)), rtt), 0.0), 0.0)
+    for _ in range(80):
+        now, index = queue.pop(0)
+        send(s.handle(ChunkVerified("p", index, chunk), now), now)
+    return len(s.peer_inflight["p"])
+
+
+def test_requests_per_source_follow_its_bandwidth_delay_product() -> None:
+    chunk = 128 * 1024
+    # 100 MB/s at 40 ms: 4 MB in flight = 31 chunks (within the per-peer cap of 32)
+    assert 28 <= _pipeline(100e6, 0.040, chunk) <= 32
+    assert 2 <= _pipeline(10e6, 0.040, chunk) <= 4  # a tenth of the rate: a tenth of the pipe
+    assert _pipeline(1e6, 0.005, chunk) == 1  # a slow, near peer: one at a time
+    assert _pipeline(1e9, 1.0, chunk) == SwarmConfig().max_requests_per_peer  # capped
+
+
+def test_an_unmeasured_source_gets_the_initial_depth_within_the_bounds() -> None:
+    s = Scheduler(50, SwarmConfig(initial_requests_per_peer=5, max_requests_per_peer=3))
+    actions = s.handle(PeerHad("p", frozenset(range(50))), 0.0)
+    assert len(actions) == 3

@@ -19,6 +19,7 @@ chunk has had no reachable source for ``stall_timeout_s`` (the caller re-plans),
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -146,14 +147,16 @@ class Download:
         while not self.done.is_set() and failures < self.config.have_failures:
             if peer not in self.source.peers():
                 break
+            asked = time.monotonic()
             try:
                 have = await self.source.have(peer, self.m, known)
             except PeerError:
                 failures += 1
                 await asyncio.sleep(self.config.have_poll_s * failures)  # back-off, bounded
                 continue
+            rtt = time.monotonic() - asked if known < 0 else None  # answered at once: a round trip
             failures, known = 0, len(have)
-            self.events.put_nowait(PeerHad(peer, frozenset(have)))
+            self.events.put_nowait(PeerHad(peer, frozenset(have), rtt))
         self.events.put_nowait(PeerLost(peer))  # gone, dropped or silent: its claims lapse
 
     async def _watch_peers(self) -> None:
