@@ -153,8 +153,7 @@ def manifest_for(
     chunk_size: int = AUTO,
     chunks: tuple[tuple[str, ...], int] | None = None,
 ) -> Manifest:
-    """The (unsigned) manifest describing ``payload``, cut into ``chunk_size`` chunks
-    (``AUTO``: :func:`chunk_size_for` its size). Pass
+    """The (unsigned) manifest of ``payload`` in ``chunk_size`` chunks (``AUTO``: by size). Pass
     ``chunks`` (hashes, size; from :func:`file_chunk_hashes`) instead for a payload on disk."""
     return Manifest(
         swarm=swarm,
