@@ -21,10 +21,10 @@ Policy:
 * rarest-first: unrequested chunks are taken in order of how few usable peers hold them (ties
   broken by a seeded hash, so peers spread over different chunks);
 * several sources at once, each with as many requests in flight as its bandwidth-delay product
-  holds (its measured delivery rate x its round trip / the chunk size, rounded up, within
-  [``min_requests_per_peer``, ``max_requests_per_peer``]; ``initial_requests_per_peer`` until
+  holds (its measured delivery rate x its round trip / the chunk size, rounded up, plus one;
+  within [``min_requests_per_peer``, ``max_requests_per_peer``]; ``initial_requests_per_peer`` until
   measured), and at most ``max_requests_total`` in all. This is a TCP window, or BitTorrent's
-  request queue, per source: a fast near source gets one request at a time (a deep queue at an
+  request queue, per source: a near source gets one request and one queued (a deep queue at an
   uploader delays every chunk it holds, and so every relay behind it), a fast distant one
   enough to cover the round trip, so its link never idles between chunks. The round trip comes
   from the first have-map answer (``PeerHad.rtt_s``) and from chunk replies (at least one);
@@ -188,10 +188,11 @@ class PeerStats:
     def depth(self, chunk_bytes: float, config: SwarmConfig) -> int:
         """Requests to keep in flight: its bandwidth-delay product in chunks, plus one, so the
         next request is already there when a chunk leaves (one per source leaves the link
-        idle for a round trip after every chunk; more than the product only queues)."""
+        idle for a round trip after every chunk, and the round trip sampled does not hold the
+        uploader's own work per chunk; much more than the product only queues)."""
         want = config.initial_requests_per_peer
         if self.rtt is not None and self.throughput:
-            want = math.ceil(self.throughput * self.rtt / chunk_bytes)
+            want = math.ceil(self.throughput * self.rtt / chunk_bytes) + 1
         return min(config.max_requests_per_peer, max(config.min_requests_per_peer, want))
 
 
