@@ -185,6 +185,9 @@ class PeerStats:
     def score(self) -> float:
         return (self.throughput + 1.0) / (1 + self.failures)
 
+    def rtt_sample(self, rtt: float) -> None:
+        self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
+
     def depth(self, chunk_bytes: float, config: SwarmConfig) -> int:
         """Requests to keep in flight: its bandwidth-delay product in chunks, plus one, so the
         next request is already there when a chunk leaves (one per source leaves the link
@@ -215,10 +218,8 @@ class Scheduler:
         self.busy_until: dict[str, float] = {}
         self._n_inflight = 0
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
-        self._depth: dict[str, int] = {}  # requests each source may have in flight
-        self._chunk_bytes = 0.0  # mean size of the chunks verified so far
+        self._chunk_bytes = 1.0  # mean size of the chunks verified so far
         self._samples = 0
-        self._unmeasured_depth = PeerStats().depth(1.0, self.config)
         self._done_reported = False
         self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
         self._stuck_since: float | None = None  # orphans and no progress since then
@@ -277,7 +278,7 @@ class Scheduler:
             return
         stats = self.stats.setdefault(peer, PeerStats())
         if rtt is not None:
-            self._rtt_sample(peer, stats, rtt)
+            stats.rtt_sample(rtt)
         known = self.peer_chunks.setdefault(peer, set())
         for i in indices:
             if i in self.holders and i not in known:
@@ -347,11 +348,7 @@ class Scheduler:
         stats.last_delivery = now
         self._samples += 1
         self._chunk_bytes += (ev.nbytes - self._chunk_bytes) / self._samples
-        self._rtt_sample(ev.peer, stats, took)
-
-    def _rtt_sample(self, peer: str, stats: PeerStats, rtt: float) -> None:
-        stats.rtt = rtt if stats.rtt is None else min(stats.rtt, rtt)
-        self._depth[peer] = stats.depth(max(self._chunk_bytes, 1.0), self.config)
+        stats.rtt_sample(took)
 
     def _failed(self, peer: str, index: int) -> list[Action]:
         if self._drop_request(peer, index) is None:
@@ -413,7 +410,7 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
 
     def _free(self, peer: str) -> bool:
-        depth = self._depth.get(peer) or self._unmeasured_depth
+        depth = self.stats[peer].depth(self._chunk_bytes, self.config)
         return len(self.peer_inflight.get(peer, ())) < depth
 
     def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:

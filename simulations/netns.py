@@ -175,9 +175,22 @@ def _enter_netns(ns: str) -> None:
         os.close(fd)
 
 
+# What ip/tc print when the machine lacks a part (not root, no iproute2, a kernel without
+# netns, veth or tbf); any other failure of the probe is a bug, and is raised, not skipped.
+_ABSENT = (
+    "not installed",
+    "Operation not permitted",
+    "Permission denied",
+    "not supported",
+    "Unknown device type",
+    "qdisc kind is unknown",
+)
+
+
 def probe() -> str | None:
-    """Why this machine cannot build a topology, or None when it can (creates and deletes a
-    namespace with a tbf-shaped veth)."""
+    """What this machine lacks to build a topology (root, iproute2, netns/veth/tbf in its
+    kernel), or None when it can (creates and deletes a namespace with a tbf-shaped veth).
+    Raises :class:`NetnsError` when the probe fails for any other reason."""
     if os.geteuid() != 0:
         return "needs root (CAP_NET_ADMIN) to create network namespaces"
     ns = f"{PREFIX_ROOT}{os.getpid()}-probe{secrets.token_hex(2)}"
@@ -206,7 +219,9 @@ def probe() -> str | None:
             15.0,
         )
     except NetnsError as exc:
-        return f"cannot build a shaped namespace: {exc}"
+        if not any(part in str(exc) for part in _ABSENT):
+            raise
+        return f"this machine lacks a part: {exc}"
     finally:
         try:
             delete_namespace(ns)

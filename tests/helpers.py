@@ -1,15 +1,43 @@
-"""Shared test helpers: building tensor sets with chosen changes, and rebuilding patch bytes."""
+"""Shared test helpers: building tensor sets with chosen changes, rebuilding patch bytes, and
+the configs of a trainer and a rollout run in one test process."""
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from node.config import NodeConfig
 from p2p_sync import codec
+from p2p_sync.keys import SigningKey
+from p2p_sync.peers import PeerLimits
+from p2p_sync.swarm import SwarmConfig
 from p2p_sync.tensors import flat_bits
+
+
+def trainer_config(tmp_path: Path, **overrides: Any) -> NodeConfig:
+    """A trainer in ``tmp_path/t`` signing with the key file ``tmp_path/k``."""
+    return NodeConfig(
+        **{"role": "trainer", "data_dir": tmp_path / "t", "key": tmp_path / "k", **overrides}
+    )
+
+
+def rollout_config(tmp_path: Path, key: SigningKey, url: str, **overrides: Any) -> NodeConfig:
+    """A rollout in ``tmp_path/r`` trusting ``key``, following the trainer at ``url``, and
+    polling its peers and have-maps often (a test waits for it)."""
+    values: dict[str, Any] = {
+        "role": "rollout",
+        "data_dir": tmp_path / "r",
+        "trust": (key.public.text(),),
+        "peers": (url,),
+        "directory": PeerLimits(poll_interval_s=0.2),
+        "download": SwarmConfig(have_poll_s=0.05),
+    }
+    return NodeConfig(**{**values, **overrides})
 
 
 def clone_set(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -96,15 +96,7 @@ def test_auto_chunking_agrees_in_memory_and_on_disk(tmp_path) -> None:
     path = tmp_path / "payload"
     path.write_bytes(payload)
     on_disk = file_chunk_hashes(path, AUTO)
-    m = manifest_for(
-        payload,
-        swarm="00" * 32,
-        version=0,
-        kind=SNAPSHOT,
-        target_state="11" * 16,
-        layout="22" * 16,
-        now=0,
-    )
+    m = describe(payload, AUTO)
     assert m.chunk_size == chunk_size_for(len(payload)) == MIN_AUTO_CHUNK
     assert (m.chunks, m.payload_size) == on_disk
     assert chunk_size_for(100_000_000) == 128 * 1024  # a 100 MB patch: 763 chunks

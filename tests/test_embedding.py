@@ -19,11 +19,9 @@ from p2p_sync import Rollout, Trainer
 from p2p_sync.errors import LayoutMismatchError
 from p2p_sync.keys import SigningKey, write_keypair
 from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
-from p2p_sync.swarm import SwarmConfig
 from tests import store_writer
-from tests.helpers import bit_equal
+from tests.helpers import bit_equal, rollout_config, trainer_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,17 +177,10 @@ async def _recover(tmp_path: Path, damage) -> tuple[Follower, Store]:
     versions = _written_store(tmp_path / "t", key, policy.swarm_id, 4)
     shutil.copytree(tmp_path / "t", tmp_path / "r")
     damage(Store.open(tmp_path / "r"))
-    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k")
+    tcfg = trainer_config(tmp_path)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     url = await trainer.start()
-    rcfg = NodeConfig(
-        role="rollout",
-        data_dir=tmp_path / "r",
-        trust=(key.public.text(),),
-        peers=(url,),
-        directory=PeerLimits(poll_interval_s=0.2),
-        download=SwarmConfig(have_poll_s=0.05),
-    )
+    rcfg = rollout_config(tmp_path, key, url)
     store = Store.open(rcfg.data_dir)
     try:
         follower = await _follow(Node(rcfg, policy, store), lambda f: f.state.version == 3)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from node.localswarm import wait_for
+from simulations import netns
 from simulations.emulated import EmulationConfig, run_in, table
 from simulations.netns import (
     PREFIX_ROOT,
@@ -41,9 +42,11 @@ MAX_RATIO = 6.0
 
 @pytest.fixture(scope="module")
 def netns_ready() -> None:
-    reason = probe()  # None here and in CI (root); otherwise it names what is missing
-    if reason is not None:  # not root, or no netns/veth/tbf on this kernel: a real absence
-        pytest.skip(f"emulated tier needs root and netns/veth/tbf: {reason}")
+    # None here and in CI (root, iproute2, tbf); a reason only when the machine lacks one of
+    # them (probe() raises on any other failure, so a bug fails the test instead of skipping)
+    reason = probe()
+    if reason is not None:
+        pytest.skip(f"needs root, iproute2 and netns/veth/tbf in the kernel: {reason}")
     cleanup_stale()  # leftovers of an earlier run that was killed
 
 
@@ -111,3 +114,28 @@ def test_cleanup_stale_removes_only_dead_runs(own_prefix: str) -> None:
     finally:
         cleanup_stale(stale, include_live=True)
     assert leftovers(own_prefix) == [] and stale not in list_namespaces()
+
+
+@pytest.mark.parametrize(
+    ("stderr", "skips"),
+    [
+        ("Error: Specified qdisc kind is unknown.", True),  # a kernel without tbf
+        ("RTNETLINK answers: Operation not permitted", True),  # no CAP_NET_ADMIN
+        ("Error: argument 'rate' is wrong", False),  # our own command is wrong: a bug
+    ],
+)
+def test_the_probe_skips_only_for_a_missing_part(
+    monkeypatch: pytest.MonkeyPatch, stderr: str, skips: bool
+) -> None:
+    def failing(argv: list[str], timeout: float) -> str:  # ip works, tc fails with stderr
+        if argv[0] == "tc":
+            raise netns.NetnsError(f"`{' '.join(argv)}` failed: {stderr}")
+        return ""
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "_run", failing)
+    if skips:
+        assert stderr in (probe() or "")
+    else:
+        with pytest.raises(netns.NetnsError, match="is wrong"):
+            probe()

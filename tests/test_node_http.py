@@ -20,9 +20,10 @@ from node.localswarm import ROOT
 from node.runtime import Node
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
+from tests.helpers import rollout_config, trainer_config
 
 HEX = "ab" * 32
 
@@ -35,9 +36,8 @@ def make_node(tmp_path: Path) -> Node:
     return Node(cfg, policy, Store.open(tmp_path))
 
 
-async def _hostile_requests(node: Node) -> dict[str, int]:
-    url = await node.start()
-    key = SigningKey.generate()
+def _store_snapshot(node: Node, key: SigningKey) -> Manifest:
+    """A signed 100-byte snapshot and its payload, in ``node``'s store."""
     m = manifest_for(
         b"z" * 100,
         swarm="t",
@@ -50,6 +50,13 @@ async def _hostile_requests(node: Node) -> dict[str, int]:
     )
     node.store.put_payload(m, b"z" * 100)
     node.store.put_manifest(m, sign(m, [key]))
+    return m
+
+
+async def _hostile_requests(node: Node) -> dict[str, int]:
+    url = await node.start()
+    key = SigningKey.generate()
+    m = _store_snapshot(node, key)
     digest = m.chunks[0]
     out = {}
     try:
@@ -99,18 +106,7 @@ def test_hostile_requests_get_4xx_and_the_node_keeps_serving(tmp_path: Path) -> 
 async def _long_poll_across_stop(node: Node) -> tuple[int, dict, bool]:
     """A peer long-polls a have-map that will not change; the node stops meanwhile."""
     url = await node.start()
-    m = manifest_for(
-        b"z" * 100,
-        swarm="t",
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
-    node.store.put_payload(m, b"z" * 100)
-    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    m = _store_snapshot(node, SigningKey.generate())
     async with aiohttp.ClientSession() as s:
         poll = asyncio.create_task(s.get(f"{url}/have/{m.digest}?known=1"))  # holds 1 of 1
         router = node.transport.server.router
@@ -298,14 +294,12 @@ async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
         now=int(time.time()),
         chunk_size=16 * 1024,
     )
-    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+    tcfg = trainer_config(tmp_path, p2p=False)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     trainer.store.put_payload(m, payload)
     trainer.store.put_manifest(m, sign(m, [key]))
     url = await trainer.start()
-    rcfg = NodeConfig(
-        role="rollout", data_dir=tmp_path / "r", trust=(key.public.text(),), peers=(url,), p2p=False
-    )
+    rcfg = rollout_config(tmp_path, key, url, p2p=False)
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
     rollout.store.put_manifest(m, sign(m, [key]))
     calls = []

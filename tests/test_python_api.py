@@ -20,9 +20,8 @@ from p2p_sync.peers import PeerLimits
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store, StoreLimits
-from p2p_sync.swarm import SwarmConfig
 from p2p_sync.versions import PublishPolicy
-from tests.helpers import bit_equal
+from tests.helpers import bit_equal, rollout_config, trainer_config
 
 CHUNK = 16 * 1024  # small chunks: tiny payloads still span several
 
@@ -36,22 +35,10 @@ async def _sync(
 ) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
-    tcfg = NodeConfig(
-        role="trainer",
-        data_dir=tmp_path / "t",
-        key=tmp_path / "k",
-        directory=PeerLimits(poll_interval_s=0.2),
-    )
+    tcfg = trainer_config(tmp_path, directory=PeerLimits(poll_interval_s=0.2))
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir, limits))
     url = await trainer.start()
-    rcfg = NodeConfig(
-        role="rollout",
-        data_dir=tmp_path / "r",
-        trust=(key.public.text(),),
-        peers=(url,),
-        directory=PeerLimits(poll_interval_s=0.2),
-        download=SwarmConfig(have_poll_s=0.05),
-    )
+    rcfg = rollout_config(tmp_path, key, url)
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir, limits))
     await rollout.start()
     seen: list[tuple[int, str]] = []

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.config import NodeConfig
 from node.rollout import Follower
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
@@ -23,7 +22,6 @@ from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import DownloadStalledError, PeerError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy
-from p2p_sync.peers import PeerLimits
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store
 from p2p_sync.swarm import (
@@ -38,7 +36,7 @@ from p2p_sync.swarm import (
 )
 from p2p_sync.transport.download import Download, download
 from p2p_sync.versions import PublishPolicy
-from tests.helpers import bit_equal
+from tests.helpers import bit_equal, rollout_config, trainer_config
 
 CHUNK = 16 * 1024
 
@@ -194,18 +192,11 @@ def test_the_driver_keeps_what_it_verified_before_the_stall() -> None:
 async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("stall", (key.public,))
-    tcfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+    tcfg = trainer_config(tmp_path, p2p=False)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     url = await trainer.start()
-    rcfg = NodeConfig(
-        role="rollout",
-        data_dir=tmp_path / "r",
-        trust=(key.public.text(),),
-        peers=(url,),
-        directory=PeerLimits(poll_interval_s=0.2),
-        download=SwarmConfig(have_poll_s=0.05, stall_timeout_s=0.5),
-        p2p=False,
-    )
+    stalls = SwarmConfig(have_poll_s=0.05, stall_timeout_s=0.5)
+    rcfg = rollout_config(tmp_path, key, url, download=stalls, p2p=False)
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
     await rollout.start()
     blocked: set[str] = set()
