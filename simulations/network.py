@@ -1,16 +1,25 @@
 """The bandwidth model: a fluid model of concurrent transfers over per-node links.
 
 Every node has an uplink and a downlink capacity (bytes/s); the core between them is never the
-bottleneck (true of volunteers on home links and of datacenter hosts alike). A transfer from
-``src`` to ``dst`` moves at
+bottleneck (true of volunteers on home links and of datacenter hosts alike). Rates approximate
+**max-min fairness**, the allocation TCP's congestion control converges to: each link has a
+fair-share *level*, the water level at which its flows fill it, where a flow whose other end
+allows it less than the level takes only that much::
 
-    rate = min(uplink(src) / uploads(src), downlink(dst) / downloads(dst))
+    sum over flows f at link l of min(level(l), level(other end of f)) = capacity(l)
 
-that is, each link is shared equally among the transfers crossing it (TCP's long-run fairness
-among flows of one host), and a flow goes at the pace of its tighter link. Rates are
-recomputed whenever a transfer starts or ends at either end. Unlike max-min fairness, share a
-flow cannot use on one link is not handed to the others, so the model is slightly pessimistic
-when links are uneven and exact when they are uniform (the analytic cases in the tests).
+(a link whose flows cannot fill it has level infinity), and a flow goes at
+``min(level(uplink of src), level(downlink of dst))``. So share a flow cannot use at its
+tighter end is handed to the other flows at its looser end, as TCP hands a host's idle uplink to
+its flows that can still grow. An earlier version of this model gave every flow
+``min(uplink / uploads, downlink / downloads)`` and left that share idle: with ~15 flows per
+link in a swarm, the random imbalance of the two counts cost ~25% of all upload capacity.
+
+Levels are recomputed for the two links a transfer starts or ends at (events come every
+millisecond or so at each link of a busy swarm, so the levels track the exact max-min
+allocation closely), and a rate is never raised beyond the room left at either end, so no link
+ever carries more than its capacity: decreases are applied before increases, and a flow that
+finds no room at once gets it at the next event of either of its links.
 
 Latency is not modelled here: the swarm simulation adds the one-way delay to every message
 and to the last byte of every transfer.
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import inf
 
 from simulations.clock import Clock
 
@@ -47,6 +57,10 @@ class Network:
         self.into: list[dict[Transfer, None]] = [{} for _ in uplink]
         self.bytes_sent = [0.0] * len(uplink)
         self.bytes_received = [0.0] * len(uplink)
+        self.up_level = [inf] * len(uplink)
+        self.down_level = [inf] * len(uplink)
+        self.up_used = [0.0] * len(uplink)  # sum of the rates leaving / entering each node
+        self.down_used = [0.0] * len(uplink)
 
     def start(self, src: int, dst: int, nbytes: float, on_done: Callable[[], None]) -> Transfer:
         t = Transfer(src, dst, float(nbytes), on_done, since=self.clock.now)
@@ -55,17 +69,23 @@ class Network:
         self._rerate(src, dst)  # t's rate goes from 0 to its share: "faster", so it is armed
         return t
 
-    def cancel(self, t: Transfer) -> None:
-        """Stop ``t`` (if still running); the bytes it moved so far stay counted."""
+    def cancel(self, t: Transfer) -> bool:
+        """Stop ``t`` if still running (True); the bytes it moved so far stay counted."""
         if t not in self.out[t.src]:
-            return
+            return False
         self._settle(t)
         self._remove(t)
+        return True
 
     def _remove(self, t: Transfer) -> None:
         self.out[t.src].pop(t, None)
         self.into[t.dst].pop(t, None)
         t.gen += 1  # its pending finish event is stale now
+        self.up_used[t.src] = max(self.up_used[t.src] - t.rate, 0.0) if self.out[t.src] else 0.0
+        self.down_used[t.dst] = (
+            max(self.down_used[t.dst] - t.rate, 0.0) if self.into[t.dst] else 0.0
+        )
+        t.rate = 0.0
         self._rerate(t.src, t.dst)
 
     def _settle(self, t: Transfer) -> None:
@@ -77,31 +97,56 @@ class Network:
         self.bytes_received[t.dst] += moved
 
     def _rerate(self, src: int, dst: int) -> None:
-        """New shares for every transfer at ``src``'s uplink or ``dst``'s downlink.
+        """New levels for ``src``'s uplink and ``dst``'s downlink, then new rates for the
+        transfers crossing either: all decreases first, so the increases find their room."""
+        out, into = self.out[src], self.into[dst]
+        self.up_level[src] = _level(self.uplink[src], [self.down_level[t.dst] for t in out])
+        self.down_level[dst] = _level(self.downlink[dst], [self.up_level[t.src] for t in into])
+        flows = (*out, *into)
+        want = [min(self.up_level[t.src], self.down_level[t.dst]) for t in flows]
+        for t, w in zip(flows, want, strict=True):
+            if w < t.rate:
+                self._set_rate(t, w)
+        for t, w in zip(flows, want, strict=True):
+            if w > t.rate:
+                room_up = self.uplink[t.src] - self.up_used[t.src] + t.rate
+                room_down = self.downlink[t.dst] - self.down_used[t.dst] + t.rate
+                rate = min(w, room_up, room_down)
+                if rate > t.rate * (1 + 1e-9):
+                    self._set_rate(t, rate)
 
-        A transfer keeps one finish event in the clock. A slower rate pushes its finish later:
-        the old event is left in place and, when it fires early, re-arms itself (cheaper than
-        a heap entry per change). A faster rate needs a new, earlier event.
-        """
-        now, up, down, out, into = self.clock.now, self.uplink, self.downlink, self.out, self.into
-        for t in (*out[src], *into[dst]):
-            rate = min(up[t.src] / len(out[t.src]), down[t.dst] / len(into[t.dst]))
-            if rate == t.rate:
-                continue
-            faster = rate > t.rate
-            self._settle(t)
-            t.rate = rate
-            if faster:
-                t.gen += 1
-                self.clock.at(now + t.remaining / rate, self._finish, t, t.gen)
+    def _set_rate(self, t: Transfer, rate: float) -> None:
+        """Change ``t``'s rate. A slower rate pushes its finish later: the old event is left in
+        place and, when it fires early, re-arms itself (cheaper than a heap entry per change).
+        A faster rate needs a new, earlier event."""
+        faster = rate > t.rate
+        self._settle(t)
+        self.up_used[t.src] += rate - t.rate
+        self.down_used[t.dst] += rate - t.rate
+        t.rate = rate
+        if faster:
+            t.gen += 1
+            self.clock.at(self.clock.now + t.remaining / rate, self._finish, t, t.gen)
 
     def _finish(self, t: Transfer, gen: int) -> None:
         if gen != t.gen:
             return
         self._settle(t)
         if t.remaining > 1e-6 * max(t.sent, 1.0):  # slowed down since this event was set
-            self.clock.at(self.clock.now + t.remaining / t.rate, self._finish, t, gen)
+            if t.rate > 0:  # at 0 it waits for room: the raise that gives it some re-arms it
+                self.clock.at(self.clock.now + t.remaining / t.rate, self._finish, t, gen)
             return
         t.remaining = 0.0
         self._remove(t)
         t.on_done()
+
+
+def _level(capacity: float, caps: list[float]) -> float:
+    """The water level at which flows capped at ``caps`` fill ``capacity`` (inf: they cannot)."""
+    left, k = capacity, len(caps)
+    for cap in sorted(caps):
+        if cap * k >= left:
+            return left / k
+        left -= cap
+        k -= 1
+    return inf

@@ -12,10 +12,11 @@ and the node's messaging, as follows.
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
-* Requests: a request arrives after one latency. The serving node refuses when all its
-  ``max_concurrent_uploads`` are taken (``PeerBusy``), answers "not found" for a chunk it lacks
-  (``ChunkFailed``), else streams the chunk over the network model; the receiver checks it
-  (``ChunkVerified`` or, from a corrupt peer, ``ChunkCorrupted``).
+* Requests: a request arrives after one latency. The serving node answers "not found" for a
+  chunk it lacks (``ChunkFailed``); else its :class:`p2p_sync.uploads.UploadSlots` (the data
+  plane's own) serve it, queue it for a slot, or refuse it as busy (``PeerBusy``); a served
+  chunk streams over the network model and the receiver checks it (``ChunkVerified`` or, from
+  a corrupt peer, ``ChunkCorrupted``).
 * Churn, adversaries: see ``scenario.py``.
 
 Overlay: a near-regular random graph in which every rollout has ``max_peers`` neighbours (as a
@@ -46,6 +47,7 @@ from p2p_sync.swarm import (
     Scheduler,
     TimerFired,
 )
+from p2p_sync.uploads import Admission, UploadSlots
 from p2p_sync.versions import PATCH, Artifact, PeerState, plan
 from simulations.clock import Clock
 from simulations.network import Network, Transfer
@@ -71,7 +73,7 @@ class Peer:
     artifact: Artifact | None = None
     requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
     subscribers: set[int] = field(default_factory=set)
-    queue: deque[tuple[Peer, int, int]] = field(default_factory=deque)  # waiting for a slot
+    slots: UploadSlots[tuple[int, int, int]] | None = None  # (requester, chunk, generation)
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
     timer_at: float | None = None  # when the scheduler's next TimerFired is due
@@ -159,6 +161,9 @@ class SwarmSim:
             Peer(i + 1, roles[i], links[i][0] * MBPS, links[i][1] * MBPS, state=state0)
             for i in range(n)
         ]
+        for p in (trainer, *rollouts):
+            up = sc.trainer_max_concurrent_uploads if p is trainer else sc.max_concurrent_uploads
+            p.slots = UploadSlots(up, sc.upload_queue)
         return [trainer, *rollouts]
 
     def _wire_overlay(self) -> None:
@@ -350,10 +355,8 @@ class SwarmSim:
             self._remaining -= 1
 
     def _drop_download(self, p: Peer) -> None:
-        for (q, _i), t in list(p.requests.items()):
-            if t is not None:
-                self.net.cancel(t)
-                self._next_in_queue(self.peers[q])
+        for q, i in list(p.requests):
+            self._cancel(p, q, i)
         p.requests.clear()
         p.sched, p.artifact = None, None
         p.generation += 1
@@ -415,9 +418,13 @@ class SwarmSim:
 
     def _cancel(self, p: Peer, q_idx: int, index: int) -> None:
         t = p.requests.pop((q_idx, index), None)
+        q = self.peers[q_idx]
+        assert q.slots is not None
         if t is not None:
-            self.net.cancel(t)
-            self._next_in_queue(self.peers[q_idx])
+            if self.net.cancel(t):  # not if it died with its uploader already
+                self._upload_ended(q, p.idx)
+        else:  # on its way, or waiting for a slot there
+            q.slots.withdraw((p.idx, index, p.generation))
 
     def _reply(self, p: Peer, gen: int, event: Event) -> None:
         self.clock.after(self.lat, self._answer, p, gen, event)
@@ -442,13 +449,12 @@ class SwarmSim:
         if q.role == LIAR or (q.role != CORRUPT and index not in q.have.get(art.ident, ())):
             self._reply(p, gen, ChunkFailed(q_idx, index))
             return
-        if len(self.net.out[q_idx]) >= self._slots(q_idx):
-            if len(q.queue) >= self.sc.upload_queue:
-                self._reply(p, gen, PeerBusy(q_idx, index))
-            else:
-                q.queue.append((p, index, gen))
-            return
-        self._serve(q, p, index, gen)
+        assert q.slots is not None
+        admission = q.slots.request(p.idx, (p.idx, index, gen))
+        if admission is Admission.SERVE:
+            self._serve(q, p, index, gen)
+        elif admission is Admission.BUSY:
+            self._reply(p, gen, PeerBusy(q_idx, index))
 
     def _serve(self, q: Peer, p: Peer, index: int, gen: int) -> None:
         art = p.artifact
@@ -462,19 +468,21 @@ class SwarmSim:
         )
         p.requests[(q_idx, index)] = transfer
 
-    def _slots(self, q_idx: int) -> int:
-        sc = self.sc
-        return sc.trainer_max_concurrent_uploads if q_idx == TRAINER else sc.max_concurrent_uploads
-
-    def _next_in_queue(self, q: Peer) -> None:
-        """An upload slot of ``q`` freed: serve the oldest queued request still wanted."""
-        while q.queue and q.online and len(self.net.out[q.idx]) < self._slots(q.idx):
-            p, index, gen = q.queue.popleft()
-            if p.generation == gen and (q.idx, index) in p.requests:
-                self._serve(q, p, index, gen)
+    def _upload_ended(self, q: Peer, requester: int) -> None:
+        """An upload of ``q`` ended: its slots start what they pick from the line (a request
+        its requester no longer wants ends at once, as a closed connection does)."""
+        assert q.slots is not None
+        ended = [requester]
+        while ended and q.online:
+            for r_idx, (_, index, gen) in q.slots.finished(ended.pop()):
+                r = self.peers[r_idx]
+                if r.generation == gen and (q.idx, index) in r.requests:
+                    self._serve(q, r, index, gen)
+                else:
+                    ended.append(r_idx)
 
     def _delivered(self, p: Peer, q: Peer, art: Artifact, index: int, gen: int) -> None:
-        self._next_in_queue(q)
+        self._upload_ended(q, p.idx)
         if q.idx == TRAINER and p.online:
             self._reoffer(p, art)
         if q.role == CORRUPT:
@@ -518,10 +526,11 @@ class SwarmSim:
             return
         p.online, p.silent_crash = False, silent
         self._drop_download(p)
-        for r, index, gen in p.queue:  # queued requests die with it (reset, or silence)
-            if not silent and r.generation == gen:
+        assert p.slots is not None
+        for r_idx, (_, index, gen) in p.slots.clear():  # queued requests die with it
+            r = self.peers[r_idx]
+            if not silent and r.generation == gen:  # reset, or silence
                 self._reply(r, gen, ChunkFailed(p.idx, index))
-        p.queue.clear()
         for t in list(self.net.out[p.idx]):  # uploads in progress die with the node
             self.net.cancel(t)
             if not silent:

@@ -11,6 +11,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_sync.swarm import SwarmConfig
 from simulations.clock import Clock
@@ -60,6 +62,45 @@ def test_a_flow_speeds_up_when_a_neighbour_flow_ends() -> None:
     done, _ = run_transfers([10 * MB, 0, 0], [0, 1e12, 1e12], [(0, 1, 5 * MB), (0, 2, 15 * MB)])
     assert done[0] == pytest.approx(1.0)
     assert done[1] == pytest.approx(1.0 + 10 / 10)
+
+
+def test_share_a_flow_cannot_use_goes_to_the_others() -> None:
+    # a 10 MB/s uplink feeds a 2 MB/s sink and a fast one: max-min gives them 2 and 8 MB/s
+    # (equal shares of 5 would leave 3 MB/s of the uplink idle)
+    done, _ = run_transfers(
+        [10 * MB, 0, 0], [0, 2 * MB, 100 * MB], [(0, 1, 10 * MB), (0, 2, 10 * MB)]
+    )
+    assert done[1] == pytest.approx(10 / 8)
+    assert done[0] == pytest.approx(10 / 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 20), min_size=4, max_size=4),
+    st.lists(st.integers(1, 20), min_size=4, max_size=4),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 50)), max_size=24),
+)
+def test_no_link_ever_carries_more_than_its_capacity(
+    up: list[int], down: list[int], flows: list[tuple[int, int, int]]
+) -> None:
+    """Random flows started at random times: at every event no link is over capacity, every
+    flow finishes, and every byte is counted once."""
+    clock, flows = Clock(), [f for f in flows if f[0] != f[1]]
+    net = Network(clock, [u * MB for u in up], [d * MB for d in down])
+    done: list[int] = []
+
+    def check() -> None:
+        for n in range(4):
+            assert sum(t.rate for t in net.out[n]) <= net.uplink[n] * (1 + 1e-9)
+            assert sum(t.rate for t in net.into[n]) <= net.downlink[n] * (1 + 1e-9)
+
+    for k, (src, dst, size) in enumerate(flows):
+        clock.at(k * 0.05, net.start, src, dst, size * MB, lambda k=k: (done.append(k), check()))
+        clock.at(k * 0.05, check)
+    clock.run(lambda: len(done) == len(flows) and clock.now > len(flows) * 0.05, 1e9, 100_000)
+    check()
+    assert sorted(done) == list(range(len(flows)))
+    assert sum(net.bytes_sent) == pytest.approx(sum(f[2] for f in flows) * MB)
 
 
 def test_cancel_frees_the_link_and_keeps_moved_bytes_counted() -> None:

@@ -5,9 +5,10 @@ Routes (all responses are small JSON except chunk bodies and metrics):
 =========================  ==================================================================
 GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent; at
                             most ``max_concurrent_uploads`` at once, up to ``upload_queue``
-                            more wait their turn, beyond that (or after waiting
-                            ``request_timeout_s``) 503; a reader slower than
-                            ``request_timeout_s`` is cut off
+                            more wait their turn (a freed slot goes to the requester with
+                            the fewest uploads in progress: ``p2p_sync.uploads``), beyond
+                            that (or after waiting ``request_timeout_s``) 503; a reader
+                            slower than ``request_timeout_s`` is cut off
 GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
                             ``?version=N`` lists only that version's manifests
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
@@ -45,6 +46,7 @@ from typing import Any, Protocol
 
 from p2p_sync.errors import PeerBusyError, PeerError
 from p2p_sync.ratelimit import TokenBucket
+from p2p_sync.uploads import Admission, UploadSlots
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 URL = re.compile(r"^http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
@@ -96,6 +98,15 @@ class Request:
     query: Mapping[str, str] = field(default_factory=dict)
     peer: str | None = None  # the X-P2PSync-Peer header: the requester's own URL, unproven
     body: bytes = b""
+    remote: str | None = None  # the requester's address as the transport saw it
+
+    @property
+    def requester(self) -> str:
+        """Who asks, for sharing upload slots fairly: the address the transport saw and the
+        URL it claims (several peers share an address behind a NAT or on one machine). A
+        claim is unproven, so many claims from one address get more of the line; they get
+        no more slots than first come, first served gave anyone."""
+        return f"{self.remote or '?'} {self.peer or '?'}"
 
 
 @dataclass(frozen=True)
@@ -137,8 +148,9 @@ class DataRouter:
 
     def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
         self.node, self.limits = node, limits
-        self._uploads = asyncio.Semaphore(limits.max_concurrent_uploads)
-        self._queued = 0
+        self._slots: UploadSlots[asyncio.Future[None]] = UploadSlots(
+            limits.max_concurrent_uploads, limits.upload_queue
+        )
         self._closing = asyncio.Event()  # set by close(): long polls answer at once
         self.polls_held = 0  # have-map long polls waiting for news now
         rate = limits.max_upload_mbps * 1e6 / 8 or None
@@ -188,7 +200,7 @@ class DataRouter:
         if _ARITY.get(name) != len(parts):
             raise Refused(404, "no such route")
         if (req.method, name) == ("GET", "chunk"):
-            return await self._chunk(arg), self._uploads.release
+            return await self._chunk(arg, req.requester), lambda: self._release(req.requester)
         handler = self._routes.get((req.method, name))
         if handler is None:
             raise Refused(405, f"{req.method} is not allowed on /{name}")
@@ -196,23 +208,34 @@ class DataRouter:
 
     # ------------------------------------------------------------ chunks
 
-    async def _upload_slot(self) -> None:
+    async def _upload_slot(self, requester: str) -> None:
         """Wait for an upload slot (bounded queue, bounded wait) or refuse with 503."""
-        if self._uploads.locked() and self._queued >= self.limits.upload_queue:
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        admission = self._slots.request(requester, turn)
+        if admission is Admission.BUSY:
             raise Refused(503, "upload queue full")
-        self._queued += 1
+        if admission is Admission.SERVE:
+            return
         try:
             async with asyncio.timeout(self.limits.request_timeout_s):
-                await self._uploads.acquire()
+                await asyncio.shield(turn)
         except TimeoutError:
-            raise Refused(503, "no upload slot in time") from None
-        finally:
-            self._queued -= 1
+            if self._slots.withdraw(turn):
+                raise Refused(503, "no upload slot in time") from None
+        except asyncio.CancelledError:  # the requester hung up while waiting
+            if not self._slots.withdraw(turn):
+                self._release(requester)  # the slot came at that instant: hand it on
+            raise
 
-    async def _chunk(self, sha: str) -> Reply:
+    def _release(self, requester: str) -> None:
+        """An upload to ``requester`` ended: wake whom the slots pick next."""
+        for _, turn in self._slots.finished(requester):
+            turn.set_result(None)
+
+    async def _chunk(self, sha: str, requester: str) -> Reply:
         """The chunk's bytes, holding an upload slot (the caller releases it)."""
         _hex(sha, "sha")
-        await self._upload_slot()
+        await self._upload_slot(requester)
         try:
             data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), < a thread hop
             if data is None:
@@ -220,7 +243,7 @@ class DataRouter:
             if self._bucket is not None:  # upload cap: wait our turn before sending
                 await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
         except BaseException:
-            self._uploads.release()
+            self._release(requester)
             raise
         return Reply(200, data, "application/octet-stream", upload=True)
 

@@ -57,9 +57,8 @@ class DataServer:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.method == "POST" else b""  # capped: a 413
-        req = Request(
-            request.method, request.path, request.query, request.headers.get(PEER_HEADER), body
-        )
+        peer = request.headers.get(PEER_HEADER)
+        req = Request(request.method, request.path, request.query, peer, body, request.remote)
         async with self.router.serve(req) as reply:
             if not reply.upload:
                 return web.Response(
