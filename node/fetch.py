@@ -20,10 +20,13 @@ from p2p_sync.transport.download import DataPlaneSource, download
 class _Listener:
     """Carries a download's news into the node: proof, bans, counters, progress."""
 
-    def __init__(self, node: Node, on_chunk: Callable[[int], None] | None) -> None:
-        self.node, self.on_chunk = node, on_chunk
+    def __init__(
+        self, node: Node, manifest: Manifest, on_chunk: Callable[[int], None] | None
+    ) -> None:
+        self.node, self.digest, self.on_chunk = node, manifest.digest, on_chunk
 
     def served(self, peer: str, nbytes: int) -> None:
+        self.node.timeline.note(self.digest, "first_chunk")
         self.node.peering.served(peer)
         self.node.view.notify_have()
         self.node.metrics.count_download(nbytes)
@@ -32,6 +35,21 @@ class _Listener:
 
     def misbehaved(self, peer: str, reason: str) -> None:
         self.node.ban(peer, reason)
+
+
+class _TimedSource(DataPlaneSource):
+    """The node's chunk source, noting when a have-map first offered a chunk."""
+
+    def __init__(self, node: Node) -> None:
+        assert node.client is not None
+        super().__init__(node.client, node.peering.usable)
+        self.timeline = node.timeline
+
+    async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
+        have = await super().have(peer, m, known)
+        if have:
+            self.timeline.note(m.digest, "first_have")
+        return have
 
 
 def swarm_config(node: Node) -> SwarmConfig:
@@ -47,7 +65,7 @@ async def fetch_payload(
     on_chunk: Callable[[int], None] | None = None,
 ) -> None:
     """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
-    assert node.client is not None
-    source = DataPlaneSource(node.client, node.peering.usable)
     config = config or swarm_config(node)
-    await download(manifest, source, node.store, _Listener(node, on_chunk), config)
+    listener = _Listener(node, manifest, on_chunk)
+    await download(manifest, _TimedSource(node), node.store, listener, config)
+    node.timeline.note(manifest.digest, "fetched")

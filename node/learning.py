@@ -81,6 +81,7 @@ class Learner:
         for digest in digests:
             if digest in self._learning or self.node.store.has_manifest(digest):
                 continue
+            self.node.timeline.note(digest, "heard")  # announced, polled or gossiped
             self._learning.add(digest)
             try:
                 manifest = await self._learn_one(peer, digest)
@@ -110,6 +111,7 @@ class Learner:
             return None
         node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
         node.store.put_manifest(manifest, data)
+        node.timeline.note(digest, "learned")
         return manifest
 
     async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
@@ -209,6 +211,8 @@ class Learner:
         a = decision.announcement
         assert a is not None
         self.heard(decision, at_ms)
+        for d in a.digests:
+            self.node.timeline.note(d, "heard", at_ms / 1000)
         if self.node.cfg.role == "bootstrap":
             return
         stored = self._keep_inline(decision)
@@ -228,6 +232,7 @@ class Learner:
         for m, raw in self.node.trusted.fresh_inline(decision):
             if not self.node.store.has_manifest(m.digest):
                 self.node.store.put_manifest(m, raw)
+                self.node.timeline.note(m.digest, "learned")
                 stored.append(m.digest)
         return stored
 

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,6 +66,7 @@ class Update:
     export_s: float = 0.0
     applied_at: float = 0.0  # wall clock: applied in place and verified (target state hash)
     at: float = 0.0  # wall clock: handed off (exported, when --export is set)
+    timeline: dict[str, float] = field(default_factory=dict)  # node.timeline: its steps
 
 
 class Follower:
@@ -223,6 +224,9 @@ class Follower:
         await self._persist(m)
         up.apply_s, up.export_s, up.persist_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         up.at = time.time()
+        self.node.timeline.note(m.digest, "applied", up.applied_at)
+        self.node.timeline.note(m.digest, "handed_off", up.at)
+        up.timeline = self.node.timeline.of(m.digest)
         self.node.evict()  # a few unlinks: inline
         self._note(up)
         self.node.metrics.version.set(m.version)

@@ -32,6 +32,7 @@ from node.dataview import DataView
 from node.learning import Learner
 from node.metrics import Metrics
 from node.peering import Peering
+from node.timeline import Timeline
 from node.transports import HttpTransport, MemoryTransport
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
@@ -77,6 +78,7 @@ class Node:
         self.cfg, self.policy, self.store = cfg, policy, store
         self.transport: Transport = transport or HttpTransport()
         self.metrics = Metrics()
+        self.timeline = Timeline()  # when each step of a version happened here
         directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))
         self.peering = Peering(directory, self.metrics)
         self.trusted = TrustedSet(

@@ -8,6 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from node.timeline import STEPS
 from p2p_sync import announce
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
@@ -42,6 +43,33 @@ async def _learn(tmp_path: Path, versions: list) -> dict:
             "trainer uploaded": trainer.metrics.bytes_uploaded,
             "requests": dict(swarm.network.requests),
         }
+
+
+async def _timelines(tmp_path: Path, versions: list) -> list[dict]:
+    async with MemorySwarm(tmp_path) as swarm:
+        await swarm.start_trainer()
+        rollouts = [await swarm.start_rollout(f"r{i}") for i in range(3)]
+        await swarm.publish(versions[0])
+        await swarm.converge(0)
+        return [r.status()["last_update"] for r in rollouts]
+
+
+def test_a_rollout_reports_when_each_step_of_a_version_happened(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    """/status shows, for the last version handed off, when it was heard of, learned, first
+    offered, first fetched, fetched, applied and handed off: in that order, all of them."""
+    before = time.time()
+    for update in _run_list(_timelines(tmp_path, tiny_versions[:1])):
+        steps = update["timeline"]
+        assert list(steps) == list(STEPS)
+        times = list(steps.values())
+        assert before <= times[0] and times == sorted(times), steps
+        assert steps["handed_off"] == update["at"]
+
+
+def _run_list(coro) -> list:
+    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def test_rollouts_that_know_only_the_trainer_learn_every_version_and_each_other(
