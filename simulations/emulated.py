@@ -15,7 +15,10 @@ Payload: random bf16 tensors of ``payload_mb`` in total, every element rewritten
 (exponent capped so no NaN/Inf), so each version's patch is about as large as the weights and
 nearly incompressible: the worst case for the network, and a known F.
 
-    python -m simulations.emulated --hosts 8 --mbps 100 --payload-mb 20 --versions 3
+    python -m simulations.emulated --hosts 8 --mbps 100 --payload-mb 20 --versions 3 [--delay-ms 20]
+
+``--delay-ms`` adds a one-way propagation delay between every two hosts (``simulations.delayline``
+forwards the frames instead of a bridge); the lower bound ignores it (it is a bandwidth bound).
 
 Needs root and iproute2 (see ``simulations.netns``).
 """
@@ -48,7 +51,8 @@ class EmulationConfig:
     tensors: int = 4  # the payload is split over this many tensors
     chunk_size: int = 256 * 1024
     burst_bytes: int = 64 * 1024
-    latency_ms: float = 20.0
+    latency_ms: float = 20.0  # tbf's queue limit (LinkShape.latency_ms), not a delay
+    delay_ms: float = 0.0  # one-way propagation delay between any two hosts (TopologyConfig)
     rate_probe_mb: float = 0.0  # measure one host-to-host transfer first (0: skip)
     start_timeout_s: float = 120.0  # every node process up
     version_timeout_s: float = 300.0  # one version from publish to every rollout
@@ -65,6 +69,9 @@ class EmulationConfig:
 
     def link(self) -> LinkShape:
         return LinkShape(self.mbps, None, self.burst_bytes, self.latency_ms)
+
+    def topology(self) -> TopologyConfig:
+        return TopologyConfig(hosts=self.hosts, shape=self.link(), delay_ms=self.delay_ms)
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class EmulationResult:
     versions: list[VersionResult] = field(default_factory=list)
     converged: bool = False  # every rollout's state hash equals the last version's
     link: RateSample | None = None
+    delay_line: str | None = None  # the delay line's counters (frames, drops), if it ran
 
 
 def kumar_ross(payload: int, seed_up: float, uploads: list[float], min_down: float) -> float:
@@ -243,8 +251,37 @@ def run(cfg: EmulationConfig, root: Path) -> EmulationResult:
     """Build the shaped topology, run the swarm in it, delete the topology whatever happens."""
     if cfg.hosts < 2:
         raise ValueError("an emulated swarm needs at least 2 hosts (a trainer and a rollout)")
-    with Topology(TopologyConfig(hosts=cfg.hosts, shape=cfg.link())) as topo:
-        return run_in(topo, root, cfg)
+    with Topology(cfg.topology()) as topo:
+        result = run_in(topo, root, cfg)
+    if topo.delay_line_exit is not None:  # its counters, printed when it stopped
+        result.delay_line = topo.delay_line_exit[1].strip()
+    return result
+
+
+_HEAD = (
+    "version",
+    "F (MB)",
+    "lower bd s",
+    "distrib. s",
+    "x bound",
+    "end-to-end s",
+    "trainer up/F",
+    "rollouts down/F",
+)
+
+
+def _row(r: VersionResult) -> str:
+    cells = (
+        f"v{r.version}",
+        f"{r.payload / 1e6:.2f}",
+        f"{r.lower_bound_s:.2f}",
+        f"{r.distribution_s:.2f}",
+        f"{r.ratio:.2f}",
+        f"{r.end_to_end_s:.2f}",
+        f"{r.trainer_up / r.payload:.2f}",
+        f"{r.rollouts_down / r.payload:.2f}",
+    )
+    return "  ".join(f"{x:>12}" for x in cells)
 
 
 def table(result: EmulationResult) -> str:
@@ -252,7 +289,8 @@ def table(result: EmulationResult) -> str:
     c = result.cfg
     lines = [
         f"{c.hosts} hosts (1 trainer + {c.hosts - 1} rollouts) at {c.mbps:g} Mbit/s up and "
-        f"down, {c.payload_mb:g} MB payload, chunk {c.chunk_size // 1024} KiB"
+        f"down, {c.delay_ms:g} ms one-way delay, {c.payload_mb:g} MB payload, "
+        f"chunk {c.chunk_size // 1024} KiB"
     ]
     if result.link is not None:
         s = result.link
@@ -260,29 +298,10 @@ def table(result: EmulationResult) -> str:
             f"link check: {s.goodput_mbps:.1f} Mbit/s TCP goodput = {s.wire_mbps:.1f} "
             f"Mbit/s on the wire (configured {s.configured_mbps:g})"
         )
-    head = (
-        "version",
-        "F (MB)",
-        "lower bd s",
-        "distrib. s",
-        "x bound",
-        "end-to-end s",
-        "trainer up/F",
-        "rollouts down/F",
-    )
-    lines.append("  ".join(f"{h:>12}" for h in head))
-    for r in result.versions:
-        row = (
-            f"v{r.version}",
-            f"{r.payload / 1e6:.2f}",
-            f"{r.lower_bound_s:.2f}",
-            f"{r.distribution_s:.2f}",
-            f"{r.ratio:.2f}",
-            f"{r.end_to_end_s:.2f}",
-            f"{r.trainer_up / r.payload:.2f}",
-            f"{r.rollouts_down / r.payload:.2f}",
-        )
-        lines.append("  ".join(f"{x:>12}" for x in row))
+    lines.append("  ".join(f"{h:>12}" for h in _HEAD))
+    lines.extend(_row(r) for r in result.versions)
+    if result.delay_line is not None:
+        lines.append(result.delay_line)
     lines.append(f"every rollout bit-exact with the trainer: {result.converged}")
     return "\n".join(lines)
 
@@ -295,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--payload-mb", type=float, default=d.payload_mb)
     ap.add_argument("--versions", type=int, default=d.versions)
     ap.add_argument("--chunk-kb", type=int, default=d.chunk_size // 1024)
+    ap.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way, between hosts")
     ap.add_argument("--rate-probe-mb", type=float, default=10.0, help="0: skip the link check")
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
     args = ap.parse_args(argv)
@@ -305,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         versions=args.versions,
         chunk_size=args.chunk_kb * 1024,
         rate_probe_mb=args.rate_probe_mb,
+        delay_ms=args.delay_ms,
     )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)

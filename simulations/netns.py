@@ -3,13 +3,19 @@
 Why namespaces: the emulated tier of issue 6 runs real node processes over links slower than
 loopback, so the swarm's scheduling meets real TCP, queueing and bandwidth limits. netem is not
 available on our machines, but ``tc tbf`` (a token bucket) is: it caps a link's rate, which is
-what the Kumar-Ross lower bound is about.
+what the Kumar-Ross lower bound is about. A propagation delay (``TopologyConfig.delay_ms``) comes
+from ``simulations.delayline``, a userspace switch that holds every frame for that long; it then
+replaces the bridge (netem would do it in the kernel, but we have none).
 
 Layout (every object lives inside a namespace this module creates, so nothing touches the
 host's own interfaces, addresses or routes, and deleting the namespaces deletes everything)::
 
     <prefix>-sw  : bridge br0, ports b0..b{N-1}    (tbf on b{i}: host i's downlink)
-    <prefix>-h{i}: eth0 = veth peer of b{i}, IP <subnet>.{i+1}/24 (tbf on eth0: its uplink)
+    <prefix>-h{i}: eth0 = veth peer of b{i}, IP <subnet>.{i+1}/24 (tbf on eth0: its uplink),
+                   MAC 02:00:00:00:xx:yy (xx:yy = i+1)
+
+With ``delay_ms > 0`` there is no br0: the delay line, a process in ``<prefix>-sw``, forwards
+between the ports (by the hosts' fixed MACs), each frame ``delay_ms`` after it arrived.
 
 The test process stays in the root namespace and reaches a host through ``Topology.call``:
 a worker thread that has entered that host's namespace (``setns``) opens the sockets, so control
@@ -29,13 +35,16 @@ import concurrent.futures
 import ctypes
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from p2p_sync.errors import NetnsError  # noqa: F401 (re-exported)
@@ -45,6 +54,7 @@ T = TypeVar("T")
 PREFIX_ROOT = "p2psync-emu-"  # every namespace this module creates starts with it
 _CLONE_NEWNET = 0x40000000
 _NETNS_DIR = "/run/netns"
+_ROOT = Path(__file__).resolve().parents[1]  # holds the simulations package
 
 
 @dataclass(frozen=True)
@@ -52,15 +62,16 @@ class LinkShape:
     """tbf settings of one host's link (uplink and downlink are shaped separately).
 
     ``burst_bytes`` is the token bucket: it must hold at least one MTU-sized packet plus what
-    accrues in one timer tick (rate / HZ), or the link runs below its rate. ``latency_ms``
-    bounds how long a packet may queue (tbf's limit): too small drops TCP bursts, too large
-    adds bufferbloat to every round trip.
+    accrues in one timer tick (rate / HZ), or the link runs below its rate. ``latency_ms`` is
+    tbf's ``latency``, i.e. its queue limit: the longest a packet may wait in the shaper's
+    queue (too small drops TCP bursts, too large adds bufferbloat to every round trip). It is
+    not a propagation delay: an idle link adds none; that is ``TopologyConfig.delay_ms``.
     """
 
     mbps: float = 100.0  # uplink rate, Mbit/s (10^6 bit/s, counted on Ethernet frames)
     down_mbps: float | None = None  # downlink rate; None: same as the uplink
     burst_bytes: int = 64 * 1024
-    latency_ms: float = 20.0
+    latency_ms: float = 20.0  # tbf queue limit (max queueing delay), not a propagation delay
 
     @property
     def down(self) -> float:
@@ -80,6 +91,11 @@ class TopologyConfig:
     prefix: str | None = None  # namespace name prefix; None: PREFIX_ROOT + pid + random
     cmd_timeout_s: float = 15.0  # one ip/tc command
     max_hosts: int = 250
+    # One-way propagation delay (ms) between any two hosts, like the simulator's latency_ms: a
+    # round trip takes 2 * delay_ms plus queueing. 0: a kernel bridge joins the hosts; > 0: the
+    # userspace delay line (simulations.delayline) does, holding each frame delay_ms.
+    delay_ms: float = 0.0
+    delay_line_timeout_s: float = 15.0  # the delay line to bind its ports; then to exit
 
     def shape_of(self, index: int) -> LinkShape:
         return self.shapes[index] if index < len(self.shapes) else self.shape
@@ -87,12 +103,19 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class Host:
-    """One emulated machine: its namespace, address and link shape."""
+    """One emulated machine: its namespace, address, MAC (of its eth0) and link shape."""
 
     index: int
     ns: str
     ip: str
     shape: LinkShape
+    mac: str
+
+
+def mac_of(index: int) -> str:
+    """Host ``index``'s MAC: locally administered, unicast, ``02:00:00:00:xx:yy`` = index + 1."""
+    n = index + 1
+    return f"02:00:00:00:{n >> 8:02x}:{n & 0xFF:02x}"
 
 
 def _run(argv: list[str], timeout: float) -> str:
@@ -230,9 +253,68 @@ def probe() -> str | None:
     return None
 
 
+def _exec_prefix(ns: str) -> list[str]:
+    return ["ip", "netns", "exec", ns]
+
+
+# ---------------------------------------------------------------- the delay line's process
+
+
+def _spawn_delay_line(argv: list[str]) -> subprocess.Popen[bytes]:
+    """Start ``simulations.delayline`` (argv: the full command); it imports from this tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        argv,
+        cwd=_ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # stopped by Topology.destroy, not by a ^C meant for us
+    )
+
+
+def _await_ready(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait for the ``ready`` line; NetnsError if it dies, says something else or is late."""
+    assert proc.stdout is not None
+    deadline, out = time.monotonic() + timeout, b""
+    for _ in range(64):  # "ready\n" takes one read or a few
+        if out.endswith(b"\n"):
+            break
+        left = deadline - time.monotonic()
+        readable = select.select([proc.stdout], [], [], max(0.0, left))[0]
+        if not readable:
+            raise NetnsError(f"the delay line did not get ready within {timeout:g}s")
+        chunk = os.read(proc.stdout.fileno(), 64)
+        if not chunk:
+            raise NetnsError("the delay line exited on start")
+        out += chunk
+    if out != b"ready\n":
+        raise NetnsError(f"the delay line said {out[:80]!r} instead of ready")
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float) -> tuple[int, str]:
+    """SIGTERM, then SIGKILL after ``timeout``; returns (exit status, its stderr)."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err.decode(errors="replace")
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "(no output)"
+
+
 @dataclass
 class Topology:
-    """N host namespaces on one bridge, each link shaped with tbf. Use as a context manager."""
+    """N host namespaces on one bridge (or behind the delay line, with ``delay_ms``), each link
+    shaped with tbf. Use as a context manager."""
 
     cfg: TopologyConfig = field(default_factory=TopologyConfig)
 
@@ -243,9 +325,14 @@ class Topology:
         subnet = self.cfg.subnet or f"10.{64 + secrets.randbelow(187)}.{1 + secrets.randbelow(250)}"
         self.switch = f"{self.prefix}-sw"
         self.hosts = [
-            Host(i, f"{self.prefix}-h{i}", f"{subnet}.{i + 1}", self.cfg.shape_of(i))
+            Host(i, f"{self.prefix}-h{i}", f"{subnet}.{i + 1}", self.cfg.shape_of(i), mac_of(i))
             for i in range(self.cfg.hosts)
         ]
+        if not 0 <= self.cfg.delay_ms <= 60_000:
+            raise ValueError(f"delay_ms must be within 0..60000, not {self.cfg.delay_ms}")
+        self.delay_line: subprocess.Popen[bytes] | None = None
+        # (exit status, stderr: its counters) of the delay line once stopped
+        self.delay_line_exit: tuple[int, str] | None = None
         self._created: list[str] = []
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._lock = threading.Lock()
@@ -294,12 +381,38 @@ class Topology:
         )
 
     def build(self) -> None:
-        """Create the switch namespace with its bridge, then each host and its shaped link."""
+        """Create the switch namespace with its bridge (none with a delay), then each host and
+        its shaped link; with a delay, start the delay line on the ports last."""
         self._add_ns(self.switch)
-        self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        self._ip("-n", self.switch, "link", "set", "br0", "up")
+        if not self.cfg.delay_ms:
+            self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            self._ip("-n", self.switch, "link", "set", "br0", "up")
         for host in self.hosts:
             self._add_host(host)
+        if self.cfg.delay_ms:
+            self._start_delay_line()
+
+    def _start_delay_line(self) -> None:
+        """Start the delay line in the switch namespace; NetnsError if it does not get ready."""
+        self.delay_line = _spawn_delay_line(self._delay_line_argv())
+        try:
+            _await_ready(self.delay_line, self.cfg.delay_line_timeout_s)
+        except NetnsError as exc:
+            self._stop_delay_line()
+            status, err = self.delay_line_exit or (None, "")
+            raise NetnsError(f"{exc} (exit status {status}): {_last_line(err)}") from None
+
+    def _delay_line_argv(self) -> list[str]:
+        ports = [arg for h in self.hosts for arg in ("--port", f"b{h.index}={h.mac}")]
+        return [
+            *_exec_prefix(self.switch),
+            sys.executable,
+            "-m",
+            "simulations.delayline",
+            "--delay-ms",
+            repr(float(self.cfg.delay_ms)),
+            *ports,
+        ]
 
     def _add_host(self, host: Host) -> None:
         port = f"b{host.index}"
@@ -310,6 +423,8 @@ class Topology:
             "add",
             "name",
             "eth0",
+            "address",
+            host.mac,
             "netns",
             host.ns,
             "type",
@@ -322,10 +437,19 @@ class Topology:
         )
         self._ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         self._ip("-n", host.ns, "link", "set", "eth0", "up")
-        self._ip("-n", self.switch, "link", "set", port, "master", "br0")
-        self._ip("-n", self.switch, "link", "set", port, "up")
+        self._add_port(port)
         self._tbf(host.ns, "eth0", host.shape.mbps, host.shape)  # uplink
         self._tbf(self.switch, port, host.shape.down, host.shape)  # downlink
+
+    def _add_port(self, port: str) -> None:
+        """Join switch port ``port`` to the bridge, or ready it for the delay line."""
+        if self.cfg.delay_ms:
+            # the delay line reads every frame; the switch's own stack stays silent (no IPv6
+            # link-local address, so no router solicitations or MLD reports of its own)
+            self._ip("-n", self.switch, "link", "set", port, "promisc", "on", "addrgenmode", "none")
+        else:
+            self._ip("-n", self.switch, "link", "set", port, "master", "br0")
+        self._ip("-n", self.switch, "link", "set", port, "up")
 
     def destroy(self) -> None:
         """Stop the worker threads, kill what runs inside, delete every namespace created.
@@ -335,7 +459,7 @@ class Topology:
             pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
             pool.shutdown(wait=True, cancel_futures=True)
-        first: NetnsError | None = None
+        first = self._stop_delay_line()
         for ns in reversed(self._created):
             try:
                 delete_namespace(ns)
@@ -345,6 +469,17 @@ class Topology:
         if first is not None:
             raise first
 
+    def _stop_delay_line(self) -> NetnsError | None:
+        """Stop the delay line before its namespace goes; an error if it had crashed."""
+        proc, self.delay_line = self.delay_line, None
+        if proc is None:
+            return None
+        self.delay_line_exit = _stop(proc, self.cfg.delay_line_timeout_s)
+        status, err = self.delay_line_exit
+        if status > 0:  # it exited by itself, with an error (< 0: killed by a signal)
+            return NetnsError(f"the delay line failed (exit status {status}): {_last_line(err)}")
+        return None
+
     def namespaces(self) -> list[str]:
         return [self.switch, *(h.ns for h in self.hosts)]
 
@@ -352,7 +487,7 @@ class Topology:
 
     def exec_argv(self, host: Host) -> list[str]:
         """Prefix that runs a command inside ``host``: ``exec_argv(h) + ["python", ...]``."""
-        return ["ip", "netns", "exec", host.ns]
+        return _exec_prefix(host.ns)
 
     def run(self, host: Host, argv: list[str], timeout: float = 30.0) -> str:
         """Run a command inside ``host`` and return its stdout (NetnsError on failure)."""
@@ -438,3 +573,21 @@ def measure_rate(
     if result.get("got") != nbytes:
         raise NetnsError(f"rate probe {src.ip} -> {dst.ip}: got {result.get('got')} of {nbytes} B")
     return RateSample(nbytes, result["seconds"], min(src.shape.mbps, dst.shape.down))
+
+
+def connect_times(
+    topo: Topology, src: Host, dst: Host, count: int, until: Callable[[], bool] | None = None
+) -> list[float]:
+    """Up to ``count`` TCP connect times (s) from ``src`` to ``dst``: SYN out, SYN/ACK back,
+    one round trip (2 x ``delay_ms`` plus queueing). One connect first, untimed, resolves
+    ``dst``'s MAC (ARP). Stops early once ``until()`` is true."""
+    server = topo.call(dst, socket.create_server, (dst.ip, 0))
+
+    def once() -> float:
+        t0 = time.monotonic()
+        socket.create_connection(server.getsockname(), timeout=10).close()
+        return time.monotonic() - t0
+
+    with server:
+        topo.call(src, once)
+        return [topo.call(src, once) for _ in range(count) if until is None or not until()]

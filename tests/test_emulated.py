@@ -20,9 +20,11 @@ from simulations.emulated import EmulationConfig, run_in, table
 from simulations.netns import (
     PREFIX_ROOT,
     LinkShape,
+    NetnsError,
     Topology,
     TopologyConfig,
     cleanup_stale,
+    connect_times,
     list_namespaces,
     measure_rate,
     probe,
@@ -114,6 +116,83 @@ def test_cleanup_stale_removes_only_dead_runs(own_prefix: str) -> None:
     finally:
         cleanup_stale(stale, include_live=True)
     assert leftovers(own_prefix) == [] and stale not in list_namespaces()
+
+
+# A round trip over the delay line: 2 x delay_ms, plus what the VM's timers and Python add
+# (measured 0.5-1 ms idle, up to ~6 ms while 8 flows run); a loaded CI VM gets a wide margin.
+RTT_MARGIN_S = 0.025
+
+
+@pytest.mark.parametrize("delay_ms", [0.0, 20.0])
+def test_a_connect_takes_one_round_trip_of_the_configured_delay(
+    own_prefix: str, delay_ms: float
+) -> None:
+    with Topology(TopologyConfig(hosts=3, delay_ms=delay_ms)) as topo:
+        times = connect_times(topo, topo.hosts[0], topo.hosts[2], count=5)
+    rtt = 2 * delay_ms / 1000
+    assert min(times) >= rtt, times  # never early: every frame is held the full delay
+    assert sorted(times)[2] < (rtt + RTT_MARGIN_S if delay_ms else 0.005), times  # the median
+    assert leftovers(own_prefix) == []
+
+
+def test_the_delay_line_keeps_the_shaped_rate(own_prefix: str) -> None:
+    cfg = TopologyConfig(hosts=2, shape=LinkShape(mbps=50.0), delay_ms=20.0)
+    with Topology(cfg) as topo:
+        # 8 MB: ~1.3 s at 50 Mbit/s, 30 round trips, so BBR's start-up is a small part of it
+        sample = measure_rate(topo, topo.hosts[0], topo.hosts[1], nbytes=8_000_000)
+    assert 0.8 * 50.0 <= sample.wire_mbps <= 1.1 * 50.0, sample  # measured ~45
+    assert topo.delay_line_exit is not None and topo.delay_line_exit[0] == 0
+
+
+def test_the_delay_line_stops_cleanly_with_its_topology(own_prefix: str) -> None:
+    with Topology(TopologyConfig(hosts=2, delay_ms=5.0)) as topo:
+        proc = topo.delay_line
+        assert proc is not None and proc.poll() is None
+        assert os.getpriority(os.PRIO_PROCESS, proc.pid) == -10  # ahead of the nodes
+        connect_times(topo, topo.hosts[0], topo.hosts[1], count=1)
+    assert proc.returncode == 0  # SIGTERM: it stopped by itself, printing its counters
+    status, stderr = topo.delay_line_exit or (None, "")
+    assert status == 0 and "frames=" in stderr and "drops=0" in stderr, stderr
+    assert topo.delay_line is None and leftovers(own_prefix) == []
+
+
+def test_cleanup_stale_kills_the_delay_line_of_a_killed_run(own_prefix: str) -> None:
+    topo = Topology(TopologyConfig(hosts=2, delay_ms=5.0))
+    try:
+        topo.build()  # as if its owner were SIGKILLed now: no destroy()
+        proc = topo.delay_line
+        assert proc is not None and proc.poll() is None
+        assert sorted(cleanup_stale(topo.prefix, include_live=True)) == sorted(topo.namespaces())
+        assert proc.wait(timeout=10) == -9
+    finally:
+        topo.destroy()  # nothing left to delete, and a killed delay line is no error
+    assert leftovers(own_prefix) == []
+
+
+_DELAY_LINE_ARGV = Topology._delay_line_argv
+# How a delay line can fail to start: (its command line, what the build's NetnsError says)
+BAD_STARTS = {
+    "bad port": (
+        lambda topo: [*_DELAY_LINE_ARGV(topo), "--port", "nic9=02:00:00:00:00:09"],
+        r"exited on start \(exit status 1\): delayline: error: port nic9: No such device",
+    ),
+    "silent": (  # waits for a signal, never says ready
+        lambda topo: [sys.executable, "-c", "import signal; signal.pause()"],
+        r"did not get ready within 0.5s \(exit status -15\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_STARTS))
+def test_a_delay_line_that_fails_to_start_fails_the_build(
+    own_prefix: str, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    argv, message = BAD_STARTS[how]
+    monkeypatch.setattr(Topology, "_delay_line_argv", argv)
+    with pytest.raises(NetnsError, match=message):
+        with Topology(TopologyConfig(hosts=2, delay_ms=5.0, delay_line_timeout_s=0.5)):
+            pass
+    assert leftovers(own_prefix) == []
 
 
 @pytest.mark.parametrize(
