@@ -75,7 +75,8 @@ class PublishTimings:
     snapshot_s: float = 0.0  # anchors only: writing the full weights as a pack (and hashing it)
     total_s: float = 0.0
     patch_bytes: int = 0
-    finished_at: float = 0.0  # wall clock (time.time()) when the manifests were announced
+    stored_at: float = 0.0  # wall clock (time.time()): stored and signed, about to be announced
+    finished_at: float = 0.0  # wall clock when the manifests were announced
 
 
 class Publisher:
@@ -368,6 +369,7 @@ class Publisher:
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
         self.node.metrics.version.set(version)
         manifests = [m for m, _, _ in built]
+        self.timings.stored_at = time.time()
         await self.node.learner.announce([m.digest for m in manifests])
         self.node.learner.new_info.set()
         t = self.timings

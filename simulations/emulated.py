@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +50,7 @@ class EmulationConfig:
     payload_mb: float = 20.0  # MB (10^6 B) of weights, all rewritten every version
     versions: int = 3
     tensors: int = 4  # the payload is split over this many tensors
-    chunk_size: int = 256 * 1024
+    chunk_size: int = 0  # the trainer's: 0 = by payload (p2p_sync.chunks.chunk_size_for)
     burst_bytes: int = 64 * 1024
     latency_ms: float = 20.0  # tbf's queue limit (LinkShape.latency_ms), not a delay
     delay_ms: float = 0.0  # one-way propagation delay between any two hosts (TopologyConfig)
@@ -85,6 +86,7 @@ class VersionResult:
     lower_bound_s: float  # Kumar-Ross for F
     trainer_up: int  # trainer's chunk upload during this version
     rollouts_down: int  # sum of rollouts' chunk download during this version
+    steps: dict[str, float] = field(default_factory=dict)  # STEPS: median rollout's seconds
 
     @property
     def ratio(self) -> float:
@@ -186,6 +188,47 @@ def _counters(procs: list[Proc], key: str) -> list[int]:
     return [(p.status() or {}).get(key, 0) for p in procs]
 
 
+# where a version's time goes at a rollout: (name, from step, to step) of node/timeline.py's
+# steps, "published" being the trainer's (stored and signed, about to announce)
+STEPS = (
+    ("announce", "published", "heard"),
+    ("manifest", "heard", "learned"),
+    ("have-map", "learned", "first_have"),
+    ("1st chunk", "first_have", "first_chunk"),
+    ("chunks", "first_chunk", "fetched"),
+    ("apply", "fetched", "handed_off"),
+)
+
+
+def breakdown(published_at: float, timelines: list[dict[str, float]]) -> dict[str, float]:
+    """Median over rollouts of each step's seconds (a step a rollout did not report: skipped),
+    plus "last": when the last rollout handed off, after publication."""
+    out = {}
+    for name, a, b in STEPS:
+        spans = [
+            t[b] - (published_at if a == "published" else t[a])
+            for t in timelines
+            if b in t and (a == "published" or a in t)
+        ]
+        if spans:
+            out[name] = statistics.median(spans)
+    ends = [t["handed_off"] - published_at for t in timelines if "handed_off" in t]
+    if ends:
+        out["last"] = max(ends)
+    return out
+
+
+def _steps(trainer: Proc, rollouts: list[Proc], v: int) -> dict[str, float]:
+    """The version's breakdown from the nodes' own clocks (/status), not from our polling."""
+    published = ((trainer.status() or {}).get("last_publish") or {}).get("stored_at")
+    timelines = []
+    for p in rollouts:
+        update = (p.status() or {}).get("last_update") or {}
+        if update.get("version") == v:
+            timelines.append(update.get("timeline") or {})
+    return breakdown(published, timelines) if published else {}
+
+
 def _one_version(
     swarm: Swarm,
     topo: Topology,
@@ -224,6 +267,7 @@ def _one_version(
         lower_bound_s=lower_bound(topo, payload),
         trainer_up=_counters([trainer], "bytes_uploaded")[0] - up0,
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
+        steps=_steps(trainer, rollouts, v),
     )
 
 
@@ -290,7 +334,7 @@ def table(result: EmulationResult) -> str:
     lines = [
         f"{c.hosts} hosts (1 trainer + {c.hosts - 1} rollouts) at {c.mbps:g} Mbit/s up and "
         f"down, {c.delay_ms:g} ms one-way delay, {c.payload_mb:g} MB payload, "
-        f"chunk {c.chunk_size // 1024} KiB"
+        f"chunk {f'{c.chunk_size // 1024} KiB' if c.chunk_size else 'by payload'}"
     ]
     if result.link is not None:
         s = result.link
@@ -300,6 +344,12 @@ def table(result: EmulationResult) -> str:
         )
     lines.append("  ".join(f"{h:>12}" for h in _HEAD))
     lines.extend(_row(r) for r in result.versions)
+    lines.append("where the time went (median rollout, ms; last: the last rollout's hand-off)")
+    names = [name for name, _, _ in STEPS] + ["last"]
+    lines.append("  ".join(f"{h:>10}" for h in ["version", *names]))
+    for r in result.versions:
+        cells = [f"{r.steps[n] * 1000:.0f}" if n in r.steps else "-" for n in names]
+        lines.append("  ".join(f"{x:>10}" for x in [f"v{r.version}", *cells]))
     if result.delay_line is not None:
         lines.append(result.delay_line)
     lines.append(f"every rollout bit-exact with the trainer: {result.converged}")
@@ -313,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbps", type=float, default=d.mbps)
     ap.add_argument("--payload-mb", type=float, default=d.payload_mb)
     ap.add_argument("--versions", type=int, default=d.versions)
-    ap.add_argument("--chunk-kb", type=int, default=d.chunk_size // 1024)
+    ap.add_argument("--chunk-kb", type=int, default=0, help="0: the trainer's (by payload)")
     ap.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way, between hosts")
     ap.add_argument("--rate-probe-mb", type=float, default=10.0, help="0: skip the link check")
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")

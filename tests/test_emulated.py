@@ -16,7 +16,7 @@ import pytest
 
 from node.localswarm import wait_for
 from simulations import netns
-from simulations.emulated import EmulationConfig, run_in, table
+from simulations.emulated import STEPS, EmulationConfig, run_in, table
 from simulations.netns import (
     PREFIX_ROOT,
     LinkShape,
@@ -87,6 +87,10 @@ def test_swarm_in_namespaces_converges_within_bounds(own_prefix: str, tmp_path: 
         assert v.distribution_s <= MAX_RATIO * v.lower_bound_s, why
         assert v.trainer_up <= 2 * v.payload, why  # rollouts relay to each other
         assert v.rollouts_down >= (SWARM.hosts - 1) * v.payload, why
+        # where the time went, from the nodes' own clocks: every step, in order
+        assert list(v.steps) == [name for name, _, _ in STEPS] + ["last"], why
+        assert all(s >= 0 for s in v.steps.values()), why
+        assert v.steps["chunks"] < v.steps["last"] <= v.end_to_end_s, why
     assert leftovers(own_prefix) == []
 
 
