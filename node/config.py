@@ -128,6 +128,7 @@ _MOVED = {  # settings from before the tree -> where they live now
     "min_request_timeout_s": "download.min_request_timeout_s",
     "stall_timeout_s": "download.stall_timeout_s",
     "have_poll_s": "download.have_poll_s",
+    "max_sources": "download.max_sources",
     "max_peers": "directory.max_peers",
     "max_unproven_peers": "directory.max_unproven",
     "peer_max_failures": "directory.max_failures",

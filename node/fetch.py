@@ -37,13 +37,27 @@ class _Listener:
         self.node.ban(peer, reason)
 
 
-class _TimedSource(DataPlaneSource):
-    """The node's chunk source, noting when a have-map first offered a chunk."""
+class _NodeSource(DataPlaneSource):
+    """The node's chunk source: its usable peers in the order a download should follow them,
+    noting when a have-map first offered a chunk."""
 
     def __init__(self, node: Node) -> None:
         assert node.client is not None
         super().__init__(node.client, node.peering.usable)
-        self.timeline = node.timeline
+        self.timeline, self.known = node.timeline, node.peering.directory.known
+        self._rank: dict[str, float] = {}
+        self._rng = random.Random()
+
+    def peers(self) -> list[str]:
+        """Trusted peers (given, proven) first, then the rest in this download's own random
+        order: a download follows ``max_sources`` of them, and rollouts that all followed the
+        same first few would queue at the same uploaders."""
+
+        def key(url: str) -> tuple[bool, float]:
+            entry, rank = self.known.get(url), self._rank.setdefault(url, self._rng.random())
+            return (entry is None or not entry.trusted, rank)
+
+        return sorted(super().peers(), key=key)
 
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
         have = await super().have(peer, m, known)
@@ -67,5 +81,5 @@ async def fetch_payload(
     """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
     config = config or swarm_config(node)
     listener = _Listener(node, manifest, on_chunk)
-    await download(manifest, _TimedSource(node), node.store, listener, config)
+    await download(manifest, _NodeSource(node), node.store, listener, config)
     node.timeline.note(manifest.digest, "fetched")

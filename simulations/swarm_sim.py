@@ -19,9 +19,10 @@ and the node's messaging, as follows.
   a corrupt peer, ``ChunkCorrupted``).
 * Churn, adversaries: see ``scenario.py``.
 
-Overlay: a near-regular random graph in which every rollout has ``max_peers`` neighbours (as a
-node's peer list fills up through peer exchange); the trainer serves ``trainer_peers`` random
-rollouts.
+Overlay: a near-regular random graph in which every rollout has ``min(max_peers,
+download.max_sources)`` neighbours (a node's peer list fills up through peer exchange, and a
+download follows ``max_sources`` of them, in a random order of its own); the trainer serves
+``trainer_peers`` random rollouts.
 """
 
 from __future__ import annotations
@@ -168,8 +169,10 @@ class SwarmSim:
 
     def _wire_overlay(self) -> None:
         """A near-regular random graph of degree ``max_peers`` (a node learns peers through
-        peer exchange until its list is full, so every node ends up with a full list)."""
-        n, rng, want = len(self.peers), self.rng, min(self.sc.max_peers, len(self.peers) - 2)
+        peer exchange until its list is full, so every node ends up with a full list), or of
+        ``max_sources``, the peers a download follows, when that is smaller."""
+        sc, n, rng = self.sc, len(self.peers), self.rng
+        want = min(sc.max_peers, sc.download.max_sources, n - 2)
         open_ = list(range(1, n))  # rollouts with room for another neighbour
         order = open_[:]
         rng.shuffle(order)

@@ -108,6 +108,7 @@ class _Source:
     def __init__(self, payload: bytes, peers: list[str], lost: set[int]) -> None:
         self.payload, self._peers, self.lost = payload, peers, lost
         self.requests: list[tuple[str, int]] = []
+        self.followed: list[str] = []  # whose have-map was asked for, in order
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -119,6 +120,7 @@ class _Source:
         return self.payload[index * CHUNK : (index + 1) * CHUNK]
 
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
+        self.followed.append(peer)
         if known >= 0:  # a long poll: nothing new will come
             await asyncio.Event().wait()
         return list(range(len(m.chunks)))
@@ -148,11 +150,13 @@ def _manifest(payload: bytes) -> Manifest:
     )
 
 
-async def _download(lost: set[int]) -> tuple[_Sink, _Source, _Counting, float]:
+async def _download(
+    lost: set[int], peers: tuple[str, ...] = ("p1", "p2"), **settings: int
+) -> tuple[_Sink, _Source, _Counting, float]:
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
-    sink, source, listener = _Sink(), _Source(payload, ["p1", "p2"], lost), _Counting()
-    config = SwarmConfig(stall_timeout_s=0.3, seed=1, have_poll_s=0.05)
+    sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Counting()
+    config = SwarmConfig(stall_timeout_s=0.3, seed=1, have_poll_s=0.05, **settings)
     t0 = time.monotonic()
     try:
         await asyncio.wait_for(download(m, source, sink, listener, config), 20)
@@ -166,6 +170,14 @@ def test_the_driver_fetches_every_chunk_from_an_in_process_source() -> None:
     assert len(sink.chunks) == 5
     assert 5 * CHUNK <= listener.bytes <= 2 * 5 * CHUNK  # endgame: at most 2 copies a chunk
     assert {p for p, _ in source.requests} == {"p1", "p2"}  # both sources used
+
+
+def test_a_download_follows_at_most_max_sources_peers_the_preferred_first() -> None:
+    peers = tuple(f"p{i}" for i in range(10))
+    sink, source, _, _ = asyncio.run(_download(set(), peers, max_sources=3))
+    assert len(sink.chunks) == 5
+    assert set(source.followed) == {"p0", "p1", "p2"}  # the source's first three
+    assert {p for p, _ in source.requests} <= {"p0", "p1", "p2"}
 
 
 def test_a_chunk_nobody_can_serve_stops_the_download_with_a_clear_error() -> None:

@@ -160,12 +160,17 @@ class Download:
         self.events.put_nowait(PeerLost(peer))  # gone, dropped or silent: its claims lapse
 
     async def _watch_peers(self) -> None:
-        """Keep one have-map follower per usable peer (peers come and go during a download)."""
+        """Follow up to ``max_sources`` usable peers, the source's preferred first; one lost
+        (or no longer usable) makes room for the next (peers come and go during a download)."""
         while not self.done.is_set():
-            for peer in self.source.peers():
-                task = self.followers.get(peer)
-                if task is None or task.done():
+            usable = self.source.peers()
+            live = {p for p, t in self.followers.items() if not t.done() and p in usable}
+            for peer in usable:
+                if len(live) >= self.config.max_sources:
+                    break
+                if peer not in live:
                     self.followers[peer] = asyncio.create_task(self._follow(peer))
+                    live.add(peer)
             await asyncio.sleep(self.config.have_poll_s)
 
     def _act(self, actions: list[Action]) -> None:
