@@ -102,7 +102,7 @@ class Network:
         out, into = self.out[src], self.into[dst]
         self.up_level[src] = _level(self.uplink[src], [self.down_level[t.dst] for t in out])
         self.down_level[dst] = _level(self.downlink[dst], [self.up_level[t.src] for t in into])
-        flows = (*out, *into)
+        flows = tuple(dict.fromkeys((*out, *into)))  # a src -> dst flow is in both: once
         want = [min(self.up_level[t.src], self.down_level[t.dst]) for t in flows]
         for t, w in zip(flows, want, strict=True):
             if w < t.rate:

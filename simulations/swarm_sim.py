@@ -65,6 +65,7 @@ class Peer:
     role: str
     uplink: float
     downlink: float
+    slots: UploadSlots[tuple[int, int, int]]  # its uploads: (requester, chunk, generation)
     neighbors: set[int] = field(default_factory=set)
     online: bool = True
     silent_crash: bool = False
@@ -74,7 +75,6 @@ class Peer:
     artifact: Artifact | None = None
     requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
     subscribers: set[int] = field(default_factory=set)
-    slots: UploadSlots[tuple[int, int, int]] | None = None  # (requester, chunk, generation)
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
     timer_at: float | None = None  # when the scheduler's next TimerFired is due
@@ -155,16 +155,22 @@ class SwarmSim:
             for s in slots[at : at + k]:
                 links[s] = (cls.uplink_mbps, cls.downlink_mbps)
             at += k
-        trainer = Peer(TRAINER, "trainer", sc.trainer_uplink_mbps * MBPS, 1e12)
+        queue = sc.upload_queue
+        trainer_slots = UploadSlots(sc.trainer_max_concurrent_uploads, queue)
+        trainer = Peer(TRAINER, "trainer", sc.trainer_uplink_mbps * MBPS, 1e12, trainer_slots)
         state0 = PeerState(0, "s0")
         trainer.state = state0
         rollouts = [
-            Peer(i + 1, roles[i], links[i][0] * MBPS, links[i][1] * MBPS, state=state0)
+            Peer(
+                i + 1,
+                roles[i],
+                links[i][0] * MBPS,
+                links[i][1] * MBPS,
+                UploadSlots(sc.max_concurrent_uploads, queue),
+                state=state0,
+            )
             for i in range(n)
         ]
-        for p in (trainer, *rollouts):
-            up = sc.trainer_max_concurrent_uploads if p is trainer else sc.max_concurrent_uploads
-            p.slots = UploadSlots(up, sc.upload_queue)
         return [trainer, *rollouts]
 
     def _wire_overlay(self) -> None:
@@ -422,7 +428,6 @@ class SwarmSim:
     def _cancel(self, p: Peer, q_idx: int, index: int) -> None:
         t = p.requests.pop((q_idx, index), None)
         q = self.peers[q_idx]
-        assert q.slots is not None
         if t is not None:
             if self.net.cancel(t):  # not if it died with its uploader already
                 self._upload_ended(q, p.idx)
@@ -452,7 +457,6 @@ class SwarmSim:
         if q.role == LIAR or (q.role != CORRUPT and index not in q.have.get(art.ident, ())):
             self._reply(p, gen, ChunkFailed(q_idx, index))
             return
-        assert q.slots is not None
         admission = q.slots.request(p.idx, (p.idx, index, gen))
         if admission is Admission.SERVE:
             self._serve(q, p, index, gen)
@@ -474,7 +478,6 @@ class SwarmSim:
     def _upload_ended(self, q: Peer, requester: int) -> None:
         """An upload of ``q`` ended: its slots start what they pick from the line (a request
         its requester no longer wants ends at once, as a closed connection does)."""
-        assert q.slots is not None
         ended = [requester]
         while ended and q.online:
             for r_idx, (_, index, gen) in q.slots.finished(ended.pop()):
@@ -529,7 +532,6 @@ class SwarmSim:
             return
         p.online, p.silent_crash = False, silent
         self._drop_download(p)
-        assert p.slots is not None
         for r_idx, (_, index, gen) in p.slots.clear():  # queued requests die with it
             r = self.peers[r_idx]
             if not silent and r.generation == gen:  # reset, or silence

@@ -48,7 +48,10 @@ def netns_ready() -> None:
     # them (probe() raises on any other failure, so a bug fails the test instead of skipping)
     reason = probe()
     if reason is not None:
-        pytest.skip(f"needs root, iproute2 and netns/veth/tbf in the kernel: {reason}")
+        pytest.skip(
+            "this machine lacks a part the emulated tier needs "
+            f"(root, iproute2, netns/veth/tbf): {reason}"
+        )
     cleanup_stale()  # leftovers of an earlier run that was killed
 
 
