@@ -15,7 +15,28 @@ host's own interfaces, addresses or routes, and deleting the namespaces deletes 
                    MAC 02:00:00:00:xx:yy (xx:yy = i+1)
 
 With ``delay_ms > 0`` there is no br0: the delay line, a process in ``<prefix>-sw``, forwards
-between the ports (by the hosts' fixed MACs), each frame ``delay_ms`` after it arrived.
+between the ports (by the hosts' and routers' fixed MACs), each frame ``delay_ms`` after it arrived.
+
+NAT (``TopologyConfig.nat``: volunteers behind home routers or carrier NAT). Host i with
+``nat[i] = k > 0`` sits behind NAT router k, shared by every host of group k (one home LAN)::
+
+    <prefix>-nat{k}: wan0 = veth peer of switch port r{k}, joined like a host's (bridge or
+                     delay line), IP <subnet>.{j+1}/24 (j: its first host, whose public address
+                     it takes), MAC 02:00:00:01:xx:yy (xx:yy = k); no tbf: unshaped, so hosts
+                     sharing a router keep their own rates, as public hosts do
+                     lan0 = bridge 192.168.{k}.1/24, ports p{i} (tbf on p{i}: host i's downlink)
+                     ip_forward=1; nftables: masquerade out of wan0; from wan0 only
+                     established/related pass (forward and input): nothing dials in, and an
+                     unsolicited SYN is dropped silently (no RST), as home routers do
+    <prefix>-h{i}:   eth0 = veth peer of p{i}, IP 192.168.{k}.{n+2}/24 (n: its place in the
+                     group), default route via .1 (tbf on eth0: its uplink)
+
+Public hosts get no route to 192.168.x: as on the internet, they cannot reach a NATed host's
+private address, only answer connections it opened (``Host.public_ip`` is what they see).
+Hosts on one LAN reach each other directly (private addresses, no NAT), still through their own
+tbfs: a home LAN is no faster than its members' links. Masquerade keeps a free source port and
+reuses a mapping towards any destination (endpoint-independent mapping) while its conntrack
+entry lives, and filters by endpoint, so a TCP simultaneous open (hole punch) gets through.
 
 The test process stays in the root namespace and reaches a host through ``Topology.call``:
 a worker thread that has entered that host's namespace (``setns``) opens the sockets, so control
@@ -27,6 +48,7 @@ and deletes them, whatever happened inside. Namespace names carry the creating p
 ``cleanup_stale()`` can remove what a killed run left behind without touching a live run's.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2 ``ip`` and ``tc``, and the tbf qdisc.
+NAT also needs nftables' ``nft`` and the kernel's nf_tables nat (``probe_nat``).
 """
 
 from __future__ import annotations
@@ -36,6 +58,7 @@ import ctypes
 import os
 import secrets
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -96,20 +119,53 @@ class TopologyConfig:
     # userspace delay line (simulations.delayline) does, holding each frame delay_ms.
     delay_ms: float = 0.0
     delay_line_timeout_s: float = 15.0  # the delay line to bind its ports; then to exit
+    # nat[i]: host i's NAT group; 0: public, k in 1..255: behind NAT router k (192.168.k.0/24),
+    # shared by every host of group k. Hosts beyond len(nat) are public.
+    nat: tuple[int, ...] = ()
 
     def shape_of(self, index: int) -> LinkShape:
         return self.shapes[index] if index < len(self.shapes) else self.shape
 
+    def nat_of(self, index: int) -> int:
+        return self.nat[index] if index < len(self.nat) else 0
+
 
 @dataclass(frozen=True)
 class Host:
-    """One emulated machine: its namespace, address, MAC (of its eth0) and link shape."""
+    """One emulated machine: its namespace, address, MAC (of its eth0) and link shape; behind a
+    NAT (``nat > 0``), ``ip`` is its private address and ``public_ip`` its router's."""
 
     index: int
     ns: str
-    ip: str
+    ip: str  # its own address (private, 192.168.k.x, behind a NAT)
     shape: LinkShape
     mac: str
+    nat: int = 0  # NAT group: 0 public, k > 0 behind router k
+    nat_ip: str | None = None  # the NAT router's outside address; None when public
+
+    @property
+    def public_ip(self) -> str:
+        """The address the outside sees: a peer's accept() reports it, and only there do
+        connections this host opened come back to."""
+        return self.nat_ip or self.ip
+
+
+@dataclass(frozen=True)
+class NatRouter:
+    """Home router of NAT group ``group``: its namespace, outside address (on the public subnet,
+    shared by its hosts), outside MAC, switch port, and the hosts behind it."""
+
+    group: int
+    ns: str
+    ip: str  # outside (wan0), what the outside sees of every host behind it
+    mac: str  # of wan0
+    port: str  # its switch port
+    hosts: tuple[int, ...]  # indices of the hosts behind it
+
+    @property
+    def lan(self) -> str:
+        """The inside /24's first three octets; the router is .1."""
+        return f"192.168.{self.group}"
 
 
 def mac_of(index: int) -> str:
@@ -118,10 +174,17 @@ def mac_of(index: int) -> str:
     return f"02:00:00:00:{n >> 8:02x}:{n & 0xFF:02x}"
 
 
-def _run(argv: list[str], timeout: float) -> str:
-    """Run one ip/tc command; a failure raises NetnsError naming the command, in one line."""
+def nat_mac_of(group: int, lan: bool = False) -> str:
+    """NAT router ``group``'s outside MAC, ``02:00:00:01:xx:yy`` (xx:yy = group), or with
+    ``lan`` its inside bridge's ``02:00:00:02:xx:yy``: apart from every ``mac_of(host)``, so
+    the delay line's static table tells them apart."""
+    return f"02:00:00:{2 if lan else 1:02x}:{group >> 8:02x}:{group & 0xFF:02x}"
+
+
+def _run(argv: list[str], timeout: float, stdin: str | None = None) -> str:
+    """Run one ip/tc/nft command; a failure raises NetnsError naming the command, in one line."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
     except FileNotFoundError:
         raise NetnsError(f"{argv[0]}: not installed (needs iproute2)") from None
     except subprocess.TimeoutExpired:
@@ -253,6 +316,69 @@ def probe() -> str | None:
     return None
 
 
+# A home router's firewall (loaded into a NAT router's namespace with ``nft -f -``): its hosts'
+# connections leave masqueraded as wan0's address; from outside only replies come in. Input
+# drops too, silently: a SYN to the router's own address gets no RST, so a TCP hole punch whose
+# SYN arrives before the other side's has opened the mapping is lost, not refused.
+NAT_RULESET = """
+table ip p2psync_nat {
+    chain postrouting {
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "wan0" masquerade
+    }
+    chain forward {
+        type filter hook forward priority filter; policy accept;
+        iifname "wan0" ct state established,related accept
+        iifname "wan0" drop
+    }
+    chain input {
+        type filter hook input priority filter; policy accept;
+        iifname "wan0" ct state established,related accept
+        iifname "wan0" drop
+    }
+}
+"""
+# What nft prints when the kernel lacks nf_tables or its nat/conntrack parts (or we lack the
+# capability); anything else (a syntax error: our own bug) is raised by probe_nat.
+_NFT_ABSENT = (*_ABSENT, "No such file or directory")
+
+
+def probe_nat() -> str | None:
+    """What this machine lacks to build NAT routers (root, ``nft``, nf_tables nat in its kernel),
+    or None when it can: loads the routers' own ruleset into a scratch namespace. Asked only
+    when a test needs NAT, so machines without nftables still run the rest of the tier."""
+    if os.geteuid() != 0:
+        return "needs root (CAP_NET_ADMIN) to create network namespaces"
+    if shutil.which("nft") is None:
+        return "nft: not installed (needs nftables: apt-get install nftables)"
+    ns = f"{PREFIX_ROOT}{os.getpid()}-probe{secrets.token_hex(2)}"
+    try:
+        _run(["ip", "netns", "add", ns], 15.0)
+        _run([*_exec_prefix(ns), "nft", "-f", "-"], 15.0, stdin=NAT_RULESET)
+    except NetnsError as exc:
+        if not any(part in str(exc) for part in _NFT_ABSENT):
+            raise
+        return f"this machine lacks a part: {exc}"
+    finally:
+        try:
+            delete_namespace(ns)
+        except NetnsError:
+            pass
+    return None
+
+
+def _set_sysctl(ns: str, key: str, value: str, timeout: float) -> None:
+    """Write sysctl ``key`` (e.g. ``net/ipv4/ip_forward``) inside ``ns``, from a thread that
+    entered it: /proc/sys/net belongs to the opener's namespace, and no procps is needed."""
+
+    def write() -> None:
+        _enter_netns(ns)
+        Path("/proc/sys", key).write_text(value)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the thread ends with its namespace
+        pool.submit(write).result(timeout=timeout)
+
+
 def _exec_prefix(ns: str) -> list[str]:
     return ["ip", "netns", "exec", ns]
 
@@ -311,10 +437,48 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def _check_nat(cfg: TopologyConfig) -> None:
+    """ValueError naming the entry when ``cfg.nat`` is not a list of groups, one per host."""
+    if len(cfg.nat) > cfg.hosts:
+        raise ValueError(f"nat has {len(cfg.nat)} entries for {cfg.hosts} hosts")
+    for i, group in enumerate(cfg.nat):
+        if not isinstance(group, int) or not 0 <= group <= 255:
+            raise ValueError(f"nat[{i}] must be a NAT group 0..255 (0: public), not {group!r}")
+
+
+def _routers(cfg: TopologyConfig, prefix: str, subnet: str) -> dict[int, NatRouter]:
+    """One router per NAT group in use; it takes its first host's public address slot
+    (``<subnet>.{j+1}``), which that host, being behind it, leaves free: no collisions."""
+    members: dict[int, list[int]] = {}
+    for i in range(cfg.hosts):
+        if cfg.nat_of(i):
+            members.setdefault(cfg.nat_of(i), []).append(i)
+    return {
+        k: NatRouter(
+            k, f"{prefix}-nat{k}", f"{subnet}.{idx[0] + 1}", nat_mac_of(k), f"r{k}", tuple(idx)
+        )
+        for k, idx in sorted(members.items())
+    }
+
+
+def _host(
+    cfg: TopologyConfig, i: int, prefix: str, subnet: str, routers: dict[int, NatRouter]
+) -> Host:
+    """Host ``i``: public at ``<subnet>.{i+1}``, or behind its group's router at
+    ``192.168.k.{n+2}`` (n: its place among the router's hosts; .1 is the router)."""
+    ns, shape, group = f"{prefix}-h{i}", cfg.shape_of(i), cfg.nat_of(i)
+    if not group:
+        return Host(i, ns, f"{subnet}.{i + 1}", shape, mac_of(i))
+    router = routers[group]
+    ip = f"{router.lan}.{router.hosts.index(i) + 2}"
+    return Host(i, ns, ip, shape, mac_of(i), nat=group, nat_ip=router.ip)
+
+
 @dataclass
 class Topology:
     """N host namespaces on one bridge (or behind the delay line, with ``delay_ms``), each link
-    shaped with tbf. Use as a context manager."""
+    shaped with tbf; with ``nat``, some behind NAT routers (``routers``: group -> NatRouter).
+    Use as a context manager."""
 
     cfg: TopologyConfig = field(default_factory=TopologyConfig)
 
@@ -324,9 +488,10 @@ class Topology:
         self.prefix = self.cfg.prefix or f"{PREFIX_ROOT}{os.getpid()}-{secrets.token_hex(3)}"
         subnet = self.cfg.subnet or f"10.{64 + secrets.randbelow(187)}.{1 + secrets.randbelow(250)}"
         self.switch = f"{self.prefix}-sw"
+        _check_nat(self.cfg)
+        self.routers = _routers(self.cfg, self.prefix, subnet)
         self.hosts = [
-            Host(i, f"{self.prefix}-h{i}", f"{subnet}.{i + 1}", self.cfg.shape_of(i), mac_of(i))
-            for i in range(self.cfg.hosts)
+            _host(self.cfg, i, self.prefix, subnet, self.routers) for i in range(self.cfg.hosts)
         ]
         if not 0 <= self.cfg.delay_ms <= 60_000:
             raise ValueError(f"delay_ms must be within 0..60000, not {self.cfg.delay_ms}")
@@ -381,12 +546,15 @@ class Topology:
         )
 
     def build(self) -> None:
-        """Create the switch namespace with its bridge (none with a delay), then each host and
-        its shaped link; with a delay, start the delay line on the ports last."""
+        """Create the switch namespace with its bridge (none with a delay), then the NAT
+        routers (their LANs must exist before their hosts join), then each host and its shaped
+        link; with a delay, start the delay line on the ports last."""
         self._add_ns(self.switch)
         if not self.cfg.delay_ms:
             self._ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
             self._ip("-n", self.switch, "link", "set", "br0", "up")
+        for router in self.routers.values():
+            self._add_router(router)
         for host in self.hosts:
             self._add_host(host)
         if self.cfg.delay_ms:
@@ -403,7 +571,8 @@ class Topology:
             raise NetnsError(f"{exc} (exit status {status}): {_last_line(err)}") from None
 
     def _delay_line_argv(self) -> list[str]:
-        ports = [arg for h in self.hosts for arg in ("--port", f"b{h.index}={h.mac}")]
+        ports = [arg for h in self.hosts if not h.nat for arg in ("--port", f"b{h.index}={h.mac}")]
+        ports += [arg for r in self.routers.values() for arg in ("--port", f"{r.port}={r.mac}")]
         return [
             *_exec_prefix(self.switch),
             sys.executable,
@@ -414,32 +583,61 @@ class Topology:
             *ports,
         ]
 
-    def _add_host(self, host: Host) -> None:
-        port = f"b{host.index}"
-        self._add_ns(host.ns)
-        # both ends are created directly inside their namespaces: never in the root namespace
+    def _veth(self, ns: str, dev: str, mac: str, peer_ns: str, peer: str) -> None:
+        """A veth pair, both ends created directly inside their namespaces: never in the root
+        namespace (so nothing there is touched, even for a moment)."""
         self._ip(
             "link",
             "add",
             "name",
-            "eth0",
+            dev,
             "address",
-            host.mac,
+            mac,
             "netns",
-            host.ns,
+            ns,
             "type",
             "veth",
             "peer",
             "name",
-            port,
+            peer,
             "netns",
-            self.switch,
+            peer_ns,
         )
+
+    def _add_host(self, host: Host) -> None:
+        """Host namespace, eth0 (uplink tbf), and its port (downlink tbf): on the switch, or on
+        its router's LAN bridge (then a default route via the router)."""
+        router = self.router_of(host)
+        peer_ns, port = (router.ns, f"p{host.index}") if router else (self.switch, f"b{host.index}")
+        self._add_ns(host.ns)
+        self._veth(host.ns, "eth0", host.mac, peer_ns, port)
         self._ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         self._ip("-n", host.ns, "link", "set", "eth0", "up")
-        self._add_port(port)
+        if router is None:
+            self._add_port(port)
+        else:
+            self._ip("-n", peer_ns, "link", "set", port, "master", "lan0")
+            self._ip("-n", peer_ns, "link", "set", port, "up")
+            self._ip("-n", host.ns, "route", "add", "default", "via", f"{router.lan}.1")
         self._tbf(host.ns, "eth0", host.shape.mbps, host.shape)  # uplink
-        self._tbf(self.switch, port, host.shape.down, host.shape)  # downlink
+        self._tbf(peer_ns, port, host.shape.down, host.shape)  # downlink
+
+    def _add_router(self, router: NatRouter) -> None:
+        """NAT router namespace: wan0 on a switch port like a host's eth0, but unshaped (each
+        host behind it is shaped on its own link, so sharing a router costs no rate), the LAN
+        bridge lan0, forwarding on, and the home router's firewall (``NAT_RULESET``)."""
+        self._add_ns(router.ns)
+        self._veth(router.ns, "wan0", router.mac, self.switch, router.port)
+        self._ip("-n", router.ns, "addr", "add", f"{router.ip}/24", "dev", "wan0")
+        self._ip("-n", router.ns, "link", "set", "wan0", "up")
+        self._add_port(router.port)
+        lan_mac = nat_mac_of(router.group, lan=True)
+        self._ip("-n", router.ns, "link", "add", "lan0", "address", lan_mac, "type", "bridge")
+        self._ip("-n", router.ns, "addr", "add", f"{router.lan}.1/24", "dev", "lan0")
+        self._ip("-n", router.ns, "link", "set", "lan0", "up")
+        _set_sysctl(router.ns, "net/ipv4/ip_forward", "1", self.cfg.cmd_timeout_s)
+        nft = [*_exec_prefix(router.ns), "nft", "-f", "-"]
+        _run(nft, self.cfg.cmd_timeout_s, stdin=NAT_RULESET)
 
     def _add_port(self, port: str) -> None:
         """Join switch port ``port`` to the bridge, or ready it for the delay line."""
@@ -481,19 +679,25 @@ class Topology:
         return None
 
     def namespaces(self) -> list[str]:
-        return [self.switch, *(h.ns for h in self.hosts)]
+        return [self.switch, *(h.ns for h in self.hosts), *(r.ns for r in self.routers.values())]
+
+    def router_of(self, host: Host) -> NatRouter | None:
+        """The NAT router ``host`` sits behind; None for a public host."""
+        return self.routers.get(host.nat)
 
     # ------------------------------------------------------------ running things inside
 
-    def exec_argv(self, host: Host) -> list[str]:
+    def exec_argv(self, host: Host | NatRouter) -> list[str]:
         """Prefix that runs a command inside ``host``: ``exec_argv(h) + ["python", ...]``."""
         return _exec_prefix(host.ns)
 
-    def run(self, host: Host, argv: list[str], timeout: float = 30.0) -> str:
+    def run(self, host: Host | NatRouter, argv: list[str], timeout: float = 30.0) -> str:
         """Run a command inside ``host`` and return its stdout (NetnsError on failure)."""
         return _run(self.exec_argv(host) + argv, timeout)
 
-    def call(self, host: Host, fn: Callable[..., T], *args: Any, timeout: float = 30.0) -> T:
+    def call(
+        self, host: Host | NatRouter, fn: Callable[..., T], *args: Any, timeout: float = 30.0
+    ) -> T:
         """Call ``fn(*args)`` on a thread inside ``host``'s namespace: sockets it opens belong
         to that namespace (and stay there when used from other threads afterwards)."""
         with self._lock:
