@@ -17,6 +17,8 @@ TOML table      dataclass                                    bounds
 ``[manifest]``  :class:`p2p_sync.manifest.ManifestLimits`    manifests peers offer
 ``[announce]``  :class:`p2p_sync.announce.AnnounceLimits`    announcements, gossip rate
 ``[libp2p]``    :class:`Libp2pLimits`                        the libp2p host
+``[reachability]`` :class:`p2p_sync.reachability.ReachabilityLimits`  auto / public / private,
+                                                             dial-back questions and answers
 ==============  ===========================================  ================================
 
 Flags and keyword arguments name a section's field with a dot (``"download.stall_timeout_s"``)
@@ -37,6 +39,7 @@ from p2p_sync.announce import AnnounceLimits
 from p2p_sync.errors import ConfigError
 from p2p_sync.manifest import ManifestLimits
 from p2p_sync.peers import PeerLimits
+from p2p_sync.reachability import MODES, ReachabilityLimits
 from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.swarm import SwarmConfig
@@ -87,6 +90,7 @@ class NodeConfig:
     manifest: ManifestLimits = field(default_factory=ManifestLimits)
     announce: AnnounceLimits = field(default_factory=AnnounceLimits)
     libp2p: Libp2pLimits = field(default_factory=Libp2pLimits)
+    reachability: ReachabilityLimits = field(default_factory=ReachabilityLimits)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -259,7 +263,10 @@ def _check_addresses(cfg: NodeConfig) -> None:
         raise _bad("listen", f"{cfg.listen!r} is not HOST:PORT") from None
     for peer in cfg.peers:
         if not valid_peer_url(peer):
-            raise _bad("peers", f"{peer!r} is not http://host:port")
+            raise _bad("peers", f"{peer!r} is not http://host:port (or p2p://<peer id>)")
+    if cfg.reachability.mode not in MODES:
+        mode = cfg.reachability.mode
+        raise _bad("reachability.mode", f"{mode!r} is not one of {', '.join(MODES)}")
     for addr in cfg.bootstrap:
         if not MULTIADDR.match(addr) or "/p2p/" not in addr:
             raise _bad("bootstrap", f"{addr!r} is not a multiaddr ending in /p2p/<peer-id>")

@@ -73,6 +73,12 @@ class DataView:
     def add_peer(self, url: str) -> None:
         self.node.add_peer(url)
 
+    def issued(self, nonce: str) -> bool:
+        return self.node.reach.issued(nonce)
+
+    async def dial_back(self, url: str, nonce: str, remote: str | None) -> dict[str, Any]:
+        return await self.node.reach.dial_back(url, nonce, remote)
+
 
 class SeedingView(DataView):
     """The trainer's data plane: each requester is shown a few chunks of its own

@@ -47,6 +47,7 @@ async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
         flush=True,
     )
     print(f"p2psync libp2p {node.multiaddr or 'off (HTTP peers only)'}", flush=True)
+    print(f"p2psync reachability: {node.reach.describe()}", flush=True)
     try:
         await _run_role(node, key, cfg, stop)
     finally:
@@ -92,6 +93,7 @@ _FLAGS = {
     "checkpoint_every": "store.checkpoint_every",
     "p2p_listen": "p2p_listen",
     "bootstrap": "bootstrap",
+    "reachability": "reachability.mode",
 }
 
 
@@ -176,6 +178,12 @@ def _add_node_network(node: argparse.ArgumentParser) -> None:
     )
     node.add_argument("--p2p-listen", help="libp2p multiaddr (default: free port, --listen host)")
     node.add_argument("--no-p2p", action="store_true", help="no libp2p: HTTP peers from --peers")
+    node.add_argument(
+        "--reachability",
+        choices=["auto", "public", "private"],
+        help="auto (default): peers dial back to tell; public: this address is reachable "
+        "(a server, a forwarded port); private: behind NAT, serve over libp2p only",
+    )
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

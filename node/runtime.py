@@ -32,13 +32,16 @@ from node.dataview import DataView
 from node.learning import Learner
 from node.metrics import Metrics
 from node.peering import Peering
+from node.reachability import ReachabilityCheck
 from node.timeline import Timeline
 from node.transports import HttpTransport, MemoryTransport
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.peers import PeerDirectory, PeerEntry, Source
+from p2p_sync.reachability import Verdict
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.transport.streams import RoutedClient, peer_url
 from p2p_sync.trusted import TrustedSet
 
 log = logging.getLogger("p2psync.node")
@@ -92,6 +95,7 @@ class Node:
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
         self.learner = Learner(self)
+        self.reach = ReachabilityCheck(self)
         self.view = self.view_class(self)
         self.metrics.version.set(self.accepted_version if store.state else -1)
         for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
@@ -102,11 +106,13 @@ class Node:
     async def start(self) -> str:
         self.url = await self.transport.serve(self)
         self.client = self.transport.client(self)
-        self.peering.directory.me = self.url
+        self.renamed()
         for peer in self.cfg.peers:
             self.add_peer(peer)
         if self.cfg.p2p:
             await self._start_p2p()
+        await self.reach.first_round()
+        self.reach.start()
         if self.cfg.role != "bootstrap":  # a bootstrap holds no weights: nothing to poll for
             await asyncio.to_thread(warm_codec)
             self.learner.start_polling()
@@ -121,8 +127,10 @@ class Node:
         """libp2p is an addition: if it cannot start, the node carries on from --peers."""
         self.p2p = await self.transport.gossip(self)
         self.multiaddr = self.p2p.addr if self.p2p is not None else None
+        self.renamed()
 
     async def stop(self) -> None:
+        await self.reach.stop()
         if self.p2p is not None:
             await self.p2p.stop()
         await self.learner.stop()
@@ -133,12 +141,36 @@ class Node:
     # ------------------------------------------------------------ peers and state
 
     @property
+    def peer_url(self) -> str | None:
+        """How this node names itself to peers (``node.reachability``): its HTTP URL once
+        someone could dial it; ``p2p://<peer id>`` when nobody could and libp2p streams carry
+        its data plane; nothing while nobody has answered yet. Without streams (no libp2p,
+        the in-memory network) it has no other name: its HTTP URL, unless behind NAT."""
+        verdict, streams = self.reach.state.verdict, isinstance(self.client, RoutedClient)
+        if verdict is Verdict.REACHABLE:
+            return self.url
+        if streams:
+            return peer_url(self.p2p.peer_id) if verdict is Verdict.BEHIND_NAT else None
+        return None if verdict is Verdict.BEHIND_NAT else self.url
+
+    def renamed(self) -> None:
+        """The reachability verdict changed: name the node accordingly everywhere."""
+        name = self.peer_url
+        if self.client is not None:
+            self.client.self_url = name
+        self.peering.directory.me = {u for u in (self.url, name) if u}
+        if self.p2p is not None:
+            self.p2p.advertise(self.url if name == self.url else None)
+        log.info("reachability: %s", self.reach.describe())
+
+    @property
     def peers(self) -> dict[str, PeerEntry]:
         return self.peering.known
 
     def add_peer(self, url: str, source: Source = Source.HEARSAY) -> None:
         """Someone named a peer (unproven unless the operator gave it)."""
         self.peering.add(url, source)
+        self.reach.peers_changed()
 
     def ban(self, url: str, reason: str) -> None:
         self.peering.ban(url, reason)
@@ -180,4 +212,5 @@ class Node:
             "announce_latency_ms": {str(v): ms for v, ms in latency.items()},
             "last_publish": self.last_publish,
             "last_update": self.last_update,
+            "reachability": self.reach.status(),
         }

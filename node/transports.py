@@ -16,6 +16,7 @@ from p2p_sync import announce
 from p2p_sync.transport.dataplane import DataRouter, PeerClient
 from p2p_sync.transport.http import DataClient, DataServer
 from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork
+from p2p_sync.transport.streams import RoutedClient, StreamClient
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -51,7 +52,7 @@ class HttpTransport:
                 advertise_host=cfg.advertise_host,
                 identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
                 topic=announce.topic(node.policy.swarm_id),
-                http_url=node.url,
+                http_url=None,  # advertised once a peer could dial it (node.reachability)
                 bootstrap=cfg.bootstrap,
                 **asdict(cfg.libp2p),
             )
@@ -67,7 +68,16 @@ class HttpTransport:
         except Exception as exc:  # any failure (import, identity file, bind): HTTP only
             log.warning("libp2p unavailable, using --peers only: %s", exc)
             return None
+        self._serve_streams(node, host)
         return host
+
+    def _serve_streams(self, node: Node, host: Any) -> None:
+        """The data plane over libp2p streams too: the same router answers (one set of upload
+        slots), and ``p2p://`` peers are asked over streams (``transport.streams``)."""
+        assert self.server is not None and node.client is not None
+        host.serve_data(self.server.router)
+        streams = StreamClient(host, node.client.self_url, node.cfg.http)
+        node.client = RoutedClient(node.client, streams)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -132,7 +132,7 @@ class PeerDirectory:
     its operator configured, trusted whoever names them)."""
 
     limits: PeerLimits = field(default_factory=PeerLimits)
-    me: str | None = None
+    me: set[str] = field(default_factory=set)  # this node's own names
     given: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
@@ -185,7 +185,7 @@ class PeerDirectory:
         return []
 
     def _named(self, url: str, source: Source) -> list[PeerAction]:
-        if url == self.me or url in self.banned:
+        if url in self.me or url in self.banned:
             return []
         if url in self.given:
             source = Source.GIVEN

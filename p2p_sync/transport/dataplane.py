@@ -18,6 +18,12 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             of a chunk reaches peers one latency after it is verified
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...]} -> 202
+POST /dialback              {"url": "http://host:port", "nonce": 32 hex} -> {"reachable":
+                            bool, "observed": the requester's address as seen here, "why"}:
+                            this node GETs ``{url}/dialback/{nonce}``, only when the URL's
+                            host is the address the request came from (never a third party),
+                            at most ``reachability.max_concurrent`` at once (else 503)
+GET  /dialback/{nonce}      200 if this node issued ``nonce`` in a dial-back question, else 404
 GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
 GET  /metrics               Prometheus text exposition
 =========================  ==================================================================
@@ -49,7 +55,11 @@ from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.uploads import Admission, UploadSlots
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-URL = re.compile(r"^http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+HEX32 = re.compile(r"^[0-9a-f]{32}$")
+PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")  # a libp2p peer id (base58btc)
+# a peer is named by its data-plane URL, or p2p://<peer id> when it serves over libp2p only
+# (behind a NAT: transport.streams)
+URL = re.compile(r"^(http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}|p2p://[1-9A-HJ-NP-Za-km-z]{32,128})$")
 PEER_HEADER = "X-P2PSync-Peer"
 JSON = "application/json"
 
@@ -83,6 +93,8 @@ class NodeView(Protocol):
     def count_upload(self, nbytes: int) -> None: ...
     def on_announce(self, url: str | None, digests: list[str]) -> None: ...
     def add_peer(self, url: str) -> None: ...
+    def issued(self, nonce: str) -> bool: ...
+    async def dial_back(self, url: str, nonce: str, remote: str | None) -> dict[str, Any]: ...
 
 
 def valid_peer_url(url: str) -> bool:
@@ -136,9 +148,10 @@ def _hex(value: str, name: str) -> str:
 
 
 # the routes, and how many path segments each takes (its name, then a digest for some)
-_ARITY = {n: 1 for n in ("manifests", "peers", "announce", "status", "metrics")} | {
-    n: 2 for n in ("chunk", "manifest", "have")
+_ARITY = {n: (1,) for n in ("manifests", "peers", "announce", "status", "metrics")} | {
+    n: (2,) for n in ("chunk", "manifest", "have")
 }
+_ARITY["dialback"] = (1, 2)
 
 Handler = Callable[[Request, str], Awaitable[Reply]]
 
@@ -161,6 +174,8 @@ class DataRouter:
             ("GET", "have"): self._have,
             ("GET", "peers"): self._peers,
             ("POST", "announce"): self._announce,
+            ("POST", "dialback"): self._dial_back,
+            ("GET", "dialback"): self._nonce,
             ("GET", "status"): self._status,
             ("GET", "metrics"): self._metrics,
         }
@@ -197,7 +212,7 @@ class DataRouter:
     async def _respond(self, req: Request) -> tuple[Reply, Callable[[], None]]:
         parts = req.path.strip("/").split("/")
         name, arg = parts[0], "/".join(parts[1:])
-        if _ARITY.get(name) != len(parts):
+        if len(parts) not in _ARITY.get(name, ()):
             raise Refused(404, "no such route")
         if (req.method, name) == ("GET", "chunk"):
             return await self._chunk(arg, req.requester), lambda: self._release(req.requester)
@@ -297,21 +312,30 @@ class DataRouter:
         return _json({"peers": self.node.peer_urls()})
 
     async def _announce(self, req: Request, _: str) -> Reply:
-        if len(req.body) > self.limits.max_request_bytes:
-            raise Refused(413, "body over the request limit")
-        try:
-            doc = json.loads(req.body)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise Refused(400, "body must be JSON of at most 64 KiB") from None
-        url, digests = (doc.get("url"), doc.get("digests")) if isinstance(doc, dict) else (0, 0)
+        doc = _json_body(req, self.limits)
+        url, digests = doc.get("url"), doc.get("digests")
         if not (url is None or isinstance(url, str)) or not isinstance(digests, list):
             raise Refused(400, "expected {url, digests}")
         if not all(isinstance(d, str) and HEX64.match(d) for d in digests):
             raise Refused(400, "digests must be 64 hex digits each")
         if url is not None and not valid_peer_url(url):
-            raise Refused(400, "url must be http://host:port")
+            raise Refused(400, "url must be http://host:port or p2p://<peer id>")
         self.node.on_announce(url, digests)
         return _json({"ok": True}, status=202)
+
+    async def _dial_back(self, req: Request, _: str) -> Reply:
+        doc = _json_body(req, self.limits)
+        url, nonce = doc.get("url"), doc.get("nonce")
+        if not (isinstance(url, str) and url.startswith("http://") and valid_peer_url(url)):
+            raise Refused(400, "url must be http://host:port")
+        if not (isinstance(nonce, str) and HEX32.match(nonce)):
+            raise Refused(400, "nonce must be 32 lowercase hex digits")
+        return _json(await self.node.dial_back(url, nonce, req.remote))
+
+    async def _nonce(self, req: Request, nonce: str) -> Reply:
+        if not (HEX32.match(nonce) and self.node.issued(nonce)):
+            raise Refused(404, "no such nonce issued here")
+        return _json({"nonce": nonce})
 
     async def _status(self, req: Request, _: str) -> Reply:
         return _json(self.node.status())
@@ -322,6 +346,19 @@ class DataRouter:
 
 def _nothing() -> None:
     pass
+
+
+def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:
+    """A POST body: a JSON object within the request limit, or a 4xx."""
+    if len(req.body) > limits.max_request_bytes:
+        raise Refused(413, "body over the request limit")
+    try:
+        doc = json.loads(req.body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Refused(400, "body must be JSON of at most 64 KiB") from None
+    if not isinstance(doc, dict):
+        raise Refused(400, "body must be a JSON object")
+    return doc
 
 
 # ---------------------------------------------------------------- the client side
@@ -336,6 +373,7 @@ class PeerClient(Protocol):
 
     async def get_json(self, url: str) -> Any: ...
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes: ...
+    async def post_json(self, url: str, doc: Any) -> Any: ...
     async def announce(self, peer: str, digests: list[str]) -> None: ...
     async def close(self) -> None: ...
 

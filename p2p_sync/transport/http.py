@@ -88,19 +88,22 @@ class DataClient:
     """Client side of the data plane, with size and time limits on every response."""
 
     def __init__(self, self_url: str | None, limits: HttpLimits = HttpLimits()) -> None:
-        self.limits, self.self_url = limits, self_url
-        headers = {PEER_HEADER: self_url} if self_url else {}
+        self.limits, self.self_url = limits, self_url  # self_url changes once reachability is known
         timeout = aiohttp.ClientTimeout(
             total=limits.request_timeout_s, sock_connect=limits.connect_timeout_s
         )
-        self.session = aiohttp.ClientSession(timeout=timeout, headers=headers)
+        self.session = aiohttp.ClientSession(timeout=timeout)
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {PEER_HEADER: self.self_url} if self.self_url else {}
 
     async def close(self) -> None:
         await self.session.close()
 
     async def _get(self, url: str, limit: int) -> bytes:
         try:
-            async with self.session.get(url) as resp:
+            async with self.session.get(url, headers=self._headers) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit)
                 if resp.content_length is not None:  # the common case: one read, no copies
                     return await resp.read()
@@ -119,12 +122,17 @@ class DataClient:
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         return await self._get(url, limit or self.limits.max_chunk_bytes)
 
+    async def post_json(self, url: str, doc: Any) -> Any:
+        return parse_json(url, await self._post(url, doc, 200))
+
     async def announce(self, peer: str, digests: list[str]) -> None:
+        await self._post(f"{peer}/announce", {"url": self.self_url, "digests": digests}, 202)
+
+    async def _post(self, url: str, doc: Any, expect: int) -> bytes:
+        limit = self.limits.max_json_bytes
         try:
-            async with self.session.post(
-                f"{peer}/announce", json={"url": self.self_url, "digests": digests}
-            ) as resp:
-                if resp.status != 202:
-                    raise PeerError(f"{peer}: announce got HTTP {resp.status}")
+            async with self.session.post(url, json=doc, headers=self._headers) as resp:
+                check_reply(url, resp.status, resp.content_length or 0, limit, expect)
+                return await resp.content.read(limit)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise PeerError(f"{peer}: {type(exc).__name__} {exc}") from None
+            raise PeerError(f"{url}: {type(exc).__name__} {exc}") from None

@@ -83,12 +83,15 @@ class MemoryClient:
         self, network: MemoryNetwork, self_url: str | None, limits: HttpLimits = HttpLimits()
     ) -> None:
         self.network, self.self_url, self.limits = network, self_url, limits
+        # the requester's address as a server sees it: its name's host (a public network)
+        self.address = urlsplit(self_url).hostname if self_url else None
 
     async def _request(
         self, method: str, url: str, limit: int, body: bytes = b"", expect: int = 200
     ) -> bytes:
         parts = urlsplit(url)
-        req = Request(method, parts.path, dict(parse_qsl(parts.query)), self.self_url, body)
+        query = dict(parse_qsl(parts.query))
+        req = Request(method, parts.path, query, self.self_url, body, self.address)
         self.network.requests[parts.path.strip("/").split("/")[0]] += 1
         await self.network.travel()
         router = self.network.router(url)
@@ -105,6 +108,10 @@ class MemoryClient:
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         return await self._request("GET", url, limit or self.limits.max_chunk_bytes)
+
+    async def post_json(self, url: str, doc: Any) -> Any:
+        body = json.dumps(doc).encode()
+        return parse_json(url, await self._request("POST", url, self.limits.max_json_bytes, body))
 
     async def announce(self, peer: str, digests: list[str]) -> None:
         body = json.dumps({"url": self.self_url, "digests": digests}).encode()
@@ -154,6 +161,9 @@ class MemoryGossipHost:
 
     async def stop(self) -> None:
         self.network.gossip.pop(self.url, None)
+
+    def advertise(self, http_url: str | None) -> None:
+        """Every node of the memory network is reachable by its URL: nothing changes."""
 
     async def publish(self, data: bytes) -> None:
         """Deliver to every other member not cut off and not blacklisting us."""

@@ -54,6 +54,8 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
+from p2p_sync.transport import streams
+from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
 
 log = logging.getLogger("p2psync.p2p")
@@ -155,7 +157,10 @@ class P2PHost:
         self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
         self.addr: str | None = None
         self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
+        self._data: streams.StreamServer | None = None  # answers /p2psync/data streams
+        self.http_url = settings.http_url  # advertised in the signed peer record when set
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
+        self.connected_ids: list[str] = []  # peer ids connected now (snapshot, each tick)
         self._init_thread_state()
 
     def _init_thread_state(self) -> None:
@@ -225,6 +230,20 @@ class P2PHost:
             raise P2PError("libp2p has stopped") from None
         return await future
 
+    async def with_host(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """``await fn(libp2p_host, *args)`` in the Trio thread (see :meth:`call`)."""
+        return await self.call(fn, self._host, *args)
+
+    def advertise(self, http_url: str | None) -> None:
+        """Put ``http_url`` in the signed peer record (None: none, the node is not reachable
+        over HTTP); py-libp2p signs a new record when its addresses change."""
+        self.http_url = http_url
+
+    def serve_data(self, router: DataRouter) -> None:
+        """Answer data-plane requests on libp2p streams with ``router`` (until then, such
+        streams are reset)."""
+        self._data = streams.StreamServer(router, self)
+
     async def publish(self, data: bytes) -> None:
         await self.call(self._pubsub.publish, self.settings.topic, data)
 
@@ -239,6 +258,8 @@ class P2PHost:
             "accepted": self.gate.counts["accept"],
             "rejected": self.gate.counts["reject"],
             "ignored": self.gate.counts["ignore"],
+            "streams_answered": self._data.answered if self._data else 0,
+            "streams_bytes_uploaded": self._data.bytes_uploaded if self._data else 0,
         }
 
     def _to_loop(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -246,9 +267,46 @@ class P2PHost:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(fn, *args)
 
+    async def _in_loop(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Trio side: run ``await fn(*args)`` on the node's asyncio loop and wait for it (the
+        reverse of :meth:`call`); its errors end there, logged."""
+        loop, token, done = self._loop, trio.lowlevel.current_trio_token(), trio.Event()
+        assert loop is not None
+
+        def finished(task: asyncio.Future[Any]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.debug("stream handler: %r", task.exception())
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
+
+        def start() -> None:
+            asyncio.ensure_future(fn(*args)).add_done_callback(finished)
+
+        loop.call_soon_threadsafe(start)
+        await done.wait()
+
+    async def _on_data_stream(self, stream: Any) -> None:
+        """One data-plane request on a stream: read here, answered by the node's router."""
+        server = self._data
+        if server is None:
+            await streams.reset(stream)
+            return
+        limits = server.router.limits
+        try:
+            with trio.fail_after(limits.request_timeout_s):
+                peer = str(stream.muxed_conn.peer_id)
+                req = await streams.read_request(stream, peer, limits)
+        except Exception as exc:  # malformed, too big, too slow: nothing reaches the router
+            log.debug("bad data stream: %r", exc)
+            await streams.reset(stream)
+            return
+        await self._in_loop(server.answer, stream, req)
+
     def _take_snapshot(self) -> None:
+        connected = self._host.get_connected_peers()
+        self.connected_ids = [str(p) for p in connected[: self.settings.max_connections * 2]]
         self._snapshot = {
-            "connected": len(self._host.get_connected_peers()),
+            "connected": len(connected),
             "routing_table": self._dht.get_routing_table_size() if self._dht else 0,
             "blacklisted": len(self._pubsub.get_blacklisted_peers()),
             "mesh_peers": len(self._pubsub.router.mesh.get(self.settings.topic, ())),
@@ -274,7 +332,6 @@ class P2PHost:
 
     def _new_host(self) -> Any:
         s = self.settings
-        extra = [multiaddr.Multiaddr(http_multiaddr(s.http_url))] if s.http_url else []
         conn = ConnectionConfig(
             max_connections=s.max_connections * 2,
             high_watermark=s.max_connections * 2,
@@ -285,6 +342,8 @@ class P2PHost:
         )
 
         def advertised(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+            url = self.http_url
+            extra = [multiaddr.Multiaddr(http_multiaddr(url))] if url else []
             return [*_rehost(addrs, s.advertise_host), *extra]
 
         return new_host(key_pair=self.key_pair, addrs_factory=advertised, connection_config=conn)
@@ -303,6 +362,7 @@ class P2PHost:
         pubsub = self._pubsub = Pubsub(host, gossipsub)
         dht = self._dht = KadDHT(host, DHTMode.SERVER) if self.settings.dht else None
         _never_dial_http(host)
+        host.set_stream_handler(streams.PROTOCOL, self._on_data_stream)
         self._stop = trio.Event()
         try:
             await self._serve(host, pubsub, gossipsub, dht, ready)

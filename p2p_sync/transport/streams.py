@@ -1,0 +1,323 @@
+"""The data plane over libp2p streams, for nodes nobody can dial (behind a NAT).
+
+Why: a volunteer behind a home router or a carrier-grade NAT can dial out but cannot be dialed,
+so its HTTP URL is useless to others. Its libp2p connections are ones it opened itself, and a
+libp2p connection carries streams both ways: a peer it dialed opens a stream back over that
+connection and fetches chunks from it. Two NATed nodes meet through a circuit relay (a public
+node forwarding a stream) when neither can dial the other.
+
+Such a node is named ``p2p://<peer-id>`` wherever an HTTP node is named by its URL (peer lists,
+the ``X-P2PSync-Peer`` header, announcements), and :class:`RoutedClient` sends each request
+down the matching transport. The requests and answers are the data plane's own
+(``transport.dataplane``: same routes, limits, upload slots and verification), so a chunk
+served over a stream is judged exactly like one served over HTTP.
+
+Wire format of protocol ``/p2psync/data/1.0.0`` (one request per stream)::
+
+    request := u32 n | header (n bytes of JSON) | body (header["body"] bytes)
+        header = {"method": "GET" | "POST", "path": "/chunk/<sha256>", "query": {str: str},
+                  "peer": requester's own peer URL or null, "body": int}
+    reply   := u32 n | header (n bytes of JSON) | body (header["length"] bytes)
+        header = {"status": int, "type": content type, "length": int}
+
+``u32`` is big-endian. The requester writes its request and half-closes; the server answers
+and closes. The requester's peer id is authenticated by the connection (Noise): a ``p2p://``
+name it claims must be its own. Bounds: a request (header and body)
+is at most ``max_request_bytes``, a reply header at most ``MAX_REPLY_HEADER``, a reply body at
+most what the caller expects (checked before it is read); a request is answered within
+``request_timeout_s`` or its stream is reset.
+
+Only the asyncio classes at the bottom touch the event loop; the trio functions run in the
+libp2p host's thread (``transport.p2p``) and only move bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import trio
+
+from p2p_sync.errors import PeerBusyError, PeerError
+from p2p_sync.transport.dataplane import (
+    PEER_ID,
+    DataRouter,
+    HttpLimits,
+    PeerClient,
+    Reply,
+    Request,
+    check_reply,
+    parse_json,
+)
+
+PROTOCOL = "/p2psync/data/1.0.0"
+SCHEME = "p2p://"
+MAX_REPLY_HEADER = 4096
+_U32 = struct.Struct(">I")
+
+
+# ---------------------------------------------------------------- names (pure)
+
+
+def peer_url(peer_id: str) -> str:
+    """How a node reachable only over libp2p is named among peers."""
+    return f"{SCHEME}{peer_id}"
+
+
+def is_peer_url(url: str) -> bool:
+    return url.startswith(SCHEME) and bool(PEER_ID.match(url[len(SCHEME) :]))
+
+
+def split_url(url: str) -> tuple[str, str, dict[str, str]]:
+    """``p2p://<id>/have/<d>?known=3`` -> (id, "/have/<d>", {"known": "3"}); PeerError if
+    malformed."""
+    rest = url[len(SCHEME) :] if url.startswith(SCHEME) else ""
+    peer_id, _, path = rest.partition("/")
+    path, _, query = path.partition("?")
+    if not PEER_ID.match(peer_id):
+        raise PeerError(f"{url}: not a p2p:// peer URL")
+    pairs = (item.partition("=") for item in query.split("&") if item)
+    return peer_id, f"/{path}", {k: v for k, _, v in pairs}
+
+
+# ---------------------------------------------------------------- framing (pure)
+
+
+def encode_request(
+    method: str, path: str, query: dict[str, str], peer: str | None, body: bytes
+) -> bytes:
+    head = {"method": method, "path": path, "query": query, "peer": peer, "body": len(body)}
+    return _frame(head) + body
+
+
+def encode_reply_header(reply: Reply) -> bytes:
+    return _frame({"status": reply.status, "type": reply.content_type, "length": len(reply.body)})
+
+
+def _frame(doc: dict[str, Any]) -> bytes:
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return _U32.pack(len(raw)) + raw
+
+
+def parse_request_header(raw: bytes, max_body: int) -> dict[str, Any]:
+    """The request header, checked field by field; ValueError names what is wrong."""
+    doc = json.loads(raw)
+    if not isinstance(doc, dict) or doc.get("method") not in ("GET", "POST"):
+        raise ValueError("method must be GET or POST")
+    if not isinstance(doc.get("path"), str) or not doc["path"].startswith("/"):
+        raise ValueError("path must be a string starting with /")
+    query = doc.get("query")
+    if not isinstance(query, dict) or not all(isinstance(v, str) for v in query.values()):
+        raise ValueError("query must map strings to strings")
+    if doc.get("peer") is not None and not isinstance(doc["peer"], str):
+        raise ValueError("peer must be a string or null")
+    body = doc.get("body")
+    if not isinstance(body, int) or not 0 <= body <= max_body:
+        raise ValueError(f"body length must be within 0..{max_body}")
+    return doc
+
+
+def parse_reply_header(raw: bytes) -> tuple[int, str, int]:
+    """(status, content type, length); ValueError if malformed."""
+    doc = json.loads(raw)
+    status, ctype, length = (doc.get(k) for k in ("status", "type", "length"))
+    if not (isinstance(status, int) and isinstance(ctype, str) and isinstance(length, int)):
+        raise ValueError("reply header needs integer status and length and a string type")
+    if length < 0:
+        raise ValueError("negative reply length")
+    return status, ctype, length
+
+
+# ---------------------------------------------------------------- stream I/O (trio thread)
+
+
+async def read_exactly(stream: Any, n: int) -> bytes:
+    """``n`` bytes from the stream; EOFError if it ends first."""
+    parts, got = [], 0
+    while got < n:
+        piece = await stream.read(n - got)
+        if not piece:
+            raise EOFError(f"stream ended after {got} of {n} bytes")
+        parts.append(piece)
+        got += len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def read_framed(stream: Any, limit: int) -> bytes:
+    """One ``u32 n | n bytes`` frame of at most ``limit`` bytes."""
+    (n,) = _U32.unpack(await read_exactly(stream, _U32.size))
+    if n > limit:
+        raise ValueError(f"frame of {n} bytes, over the limit of {limit}")
+    return await read_exactly(stream, n)
+
+
+async def read_request(stream: Any, peer_id: str, limits: HttpLimits) -> Request:
+    """A request as the data router takes it. The connection proved the requester's peer id,
+    so a ``p2p://`` name it claims must be its own (another one is dropped, not learned)."""
+    head = parse_request_header(
+        await read_framed(stream, limits.max_request_bytes), limits.max_request_bytes
+    )
+    body = await read_exactly(stream, head["body"]) if head["body"] else b""
+    claim, address = head["peer"], stream.get_remote_address()
+    if claim is not None and claim.startswith(SCHEME) and claim != peer_url(peer_id):
+        claim = None
+    return Request(
+        head["method"],
+        head["path"],
+        head["query"],
+        claim,
+        body,
+        address[0] if address else peer_url(peer_id),
+    )
+
+
+async def write_reply(stream: Any, reply: Reply, timeout: float) -> bool:
+    """Send ``reply`` and close; False when the requester did not take it within ``timeout``
+    (the stream is reset, so its upload slot frees now)."""
+    with trio.move_on_after(timeout):
+        try:
+            await stream.write(encode_reply_header(reply) + reply.body)
+            await stream.close()
+            return True
+        except Exception:  # reset or broken by the requester: it gave up
+            pass
+    await reset(stream)
+    return False
+
+
+async def exchange(
+    host: Any, peer_id: str, request: bytes, limit: int, expect: int, limits: HttpLimits
+) -> bytes:
+    """One request on a new stream to ``peer_id`` (over a live connection, or dialed through
+    the addresses known for it); the reply's body if its status is ``expect``. PeerError (or
+    PeerBusyError) otherwise."""
+    from libp2p.peer.id import ID  # the host's thread already imported libp2p
+
+    with trio.move_on_after(limits.request_timeout_s) as scope:
+        try:
+            return await _exchange(host, ID.from_base58(peer_id), request, (limit, expect), limits)
+        except PeerError:
+            raise
+        except Exception as exc:  # libp2p raises many kinds: all mean "no answer"
+            raise PeerError(f"{peer_url(peer_id)}: {type(exc).__name__} {exc}") from None
+    assert scope.cancelled_caught
+    raise PeerError(f"{peer_url(peer_id)}: no answer within {limits.request_timeout_s}s")
+
+
+async def _exchange(
+    host: Any, peer: Any, request: bytes, bounds: tuple[int, int], limits: HttpLimits
+) -> bytes:
+    with trio.fail_after(limits.connect_timeout_s):
+        stream = await host.new_stream(peer, [PROTOCOL])
+    try:
+        await stream.write(request)
+        await stream.close_write()
+        status, _, length = parse_reply_header(await read_framed(stream, MAX_REPLY_HEADER))
+        check_reply(peer_url(str(peer)), status, length, *bounds)
+        return await read_exactly(stream, length)
+    except BaseException:
+        await reset(stream)
+        raise
+
+
+async def reset(stream: Any) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.reset()
+        except Exception:  # already gone
+            pass
+
+
+# ---------------------------------------------------------------- asyncio side
+
+
+class StreamServer:
+    """Answers data-plane requests arriving on libp2p streams with the node's own router
+    (the one its HTTP server uses: one set of upload slots for both)."""
+
+    def __init__(self, router: DataRouter, host: Any) -> None:
+        self.router, self.host = router, host
+        self.answered = 0  # requests answered whole over streams
+        self.bytes_uploaded = 0  # chunk bytes among them
+
+    async def answer(self, stream: Any, req: Request) -> None:
+        """Route ``req``; the reply is written in the host's thread while the upload slot is
+        held, as the HTTP server does."""
+        async with self.router.serve(req) as reply:
+            sent = await self.host.call(
+                write_reply, stream, reply, self.router.limits.request_timeout_s
+            )
+        if sent:
+            self.router.sent(reply)
+            self.answered += 1
+            self.bytes_uploaded += len(reply.body) if reply.upload else 0
+
+
+class StreamClient:
+    """The data-plane client for ``p2p://`` peers: each request on its own stream."""
+
+    def __init__(self, host: Any, self_url: str | None, limits: HttpLimits) -> None:
+        self.host, self.self_url, self.limits = host, self_url, limits
+
+    async def _request(
+        self, url: str, limit: int, method: str = "GET", body: bytes = b"", expect: int = 200
+    ) -> bytes:
+        peer_id, path, query = split_url(url)
+        request = encode_request(method, path, query, self.self_url, body)
+        return await self.host.with_host(exchange, peer_id, request, limit, expect, self.limits)
+
+    async def get_json(self, url: str) -> Any:
+        return parse_json(url, await self._request(url, self.limits.max_json_bytes))
+
+    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+        return await self._request(url, limit or self.limits.max_chunk_bytes)
+
+    async def post_json(self, url: str, doc: Any) -> Any:
+        body = json.dumps(doc).encode()
+        return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
+
+    async def announce(self, peer: str, digests: list[str]) -> None:
+        doc = json.dumps({"url": self.self_url, "digests": digests}).encode()
+        await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", doc, 202)
+
+    async def close(self) -> None:
+        pass
+
+
+class RoutedClient:
+    """One client for all peers: ``p2p://`` names go over libp2p streams, the rest over HTTP."""
+
+    def __init__(self, http: PeerClient, streams: StreamClient) -> None:
+        self.http, self.streams, self.limits = http, streams, http.limits
+
+    @property
+    def self_url(self) -> str | None:
+        return self.http.self_url
+
+    @self_url.setter
+    def self_url(self, url: str | None) -> None:
+        """How this node names itself to peers (it changes once reachability is known)."""
+        self.http.self_url = self.streams.self_url = url
+
+    def _for(self, url: str) -> PeerClient:
+        return self.streams if url.startswith(SCHEME) else self.http
+
+    async def get_json(self, url: str) -> Any:
+        return await self._for(url).get_json(url)
+
+    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+        return await self._for(url).get_bytes(url, limit)
+
+    async def post_json(self, url: str, doc: Any) -> Any:
+        return await self._for(url).post_json(url, doc)
+
+    async def announce(self, peer: str, digests: list[str]) -> None:
+        await self._for(peer).announce(peer, digests)
+
+    async def close(self) -> None:
+        await self.http.close()
+        await self.streams.close()
+
+
+__all__ = ["PROTOCOL", "SCHEME", "PeerBusyError", "RoutedClient", "StreamClient", "StreamServer"]

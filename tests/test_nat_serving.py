@@ -1,0 +1,313 @@
+"""Nodes behind NAT: the reachability verdict from peers' dial-backs, the data plane over libp2p
+streams (``p2p://`` peers), and what hostile peers can and cannot do with either. Real aiohttp
+servers and real libp2p hosts on loopback; the netns tier (tests/test_emulated.py) runs them
+behind real emulated NATs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+from pathlib import Path
+
+import aiohttp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from node.config import ConfigError, load
+from p2p_sync import Rollout, Trainer
+from p2p_sync.errors import PeerError
+from p2p_sync.keys import SigningKey, write_keypair
+from p2p_sync.reachability import Reachability, ReachabilityLimits, Verdict
+from p2p_sync.transport import streams
+from p2p_sync.workloads import Workload
+from tests.helpers import bit_equal
+
+# ---------------------------------------------------------------- framing (pure)
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)
+
+
+@given(
+    method=st.sampled_from(["GET", "POST"]),
+    path=_text.map(lambda t: "/" + t),
+    query=st.dictionaries(_text, _text, max_size=4),
+    peer=st.none() | _text,
+    body=st.binary(max_size=200),
+)
+def test_a_request_frame_reads_back_as_written(method, path, query, peer, body) -> None:
+    frame = streams.encode_request(method, path, query, peer, body)
+    (n,) = struct.unpack(">I", frame[:4])
+    head = streams.parse_request_header(frame[4 : 4 + n], max_body=200)
+    assert (head["method"], head["path"], head["query"], head["peer"]) == (
+        method,
+        path,
+        query,
+        peer,
+    )
+    assert frame[4 + n :] == body and head["body"] == len(body)
+
+
+@pytest.mark.parametrize(
+    ("doc", "why"),
+    [
+        ({"method": "PUT", "path": "/x", "query": {}, "body": 0}, "method"),
+        ({"method": "GET", "path": "x", "query": {}, "body": 0}, "path"),
+        ({"method": "GET", "path": "/x", "query": {"a": 1}, "body": 0}, "query"),
+        ({"method": "GET", "path": "/x", "query": {}, "peer": 3, "body": 0}, "peer"),
+        ({"method": "GET", "path": "/x", "query": {}, "body": 10**9}, "body length"),
+        ({"method": "GET", "path": "/x", "query": {}, "body": -1}, "body length"),
+    ],
+)
+def test_a_malformed_request_header_is_refused_naming_the_field(doc, why) -> None:
+    with pytest.raises(ValueError, match=why):
+        streams.parse_request_header(json.dumps(doc).encode(), max_body=64 * 1024)
+
+
+def test_p2p_urls_split_and_refuse_what_is_not_one() -> None:
+    pid = "12D3KooWK5vggqznNioT6L4cMa5njSEfvegwGMBQHBo7Fu6u2B42"
+    assert streams.split_url(f"p2p://{pid}/have/ab?known=3") == (pid, "/have/ab", {"known": "3"})
+    assert streams.is_peer_url(streams.peer_url(pid))
+    for bad in ("http://h:1/x", "p2p://0OIl/x", f"p2p:/{pid}/x", "p2p://"):
+        with pytest.raises(PeerError):
+            streams.split_url(bad)
+
+
+# ---------------------------------------------------------------- the verdict (sans-I/O)
+
+
+def test_one_dial_back_proves_reachable_two_failures_mean_behind_nat() -> None:
+    r = Reachability(ReachabilityLimits(max_asks=2))
+    assert r.to_ask(["a", "b", "c"], 0.0) == ["a", "b"]
+    assert r.to_ask(["a", "b", "c"], 0.0) == []  # two questions pending: no more
+    assert not r.answered("a", False, "1.2.3.4") and r.verdict is Verdict.UNKNOWN
+    assert r.to_ask(["a", "b", "c"], 0.0) == ["c"]
+    assert r.answered("c", False, "1.2.3.4") and r.verdict is Verdict.BEHIND_NAT
+    assert r.observed == "1.2.3.4"
+    assert r.answered("b", True, None) and r.verdict is Verdict.REACHABLE  # a success wins
+
+
+def test_a_silent_peer_is_asked_again_only_after_retry_s() -> None:
+    r = Reachability(ReachabilityLimits(retry_s=2.0))
+    assert r.to_ask(["a"], 0.0) == ["a"]
+    r.answered("a", None, None)
+    assert r.to_ask(["a"], 1.0) == [] and r.to_ask(["a"], 2.5) == ["a"]
+
+
+def test_a_lone_peer_saying_no_decides_once_nobody_else_is_left() -> None:
+    r = Reachability()
+    r.to_ask(["t"], 0.0)
+    r.answered("t", False, "9.9.9.9")
+    assert r.verdict is Verdict.UNKNOWN and not r.exhausted(["t", "new"])
+    assert r.exhausted(["t"]) and r.verdict is Verdict.BEHIND_NAT
+
+
+def test_a_new_round_after_recheck_s_can_change_the_verdict() -> None:
+    r = Reachability(ReachabilityLimits(recheck_s=10.0, needed_noes=1))
+    r.to_ask(["a"], 0.0)
+    r.answered("a", True, None)
+    assert r.to_ask(["b"], 5.0) == []  # decided this round
+    assert r.to_ask(["b"], 11.0) == ["b"]
+    assert r.answered("b", False, None) and r.verdict is Verdict.BEHIND_NAT
+
+
+@pytest.mark.parametrize(("mode", "verdict"), [("public", "reachable"), ("private", "behind NAT")])
+def test_the_operator_s_word_asks_nobody(mode: str, verdict: str) -> None:
+    r = Reachability(ReachabilityLimits(mode=mode))
+    assert r.verdict.value == verdict and r.to_ask(["a"], 0.0) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([True, False, None])), max_size=40))
+def test_verdicts_follow_the_answers(answers: list[tuple[int, bool | None]]) -> None:
+    """Whatever peers answer: no more than max_asks questions pending, nobody asked twice in a
+    round while pending, behind NAT never while this round has a success."""
+    limits = ReachabilityLimits(max_asks=3, needed_noes=2)
+    r, peers, pending, yes = Reachability(limits), [f"p{i}" for i in range(6)], set(), False
+    for i, answer in answers:
+        asked = r.to_ask(peers, 0.0)
+        assert not pending & set(asked) and len(pending) + len(asked) <= limits.max_asks
+        pending |= set(asked)
+        peer = peers[i]
+        if peer in pending:
+            pending.discard(peer)
+            r.answered(peer, answer, None)
+            yes |= answer is True
+        assert r.verdict is not Verdict.BEHIND_NAT or not yes
+        assert r.verdict is Verdict.REACHABLE or not yes
+
+
+# ---------------------------------------------------------------- real nodes on loopback
+
+
+def _keyfile(tmp_path: Path) -> tuple[Path, str]:
+    """A trainer key file and its public key's file, for ``trust``."""
+    path = tmp_path / "trainer.key"
+    return path, str(write_keypair(SigningKey.generate(), path))
+
+
+async def _status(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/status") as resp:
+        return await resp.json()
+
+
+async def _until(check, what: str, timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not await check():
+            await asyncio.sleep(0.05)  # polling a condition, bounded by the timeout
+
+
+async def _nat_swarm(tmp_path: Path, versions: list) -> dict:
+    keyfile, pub = _keyfile(tmp_path)
+    fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
+    async with Trainer(
+        key=keyfile,
+        data_dir=tmp_path / "t",
+        p2p=True,
+        publish={"chunk_size": 16384},
+        http={"max_upload_mbps": 4.0},  # the trainer alone is slow: rollouts must trade
+        **fast,
+    ) as trainer:
+        join = {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **fast}
+        nat = Rollout(data_dir=tmp_path / "n", reachability={"mode": "private"}, **join)
+        public = Rollout(data_dir=tmp_path / "p", **join)
+        async with nat, public:
+            for v, weights in enumerate(versions):
+                await trainer.apublish(weights)
+                for r in (nat, public):
+                    await _until(lambda r=r, v=v: _at(r, v), f"v{v}", 60)
+            return {
+                "nat": await _status(nat.url),
+                "public": await _status(public.url),
+                "trainer": await _status(trainer.url),
+                "weights": [nat.weights, public.weights],
+            }
+
+
+async def _at(r: Rollout, v: int) -> bool:
+    return r.version == v
+
+
+def test_a_node_behind_nat_names_itself_by_peer_id_and_serves_over_libp2p(
+    tmp_path: Path,
+) -> None:
+    versions = list(Workload("tiny", lr=3e-4, seed=3).versions(2))
+    out = asyncio.run(_nat_swarm(tmp_path, versions))
+    nat, public, trainer = out["nat"], out["public"], out["trainer"]
+    assert nat["reachability"]["verdict"] == "behind NAT"
+    assert nat["reachability"]["name"] == f"p2p://{nat['p2p']['peer_id']}"
+    assert public["reachability"]["verdict"] == "reachable"  # the trainer dialed it back
+    assert trainer["reachability"]["verdict"] == "reachable"  # a rollout dialed it back
+    assert nat["url"] not in trainer["peers"] and nat["url"] not in public["peers"]
+    assert nat["reachability"]["name"] in public["peers"]
+    assert nat["p2p"]["streams_bytes_uploaded"] > 0  # its uploads went over libp2p streams
+    assert nat["bytes_uploaded"] >= nat["p2p"]["streams_bytes_uploaded"]
+    for weights in out["weights"]:
+        assert bit_equal(weights, versions[-1])
+
+
+# ---------------------------------------------------------------- hostile dial-back requests
+
+
+async def _dial_back_refusals(tmp_path: Path) -> dict:
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    port = silent.getsockname()[1]
+    limits = {"max_concurrent": 1, "dial_timeout_s": 3.0}
+    async with Trainer(
+        key=_keyfile(tmp_path)[0], data_dir=tmp_path / "t", reachability=limits
+    ) as trainer:
+        async with aiohttp.ClientSession() as s:
+
+            async def ask(doc: object) -> tuple[int, object]:
+                async with s.post(f"{trainer.url}/dialback", json=doc) as resp:
+                    body = await resp.read()
+                    return resp.status, json.loads(body) if resp.status == 200 else body
+
+            nonce = "ab" * 16
+            out = {
+                "third party": await ask({"url": "http://127.0.0.2:9", "nonce": nonce}),
+                "bad nonce": await ask({"url": f"http://127.0.0.1:{port}", "nonce": "x"}),
+                "not http": await ask({"url": "p2p://12D3KooWabc", "nonce": nonce}),
+                "not an object": await ask([1, 2]),
+            }
+            hang = asyncio.ensure_future(ask({"url": f"http://127.0.0.1:{port}", "nonce": nonce}))
+            await asyncio.to_thread(silent.accept)  # the first dial-back is in progress
+            out["busy"] = await ask({"url": f"http://127.0.0.1:{port}", "nonce": nonce})
+            out["hung"] = await hang
+            async with s.get(f"{trainer.url}/dialback/{nonce}") as resp:
+                out["unissued nonce"] = resp.status
+    silent.close()
+    return out
+
+
+def test_dial_back_requests_never_reach_a_third_party_and_are_bounded(tmp_path: Path) -> None:
+    out = asyncio.run(_dial_back_refusals(tmp_path))
+    status, doc = out["third party"]
+    assert status == 200 and doc["reachable"] is False and doc["observed"] == "127.0.0.1"
+    assert "not the address" in doc["why"]
+    assert out["bad nonce"][0] == 400 and b"nonce" in out["bad nonce"][1]
+    assert out["not http"][0] == 400 and out["not an object"][0] == 400
+    assert out["busy"][1]["busy"] is True and out["busy"][1]["reachable"] is False
+    assert out["hung"][1]["reachable"] is False and "no answer" in out["hung"][1]["why"]
+    assert out["unissued nonce"] == 404
+
+
+# ---------------------------------------------------------------- hostile streams
+
+
+async def _garbage_streams(tmp_path: Path) -> dict:
+    import trio
+
+    keyfile, pub = _keyfile(tmp_path)
+    async with Trainer(key=keyfile, data_dir=tmp_path / "t", p2p=True) as trainer:
+        async with Rollout(
+            data_dir=tmp_path / "r", trust=[pub], bootstrap=[trainer.multiaddr]
+        ) as rollout:
+            host, target = rollout.node.p2p, trainer.node.p2p.peer_id
+
+            async def send(libp2p_host: object, raw: bytes) -> bytes:
+                from libp2p.peer.id import ID
+
+                stream = await libp2p_host.new_stream(ID.from_base58(target), [streams.PROTOCOL])
+                await stream.write(raw)
+                await stream.close_write()
+                got = b""
+                with trio.move_on_after(5):
+                    try:
+                        while piece := await stream.read(65536):
+                            got += piece
+                    except Exception:  # reset or EOF: what the server did is what we got
+                        pass
+                return got
+
+            huge = struct.pack(">I", 10**6) + b"{}"
+            out = {
+                "huge header": await host.with_host(send, huge),
+                "garbage": await host.with_host(send, struct.pack(">I", 5) + b"nope!"),
+                "bad route": await host.with_host(
+                    send, streams.encode_request("GET", "/nope", {}, None, b"")
+                ),
+            }
+            client = rollout.node.client
+            out["status"] = await client.get_json(f"p2p://{target}/status")
+            with pytest.raises(PeerError, match="404"):
+                await client.get_bytes(f"p2p://{target}/chunk/{'ab' * 32}")
+            return out
+
+
+def test_malformed_streams_get_nothing_and_the_node_keeps_serving(tmp_path: Path) -> None:
+    out = asyncio.run(_garbage_streams(tmp_path))
+    assert out["huge header"] == b"" and out["garbage"] == b""  # reset before the router
+    n = struct.unpack(">I", out["bad route"][:4])[0]
+    assert json.loads(out["bad route"][4 : 4 + n])["status"] == 404  # the router's answer
+    assert out["status"]["role"] == "trainer"  # served over a stream afterwards
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_a_bad_reachability_mode_is_a_one_line_config_error() -> None:
+    with pytest.raises(ConfigError, match="reachability.mode: 'sometimes' is not one of auto"):
+        load(None, {"role": "rollout", "trust": ["x"], "reachability.mode": "sometimes"})
