@@ -61,6 +61,13 @@ class Libp2pLimits:
     max_rejects: int = 3  # rejected announcements before the sender is blacklisted
     refresh_s: float = 30.0  # Kademlia self-lookup period
     start_timeout_s: float = 30.0
+    # circuit relay v2 (p2p_sync.transport.relay): offered by reachable nodes, used behind NAT
+    relay_max_reservations: int = 16  # NATed peers holding a slot here
+    relay_max_circuits: int = 4  # circuits to each of them at once
+    relay_mbps: float = 50.0  # everything relayed, both directions, all circuits together
+    relay_data_mb: float = 1024.0  # per circuit, both directions
+    relay_duration_s: float = 3600.0  # per circuit
+    relay_reservations: int = 2  # relays a NATed node reserves a slot on
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ class Node:
             self.client.self_url = name
         self.peering.directory.me = {u for u in (self.url, name) if u}
         if self.p2p is not None:
-            self.p2p.advertise(self.url if name == self.url else None)
+            behind_nat = self.reach.state.verdict is Verdict.BEHIND_NAT
+            self.p2p.advertise(self.url if name == self.url else None, behind_nat)
         log.info("reachability: %s", self.reach.describe())
 
     @property

@@ -9,6 +9,14 @@ in the swarm already: handing it out again would only add to the seed's upload).
 else the requesters take from each other, and the seed's upload stays near one copy of the
 payload however many peers there are.
 
+Except for requesters who cannot reach the peers holding a chunk: two volunteers behind
+different NATs never meet (without a relay), and one that can reach only the seed would wait
+forever for chunks the seed handed to others. So a chunk that has been in the swarm for
+``starve_after_s`` (the seed first saw it fetched that long ago) is shown to every requester
+still asking: one that lacks it by then can get it from nobody else. In a swarm whose members
+reach each other a chunk spreads in seconds, and a requester asks only for what it lacks, so
+this costs the seed little more than the stragglers' own copies.
+
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
 same method, so what it shows of seeding is true of the node.
 """
@@ -26,8 +34,16 @@ class SuperSeeder:
 
     outstanding: int = 256
     reseed_after_s: float = 2.0
+    starve_after_s: float = 10.0
     owner: dict[Hashable, tuple[Hashable, float]] = field(default_factory=dict)
     served: collections.Counter[Hashable] = field(default_factory=collections.Counter)
+    spread_since: dict[Hashable, float] = field(default_factory=dict)  # first seen fetched
+
+    def starved(self, key: Hashable, now: float) -> bool:
+        """Fetched from the seed ``starve_after_s`` ago or longer: shown to anyone asking."""
+        if not self.served[key]:
+            return False
+        return now - self.spread_since.setdefault(key, now) >= self.starve_after_s
 
     def note_served(self, key: Hashable) -> None:
         """The seed uploaded chunk ``key`` (to anyone)."""
@@ -43,7 +59,7 @@ class SuperSeeder:
         out = []
         for i, key in enumerate(keys):
             owner = self.owner.get(key)
-            if owner is not None and owner[0] == requester:
+            if (owner is not None and owner[0] == requester) or self.starved(key, now):
                 out.append(i)
             elif (
                 owner is None or (not served[key] and now - owner[1] > self.reseed_after_s)

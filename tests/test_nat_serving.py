@@ -311,3 +311,64 @@ def test_malformed_streams_get_nothing_and_the_node_keeps_serving(tmp_path: Path
 def test_a_bad_reachability_mode_is_a_one_line_config_error() -> None:
     with pytest.raises(ConfigError, match="reachability.mode: 'sometimes' is not one of auto"):
         load(None, {"role": "rollout", "trust": ["x"], "reachability.mode": "sometimes"})
+
+
+# ---------------------------------------------------------------- relays
+
+
+async def _relayed_swarm(tmp_path: Path, versions: list) -> dict:
+    """A public trainer offering relay within tight limits, two NATed rollouts nobody can
+    dial (their libp2p addresses are advertised at an unroutable host)."""
+    keyfile, pub = _keyfile(tmp_path)
+    fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
+    relay = {"relay_mbps": 2.0, "relay_max_reservations": 1, "refresh_s": 1.0}
+    async with Trainer(
+        key=keyfile,
+        data_dir=tmp_path / "t",
+        p2p=True,
+        publish={"chunk_size": 16384},
+        http={"max_upload_mbps": 2.0},
+        libp2p=relay,
+        **fast,
+    ) as trainer:
+        join = {
+            "trust": [pub],
+            "peers": [trainer.url],
+            "bootstrap": [trainer.multiaddr],
+            "advertise_host": "192.0.2.1",  # TEST-NET-1: never routed
+            "reachability": {"mode": "private"},
+            "libp2p": {"refresh_s": 1.0},
+            **fast,
+        }
+        a, b = Rollout(data_dir=tmp_path / "a", **join), Rollout(data_dir=tmp_path / "b", **join)
+        async with a, b:
+            await _until(lambda: _reserved([a, b]), "a relay reservation", 30)
+            started = asyncio.get_running_loop().time()
+            for v, weights in enumerate(versions):
+                await trainer.apublish(weights)
+                for r in (a, b):
+                    await _until(lambda r=r, v=v: _at(r, v), f"v{v}", 90)
+            elapsed = asyncio.get_running_loop().time() - started
+            return {
+                "trainer": trainer.node.p2p.status(),
+                "rollouts": [r.node.p2p.status() for r in (a, b)],
+                "elapsed": elapsed,
+                "weights": [a.weights, b.weights],
+            }
+
+
+async def _reserved(rollouts: list[Rollout]) -> bool:
+    return any(r.node.p2p.status()["relay_reservations"] for r in rollouts)
+
+
+def test_nated_nodes_trade_through_a_public_relay_within_its_limits(tmp_path: Path) -> None:
+    versions = list(Workload("tiny", lr=3e-4, seed=5).versions(2))
+    out = asyncio.run(_relayed_swarm(tmp_path, versions))
+    relay, rollouts = out["trainer"], out["rollouts"]
+    assert relay["relay_offered"] and relay["relayed_bytes"] > 0
+    assert sum(r["relay_reservations"] for r in rollouts) == 1  # max_reservations = 1
+    assert sum(r["streams_bytes_uploaded"] for r in rollouts) > 0
+    budget = 2.0e6 / 8 * out["elapsed"] + 2.0e6 / 8 / 20 + 64 * 1024  # rate * time + burst
+    assert relay["relayed_bytes"] <= budget
+    for weights in out["weights"]:
+        assert bit_equal(weights, versions[-1])

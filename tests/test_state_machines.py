@@ -216,7 +216,7 @@ class SeederMachine(RuleBasedStateMachine):
     @initialize(n=st.integers(1, 30), outstanding=st.integers(1, 6), reseed=st.floats(0.1, 3.0))
     def start(self, n: int, outstanding: int, reseed: float) -> None:
         self.keys = [f"c{i}" for i in range(n)]
-        self.seeder = SuperSeeder(outstanding=outstanding, reseed_after_s=reseed)
+        self.seeder = SuperSeeder(outstanding, reseed, starve_after_s=4 * reseed)
         self.now = 0.0
         self.shown: dict[str, set[str]] = {}  # requester -> keys it was shown
         self.handed_at: dict[str, tuple[str, float]] = {}  # key -> (owner, when) as seen
@@ -226,7 +226,11 @@ class SeederMachine(RuleBasedStateMachine):
         shown = [self.keys[i] for i in self.seeder.offer(self.keys, requester, self.now)]
         for key in shown:
             owner, _ = self.seeder.owner[key]
-            assert owner == requester, "showed a chunk handed to someone else"
+            if owner != requester:  # only a chunk long in the swarm is shown to anyone
+                assert self.seeder.served[key], "showed a chunk handed to someone else"
+                since = self.seeder.spread_since[key]
+                assert self.now - since >= self.seeder.starve_after_s, "shown before starving"
+                continue
             prev = before.get(key)
             if prev is not None and prev[0] != requester:  # taken over from a quiet owner
                 assert not self.seeder.served[key], "re-handed a chunk already fetched"
@@ -268,6 +272,11 @@ class SeederMachine(RuleBasedStateMachine):
                 if not self.seeder.served[key]:
                     self.seeder.note_served(key)
         assert all(self.seeder.served[k] for k in self.keys)
+        # a requester that reaches nobody but the seed is shown everything once it starved
+        self.seeder.offer(self.keys, "r-isolated", self.now)  # the seed notes what spread
+        self.now += self.seeder.starve_after_s + 0.01
+        shown = self.seeder.offer(self.keys, "r-isolated", self.now)
+        assert sorted(shown) == list(range(len(self.keys)))
 
 
 SeederMachine.TestCase.settings = FAST

@@ -162,7 +162,7 @@ class MemoryGossipHost:
     async def stop(self) -> None:
         self.network.gossip.pop(self.url, None)
 
-    def advertise(self, http_url: str | None) -> None:
+    def advertise(self, http_url: str | None, behind_nat: bool = False) -> None:
         """Every node of the memory network is reachable by its URL: nothing changes."""
 
     async def publish(self, data: bytes) -> None:

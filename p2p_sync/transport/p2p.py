@@ -54,7 +54,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
-from p2p_sync.transport import streams
+from p2p_sync.transport import relay, streams
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
 
@@ -80,6 +80,13 @@ class P2PSettings:
     start_timeout_s: float = 30.0
     seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
     dht: bool = True  # False: a leaf that runs no Kademlia and links only to its bootstrap peers
+    # circuit relay v2 (transport.relay): what a public node offers NATed ones, all bounded
+    relay_max_reservations: int = 16  # NATed peers holding a slot here
+    relay_max_circuits: int = 4  # circuits to each of them at once
+    relay_mbps: float = 50.0  # everything relayed, both directions, all circuits together
+    relay_data_mb: float = 1024.0  # per circuit, both directions
+    relay_duration_s: float = 3600.0  # per circuit
+    relay_reservations: int = 2  # relays a NATed node reserves a slot on
 
 
 # ---------------------------------------------------------------- addresses (pure)
@@ -159,6 +166,7 @@ class P2PHost:
         self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
         self._data: streams.StreamServer | None = None  # answers /p2psync/data streams
         self.http_url = settings.http_url  # advertised in the signed peer record when set
+        self.behind_nat = False  # reserve relay slots (and offer none)
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self.connected_ids: list[str] = []  # peer ids connected now (snapshot, each tick)
         self._init_thread_state()
@@ -174,6 +182,8 @@ class P2PHost:
         self._host: Any = None
         self._pubsub: Any = None
         self._dht: Any = None
+        self._relay: relay.BoundedRelay | None = None
+        self._relay_client: relay.RelayClient | None = None
 
     # ------------------------------------------------------------ asyncio side
 
@@ -234,10 +244,29 @@ class P2PHost:
         """``await fn(libp2p_host, *args)`` in the Trio thread (see :meth:`call`)."""
         return await self.call(fn, self._host, *args)
 
-    def advertise(self, http_url: str | None) -> None:
+    def advertise(self, http_url: str | None, behind_nat: bool = False) -> None:
         """Put ``http_url`` in the signed peer record (None: none, the node is not reachable
-        over HTTP); py-libp2p signs a new record when its addresses change."""
-        self.http_url = http_url
+        over HTTP; py-libp2p signs a new record when its addresses change). A node with a
+        reachable URL offers relay service; one ``behind_nat`` reserves relay slots."""
+        self.http_url, self.behind_nat = http_url, behind_nat
+        if self._token is not None:  # the relay's handlers change in the Trio thread
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._apply_relay_role)
+
+    def _apply_relay_role(self) -> None:
+        if self._relay is not None and self._relay_client is not None:
+            self._relay.offer(self.http_url is not None)
+            self._relay_client.active = self.behind_nat
+
+    @property
+    def libp2p(self) -> Any:
+        """The py-libp2p host (use it in the Trio thread only)."""
+        return self._host
+
+    async def reach(self, peer: ID, timeout: float) -> bool:
+        """Trio side: a connection to ``peer``, directly or through a relay it advertises."""
+        assert self._relay_client is not None
+        return await self._relay_client.connect(peer, timeout, self._bootstrap_ids)
 
     def serve_data(self, router: DataRouter) -> None:
         """Answer data-plane requests on libp2p streams with ``router`` (until then, such
@@ -258,6 +287,9 @@ class P2PHost:
             "accepted": self.gate.counts["accept"],
             "rejected": self.gate.counts["reject"],
             "ignored": self.gate.counts["ignore"],
+            "relay_offered": bool(self._relay and self._relay.offering),
+            "relayed_bytes": self._relay.relayed_bytes if self._relay else 0,
+            "relay_reservations": len(self._relay_client.reserved) if self._relay_client else 0,
             "streams_answered": self._data.answered if self._data else 0,
             "streams_bytes_uploaded": self._data.bytes_uploaded if self._data else 0,
         }
@@ -363,6 +395,7 @@ class P2PHost:
         dht = self._dht = KadDHT(host, DHTMode.SERVER) if self.settings.dht else None
         _never_dial_http(host)
         host.set_stream_handler(streams.PROTOCOL, self._on_data_stream)
+        self._start_relay(host)
         self._stop = trio.Event()
         try:
             await self._serve(host, pubsub, gossipsub, dht, ready)
@@ -376,6 +409,7 @@ class P2PHost:
             background_trio_service(pubsub),
             background_trio_service(gossipsub),
             background_trio_service(dht) if dht is not None else _nothing(),
+            background_trio_service(self._relay),
             trio.open_nursery() as nursery,
         ):
             await pubsub.wait_until_ready()
@@ -387,6 +421,19 @@ class P2PHost:
             self._loop.call_soon_threadsafe(_resolve, ready, self._dialable(host))
             await self._stop.wait()
             nursery.cancel_scope.cancel()
+
+    def _start_relay(self, host: Any) -> None:
+        """Circuit relay v2: offered once reachable, used once behind NAT (``advertise``)."""
+        s = self.settings
+        limits = relay.relay_limits(
+            s.relay_max_reservations, s.relay_max_circuits, s.relay_data_mb, s.relay_duration_s
+        )
+        self._relay = relay.BoundedRelay(host, limits, s.relay_mbps)
+        self._relay_client = relay.RelayClient(host, self._relay, s.relay_reservations)
+        self._bootstrap_ids = tuple(
+            info_from_p2p_addr(multiaddr.Multiaddr(a)).peer_id for a in s.bootstrap
+        )
+        self._apply_relay_role()
 
     def _dialable(self, host: Any) -> str:
         for addr in host.get_addrs():
@@ -417,10 +464,15 @@ class P2PHost:
         return outcome.forward
 
     async def _maintain(self) -> None:
-        """Keep joined: bootstrap dials, periodic Kademlia refresh, bounded top-up, URL harvest."""
+        """Keep joined: bootstrap dials, relay slots when behind NAT, periodic Kademlia
+        refresh, bounded top-up, URL harvest."""
         next_refresh = 0.0
         while True:
             await self._dial_bootstrap()
+            assert self._relay_client is not None and self._nursery is not None
+            await self._relay_client.maintain(
+                self._nursery, self.settings.dial_timeout_s, self._bootstrap_ids
+            )
             if self._dht is None:  # a leaf: bootstrap links only
                 self._harvest_urls()
                 self._take_snapshot()

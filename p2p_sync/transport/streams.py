@@ -187,16 +187,18 @@ async def write_reply(stream: Any, reply: Reply, timeout: float) -> bool:
 
 
 async def exchange(
-    host: Any, peer_id: str, request: bytes, limit: int, expect: int, limits: HttpLimits
+    p2p: Any, peer_id: str, request: bytes, limit: int, expect: int, limits: HttpLimits
 ) -> bytes:
-    """One request on a new stream to ``peer_id`` (over a live connection, or dialed through
-    the addresses known for it); the reply's body if its status is ``expect``. PeerError (or
-    PeerBusyError) otherwise."""
+    """One request on a new stream to ``peer_id`` (over a live connection, or one dialed
+    directly or through a relay: ``P2PHost.reach``); the reply's body if its status is
+    ``expect``. PeerError (or PeerBusyError) otherwise."""
     from libp2p.peer.id import ID  # the host's thread already imported libp2p
 
     with trio.move_on_after(limits.request_timeout_s) as scope:
         try:
-            return await _exchange(host, ID.from_base58(peer_id), request, (limit, expect), limits)
+            peer = ID.from_base58(peer_id)
+            await p2p.reach(peer, limits.connect_timeout_s)
+            return await _exchange(p2p.libp2p, peer, request, (limit, expect), limits)
         except PeerError:
             raise
         except Exception as exc:  # libp2p raises many kinds: all mean "no answer"
@@ -265,7 +267,9 @@ class StreamClient:
     ) -> bytes:
         peer_id, path, query = split_url(url)
         request = encode_request(method, path, query, self.self_url, body)
-        return await self.host.with_host(exchange, peer_id, request, limit, expect, self.limits)
+        return await self.host.call(
+            exchange, self.host, peer_id, request, limit, expect, self.limits
+        )
 
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._request(url, self.limits.max_json_bytes))

@@ -1,0 +1,192 @@
+"""Circuit relay v2 for nodes behind NAT: public nodes forward, NATed nodes reserve (Trio side).
+
+Why: two volunteers behind different NATs cannot dial each other, so without help neither
+ever serves the other, and a swarm that is half NATed loses a quarter of its pairs. A public
+node (one whose HTTP URL a peer could dial back, ``p2p_sync.reachability``; a bootstrap node
+usually is one) offers libp2p's standard circuit relay v2 (``/libp2p/circuit/relay/0.2.0``,
+so any libp2p implementation can use it); a NATed node reserves a slot on up to
+``relay_reservations`` of the relays it is connected to (its bootstrap peers first); a peer
+that cannot reach it directly tries the relays it is connected to itself, bootstrap peers
+first (a relay holding no reservation for it refuses at once), and opens its data-plane
+streams (``transport.streams``) over the circuit. Circuit addresses are not advertised:
+py-libp2p 0.8.1 cuts every advertised address at its first ``/p2p/`` component, and a swarm's
+NATed nodes and their peers share the same bootstrap relays anyway.
+
+A relay only forwards bytes it cannot read (Noise runs end to end over the circuit) and is
+bounded by the node's settings: ``relay_max_reservations`` peers holding a slot, at most
+``relay_max_circuits`` circuits to each (so ``reservations * circuits`` in all),
+``relay_data_mb`` and ``relay_duration_s`` per circuit, and ``relay_mbps`` over all circuits
+together (py-libp2p 0.8.1 has no bandwidth limit of its own: :class:`BoundedRelay` meters every
+piece it forwards through one token bucket).
+
+Hole punching (DCUtR) is not used yet: py-libp2p's implementation punches only from its
+listen port, which our nodes do not keep mapped, and we have not seen it cross a real NAT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p.peer.id import ID
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+
+from p2p_sync.ratelimit import TokenBucket
+
+log = logging.getLogger("p2psync.p2p")
+CIRCUIT = "p2p-circuit"
+REFUSED_S = 30.0  # a peer that refused a reservation is asked again after this long
+
+
+class BoundedRelay(CircuitV2Protocol):
+    """py-libp2p's relay, offered only while :attr:`offering`, with one bandwidth cap over
+    every circuit it carries."""
+
+    def __init__(self, host: Any, limits: RelayLimits, mbps: float) -> None:
+        super().__init__(host, limits=limits, allow_hop=False)  # hop: see ``offer``
+        rate = mbps * 1e6 / 8
+        self.bucket = TokenBucket(rate, max(rate / 20, 64 * 1024))
+        self.offering = False
+        self.relayed_bytes = 0
+
+    def offer(self, offering: bool) -> None:
+        """Serve the hop protocol (others reserve and relay here) or stop; a NATed node
+        relays nothing: nobody could reach it. Peers see the change at their next identify;
+        until then a request to a node that stopped is refused at once."""
+        if offering and not self.offering:
+            self.host.set_stream_handler(HOP_PROTOCOL, self._handle_hop_stream)
+        elif self.offering and not offering:
+            self.host.remove_stream_handler(HOP_PROTOCOL)
+        self.offering = offering
+
+    async def _read_stream_with_retry(self, stream: Any, *args: Any, **kwargs: Any) -> Any:
+        """Every piece the relay forwards passes here: wait for its tokens first."""
+        data = await super()._read_stream_with_retry(stream, *args, **kwargs)
+        if data:
+            self.relayed_bytes += len(data)
+            await trio.sleep(self.bucket.reserve(len(data), time.monotonic()))
+        return data
+
+
+def relay_limits(
+    max_reservations: int, max_circuits: int, data_mb: float, duration_s: float
+) -> RelayLimits:
+    return RelayLimits(
+        duration=int(duration_s),
+        data=int(data_mb * 2**20),
+        max_circuit_conns=max_circuits,
+        max_reservations=max_reservations,
+    )
+
+
+class RelayClient:
+    """A NATed node's side: reservations on relays, and dials through them."""
+
+    def __init__(self, host: Any, protocol: CircuitV2Protocol, wanted: int) -> None:
+        roles = RelayRole.STOP | RelayRole.CLIENT
+        self.host, self.wanted = host, wanted
+        self.transport = CircuitV2Transport(host, protocol, RelayConfig(roles=roles))
+        self.reserved: dict[ID, multiaddr.Multiaddr] = {}  # relay -> its address we used
+        self.refused: dict[ID, float] = {}  # peer -> when it refused a reservation
+        self.active = False  # reserve only while behind NAT
+
+    async def maintain(
+        self, nursery: trio.Nursery, timeout: float, first: tuple[ID, ...] = ()
+    ) -> None:
+        """Drop reservations on relays we lost; reserve on connected relays (``first``
+        first) up to ``wanted``."""
+        connected = set(self.host.get_connected_peers())
+        for relay in [r for r in self.reserved if r not in connected or not self.active]:
+            del self.reserved[relay]
+        if not self.active:
+            return
+        now = trio.current_time()
+        self.refused = {p: t for p, t in self.refused.items() if now - t < REFUSED_S}
+        for peer in self._relays(first):
+            if len(self.reserved) >= self.wanted:
+                return
+            if peer not in self.reserved and peer not in self.refused:
+                with trio.move_on_after(timeout):
+                    await self._reserve(peer, nursery)
+                if peer not in self.reserved:
+                    self.refused[peer] = now
+
+    async def _reserve(self, relay: ID, nursery: trio.Nursery) -> None:
+        address = _direct_addr(self.host, relay)
+        if address is None:
+            return
+        try:
+            stream = await self.host.new_stream(relay, [HOP_PROTOCOL])
+            ok = await self.transport.reserve(stream, relay, nursery)
+            await stream.close()
+        except Exception as exc:  # refused, full, gone: try another relay next tick
+            log.debug("relay reservation on %s: %s", relay, exc)
+            return
+        if ok:
+            self.reserved[relay] = address
+
+    async def connect(self, peer: ID, timeout: float, first: tuple[ID, ...] = ()) -> bool:
+        """Reach ``peer`` when no connection exists: directly for a third of ``timeout`` (the
+        same LAN, a forwarded port), then through each relay we are connected to (``first``
+        first: the bootstrap peers, where NATed nodes reserve), until one carries the circuit
+        (a relay without a reservation for ``peer`` refuses at once). True if connected."""
+        network = self.host.get_network()
+        if network.get_connections(peer):
+            return True
+        with trio.move_on_after(min(timeout / 3, 1.0)):
+            try:
+                await network.dial_peer(peer)
+                return True
+            except Exception as exc:
+                log.debug("direct dial %s: %s", peer, exc)
+        for relay in self._relays(first)[: 2 * self.wanted]:
+            address = _direct_addr(self.host, relay)
+            if address is None:
+                continue
+            circuit = multiaddr.Multiaddr(f"{address}/{CIRCUIT}/p2p/{peer}")
+            with trio.move_on_after(timeout):
+                try:
+                    await self.transport.dial(circuit)
+                    return True
+                except Exception as exc:
+                    log.debug("relayed dial %s: %s", circuit, exc)
+        return bool(network.get_connections(peer))
+
+    def _relays(self, first: tuple[ID, ...]) -> list[ID]:
+        """Connected peers that may relay, ``first`` first. Which ones offer it is not known
+        for sure (the protocols a peer listed at identify may have changed since, as a node
+        offers relay only once a peer could dial it back); one that does not refuses at once."""
+        return sorted(self.host.get_connected_peers(), key=lambda p: p not in first)
+
+
+def _is_circuit(addr: multiaddr.Multiaddr) -> bool:
+    return any(p.name == CIRCUIT for p in addr.protocols())
+
+
+def _with_peer(addr: multiaddr.Multiaddr, peer: ID) -> multiaddr.Multiaddr:
+    """``<relay>/p2p-circuit`` -> ``<relay>/p2p-circuit/p2p/<peer>`` (the dialable form)."""
+    text = str(addr)
+    return addr if text.endswith(f"/p2p/{peer}") else multiaddr.Multiaddr(f"{text}/p2p/{peer}")
+
+
+def _direct_addr(host: Any, relay: ID) -> multiaddr.Multiaddr | None:
+    """The relay's address as we dialed it (with ``/p2p/<id>``), for our circuit addresses."""
+    for conn in host.get_network().get_connections(relay):
+        try:
+            addrs = conn.get_transport_addresses()
+        except Exception:
+            addrs = []
+        for addr in addrs:
+            if not _is_circuit(addr):
+                return addr.encapsulate(multiaddr.Multiaddr(f"/p2p/{relay}"))
+    for addr in host.get_peerstore().addrs(relay):
+        if not _is_circuit(addr) and "/tcp/" in str(addr) and "/http" not in str(addr):
+            return addr.encapsulate(multiaddr.Multiaddr(f"/p2p/{relay}"))
+    return None
