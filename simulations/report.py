@@ -19,6 +19,14 @@ corrupt, stalling nor lying):
   endgame copies, corrupt chunks, transfers cut by churn)
 * ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
 * ``uploaded_bytes_per_peer``, ``wall_clock_s``, ``events``, ``scenario`` (every knob)
+* ``nat`` (only when ``nat_fraction`` > 0; over honest rollouts): ``nat_peers``,
+  ``public_peers``; ``mean_upload_bytes`` per NATed and per public peer (all versions) and
+  ``nat_upload_share`` (NATed peers' part of all rollout upload): whether NATed peers pull
+  their weight through the connections they opened; ``mean_neighbours`` of each kind;
+  ``last_s``: the last NATed and the last public peer per version; ``lower_bound_s``: the
+  bound once NATed peers can fetch only from public ones (max of Kumar-Ross and
+  N_nat*F/(u_s + sum of public u_i)) and ``ratio_to_bound``, worst completion over it;
+  ``nat_nat_chunks``: chunks served between two NATed peers (0: they never connect)
 """
 
 from __future__ import annotations
@@ -66,6 +74,37 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
         },
         "wall_clock_s": wall_clock_s,
         "events": sim.clock.events_run,
+        **({"nat": nat_section(sim, last)} if sim.sc.nat_fraction > 0 else {}),
+    }
+
+
+def nat_section(sim: SwarmSim, last: list[float]) -> dict[str, Any]:
+    """NATed against public honest rollouts: upload, neighbours, completion, the NAT-aware
+    bound (``last``: the last honest peer per version)."""
+    honest = [p for p in sim.peers[1:] if p.role == HONEST]
+    kinds = {"nat": [p for p in honest if p.nat], "public": [p for p in honest if not p.nat]}
+    sent = sim.net.bytes_sent
+
+    def mean(values: list[float]) -> float:
+        return statistics.fmean(values) if values else 0.0
+
+    uploads = {k: [sent[p.idx] for p in ps] for k, ps in kinds.items()}
+    total = sum(uploads["nat"]) + sum(uploads["public"])
+    bounds = [r.nat_bound_s for r in sim.results]
+    pairs = sim.served.items()
+    return {
+        "nat_peers": len(kinds["nat"]),
+        "public_peers": len(kinds["public"]),
+        "mean_upload_bytes": {k: mean(v) for k, v in uploads.items()},
+        "nat_upload_share": sum(uploads["nat"]) / total if total else 0.0,
+        "mean_neighbours": {k: mean([len(p.neighbors) for p in ps]) for k, ps in kinds.items()},
+        "last_s": {
+            "nat": [r.last_nat_s for r in sim.results],
+            "public": [r.last_public_s for r in sim.results],
+        },
+        "lower_bound_s": bounds,
+        "ratio_to_bound": max(c / b for c, b in zip(last, bounds, strict=True)),
+        "nat_nat_chunks": sum(n for (a, b), n in pairs if sim.peers[a].nat and sim.peers[b].nat),
     }
 
 
@@ -101,9 +140,28 @@ def summary_md(report: dict[str, Any]) -> str:
         f"- redundant bytes: {report['redundant_bytes'] / 1e6:.1f} MB",
         f"- bans: {report['bans']} (false bans: {report['false_bans']})",
         f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events",
+        *(_nat_lines(report) if "nat" in report else []),
         "",
     ]
     return "\n".join(lines)
+
+
+def _nat_lines(report: dict[str, Any]) -> list[str]:
+    nat, mb = report["nat"], 1e6
+    per = report["payload_bytes"] * report["versions"]  # one payload per version
+    up = nat["mean_upload_bytes"]
+    return [
+        f"- NAT: {nat['nat_peers']} NATed / {nat['public_peers']} public honest rollouts "
+        f"(mean neighbours {nat['mean_neighbours']['nat']:.1f} / "
+        f"{nat['mean_neighbours']['public']:.1f})",
+        f"- mean upload per NATed peer {up['nat'] / mb:.1f} MB ({up['nat'] / per:.2f}x the "
+        f"payload), per public peer {up['public'] / mb:.1f} MB ({up['public'] / per:.2f}x); "
+        f"NATed share of rollout upload {nat['nat_upload_share']:.1%}",
+        f"- last NATed peer {max(nat['last_s']['nat']):.3f} s, last public peer "
+        f"{max(nat['last_s']['public']):.3f} s; NAT-aware bound "
+        f"{max(nat['lower_bound_s']):.3f} s (worst x{nat['ratio_to_bound']:.2f}); chunks "
+        f"between NATed peers: {nat['nat_nat_chunks']}",
+    ]
 
 
 def _figure(path: Path, title: str, xlabel: str, ylabel: str, draw) -> Path:

@@ -11,6 +11,10 @@ later with their store intact; half of them crash silently (peers notice by time
 exit (connections reset, peers notice at once). Adversaries never fetch; all of them claim
 every chunk: ``corrupt`` peers serve bytes that fail the hash, ``stall`` peers accept requests
 and never answer, ``liar`` peers answer "not found".
+
+NAT: ``nat_fraction`` of the rollouts (drawn with ``seed``) are behind NAT: nobody can dial
+them. They dial out to public peers (the trainer is public), and a connection, once open,
+carries requests both ways; two NATed peers never connect (no relays). See ``swarm_sim.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Scenario:
     corrupt_fraction: float = 0.0
     stall_fraction: float = 0.0
     liar_fraction: float = 0.0
+    nat_fraction: float = 0.0  # rollouts behind NAT: they dial out, nobody dials them
     seed: int = 0
     chunk_kb: int = 0  # the trainer's chunk size; 0: its default, picked from the payload size
     max_peers: int = 64  # overlay: neighbours of every rollout (the node's peer-list bound)
@@ -96,7 +101,13 @@ _AT_LEAST_ONE = (
     "upload_queue",
     "seed_outstanding",
 )
-_FRACTIONS = ("churn_fraction", "corrupt_fraction", "stall_fraction", "liar_fraction")
+_FRACTIONS = (
+    "churn_fraction",
+    "corrupt_fraction",
+    "stall_fraction",
+    "liar_fraction",
+    "nat_fraction",
+)
 
 
 def check(s: Scenario) -> Scenario:
