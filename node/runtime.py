@@ -106,11 +106,12 @@ class Node:
     async def start(self) -> str:
         self.url = await self.transport.serve(self)
         self.client = self.transport.client(self)
-        self.renamed()
+        self.peering.directory.me = {self.url}
         for peer in self.cfg.peers:
             self.add_peer(peer)
         if self.cfg.p2p:
             await self._start_p2p()
+        self.renamed()
         await self.reach.first_round()
         self.reach.start()
         if self.cfg.role != "bootstrap":  # a bootstrap holds no weights: nothing to poll for
@@ -127,7 +128,6 @@ class Node:
         """libp2p is an addition: if it cannot start, the node carries on from --peers."""
         self.p2p = await self.transport.gossip(self)
         self.multiaddr = self.p2p.addr if self.p2p is not None else None
-        self.renamed()
 
     async def stop(self) -> None:
         await self.reach.stop()

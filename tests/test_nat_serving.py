@@ -154,9 +154,12 @@ async def _status(url: str) -> dict:
 
 
 async def _until(check, what: str, timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.05)  # polling a condition, bounded by the timeout
+    try:
+        async with asyncio.timeout(timeout):
+            while not await check():
+                await asyncio.sleep(0.05)  # polling a condition, bounded by the timeout
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
 async def _nat_swarm(tmp_path: Path, versions: list) -> dict:

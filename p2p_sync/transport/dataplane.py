@@ -22,7 +22,8 @@ POST /dialback              {"url": "http://host:port", "nonce": 32 hex} -> {"re
                             bool, "observed": the requester's address as seen here, "why"}:
                             this node GETs ``{url}/dialback/{nonce}``, only when the URL's
                             host is the address the request came from (never a third party),
-                            at most ``reachability.max_concurrent`` at once (else 503)
+                            at most ``reachability.max_concurrent`` at once (beyond:
+                            ``"busy": true``, ask again later)
 GET  /dialback/{nonce}      200 if this node issued ``nonce`` in a dial-back question, else 404
 GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
 GET  /metrics               Prometheus text exposition

@@ -42,7 +42,8 @@ from p2p_sync.ratelimit import TokenBucket
 
 log = logging.getLogger("p2psync.p2p")
 CIRCUIT = "p2p-circuit"
-REFUSED_S = 30.0  # a peer that refused a reservation is asked again after this long
+REFUSED_S = 5.0  # a peer that refused a reservation is asked again after this long (it may
+# start offering relay any moment: once a peer dialed it back)
 
 
 class BoundedRelay(CircuitV2Protocol):
