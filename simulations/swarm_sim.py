@@ -65,6 +65,7 @@ from p2p_sync.swarm import (
     Scheduler,
     TimerFired,
 )
+from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.uploads import Admission, UploadSlots
 from p2p_sync.versions import PATCH, Artifact, PeerState, plan
 from simulations.clock import Clock
@@ -73,6 +74,7 @@ from simulations.scenario import Scenario
 
 TRAINER = 0
 HONEST, CORRUPT, STALL, LIAR = "honest", "corrupt", "stall", "liar"
+HAVE_WAIT_S = HttpLimits().have_wait_s  # a long-polled have-map answers at least this often
 MBPS = 1e6 / 8  # bytes/s in one Mbit/s
 V = TypeVar("V")
 
@@ -492,9 +494,21 @@ class SwarmSim:
         if not q.online or p.generation != gen or p.artifact is None:
             return
         q.subscribers.add(p.idx)
-        self.clock.after(
-            self.lat, self._deliver_have, p, q_idx, gen, frozenset(self._visible(q, p, p.artifact))
-        )
+        shown = frozenset(self._visible(q, p, p.artifact))
+        self.clock.after(self.lat, self._deliver_have, p, q_idx, gen, shown)
+        if q_idx == TRAINER:
+            self.clock.after(HAVE_WAIT_S, self._repoll_seed, p, gen, shown)
+
+    def _repoll_seed(self, p: Peer, gen: int, shown: frozenset[int]) -> None:
+        """The seed's answer to a long poll is its SuperSeeder's offer at that moment; a
+        node's poll returns at least every ``have_wait_s`` and asks again, so what the seeder
+        frees up in the meantime (reseeded or starved chunks) reaches the follower then."""
+        if p.generation != gen or p.artifact is None or p.sched is None or not p.online:
+            return
+        now = frozenset(self._visible(self.peers[TRAINER], p, p.artifact))
+        if now - shown:
+            self.clock.after(self.lat, self._deliver_have, p, TRAINER, gen, now - shown)
+        self.clock.after(HAVE_WAIT_S, self._repoll_seed, p, gen, shown | now)
 
     def _deliver_have(self, p: Peer, q_idx: int, gen: int, indices: frozenset[int]) -> None:
         """The first answer of a have-map subscription: a round trip after asking."""

@@ -78,13 +78,10 @@ def test_no_nat_section_without_nat() -> None:
     assert "nat" not in rep
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the trainer's SuperSeeder never hands out a chunk it already served, so a NATed "
-    "peer that can reach only the trainer stalls after its own share (p2p_sync/seeding.py)",
-)
 def test_all_nated_peers_reach_only_the_trainer_and_still_converge() -> None:
-    sc = nat_scenario(peers=6, nat_fraction=1.0, trainer_peers=2)
+    # liveness, not speed: the seed shows a NATed peer the chunks it handed to others only
+    # once they starved (SuperSeeder.starve_after_s), far beyond this swarm's usual time limit
+    sc = nat_scenario(peers=6, nat_fraction=1.0, trainer_peers=2, time_limit_factor=2000.0)
     sim = SwarmSim(sc)
     assert all(p.neighbors == {TRAINER} for p in sim.peers[1:])  # a star: the trainer only
     _, rep = simulate(sc)
