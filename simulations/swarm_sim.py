@@ -265,9 +265,9 @@ class SwarmSim:
         NATed neighbours first (nobody else can reach them, while public peers are reachable
         by all), then random public ones. Following a random ``want`` instead leaves public
         uplink on public peers and NATed uplink idle (100 peers, 20 ms, half NATed: x1.84 of
-        the bound against x1.57), and a NATed peer none of its neighbours follows strands the
-        chunks the trainer super-seeded to it (the seeder never hands out a fetched chunk
-        again), which stalls the swarm."""
+        the bound against x1.57), and a NATed peer none of its neighbours follows holds the
+        chunks the trainer super-seeded to it until the seeder shows them to others again
+        (``SuperSeeder.starve_after_s``, 10 s: a swarm's whole run at these sizes)."""
         rollouts = sorted(p.neighbors - {TRAINER})
         if len(rollouts) <= want:
             return p.neighbors
