@@ -167,6 +167,7 @@ class P2PHost:
         self._data: streams.StreamServer | None = None  # answers /p2psync/data streams
         self.http_url = settings.http_url  # advertised in the signed peer record when set
         self.behind_nat = False  # reserve relay slots (and offer none)
+        self._tasks: set[asyncio.Future[Any]] = set()  # stream requests being answered here
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self.connected_ids: list[str] = []  # peer ids connected now (snapshot, each tick)
         self._init_thread_state()
@@ -306,13 +307,16 @@ class P2PHost:
         assert loop is not None
 
         def finished(task: asyncio.Future[Any]) -> None:
+            self._tasks.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 log.debug("stream handler: %r", task.exception())
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(done.set)
 
         def start() -> None:
-            asyncio.ensure_future(fn(*args)).add_done_callback(finished)
+            task = asyncio.ensure_future(fn(*args))
+            self._tasks.add(task)  # the loop holds tasks weakly: keep each until it ends
+            task.add_done_callback(finished)
 
         loop.call_soon_threadsafe(start)
         await done.wait()
