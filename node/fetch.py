@@ -15,6 +15,7 @@ from node.runtime import Node
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import SwarmConfig
 from p2p_sync.transport.download import DataPlaneSource, download
+from p2p_sync.transport.streams import SCHEME
 
 
 class _Listener:
@@ -49,13 +50,15 @@ class _NodeSource(DataPlaneSource):
         self._rng = random.Random()
 
     def peers(self) -> list[str]:
-        """Trusted peers (given, proven) first, then the rest in this download's own random
-        order: a download follows ``max_sources`` of them, and rollouts that all followed the
-        same first few would queue at the same uploaders."""
+        """Trusted peers (given, proven) first, then peers behind NAT (``p2p://``: only
+        public peers can fetch from them, so chunks they were handed would otherwise wait on
+        them), then the rest in this download's own random order: a download follows
+        ``max_sources`` of them, and rollouts that all followed the same first few would
+        queue at the same uploaders. The simulator orders its sources the same way."""
 
-        def key(url: str) -> tuple[bool, float]:
+        def key(url: str) -> tuple[bool, bool, float]:
             entry, rank = self.known.get(url), self._rank.setdefault(url, self._rng.random())
-            return (entry is None or not entry.trusted, rank)
+            return (entry is None or not entry.trusted, not url.startswith(SCHEME), rank)
 
         return sorted(super().peers(), key=key)
 

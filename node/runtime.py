@@ -87,7 +87,7 @@ class Node:
         self.trusted = TrustedSet(
             policy, lambda: self.accepted_version, cfg.trust_limits, self._accepted_layout
         )
-        self.url: str | None = None
+        self.url: str | None = None  # its HTTP data plane (its name among peers: peer_url)
         self.client: PeerClient | None = None
         self.signer: SigningKey | None = None  # set on the trainer: signs gossip announcements
         self.p2p: Any = None  # transport.p2p.P2PHost once libp2p is up
@@ -97,8 +97,13 @@ class Node:
         self.learner = Learner(self)
         self.reach = ReachabilityCheck(self)
         self.view = self.view_class(self)
-        self.metrics.version.set(self.accepted_version if store.state else -1)
-        for digest, why in store.drop_refused(self.trusted.admit_stored):  # same gate as news
+        self._check_store()
+
+    def _check_store(self) -> None:
+        """What the store holds passes the same gate as news (a key no longer trusted, a
+        manifest past its lifetime): refused ones are dropped."""
+        self.metrics.version.set(self.accepted_version if self.store.state else -1)
+        for digest, why in self.store.drop_refused(self.trusted.admit_stored):
             log.warning("dropped stored manifest %s: %s", digest[:16], why)
 
     # ------------------------------------------------------------ lifecycle

@@ -149,15 +149,9 @@ class P2PHost:
         known: Callable[[str], bool] = lambda digest: False,
         on_known: OnKnown | None = None,
     ) -> None:
-        self.settings = settings
-        self.gate = GossipValidator(
-            judge,
-            on_accept,
-            known,
-            on_known,  # a genuine announcement of news we already had, and when
-            self._to_loop,
-            settings.max_rejects,
-            settings.seen_digests,
+        s = self.settings = settings
+        self.gate = GossipValidator(  # on_known: genuine news we already had, and when
+            judge, on_accept, known, on_known, self._to_loop, s.max_rejects, s.seen_digests
         )
         self._on_peer_url = on_peer_url
         self.key_pair = load_or_create_identity(settings.identity_path)
@@ -165,8 +159,8 @@ class P2PHost:
         self.addr: str | None = None
         self._urls: dict[str, str] = {}  # peer id -> HTTP URL from its signed record
         self._data: streams.StreamServer | None = None  # answers /p2psync/data streams
-        self.http_url = settings.http_url  # advertised in the signed peer record when set
-        self.behind_nat = False  # reserve relay slots (and offer none)
+        # advertised in the signed peer record when set; behind NAT: reserve relay slots
+        self.http_url, self.behind_nat = settings.http_url, False
         self._tasks: set[asyncio.Future[Any]] = set()  # stream requests being answered here
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self.connected_ids: list[str] = []  # peer ids connected now (snapshot, each tick)
