@@ -375,3 +375,29 @@ def test_nated_nodes_trade_through_a_public_relay_within_its_limits(tmp_path: Pa
     assert relay["relayed_bytes"] <= budget
     for weights in out["weights"]:
         assert bit_equal(weights, versions[-1])
+
+
+# ---------------------------------------------------------------- download order
+
+
+async def _source_order(tmp_path: Path) -> list[str]:
+    from node.fetch import _NodeSource
+    from p2p_sync.peers import Source
+    from tests.nodebase import MemorySwarm
+
+    nat = [f"p2p://12D3KooW{c * 44}" for c in "ABC"]
+    public = [f"http://p{i}.mem:9{i}" for i in range(6)]
+    async with MemorySwarm(tmp_path) as swarm:
+        node = await swarm.node("r0", peers=("http://given.mem:1",))
+        for url in [*public[:3], *nat, *public[3:]]:
+            node.add_peer(url, Source.HEARSAY)
+        return _NodeSource(node).peers()
+
+
+def test_a_download_follows_trusted_peers_then_peers_behind_nat_then_the_rest(
+    tmp_path: Path,
+) -> None:
+    order = asyncio.run(_source_order(tmp_path))
+    assert order[0] == "http://given.mem:1"
+    assert all(u.startswith("p2p://") for u in order[1:4])
+    assert all(u.startswith("http://p") for u in order[4:]) and len(order) == 10
