@@ -20,6 +20,16 @@ nearly incompressible: the worst case for the network, and a known F.
 ``--delay-ms`` adds a one-way propagation delay between every two hosts (``simulations.delayline``
 forwards the frames instead of a bridge); the lower bound ignores it (it is a bandwidth bound).
 
+Volunteers behind NAT (issue 15): ``--nat 0,0,0,1,1,2,2,3`` gives each rollout's NAT group (0:
+public, k: behind router k, shared by its group: ``TopologyConfig.nat``). A NATed node can only
+serve over the libp2p connections it opened, so a NAT run puts a public bootstrap node on host 1
+(``--bootstrap``, implied by ``--nat``), turns libp2p on for every node and has the trainer and
+the rollouts join through it. The bootstrap holds no weights: the bound counts only the trainer
+and the rollouts. The report adds each rollout's place, its reachability verdict and its upload::
+
+    python -m simulations.emulated --nat 0,0,0,1,1,2,2,3 --delay-ms 20   # 10 hosts
+    python -m simulations.emulated --nat 0,0,0,0,0,0,0,0 --delay-ms 20   # the same, all public
+
 Needs root and iproute2 (see ``simulations.netns``).
 """
 
@@ -31,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +56,7 @@ from simulations.netns import Host, LinkShape, RateSample, Topology, TopologyCon
 class EmulationConfig:
     """One emulated run. Every limit lives here."""
 
-    hosts: int = 8  # 1 trainer + hosts-1 rollouts
+    hosts: int = 8  # 1 trainer (+ 1 bootstrap) + the rollouts
     mbps: float = 100.0  # every host's uplink and downlink
     payload_mb: float = 20.0  # MB (10^6 B) of weights, all rewritten every version
     versions: int = 3
@@ -56,23 +67,58 @@ class EmulationConfig:
     delay_ms: float = 0.0  # one-way propagation delay between any two hosts (TopologyConfig)
     rate_probe_mb: float = 0.0  # measure one host-to-host transfer first (0: skip)
     start_timeout_s: float = 120.0  # every node process up
+    verdict_timeout_s: float = 60.0  # then (libp2p on) every node's reachability verdict
     version_timeout_s: float = 300.0  # one version from publish to every rollout
     poll_s: float = 0.05  # /status polling period (bounds the timing resolution)
     anchor_every: int = 10_000  # no anchor snapshots: each version is one 1-step patch
-    # flags for every node: the HTTP data plane with --peers is what this tier measures; libp2p
-    # (discovery, gossip) would only add start-up time and CPU to every process
-    node_args: tuple[str, ...] = ("--no-p2p",)
+    # A public bootstrap node on host 1 (no weights). With it libp2p is on for every node and
+    # the trainer and the rollouts join through it (volunteers behind NAT can only serve over
+    # libp2p connections they opened); without it every node runs --no-p2p: the HTTP data plane
+    # with --peers is all there is, and libp2p would only add start-up time and CPU.
+    bootstrap: bool = False
+    # nat[i]: NAT group of rollout i (0: public; k > 0: behind NAT router k, shared by every
+    # rollout of group k, one home LAN); rollouts beyond len(nat) are public. Needs bootstrap.
+    nat: tuple[int, ...] = ()
+    node_args: tuple[str, ...] = ()  # more flags for every node
     seed: int = 0
 
     @property
     def payload_bytes(self) -> int:
         return int(self.payload_mb * 1e6)
 
+    @property
+    def first_rollout(self) -> int:
+        """Host index of the first rollout: after the trainer (0) and the bootstrap (1)."""
+        return 2 if self.bootstrap else 1
+
+    @property
+    def rollouts(self) -> int:
+        return self.hosts - self.first_rollout
+
+    def nat_of(self, rollout: int) -> int:
+        """NAT group of the ``rollout``-th rollout (0: public)."""
+        return self.nat[rollout] if rollout < len(self.nat) else 0
+
+    def flags(self) -> tuple[str, ...]:
+        """Flags every node gets (the trainer and rollouts also --bootstrap, once it is up)."""
+        return self.node_args if self.bootstrap else ("--no-p2p", *self.node_args)
+
+    def check(self) -> None:
+        """ValueError naming what cannot be run."""
+        if self.rollouts < 1:
+            raise ValueError(f"{self.hosts} hosts leave no rollout (a trainer, a bootstrap?)")
+        if len(self.nat) > self.rollouts:
+            raise ValueError(f"nat has {len(self.nat)} entries for {self.rollouts} rollouts")
+        if any(self.nat) and not self.bootstrap:
+            raise ValueError("rollouts behind NAT serve over libp2p: they need the bootstrap")
+
     def link(self) -> LinkShape:
         return LinkShape(self.mbps, None, self.burst_bytes, self.latency_ms)
 
     def topology(self) -> TopologyConfig:
-        return TopologyConfig(hosts=self.hosts, shape=self.link(), delay_ms=self.delay_ms)
+        """The trainer and the bootstrap public, each rollout where ``nat`` puts it."""
+        nat = (0,) * self.first_rollout + self.nat if any(self.nat) else ()
+        return TopologyConfig(self.hosts, self.link(), delay_ms=self.delay_ms, nat=nat)
 
 
 @dataclass(frozen=True)
@@ -94,6 +140,27 @@ class VersionResult:
         return self.distribution_s / self.lower_bound_s
 
 
+@dataclass(frozen=True)
+class NodeReport:
+    """One node at the end of the run: where it sat, what it concluded, what it served."""
+
+    name: str
+    nat: int  # 0: public; k: behind NAT router k
+    verdict: str | None  # its reachability verdict (/status), None if it did not answer
+    uploaded: int  # chunk bytes served over the whole run, HTTP and libp2p streams
+    streams_uploaded: int  # of which over libp2p streams (the only way a NATed node serves)
+    downloaded: int
+
+    @classmethod
+    def of(cls, proc: Proc, nat: int) -> NodeReport:
+        """From the node's own /status: it alone knows its verdict and what it served."""
+        doc = proc.status() or {}
+        verdict = (doc.get("reachability") or {}).get("verdict")
+        streams = (doc.get("p2p") or {}).get("streams_bytes_uploaded", 0)
+        up, down = doc.get("bytes_uploaded", 0), doc.get("bytes_downloaded", 0)
+        return cls(proc.name, nat, verdict, up, streams, down)
+
+
 @dataclass
 class EmulationResult:
     cfg: EmulationConfig
@@ -101,6 +168,20 @@ class EmulationResult:
     converged: bool = False  # every rollout's state hash equals the last version's
     link: RateSample | None = None
     delay_line: str | None = None  # the delay line's counters (frames, drops), if it ran
+    trainer: NodeReport | None = None
+    rollouts: list[NodeReport] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what went wrong without stopping the run
+
+    def mean_upload(self, nated: bool) -> float | None:
+        """Mean bytes uploaded per NATed (or per public) rollout; None if there is none."""
+        ups = [r.uploaded for r in self.rollouts if bool(r.nat) == nated]
+        return statistics.mean(ups) if ups else None
+
+    @property
+    def trainer_upload_ratio(self) -> float | None:
+        """The trainer's upload over the payloads it published (1.0: each chunk once)."""
+        payload = sum(v.payload for v in self.versions)
+        return self.trainer.uploaded / payload if self.trainer and payload else None
 
 
 def kumar_ross(payload: int, seed_up: float, uploads: list[float], min_down: float) -> float:
@@ -140,28 +221,50 @@ def placement(topo: Topology, host: Host) -> Placement:
     return Placement(tuple(topo.exec_argv(host)), f"{host.ip}:0", get)
 
 
+def _start_bootstrap(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tuple[str, ...]:
+    """The bootstrap node on host 1, if any: the flags that make a node join through it."""
+    if not cfg.bootstrap:
+        return ()
+    boot = swarm.start_bootstrap(at=placement(topo, topo.hosts[1]), extra=cfg.node_args)
+    wait_for(lambda: boot.multiaddr() is not None, cfg.start_timeout_s, "the bootstrap's address")
+    return ("--bootstrap", str(boot.multiaddr()))
+
+
 def _start(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tuple[Proc, list[Proc]]:
-    """Trainer on host 0, then every rollout in parallel (each pays a torch import)."""
-    trainer = swarm.start_trainer(cfg.anchor_every, placement(topo, topo.hosts[0]), cfg.node_args)
-    pool = concurrent.futures.ThreadPoolExecutor(len(topo.hosts))
+    """Bootstrap (if any) and trainer, then every rollout in parallel (each pays a torch
+    import); rollouts know the trainer by its URL, and the swarm through the bootstrap."""
+    flags = cfg.flags() + _start_bootstrap(swarm, topo, cfg)
+    trainer = swarm.start_trainer(cfg.anchor_every, placement(topo, topo.hosts[0]), flags)
+    hosts = topo.hosts[cfg.first_rollout :]
+    pool = concurrent.futures.ThreadPoolExecutor(len(hosts))
     deadline = time.monotonic() + cfg.start_timeout_s
     try:
         futures = [
             pool.submit(
-                swarm.start_rollout,
-                f"r{h.index}",
-                [trainer.url],
-                None,
-                placement(topo, h),
-                cfg.node_args,
+                swarm.start_rollout, f"r{h.index}", [trainer.url], None, placement(topo, h), flags
             )
-            for h in topo.hosts[1:]
+            for h in hosts
         ]
         return trainer, [f.result(timeout=max(0.0, deadline - time.monotonic())) for f in futures]
     finally:
         # no waiting: a start still blocked on a silent process ends when the topology's
         # cleanup kills that process
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _await_verdicts(procs: list[Proc], cfg: EmulationConfig) -> str | None:
+    """Wait (bounded) until every node knows whether peers can dial it, so v0 is not timed
+    while NATed nodes still name themselves nothing; what is still unknown, on a timeout."""
+
+    def unknown() -> list[str]:
+        docs = {p.name: (p.status() or {}).get("reachability") or {} for p in procs}
+        return [n for n, r in docs.items() if r.get("verdict") in (None, "unknown")]
+
+    try:
+        wait_for(lambda: not unknown(), cfg.verdict_timeout_s, "reachability verdicts", 0.2)
+    except AssertionError:
+        return f"reachability still unknown after {cfg.verdict_timeout_s:g} s: {unknown()}"
+    return None
 
 
 def _payload_of(trainer: Proc, version: int) -> int:
@@ -176,12 +279,15 @@ def _payload_of(trainer: Proc, version: int) -> int:
     return wanted[0]
 
 
-def lower_bound(topo: Topology, payload: int) -> float:
-    """Kumar-Ross bound (s) for ``payload`` bytes from host 0 to all others, at their tbf rates
-    (Mbit/s counted on Ethernet frames, so payload bytes alone can only reach ~96% of it)."""
-    up = [h.shape.mbps * 1e6 / 8 for h in topo.hosts]
-    down = min(h.shape.down for h in topo.hosts[1:]) * 1e6 / 8
-    return kumar_ross(payload, up[0], up[1:], down)
+def lower_bound(topo: Topology, payload: int, first_rollout: int = 1) -> float:
+    """Kumar-Ross bound (s) for ``payload`` bytes from host 0 to the hosts from
+    ``first_rollout`` on (the ones between, the bootstrap, hold no weights: they neither upload
+    nor need the payload), at their tbf rates (Mbit/s counted on Ethernet frames, so payload
+    bytes alone can only reach ~96% of it)."""
+    receivers = topo.hosts[first_rollout:]
+    up = [h.shape.mbps * 1e6 / 8 for h in receivers]
+    down = min(h.shape.down for h in receivers) * 1e6 / 8
+    return kumar_ross(payload, topo.hosts[0].shape.mbps * 1e6 / 8, up, down)
 
 
 def _counters(procs: list[Proc], key: str) -> list[int]:
@@ -229,6 +335,28 @@ def _steps(trainer: Proc, rollouts: list[Proc], v: int) -> dict[str, float]:
     return breakdown(published, timelines) if published else {}
 
 
+def _arrivals(
+    swarm: Swarm, procs: list[Proc], v: int
+) -> tuple[dict[str, float], Callable[[], bool]]:
+    """When each node first showed version ``v`` (filled in by the returned poll, which says
+    whether all have it); a node process that exits meanwhile fails the run, naming its log."""
+    seen: dict[str, float] = {}
+
+    def reached() -> bool:
+        now = time.monotonic()
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(
+                    f"{p.name} exited ({p.popen.returncode}) during v{v}; "
+                    f"see {swarm.root / p.name}.log"
+                )
+            if p.name not in seen and (p.status() or {}).get("version") == v:
+                seen[p.name] = now
+        return len(seen) == len(procs)
+
+    return seen, reached
+
+
 def _one_version(
     swarm: Swarm,
     topo: Topology,
@@ -240,20 +368,7 @@ def _one_version(
 ) -> VersionResult:
     """Publish ``weights`` as version ``v``, time it until every rollout holds it."""
     up0, down0 = _counters([trainer], "bytes_uploaded")[0], _counters(rollouts, "bytes_downloaded")
-    seen: dict[str, float] = {}
-
-    def reached() -> bool:
-        now = time.monotonic()
-        for p in [trainer, *rollouts]:
-            if p.popen.poll() is not None:
-                raise RuntimeError(
-                    f"{p.name} exited ({p.popen.returncode}) during v{v}; "
-                    f"see {swarm.root / p.name}.log"
-                )
-            if p.name not in seen and (p.status() or {}).get("version") == v:
-                seen[p.name] = now
-        return len(seen) == 1 + len(rollouts)
-
+    seen, reached = _arrivals(swarm, [trainer, *rollouts], v)
     t0 = time.monotonic()
     swarm.publish(weights)
     wait_for(reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s)
@@ -264,7 +379,7 @@ def _one_version(
         payload=payload,
         end_to_end_s=done - t0,
         distribution_s=done - seen[trainer.name],
-        lower_bound_s=lower_bound(topo, payload),
+        lower_bound_s=lower_bound(topo, payload, cfg.first_rollout),
         trainer_up=_counters([trainer], "bytes_uploaded")[0] - up0,
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
         steps=_steps(trainer, rollouts, v),
@@ -273,19 +388,25 @@ def _one_version(
 
 def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
     """The run itself, on a topology already built (the caller owns its cleanup): trainer on
-    host 0, a rollout on each other host; ``cfg``'s topology fields are not used here."""
+    host 0, the bootstrap (if any) on host 1, a rollout on each other host; ``cfg``'s topology
+    fields are not used here."""
+    cfg.check()
     result = EmulationResult(cfg)
     if cfg.rate_probe_mb > 0:
         nbytes = int(cfg.rate_probe_mb * 1e6)
-        result.link = measure_rate(topo, topo.hosts[0], topo.hosts[1], nbytes)
+        result.link = measure_rate(topo, topo.hosts[0], topo.hosts[1], nbytes)  # both public
     versions = random_versions(cfg)
     swarm = Swarm(root, chunk_size=cfg.chunk_size)
     try:
         trainer, rollouts = _start(swarm, topo, cfg)
+        note = _await_verdicts([trainer, *rollouts], cfg) if cfg.bootstrap else None
+        result.notes += [note] if note else []
         for v, weights in enumerate(versions):
             result.versions.append(_one_version(swarm, topo, trainer, rollouts, v, weights, cfg))
         want = state_hash(versions[-1]).hex()
         result.converged = all((p.status() or {}).get("state_hash") == want for p in rollouts)
+        result.trainer = NodeReport.of(trainer, 0)
+        result.rollouts = [NodeReport.of(p, cfg.nat_of(i)) for i, p in enumerate(rollouts)]
     finally:
         swarm.stop()
     return result
@@ -293,8 +414,7 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
 
 def run(cfg: EmulationConfig, root: Path) -> EmulationResult:
     """Build the shaped topology, run the swarm in it, delete the topology whatever happens."""
-    if cfg.hosts < 2:
-        raise ValueError("an emulated swarm needs at least 2 hosts (a trainer and a rollout)")
+    cfg.check()
     with Topology(cfg.topology()) as topo:
         result = run_in(topo, root, cfg)
     if topo.delay_line_exit is not None:  # its counters, printed when it stopped
@@ -328,14 +448,45 @@ def _row(r: VersionResult) -> str:
     return "  ".join(f"{x:>12}" for x in cells)
 
 
+def _setup(c: EmulationConfig) -> str:
+    """The run's one-line description: who runs where, the links, the payload."""
+    nated = sum(1 for i in range(c.rollouts) if c.nat_of(i))
+    who = f"1 trainer{' + 1 bootstrap' if c.bootstrap else ''} + {c.rollouts} rollouts"
+    where = f" ({nated} behind {len(set(c.nat) - {0})} NATs)" if nated else ""
+    chunk = f"{c.chunk_size // 1024} KiB" if c.chunk_size else "by payload"
+    return (
+        f"{c.hosts} hosts ({who}{where}) at {c.mbps:g} Mbit/s up and down, {c.delay_ms:g} ms "
+        f"one-way delay, {c.payload_mb:g} MB payload, chunk {chunk}, "
+        f"libp2p {'on' if c.bootstrap else 'off'}"
+    )
+
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:.1f}"
+
+
+def uploads(result: EmulationResult) -> list[str]:
+    """Per rollout: public or behind which NAT, its verdict, what it uploaded; then the mean
+    upload of NATed and of public rollouts and the trainer's upload over the payload."""
+    head = ("rollout", "where", "verdict", "up MB", "streams MB", "down MB")
+    lines = ["  ".join(f"{h:>12}" for h in head)]
+    for r in result.rollouts:
+        cells = (r.name, f"NAT {r.nat}" if r.nat else "public", r.verdict or "-")
+        cells += (_mb(r.uploaded), _mb(r.streams_uploaded), _mb(r.downloaded))
+        lines.append("  ".join(f"{x:>12}" for x in cells))
+    nated, public = result.mean_upload(True), result.mean_upload(False)
+    share = f" ({nated / public:.2f}x)" if nated is not None and public else ""
+    ratio = result.trainer_upload_ratio
+    lines.append(
+        f"mean upload per rollout: NATed {_mb(nated)} MB, public {_mb(public)} MB{share}; "
+        f"trainer upload / payload: {'-' if ratio is None else f'{ratio:.2f}'}"
+    )
+    return lines
+
+
 def table(result: EmulationResult) -> str:
-    """Plain-text report, one row per version."""
-    c = result.cfg
-    lines = [
-        f"{c.hosts} hosts (1 trainer + {c.hosts - 1} rollouts) at {c.mbps:g} Mbit/s up and "
-        f"down, {c.delay_ms:g} ms one-way delay, {c.payload_mb:g} MB payload, "
-        f"chunk {f'{c.chunk_size // 1024} KiB' if c.chunk_size else 'by payload'}"
-    ]
+    """Plain-text report, one row per version, then the breakdown and the uploads."""
+    lines = [_setup(result.cfg), *result.notes]
     if result.link is not None:
         s = result.link
         lines.append(
@@ -350,32 +501,58 @@ def table(result: EmulationResult) -> str:
     for r in result.versions:
         cells = [f"{r.steps[n] * 1000:.0f}" if n in r.steps else "-" for n in names]
         lines.append("  ".join(f"{x:>10}" for x in [f"v{r.version}", *cells]))
+    lines.extend(uploads(result) if result.rollouts else [])
     if result.delay_line is not None:
         lines.append(result.delay_line)
     lines.append(f"every rollout bit-exact with the trainer: {result.converged}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def nat_layout(text: str) -> tuple[int, ...]:
+    """``--nat 0,0,0,1,1,2,2,3``: each rollout's NAT group, in order (0: public)."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of groups: {text!r}"
+        ) from None
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     d = EmulationConfig()
-    ap.add_argument("--hosts", type=int, default=d.hosts)
+    ap.add_argument("--hosts", type=int, help=f"all of them (default: {d.hosts}, or by --nat)")
     ap.add_argument("--mbps", type=float, default=d.mbps)
     ap.add_argument("--payload-mb", type=float, default=d.payload_mb)
     ap.add_argument("--versions", type=int, default=d.versions)
     ap.add_argument("--chunk-kb", type=int, default=0, help="0: the trainer's (by payload)")
     ap.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way, between hosts")
     ap.add_argument("--rate-probe-mb", type=float, default=10.0, help="0: skip the link check")
+    ap.add_argument("--bootstrap", action="store_true", help="a bootstrap host; libp2p on")
+    ap.add_argument(
+        "--nat",
+        type=nat_layout,
+        default=(),
+        help="each rollout's NAT group, e.g. 0,0,0,1,1,2,2,3 (0: public); implies --bootstrap",
+    )
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    bootstrap = args.bootstrap or bool(args.nat)
+    hosts = args.hosts or (1 + bootstrap + len(args.nat) if args.nat else EmulationConfig.hosts)
     cfg = EmulationConfig(
-        hosts=args.hosts,
+        hosts=hosts,
         mbps=args.mbps,
         payload_mb=args.payload_mb,
         versions=args.versions,
         chunk_size=args.chunk_kb * 1024,
         rate_probe_mb=args.rate_probe_mb,
         delay_ms=args.delay_ms,
+        bootstrap=bootstrap,
+        nat=args.nat,
     )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,16 @@ import pytest
 
 from node.localswarm import wait_for
 from simulations import netns
-from simulations.emulated import STEPS, EmulationConfig, run_in, table
+from simulations.emulated import (
+    STEPS,
+    EmulationConfig,
+    kumar_ross,
+    lower_bound,
+    main,
+    nat_layout,
+    run_in,
+    table,
+)
 from simulations.netns import (
     PREFIX_ROOT,
     LinkShape,
@@ -28,6 +37,7 @@ from simulations.netns import (
     list_namespaces,
     measure_rate,
     probe,
+    probe_nat,
 )
 
 # The swarm run: small enough for a loaded 2-core VM (~8 node processes), slow enough links
@@ -53,6 +63,16 @@ def netns_ready() -> None:
             f"(root, iproute2, netns/veth/tbf): {reason}"
         )
     cleanup_stale()  # leftovers of an earlier run that was killed
+
+
+@pytest.fixture(scope="module")
+def nat_ready(netns_ready: None) -> None:
+    # None here and in CI (which installs nftables); a reason only when a part is missing
+    reason = probe_nat()
+    if reason is not None:
+        pytest.skip(
+            f"this machine lacks a part the NAT routers need (nftables' nft, nat): {reason}"
+        )
 
 
 @pytest.fixture()
@@ -225,3 +245,80 @@ def test_the_probe_skips_only_for_a_missing_part(
     else:
         with pytest.raises(netns.NetnsError, match="is wrong"):
             probe()
+
+
+# ---------------------------------------------------------------- volunteers behind NAT (issue 15)
+
+# trainer (host 0) and bootstrap (host 1) public; rollouts r2 public, r3 and r4 behind router 1
+# (one home LAN), r5 alone behind router 2: ~50 s on a loaded 2-core VM
+NAT_SWARM = EmulationConfig(
+    hosts=6,
+    mbps=40.0,
+    payload_mb=4.0,
+    versions=2,
+    chunk_size=64 * 1024,
+    version_timeout_s=60.0,
+    bootstrap=True,
+    nat=(0, 1, 1, 2),
+)
+
+
+def test_the_nat_layout_keeps_trainer_and_bootstrap_public() -> None:
+    topo = NAT_SWARM.topology()
+    assert topo.nat == (0, 0, 0, 1, 1, 2) and topo.hosts == 6
+    assert NAT_SWARM.rollouts == 4 and NAT_SWARM.first_rollout == 2
+    assert "--no-p2p" not in NAT_SWARM.flags()  # NATed nodes serve over libp2p only
+    assert EmulationConfig().flags() == ("--no-p2p",)  # without a bootstrap: HTTP only
+    assert EmulationConfig(bootstrap=True, nat=(0,) * 6).topology().nat == ()  # no routers
+
+
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (EmulationConfig(hosts=3, nat=(0, 1)), "need the bootstrap"),
+        (EmulationConfig(hosts=4, bootstrap=True, nat=(0, 1, 1)), "3 entries for 2 rollouts"),
+        (EmulationConfig(hosts=2, bootstrap=True), "no rollout"),
+    ],
+)
+def test_a_run_that_cannot_be_built_is_refused_naming_why(
+    cfg: EmulationConfig, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        cfg.check()
+
+
+def test_the_bound_counts_only_nodes_with_weights() -> None:
+    """The bootstrap neither uploads nor downloads weights: a slow one changes no bound."""
+    fast, slow = LinkShape(mbps=40.0), LinkShape(mbps=1.0)
+    plan = Topology(TopologyConfig(hosts=6, shape=fast, shapes=(fast, slow)))  # nothing built
+    rate = 40e6 / 8
+    assert lower_bound(plan, 10**6, 2) == kumar_ross(10**6, rate, [rate] * 4, rate) == 0.2
+    assert lower_bound(plan, 10**6, 1) == 10**6 / (1e6 / 8)  # were it a receiver: its downlink
+
+
+def test_the_cli_reads_a_nat_layout() -> None:
+    assert nat_layout("0,0,0,1,1,2,2,3") == (0, 0, 0, 1, 1, 2, 2, 3)
+    with pytest.raises(SystemExit):
+        main(["--nat", "0,a"])
+    with pytest.raises(ValueError, match="2 entries for 1 rollouts"):  # --nat: a bootstrap too
+        main(["--hosts", "3", "--nat", "0,1"])  # refused before any namespace exists
+
+
+def test_a_swarm_with_volunteers_behind_nat_converges(
+    nat_ready: None, own_prefix: str, tmp_path: Path
+) -> None:
+    with Topology(NAT_SWARM.topology()) as topo:
+        result = run_in(topo, tmp_path, NAT_SWARM)
+    print(table(result))  # shown on failure (and with -s)
+    assert result.converged and result.notes == [], result.notes
+    assert result.trainer is not None and result.trainer.verdict == "reachable"
+    for r in result.rollouts:
+        assert r.verdict == ("behind NAT" if r.nat else "reachable"), r
+        if r.nat:  # served the public peers over the libp2p connections it opened, only
+            assert r.uploaded > 0 and r.streams_uploaded == r.uploaded, r
+    for v in result.versions:
+        why = f"v{v.version}: {v}"
+        assert v.end_to_end_s >= v.lower_bound_s, why
+        assert v.trainer_up <= 2 * v.payload, why  # rollouts relay, NATed ones too
+        assert v.rollouts_down >= NAT_SWARM.rollouts * v.payload, why
+    assert leftovers(own_prefix) == []
