@@ -76,8 +76,10 @@ class DataView:
     def issued(self, nonce: str) -> bool:
         return self.node.reach.issued(nonce)
 
-    async def dial_back(self, url: str, nonce: str, remote: str | None) -> dict[str, Any]:
-        return await self.node.reach.dial_back(url, nonce, remote)
+    async def dial_back(
+        self, url: str, nonce: str, remote: str | None, outbound: bool
+    ) -> dict[str, Any]:
+        return await self.node.reach.dial_back(url, nonce, remote, outbound)
 
 
 class SeedingView(DataView):

@@ -57,11 +57,17 @@ class ReachabilityCheck:
     def issued(self, nonce: str) -> bool:
         return nonce in self._nonces
 
-    async def dial_back(self, url: str, nonce: str, remote: str | None) -> dict[str, Any]:
+    async def dial_back(
+        self, url: str, nonce: str, remote: str | None, outbound: bool = False
+    ) -> dict[str, Any]:
         """Dial ``url`` for a peer whose request came from ``remote``: only its own address,
-        at most ``max_concurrent`` at once (beyond: "busy", ask again later)."""
+        at most ``max_concurrent`` at once (beyond: "busy", ask again later). A node behind
+        NAT answers only over a connection it opened itself (``outbound``): whoever reached
+        it otherwise is on its own LAN, where a "yes" says nothing about the outside."""
         assert self.node.client is not None
         answer: dict[str, Any] = {"reachable": False, "observed": remote}
+        if self.state.verdict is Verdict.BEHIND_NAT and not outbound:
+            return answer | {"why": "behind NAT myself: ask a public peer", "busy": True}
         if not same_host(url, remote):
             return answer | {"why": f"{url} is not the address this question came from"}
         if self._dialing >= self.limits.max_concurrent:

@@ -401,3 +401,28 @@ def test_a_download_follows_trusted_peers_then_peers_behind_nat_then_the_rest(
     assert order[0] == "http://given.mem:1"
     assert all(u.startswith("p2p://") for u in order[1:4])
     assert all(u.startswith("http://p") for u in order[4:]) and len(order) == 10
+
+
+async def _ask_a_nated_node(tmp_path: Path) -> dict:
+    keyfile, pub = _keyfile(tmp_path)
+    async with Trainer(key=keyfile, data_dir=tmp_path / "t") as trainer:
+        async with Rollout(
+            data_dir=tmp_path / "r",
+            trust=[pub],
+            peers=[trainer.url],
+            reachability={"mode": "private"},
+        ) as nated:
+            async with aiohttp.ClientSession() as s:
+                doc = {"url": trainer.url, "nonce": "cd" * 16}
+                async with s.post(f"{nated.url}/dialback", json=doc) as resp:
+                    return await resp.json()
+
+
+def test_a_node_behind_nat_does_not_vouch_for_whoever_reached_it_on_its_lan(
+    tmp_path: Path,
+) -> None:
+    """Nobody outside can dial a NATed node, so a question that reached it directly came from
+    its own LAN, where its dial-back would succeed and prove nothing about the outside."""
+    answer = asyncio.run(_ask_a_nated_node(tmp_path))
+    assert answer["reachable"] is False and answer["busy"] is True
+    assert "behind NAT" in answer["why"]

@@ -95,7 +95,9 @@ class NodeView(Protocol):
     def on_announce(self, url: str | None, digests: list[str]) -> None: ...
     def add_peer(self, url: str) -> None: ...
     def issued(self, nonce: str) -> bool: ...
-    async def dial_back(self, url: str, nonce: str, remote: str | None) -> dict[str, Any]: ...
+    async def dial_back(
+        self, url: str, nonce: str, remote: str | None, outbound: bool
+    ) -> dict[str, Any]: ...
 
 
 def valid_peer_url(url: str) -> bool:
@@ -112,6 +114,7 @@ class Request:
     peer: str | None = None  # the X-P2PSync-Peer header: the requester's own URL, unproven
     body: bytes = b""
     remote: str | None = None  # the requester's address as the transport saw it
+    outbound: bool = False  # it came over a connection this node opened (a libp2p stream)
 
     @property
     def requester(self) -> str:
@@ -331,7 +334,7 @@ class DataRouter:
             raise Refused(400, "url must be http://host:port")
         if not (isinstance(nonce, str) and HEX32.match(nonce)):
             raise Refused(400, "nonce must be 32 lowercase hex digits")
-        return _json(await self.node.dial_back(url, nonce, req.remote))
+        return _json(await self.node.dial_back(url, nonce, req.remote, req.outbound))
 
     async def _nonce(self, req: Request, nonce: str) -> Reply:
         if not (HEX32.match(nonce) and self.node.issued(nonce)):

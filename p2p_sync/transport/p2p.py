@@ -179,6 +179,7 @@ class P2PHost:
         self._dht: Any = None
         self._relay: relay.BoundedRelay | None = None
         self._relay_client: relay.RelayClient | None = None
+        self.streams = streams.StreamPool()  # idle data streams to peers, for the next request
 
     # ------------------------------------------------------------ asyncio side
 
@@ -294,16 +295,20 @@ class P2PHost:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(fn, *args)
 
-    async def _in_loop(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        """Trio side: run ``await fn(*args)`` on the node's asyncio loop and wait for it (the
-        reverse of :meth:`call`); its errors end there, logged."""
+    async def _in_loop(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Trio side: run ``await fn(*args)`` on the node's asyncio loop and wait for its
+        result (the reverse of :meth:`call`); its errors end there, logged (result None)."""
         loop, token, done = self._loop, trio.lowlevel.current_trio_token(), trio.Event()
         assert loop is not None
+
+        outcome: list[Any] = []
 
         def finished(task: asyncio.Future[Any]) -> None:
             self._tasks.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 log.debug("stream handler: %r", task.exception())
+            elif not task.cancelled():
+                outcome.append(task.result())
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(done.set)
 
@@ -314,23 +319,29 @@ class P2PHost:
 
         loop.call_soon_threadsafe(start)
         await done.wait()
+        return outcome[0] if outcome else None
 
     async def _on_data_stream(self, stream: Any) -> None:
-        """One data-plane request on a stream: read here, answered by the node's router."""
+        """Data-plane requests on a stream, one after another: read here, answered by the
+        node's router; the stream ends when the requester closes it or leaves it idle."""
         server = self._data
         if server is None:
             await streams.reset(stream)
             return
-        limits = server.router.limits
-        try:
-            with trio.fail_after(limits.request_timeout_s):
-                peer = str(stream.muxed_conn.peer_id)
-                req = await streams.read_request(stream, peer, limits)
-        except Exception as exc:  # malformed, too big, too slow: nothing reaches the router
-            log.debug("bad data stream: %r", exc)
-            await streams.reset(stream)
-            return
-        await self._in_loop(server.answer, stream, req)
+        peer = str(stream.muxed_conn.peer_id)
+        while True:
+            try:
+                req = await streams.next_request(stream, peer, server.router.limits)
+            except Exception as exc:  # malformed, too big, too slow: nothing reaches the router
+                log.debug("bad data stream: %r", exc)
+                await streams.reset(stream)
+                return
+            if req is None:
+                with contextlib.suppress(Exception):
+                    await stream.close()
+                return
+            if not await self._in_loop(server.answer, stream, req):
+                return  # not delivered: the stream was reset
 
     def _take_snapshot(self) -> None:
         connected = self._host.get_connected_peers()

@@ -12,7 +12,7 @@ down the matching transport. The requests and answers are the data plane's own
 (``transport.dataplane``: same routes, limits, upload slots and verification), so a chunk
 served over a stream is judged exactly like one served over HTTP.
 
-Wire format of protocol ``/p2psync/data/1.0.0`` (one request per stream)::
+Wire format of protocol ``/p2psync/data/1.0.0`` (requests one after another on a stream)::
 
     request := u32 n | header (n bytes of JSON) | body (header["body"] bytes)
         header = {"method": "GET" | "POST", "path": "/chunk/<sha256>", "query": {str: str},
@@ -20,10 +20,13 @@ Wire format of protocol ``/p2psync/data/1.0.0`` (one request per stream)::
     reply   := u32 n | header (n bytes of JSON) | body (header["length"] bytes)
         header = {"status": int, "type": content type, "length": int}
 
-``u32`` is big-endian. The requester writes its request and half-closes; the server answers
-and closes. The requester's peer id is authenticated by the connection (Noise): a ``p2p://``
-name it claims must be its own. Bounds: a request (header and body)
-is at most ``max_request_bytes``, a reply header at most ``MAX_REPLY_HEADER``, a reply body at
+``u32`` is big-endian. A stream carries one request at a time and any number in sequence (as
+HTTP/1.1 keep-alive does): a new stream costs a protocol negotiation, one more round trip per
+chunk, and most of the CPU of a small request. The requester keeps a few idle streams per peer
+(:class:`StreamPool`, at most ``POOL_PER_PEER``, none older than ``IDLE_S``); the server closes
+a stream idle for ``2 * IDLE_S``. The requester's peer id is authenticated by the connection
+(Noise): a ``p2p://`` name it claims must be its own. Bounds: a request (header and body) is at
+most ``max_request_bytes``, a reply header at most ``MAX_REPLY_HEADER``, a reply body at
 most what the caller expects (checked before it is read); a request is answered within
 ``request_timeout_s`` or its stream is reset.
 
@@ -54,6 +57,8 @@ from p2p_sync.transport.dataplane import (
 PROTOCOL = "/p2psync/data/1.0.0"
 SCHEME = "p2p://"
 MAX_REPLY_HEADER = 4096
+IDLE_S = 15.0  # a requester reuses an idle stream this long; the server keeps it twice as long
+POOL_PER_PEER = 8  # idle streams a requester keeps per peer
 _U32 = struct.Struct(">I")
 
 
@@ -144,24 +149,43 @@ async def read_exactly(stream: Any, n: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-async def read_framed(stream: Any, limit: int) -> bytes:
-    """One ``u32 n | n bytes`` frame of at most ``limit`` bytes."""
-    (n,) = _U32.unpack(await read_exactly(stream, _U32.size))
+async def read_framed(stream: Any, limit: int, first: bytes = b"") -> bytes:
+    """One ``u32 n | n bytes`` frame of at most ``limit`` bytes (``first``: its first bytes,
+    already read)."""
+    (n,) = _U32.unpack(first + await read_exactly(stream, _U32.size - len(first)))
     if n > limit:
         raise ValueError(f"frame of {n} bytes, over the limit of {limit}")
     return await read_exactly(stream, n)
 
 
-async def read_request(stream: Any, peer_id: str, limits: HttpLimits) -> Request:
-    """A request as the data router takes it. The connection proved the requester's peer id,
-    so a ``p2p://`` name it claims must be its own (another one is dropped, not learned)."""
-    head = parse_request_header(
-        await read_framed(stream, limits.max_request_bytes), limits.max_request_bytes
-    )
+async def next_request(stream: Any, peer_id: str, limits: HttpLimits) -> Request | None:
+    """The stream's next request; None when the requester closed it or left it idle for
+    ``2 * IDLE_S``. ValueError / EOFError / TooSlowError: malformed, cut or too slow."""
+    with trio.move_on_after(2 * IDLE_S):
+        try:
+            first = await stream.read(_U32.size)
+        except Exception:  # closed or reset by the requester
+            return None
+        if not first:
+            return None
+        with trio.fail_after(limits.request_timeout_s):
+            return await read_request(stream, peer_id, limits, first)
+    return None
+
+
+async def read_request(
+    stream: Any, peer_id: str, limits: HttpLimits, first: bytes = b""
+) -> Request:
+    """A request as the data router takes it (``first``: bytes of it already read). The
+    connection proved the requester's peer id, so a ``p2p://`` name it claims must be its own
+    (another one is dropped, not learned)."""
+    limit = limits.max_request_bytes
+    head = parse_request_header(await read_framed(stream, limit, first), limit)
     body = await read_exactly(stream, head["body"]) if head["body"] else b""
     claim, address = head["peer"], stream.get_remote_address()
     if claim is not None and claim.startswith(SCHEME) and claim != peer_url(peer_id):
         claim = None
+    opened = getattr(stream.muxed_conn, "is_initiator", False)
     return Request(
         head["method"],
         head["path"],
@@ -169,16 +193,16 @@ async def read_request(stream: Any, peer_id: str, limits: HttpLimits) -> Request
         claim,
         body,
         address[0] if address else peer_url(peer_id),
+        bool(opened() if callable(opened) else opened),
     )
 
 
 async def write_reply(stream: Any, reply: Reply, timeout: float) -> bool:
-    """Send ``reply`` and close; False when the requester did not take it within ``timeout``
-    (the stream is reset, so its upload slot frees now)."""
+    """Send ``reply`` (the stream stays open for the next request); False when the requester
+    did not take it within ``timeout`` (the stream is reset, so its upload slot frees now)."""
     with trio.move_on_after(timeout):
         try:
             await stream.write(encode_reply_header(reply) + reply.body)
-            await stream.close()
             return True
         except Exception:  # reset or broken by the requester: it gave up
             pass
@@ -186,19 +210,43 @@ async def write_reply(stream: Any, reply: Reply, timeout: float) -> bool:
     return False
 
 
+class StreamPool:
+    """Idle data streams to each peer, for the next request (Trio side): a bounded number per
+    peer, none older than ``IDLE_S``, so the server (which waits twice as long) has not closed
+    them."""
+
+    def __init__(self) -> None:
+        self._idle: dict[Any, list[tuple[Any, float]]] = {}
+
+    def take(self, peer: Any) -> Any | None:
+        idle, now = self._idle.get(peer, []), trio.current_time()
+        while idle:
+            stream, since = idle.pop()
+            if now - since < IDLE_S:
+                return stream
+        self._idle.pop(peer, None)
+        return None
+
+    def give_back(self, peer: Any, stream: Any) -> bool:
+        idle = self._idle.setdefault(peer, [])
+        if len(idle) >= POOL_PER_PEER:
+            return False
+        idle.append((stream, trio.current_time()))
+        return True
+
+
 async def exchange(
     p2p: Any, peer_id: str, request: bytes, limit: int, expect: int, limits: HttpLimits
 ) -> bytes:
-    """One request on a new stream to ``peer_id`` (over a live connection, or one dialed
-    directly or through a relay: ``P2PHost.reach``); the reply's body if its status is
-    ``expect``. PeerError (or PeerBusyError) otherwise."""
+    """One request to ``peer_id`` on an idle stream or a new one (over a live connection, or
+    one dialed directly or through a relay: ``P2PHost.reach``); the reply's body if its status
+    is ``expect``. PeerError (or PeerBusyError) otherwise."""
     from libp2p.peer.id import ID  # the host's thread already imported libp2p
 
     with trio.move_on_after(limits.request_timeout_s) as scope:
         try:
             peer = ID.from_base58(peer_id)
-            await p2p.reach(peer, limits.connect_timeout_s)
-            return await _exchange(p2p.libp2p, peer, request, (limit, expect), limits)
+            return await _exchange(p2p, peer, request, (limit, expect), limits)
         except PeerError:
             raise
         except Exception as exc:  # libp2p raises many kinds: all mean "no answer"
@@ -208,19 +256,49 @@ async def exchange(
 
 
 async def _exchange(
-    host: Any, peer: Any, request: bytes, bounds: tuple[int, int], limits: HttpLimits
+    p2p: Any, peer: Any, request: bytes, bounds: tuple[int, int], limits: HttpLimits
 ) -> bytes:
+    """An idle stream may have died meanwhile: if it fails before any reply, once more on a
+    new one."""
+    stream = p2p.streams.take(peer)
+    if stream is not None:
+        try:
+            return await _on_stream(p2p, peer, stream, request, bounds)
+        except _Unanswered:
+            pass
+    await p2p.reach(peer, limits.connect_timeout_s)
     with trio.fail_after(limits.connect_timeout_s):
-        stream = await host.new_stream(peer, [PROTOCOL])
+        stream = await p2p.libp2p.new_stream(peer, [PROTOCOL])
     try:
-        await stream.write(request)
-        await stream.close_write()
-        status, _, length = parse_reply_header(await read_framed(stream, MAX_REPLY_HEADER))
+        return await _on_stream(p2p, peer, stream, request, bounds)
+    except _Unanswered as exc:
+        raise PeerError(f"{peer_url(str(peer))}: {exc.__cause__!r}") from None
+
+
+class _Unanswered(Exception):
+    """The stream failed before any byte of the reply came back."""
+
+
+async def _on_stream(
+    p2p: Any, peer: Any, stream: Any, request: bytes, bounds: tuple[int, int]
+) -> bytes:
+    try:
+        try:
+            await stream.write(request)
+            first = await stream.read(_U32.size)
+            if not first:
+                raise EOFError("stream closed")
+        except Exception as exc:
+            raise _Unanswered() from exc
+        status, _, length = parse_reply_header(await read_framed(stream, MAX_REPLY_HEADER, first))
         check_reply(peer_url(str(peer)), status, length, *bounds)
-        return await read_exactly(stream, length)
+        body = await read_exactly(stream, length)
     except BaseException:
         await reset(stream)
         raise
+    if not p2p.streams.give_back(peer, stream):
+        await stream.close()
+    return body
 
 
 async def reset(stream: Any) -> None:
@@ -243,7 +321,7 @@ class StreamServer:
         self.answered = 0  # requests answered whole over streams
         self.bytes_uploaded = 0  # chunk bytes among them
 
-    async def answer(self, stream: Any, req: Request) -> None:
+    async def answer(self, stream: Any, req: Request) -> bool:
         """Route ``req``; the reply is written in the host's thread while the upload slot is
         held, as the HTTP server does."""
         async with self.router.serve(req) as reply:
@@ -254,6 +332,7 @@ class StreamServer:
             self.router.sent(reply)
             self.answered += 1
             self.bytes_uploaded += len(reply.body) if reply.upload else 0
+        return bool(sent)
 
 
 class StreamClient:
