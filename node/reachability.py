@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from p2p_sync.errors import PeerError
 from p2p_sync.reachability import Reachability, Verdict
-from p2p_sync.transport.streams import RoutedClient, peer_url
+from p2p_sync.transport.streams import peer_url
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -133,7 +133,7 @@ class ReachabilityCheck:
         names them yet (in a swarm that joined by one bootstrap address, nobody is named by
         a URL until someone has a verdict)."""
         known = self.node.peering.usable()
-        if not isinstance(self.node.client, RoutedClient):
+        if not self.node.streams:
             return known
         linked = [peer_url(p) for p in self.node.p2p.connected_ids]
         return known + [p for p in linked if p not in known]

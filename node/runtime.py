@@ -151,12 +151,18 @@ class Node:
         someone could dial it; ``p2p://<peer id>`` when nobody could and libp2p streams carry
         its data plane; nothing while nobody has answered yet. Without streams (no libp2p,
         the in-memory network) it has no other name: its HTTP URL, unless behind NAT."""
-        verdict, streams = self.reach.state.verdict, isinstance(self.client, RoutedClient)
+        verdict, streams = self.reach.state.verdict, self.streams
         if verdict is Verdict.REACHABLE:
             return self.url
         if streams:
             return peer_url(self.p2p.peer_id) if verdict is Verdict.BEHIND_NAT else None
         return None if verdict is Verdict.BEHIND_NAT else self.url
+
+    @property
+    def streams(self) -> bool:
+        """Does libp2p carry this node's data plane too (``p2p://`` peers, serving behind
+        NAT)? Not without libp2p, nor on the in-memory network."""
+        return isinstance(self.client, RoutedClient)
 
     def renamed(self) -> None:
         """The reachability verdict changed: name the node accordingly everywhere."""

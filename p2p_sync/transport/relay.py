@@ -94,7 +94,7 @@ class RelayClient:
         roles = RelayRole.STOP | RelayRole.CLIENT
         self.host, self.wanted = host, wanted
         self.transport = CircuitV2Transport(host, protocol, RelayConfig(roles=roles))
-        self.reserved: dict[ID, multiaddr.Multiaddr] = {}  # relay -> its address we used
+        self.reserved: set[ID] = set()  # relays holding a slot for us
         self.refused: dict[ID, float] = {}  # peer -> when it refused a reservation
         self.active = False  # reserve only while behind NAT
 
@@ -104,8 +104,7 @@ class RelayClient:
         """Drop reservations on relays we lost; reserve on connected relays (``first``
         first) up to ``wanted``."""
         connected = set(self.host.get_connected_peers())
-        for relay in [r for r in self.reserved if r not in connected or not self.active]:
-            del self.reserved[relay]
+        self.reserved &= connected if self.active else set()
         if not self.active:
             return
         now = trio.current_time()
@@ -120,9 +119,6 @@ class RelayClient:
                     self.refused[peer] = now
 
     async def _reserve(self, relay: ID, nursery: trio.Nursery) -> None:
-        address = _direct_addr(self.host, relay)
-        if address is None:
-            return
         try:
             stream = await self.host.new_stream(relay, [HOP_PROTOCOL])
             ok = await self.transport.reserve(stream, relay, nursery)
@@ -131,7 +127,7 @@ class RelayClient:
             log.debug("relay reservation on %s: %s", relay, exc)
             return
         if ok:
-            self.reserved[relay] = address
+            self.reserved.add(relay)
 
     async def connect(self, peer: ID, timeout: float, first: tuple[ID, ...] = ()) -> bool:
         """Reach ``peer`` when no connection exists: directly for a third of ``timeout`` (the
