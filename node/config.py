@@ -19,6 +19,7 @@ TOML table      dataclass                                    bounds
 ``[libp2p]``    :class:`Libp2pLimits`                        the libp2p host
 ``[reachability]`` :class:`p2p_sync.reachability.ReachabilityLimits`  auto / public / private,
                                                              dial-back questions and answers
+``[relay]``     :class:`p2p_sync.reachability.RelayBounds`   circuit relay offered / reserved
 ==============  ===========================================  ================================
 
 Flags and keyword arguments name a section's field with a dot (``"download.stall_timeout_s"``)
@@ -39,7 +40,7 @@ from p2p_sync.announce import AnnounceLimits
 from p2p_sync.errors import ConfigError
 from p2p_sync.manifest import ManifestLimits
 from p2p_sync.peers import PeerLimits
-from p2p_sync.reachability import MODES, ReachabilityLimits
+from p2p_sync.reachability import MODES, ReachabilityLimits, RelayBounds
 from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.swarm import SwarmConfig
@@ -61,13 +62,6 @@ class Libp2pLimits:
     max_rejects: int = 3  # rejected announcements before the sender is blacklisted
     refresh_s: float = 30.0  # Kademlia self-lookup period
     start_timeout_s: float = 30.0
-    # circuit relay v2 (p2p_sync.transport.relay): offered by reachable nodes, used behind NAT
-    relay_max_reservations: int = 16  # NATed peers holding a slot here
-    relay_max_circuits: int = 4  # circuits to each of them at once
-    relay_mbps: float = 50.0  # everything relayed, both directions, all circuits together
-    relay_data_mb: float = 1024.0  # per circuit, both directions
-    relay_duration_s: float = 3600.0  # per circuit
-    relay_reservations: int = 2  # relays a NATed node reserves a slot on
 
 
 @dataclass(frozen=True)
@@ -98,6 +92,7 @@ class NodeConfig:
     announce: AnnounceLimits = field(default_factory=AnnounceLimits)
     libp2p: Libp2pLimits = field(default_factory=Libp2pLimits)
     reachability: ReachabilityLimits = field(default_factory=ReachabilityLimits)
+    relay: RelayBounds = field(default_factory=RelayBounds)
 
     @property
     def host_port(self) -> tuple[str, int]:

@@ -54,6 +54,7 @@ class HttpTransport:
                 topic=announce.topic(node.policy.swarm_id),
                 http_url=None,  # advertised once a peer could dial it (node.reachability)
                 bootstrap=cfg.bootstrap,
+                relay=cfg.relay,
                 **asdict(cfg.libp2p),
             )
             host = p2p.P2PHost(

@@ -44,6 +44,19 @@ class ReachabilityLimits:
     max_concurrent: int = 4  # dial-backs this node does for others at once (more: 503)
 
 
+@dataclass(frozen=True)
+class RelayBounds:
+    """Circuit relay v2 (``transport.relay``): what a reachable node offers NATed ones, and how
+    many relays a NATed node reserves on. Every bound of it."""
+
+    max_reservations: int = 16  # NATed peers holding a slot here
+    max_circuits: int = 4  # circuits to each of them at once
+    mbps: float = 50.0  # everything relayed, both directions, all circuits together
+    data_mb: float = 1024.0  # per circuit, both directions
+    duration_s: float = 3600.0  # per circuit
+    reservations: int = 2  # relays a NATed node reserves a slot on
+
+
 @dataclass
 class Reachability:
     """The verdict and the current round of questions."""

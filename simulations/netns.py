@@ -273,39 +273,18 @@ _ABSENT = (
 )
 
 
-def probe() -> str | None:
-    """What this machine lacks to build a topology (root, iproute2, netns/veth/tbf in its
-    kernel), or None when it can (creates and deletes a namespace with a tbf-shaped veth).
-    Raises :class:`NetnsError` when the probe fails for any other reason."""
+def _probe_in_scratch(steps: Callable[[str], None], absent: tuple[str, ...]) -> str | None:
+    """Run ``steps(ns)`` in a namespace made for it and deleted after: None when they work, a
+    reason when they fail as a machine lacking a part fails (``absent``); any other failure
+    is a bug, raised."""
     if os.geteuid() != 0:
         return "needs root (CAP_NET_ADMIN) to create network namespaces"
     ns = f"{PREFIX_ROOT}{os.getpid()}-probe{secrets.token_hex(2)}"
     try:
         _run(["ip", "netns", "add", ns], 15.0)
-        veth = ["link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"]
-        _run(["ip", "-n", ns, *veth], 15.0)
-        _run(
-            [
-                "tc",
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                "pa",
-                "root",
-                "tbf",
-                "rate",
-                "1mbit",
-                "burst",
-                "16kb",
-                "latency",
-                "20ms",
-            ],
-            15.0,
-        )
+        steps(ns)
     except NetnsError as exc:
-        if not any(part in str(exc) for part in _ABSENT):
+        if not any(part in str(exc) for part in absent):
             raise
         return f"this machine lacks a part: {exc}"
     finally:
@@ -314,6 +293,20 @@ def probe() -> str | None:
         except NetnsError:
             pass
     return None
+
+
+def probe() -> str | None:
+    """What this machine lacks to build a topology (root, iproute2, netns/veth/tbf in its
+    kernel), or None when it can (creates and deletes a namespace with a tbf-shaped veth).
+    Raises :class:`NetnsError` when the probe fails for any other reason."""
+
+    def steps(ns: str) -> None:
+        veth = ["link", "add", "name", "pa", "type", "veth", "peer", "name", "pb"]
+        _run(["ip", "-n", ns, *veth], 15.0)
+        tbf = ["tbf", "rate", "1mbit", "burst", "16kb", "latency", "20ms"]
+        _run(["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", *tbf], 15.0)
+
+    return _probe_in_scratch(steps, _ABSENT)
 
 
 # A home router's firewall (loaded into a NAT router's namespace with ``nft -f -``): its hosts'
@@ -347,24 +340,13 @@ def probe_nat() -> str | None:
     """What this machine lacks to build NAT routers (root, ``nft``, nf_tables nat in its kernel),
     or None when it can: loads the routers' own ruleset into a scratch namespace. Asked only
     when a test needs NAT, so machines without nftables still run the rest of the tier."""
-    if os.geteuid() != 0:
-        return "needs root (CAP_NET_ADMIN) to create network namespaces"
-    if shutil.which("nft") is None:
+    if shutil.which("nft") is None and os.geteuid() == 0:
         return "nft: not installed (needs nftables: apt-get install nftables)"
-    ns = f"{PREFIX_ROOT}{os.getpid()}-probe{secrets.token_hex(2)}"
-    try:
-        _run(["ip", "netns", "add", ns], 15.0)
+
+    def steps(ns: str) -> None:
         _run([*_exec_prefix(ns), "nft", "-f", "-"], 15.0, stdin=NAT_RULESET)
-    except NetnsError as exc:
-        if not any(part in str(exc) for part in _NFT_ABSENT):
-            raise
-        return f"this machine lacks a part: {exc}"
-    finally:
-        try:
-            delete_namespace(ns)
-        except NetnsError:
-            pass
-    return None
+
+    return _probe_in_scratch(steps, _NFT_ABSENT)
 
 
 def _set_sysctl(ns: str, key: str, value: str, timeout: float) -> None:

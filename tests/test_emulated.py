@@ -37,8 +37,8 @@ from simulations.netns import (
     list_namespaces,
     measure_rate,
     probe,
-    probe_nat,
 )
+from tests.netnsbase import leftovers
 
 # The swarm run: small enough for a loaded 2-core VM (~8 node processes), slow enough links
 # that the network, not the CPU, dominates each version's time.
@@ -50,45 +50,6 @@ SWARM = EmulationConfig(
 # 100 Mbit/s, 20 MB: 2.6-3.3x). 6x leaves room for CI noise yet stays below the 7x it would take
 # the trainer to serve all 7 rollouts itself (which trainer_up <= 2F also rules out).
 MAX_RATIO = 6.0
-
-
-@pytest.fixture(scope="module")
-def netns_ready() -> None:
-    # None here and in CI (root, iproute2, tbf); a reason only when the machine lacks one of
-    # them (probe() raises on any other failure, so a bug fails the test instead of skipping)
-    reason = probe()
-    if reason is not None:
-        pytest.skip(
-            "this machine lacks a part the emulated tier needs "
-            f"(root, iproute2, netns/veth/tbf): {reason}"
-        )
-    cleanup_stale()  # leftovers of an earlier run that was killed
-
-
-@pytest.fixture(scope="module")
-def nat_ready(netns_ready: None) -> None:
-    # None here and in CI (which installs nftables); a reason only when a part is missing
-    reason = probe_nat()
-    if reason is not None:
-        pytest.skip(
-            f"this machine lacks a part the NAT routers need (nftables' nft, nat): {reason}"
-        )
-
-
-@pytest.fixture()
-def own_prefix(netns_ready: None):
-    """Prefix of every namespace this test process creates; the finalizer deletes them all."""
-    prefix = f"{PREFIX_ROOT}{os.getpid()}-"
-    yield prefix
-    cleanup_stale(prefix, include_live=True)
-
-
-def leftovers(prefix: str) -> list[str]:
-    """Our namespaces still listed, and any interface in the root namespace named after them."""
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
-    return [ns for ns in list_namespaces() if ns.startswith(prefix)] + [
-        line for line in links.stdout.splitlines() if prefix in line
-    ]
 
 
 def test_tbf_shapes_links_to_the_configured_rate(own_prefix: str) -> None:

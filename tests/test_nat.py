@@ -10,18 +10,14 @@ the fixture's finalizer should that fail. Each test is bounded by its sockets' t
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import socket
-import subprocess
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from simulations import netns
 from simulations.netns import (
-    PREFIX_ROOT,
     Host,
     LinkShape,
     Topology,
@@ -31,43 +27,14 @@ from simulations.netns import (
     list_namespaces,
     mac_of,
     measure_rate,
-    probe,
     probe_nat,
 )
+from tests.netnsbase import leftovers
 
 # host 0 public, 1 and 2 behind router 1 (one home LAN), 3 behind router 2, 4 public
 NAT = (0, 1, 1, 2)
 FAIL_S = 1.0  # a connect that a real router would drop is given up after this long
 PORT = 41_000  # a listening / source port the NAT tests use (nothing else runs in their hosts)
-
-
-@pytest.fixture(scope="module")
-def nat_ready() -> None:
-    # None here and in CI; a reason only when a part is missing (both probes raise on any
-    # other failure, so a bug fails the test instead of skipping it)
-    reason = probe() or probe_nat()
-    if reason is not None:
-        pytest.skip(
-            "this machine lacks a part the NAT routers need "
-            f"(root, iproute2, netns/veth/tbf, nftables' nft and nat): {reason}"
-        )
-    cleanup_stale()  # leftovers of an earlier run that was killed
-
-
-@pytest.fixture()
-def own_prefix(nat_ready: None) -> Iterator[str]:
-    """Prefix of every namespace this test process creates; the finalizer deletes them all."""
-    prefix = f"{PREFIX_ROOT}{os.getpid()}-"
-    yield prefix
-    cleanup_stale(prefix, include_live=True)
-
-
-def leftovers(prefix: str) -> list[str]:
-    """Our namespaces still listed, and any interface in the root namespace named after them."""
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True)
-    return [ns for ns in list_namespaces() if ns.startswith(prefix)] + [
-        line for line in links.stdout.splitlines() if prefix in line
-    ]
 
 
 def accept_from(
@@ -204,7 +171,7 @@ def test_the_nat_probe_skips_only_for_a_missing_part(
 
 @pytest.mark.parametrize("delay_ms", [0.0, 20.0])
 def test_a_nated_host_reaches_a_public_one_as_its_routers_address(
-    own_prefix: str, delay_ms: float
+    nat_prefix: str, delay_ms: float
 ) -> None:
     with Topology(TopologyConfig(hosts=5, nat=NAT, delay_ms=delay_ms)) as topo:
         pub, a = topo.hosts[0], topo.hosts[1]
@@ -214,37 +181,37 @@ def test_a_nated_host_reaches_a_public_one_as_its_routers_address(
     assert peer == (a.public_ip, PORT)  # masquerade keeps a free source port: hole punching
     assert a.public_ip == topo.routers[1].ip != a.ip
     assert min(times) >= 2 * delay_ms / 1000, times  # one round trip, never early
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
 
 
 @pytest.mark.parametrize("delay_ms", [0.0, 20.0])
-def test_nothing_dials_into_a_nat(own_prefix: str, delay_ms: float) -> None:
+def test_nothing_dials_into_a_nat(nat_prefix: str, delay_ms: float) -> None:
     with Topology(TopologyConfig(hosts=5, nat=NAT, delay_ms=delay_ms)) as topo:
         pub, a = topo.hosts[0], topo.hosts[1]
         with listen(topo, a) as server:
             # its private address has no route here; its router drops an unsolicited SYN
             assert_blocked(topo, pub, [a.ip, a.public_ip], server)
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
 
 
-def test_hosts_behind_one_nat_share_a_lan(own_prefix: str) -> None:
+def test_hosts_behind_one_nat_share_a_lan(nat_prefix: str) -> None:
     with Topology(TopologyConfig(hosts=5, nat=NAT)) as topo:
         a, b = topo.hosts[1], topo.hosts[2]
         peer, _ = accept_from(topo, b, a, a.ip)
     assert peer[0] == b.ip  # directly, not through the masquerade
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
 
 
-def test_hosts_behind_different_nats_cannot_reach_each_other(own_prefix: str) -> None:
+def test_hosts_behind_different_nats_cannot_reach_each_other(nat_prefix: str) -> None:
     with Topology(TopologyConfig(hosts=5, nat=NAT)) as topo:
         a, c = topo.hosts[1], topo.hosts[3]
         with listen(topo, c) as server:
             assert_blocked(topo, a, [c.ip, c.public_ip], server)
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
 
 
 def test_masquerade_keeps_a_free_source_port_and_reuses_a_mapping_towards_anyone(
-    own_prefix: str,
+    nat_prefix: str,
 ) -> None:
     """What hole punching relies on. Linux keeps a host's source port when no connection to the
     same destination holds it already (else it picks a random one), and while a mapping's first
@@ -271,7 +238,7 @@ def test_masquerade_keeps_a_free_source_port_and_reuses_a_mapping_towards_anyone
     assert elsewhere == peers[1]  # b's mapping, reused towards another peer
 
 
-def test_a_simultaneous_open_punches_through_both_nats(own_prefix: str) -> None:
+def test_a_simultaneous_open_punches_through_both_nats(nat_prefix: str) -> None:
     """TCP hole punching: both sides connect from PORT to the other's public PORT at once;
     each router passes the other's SYN as the reply to its own (the one that came first was
     dropped silently, so nothing refused it)."""
@@ -297,7 +264,7 @@ def test_a_simultaneous_open_punches_through_both_nats(own_prefix: str) -> None:
         for t in threads:
             t.join(10)
     assert peers == {a.index: (c.public_ip, PORT), c.index: (a.public_ip, PORT)}
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
 
 
 def download_mbps(topo: Topology, src: Host, dst: Host, nbytes: int) -> float:
@@ -321,7 +288,7 @@ def download_mbps(topo: Topology, src: Host, dst: Host, nbytes: int) -> float:
     return nbytes * 8 / seconds / 1e6 * 1514 / 1448
 
 
-def test_hosts_sharing_a_nat_keep_their_own_link_rates(own_prefix: str) -> None:
+def test_hosts_sharing_a_nat_keep_their_own_link_rates(nat_prefix: str) -> None:
     nated = LinkShape(mbps=50.0, down_mbps=30.0)
     cfg = TopologyConfig(hosts=5, nat=NAT, shapes=(LinkShape(), nated, nated))
     with Topology(cfg) as topo:
@@ -335,15 +302,15 @@ def test_hosts_sharing_a_nat_keep_their_own_link_rates(own_prefix: str) -> None:
         down = download_mbps(topo, pub, a, 4_000_000)  # its downlink: tbf on the router's p1
     assert all(0.8 * 50.0 <= rate <= 1.1 * 50.0 for rate in up), up
     assert 0.8 * 30.0 <= down <= 1.1 * 30.0, down
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
 
 
-def test_failure_inside_and_stale_cleanup_delete_the_routers_too(own_prefix: str) -> None:
+def test_failure_inside_and_stale_cleanup_delete_the_routers_too(nat_prefix: str) -> None:
     with pytest.raises(RuntimeError, match="forced"):
         with Topology(TopologyConfig(hosts=5, nat=NAT)) as topo:
             assert all(r.ns in list_namespaces() for r in topo.routers.values())
             raise RuntimeError("forced failure inside the topology")
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []
     killed = Topology(TopologyConfig(hosts=5, nat=NAT, delay_ms=5.0))
     try:
         killed.build()  # as if its owner were SIGKILLed now: no destroy()
@@ -352,4 +319,4 @@ def test_failure_inside_and_stale_cleanup_delete_the_routers_too(own_prefix: str
         )
     finally:
         killed.destroy()
-    assert leftovers(own_prefix) == []
+    assert leftovers(nat_prefix) == []

@@ -324,14 +324,15 @@ async def _relayed_swarm(tmp_path: Path, versions: list) -> dict:
     dial (their libp2p addresses are advertised at an unroutable host)."""
     keyfile, pub = _keyfile(tmp_path)
     fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
-    relay = {"relay_mbps": 2.0, "relay_max_reservations": 1, "refresh_s": 1.0}
+    relay = {"mbps": 2.0, "max_reservations": 1}
     async with Trainer(
         key=keyfile,
         data_dir=tmp_path / "t",
         p2p=True,
         publish={"chunk_size": 16384},
         http={"max_upload_mbps": 2.0},
-        libp2p=relay,
+        relay=relay,
+        libp2p={"refresh_s": 1.0},
         **fast,
     ) as trainer:
         join = {

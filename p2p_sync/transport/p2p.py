@@ -36,7 +36,7 @@ import ipaddress
 import logging
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
+from p2p_sync.reachability import RelayBounds
 from p2p_sync.transport import relay, streams
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
@@ -80,13 +81,7 @@ class P2PSettings:
     start_timeout_s: float = 30.0
     seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
     dht: bool = True  # False: a leaf that runs no Kademlia and links only to its bootstrap peers
-    # circuit relay v2 (transport.relay): what a public node offers NATed ones, all bounded
-    relay_max_reservations: int = 16  # NATed peers holding a slot here
-    relay_max_circuits: int = 4  # circuits to each of them at once
-    relay_mbps: float = 50.0  # everything relayed, both directions, all circuits together
-    relay_data_mb: float = 1024.0  # per circuit, both directions
-    relay_duration_s: float = 3600.0  # per circuit
-    relay_reservations: int = 2  # relays a NATed node reserves a slot on
+    relay: RelayBounds = field(default_factory=RelayBounds)  # circuit relay v2 (transport.relay)
 
 
 # ---------------------------------------------------------------- addresses (pure)
@@ -433,12 +428,9 @@ class P2PHost:
 
     def _start_relay(self, host: Any) -> None:
         """Circuit relay v2: offered once reachable, used once behind NAT (``advertise``)."""
-        s = self.settings
-        limits = relay.relay_limits(
-            s.relay_max_reservations, s.relay_max_circuits, s.relay_data_mb, s.relay_duration_s
-        )
-        self._relay = relay.BoundedRelay(host, limits, s.relay_mbps)
-        self._relay_client = relay.RelayClient(host, self._relay, s.relay_reservations)
+        s, bounds = self.settings, self.settings.relay
+        self._relay = relay.BoundedRelay(host, relay.relay_limits(bounds), bounds.mbps)
+        self._relay_client = relay.RelayClient(host, self._relay, bounds.reservations)
         self._bootstrap_ids = tuple(
             info_from_p2p_addr(multiaddr.Multiaddr(a)).peer_id for a in s.bootstrap
         )

@@ -5,7 +5,7 @@ ever serves the other, and a swarm that is half NATed loses a quarter of its pai
 node (one whose HTTP URL a peer could dial back, ``p2p_sync.reachability``; a bootstrap node
 usually is one) offers libp2p's standard circuit relay v2 (``/libp2p/circuit/relay/0.2.0``,
 so any libp2p implementation can use it); a NATed node reserves a slot on up to
-``relay_reservations`` of the relays it is connected to (its bootstrap peers first); a peer
+``[relay] reservations`` of the relays it is connected to (its bootstrap peers first); a peer
 that cannot reach it directly tries the relays it is connected to itself, bootstrap peers
 first (a relay holding no reservation for it refuses at once), and opens its data-plane
 streams (``transport.streams``) over the circuit. Circuit addresses are not advertised:
@@ -13,9 +13,10 @@ py-libp2p 0.8.1 cuts every advertised address at its first ``/p2p/`` component, 
 NATed nodes and their peers share the same bootstrap relays anyway.
 
 A relay only forwards bytes it cannot read (Noise runs end to end over the circuit) and is
-bounded by the node's settings: ``relay_max_reservations`` peers holding a slot, at most
-``relay_max_circuits`` circuits to each (so ``reservations * circuits`` in all),
-``relay_data_mb`` and ``relay_duration_s`` per circuit, and ``relay_mbps`` over all circuits
+bounded by the node's ``[relay]`` settings (``p2p_sync.reachability.RelayBounds``):
+``max_reservations`` peers holding a slot, at most ``max_circuits`` circuits to each (so
+``max_reservations * max_circuits`` in all), ``data_mb`` and ``duration_s`` per circuit, and
+``mbps`` over all circuits
 together (py-libp2p 0.8.1 has no bandwidth limit of its own: :class:`BoundedRelay` meters every
 piece it forwards through one token bucket).
 
@@ -39,6 +40,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
 from p2p_sync.ratelimit import TokenBucket
+from p2p_sync.reachability import RelayBounds
 
 log = logging.getLogger("p2psync.p2p")
 CIRCUIT = "p2p-circuit"
@@ -76,14 +78,13 @@ class BoundedRelay(CircuitV2Protocol):
         return data
 
 
-def relay_limits(
-    max_reservations: int, max_circuits: int, data_mb: float, duration_s: float
-) -> RelayLimits:
+def relay_limits(bounds: RelayBounds) -> RelayLimits:
+    """Our bounds in py-libp2p's terms (the bandwidth cap is :class:`BoundedRelay`'s)."""
     return RelayLimits(
-        duration=int(duration_s),
-        data=int(data_mb * 2**20),
-        max_circuit_conns=max_circuits,
-        max_reservations=max_reservations,
+        duration=int(bounds.duration_s),
+        data=int(bounds.data_mb * 2**20),
+        max_circuit_conns=bounds.max_circuits,
+        max_reservations=bounds.max_reservations,
     )
 
 
