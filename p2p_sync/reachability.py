@@ -41,7 +41,7 @@ class ReachabilityLimits:
     recheck_s: float = 300.0  # a new round after this long
     retry_s: float = 2.0  # while unknown: look for peers to ask this often
     dial_timeout_s: float = 3.0  # a dial-back done for a peer: connect and answer
-    max_concurrent: int = 4  # dial-backs this node does for others at once (more: 503)
+    max_concurrent: int = 4  # dial-backs this node does for others at once (more: busy)
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,12 @@ class Reachability:
     _noes: set[str] = field(default_factory=set)
     _yes: bool = False  # a dial-back of this round succeeded
     _round_at: float | None = None
-    mode: str = field(init=False)
+
+    @property
+    def mode(self) -> str:
+        return self.limits.mode
 
     def __post_init__(self) -> None:
-        self.mode = self.limits.mode
         if self.mode not in MODES:
             raise ValueError(f"reachability must be one of {', '.join(MODES)}, not {self.mode!r}")
         if self.mode != "auto":

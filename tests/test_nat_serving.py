@@ -22,6 +22,7 @@ from p2p_sync.errors import PeerError
 from p2p_sync.keys import SigningKey, write_keypair
 from p2p_sync.reachability import Reachability, ReachabilityLimits, Verdict
 from p2p_sync.transport import streams
+from p2p_sync.transport.dataplane import valid_peer_url
 from p2p_sync.workloads import Workload
 from tests.helpers import bit_equal
 
@@ -69,7 +70,7 @@ def test_a_malformed_request_header_is_refused_naming_the_field(doc, why) -> Non
 def test_p2p_urls_split_and_refuse_what_is_not_one() -> None:
     pid = "12D3KooWK5vggqznNioT6L4cMa5njSEfvegwGMBQHBo7Fu6u2B42"
     assert streams.split_url(f"p2p://{pid}/have/ab?known=3") == (pid, "/have/ab", {"known": "3"})
-    assert streams.is_peer_url(streams.peer_url(pid))
+    assert valid_peer_url(streams.peer_url(pid))
     for bad in ("http://h:1/x", "p2p://0OIl/x", f"p2p:/{pid}/x", "p2p://"):
         with pytest.raises(PeerError):
             streams.split_url(bad)

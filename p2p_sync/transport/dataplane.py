@@ -60,7 +60,7 @@ HEX32 = re.compile(r"^[0-9a-f]{32}$")
 PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")  # a libp2p peer id (base58btc)
 # a peer is named by its data-plane URL, or p2p://<peer id> when it serves over libp2p only
 # (behind a NAT: transport.streams)
-URL = re.compile(r"^(http://[A-Za-z0-9.\-\[\]:]+:\d{1,5}|p2p://[1-9A-HJ-NP-Za-km-z]{32,128})$")
+URL = re.compile(rf"^(http://[A-Za-z0-9.\-\[\]:]+:\d{{1,5}}|p2p://{PEER_ID.pattern[1:-1]})$")
 PEER_HEADER = "X-P2PSync-Peer"
 JSON = "application/json"
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import threading
@@ -255,7 +256,7 @@ class P2PHost:
         return self._host
 
     async def reach(self, peer: ID, timeout: float) -> bool:
-        """Trio side: a connection to ``peer``, directly or through a relay it advertises."""
+        """Trio side: a connection to ``peer``, directly or through one of our relays."""
         assert self._relay_client is not None
         return await self._relay_client.connect(peer, timeout, self._bootstrap_ids)
 
@@ -428,12 +429,9 @@ class P2PHost:
 
     def _start_relay(self, host: Any) -> None:
         """Circuit relay v2: offered once reachable, used once behind NAT (``advertise``)."""
-        s, bounds = self.settings, self.settings.relay
+        bounds = self.settings.relay
         self._relay = relay.BoundedRelay(host, relay.relay_limits(bounds), bounds.mbps)
         self._relay_client = relay.RelayClient(host, self._relay, bounds.reservations)
-        self._bootstrap_ids = tuple(
-            info_from_p2p_addr(multiaddr.Multiaddr(a)).peer_id for a in s.bootstrap
-        )
         self._apply_relay_role()
 
     def _dialable(self, host: Any) -> str:
@@ -489,10 +487,18 @@ class P2PHost:
             self._take_snapshot()
             await trio.sleep(self.settings.maintain_s)
 
+    @functools.cached_property
+    def _bootstrap(self) -> list[Any]:
+        """The ``--bootstrap`` peers (PeerInfo), parsed once."""
+        return [info_from_p2p_addr(multiaddr.Multiaddr(a)) for a in self.settings.bootstrap]
+
+    @property
+    def _bootstrap_ids(self) -> tuple[ID, ...]:
+        return tuple(info.peer_id for info in self._bootstrap)
+
     async def _dial_bootstrap(self) -> None:
         connected = set(self._host.get_connected_peers())
-        for text in self.settings.bootstrap:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(text))
+        for info in self._bootstrap:
             if info.peer_id in connected or info.peer_id == self._host.get_id():
                 continue
             with trio.move_on_after(self.settings.dial_timeout_s):
@@ -501,7 +507,7 @@ class P2PHost:
                     if self._dht is not None:
                         await self._dht.add_peer(info.peer_id)
                 except Exception as exc:  # unreachable for now: retried next tick
-                    log.debug("bootstrap %s: %s", text, exc)
+                    log.debug("bootstrap %s: %s", info.peer_id, exc)
 
     async def _feed_routing_table(self) -> None:
         """Peers that dialed us go into the routing table, so lookups can return them."""

@@ -39,10 +39,11 @@ from __future__ import annotations
 import json
 import struct
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
-from p2p_sync.errors import PeerBusyError, PeerError
+from p2p_sync.errors import PeerError
 from p2p_sync.transport.dataplane import (
     PEER_ID,
     DataRouter,
@@ -70,20 +71,13 @@ def peer_url(peer_id: str) -> str:
     return f"{SCHEME}{peer_id}"
 
 
-def is_peer_url(url: str) -> bool:
-    return url.startswith(SCHEME) and bool(PEER_ID.match(url[len(SCHEME) :]))
-
-
 def split_url(url: str) -> tuple[str, str, dict[str, str]]:
     """``p2p://<id>/have/<d>?known=3`` -> (id, "/have/<d>", {"known": "3"}); PeerError if
     malformed."""
-    rest = url[len(SCHEME) :] if url.startswith(SCHEME) else ""
-    peer_id, _, path = rest.partition("/")
-    path, _, query = path.partition("?")
-    if not PEER_ID.match(peer_id):
+    parts = urlsplit(url)
+    if parts.scheme != SCHEME[:-3] or not PEER_ID.match(parts.netloc):
         raise PeerError(f"{url}: not a p2p:// peer URL")
-    pairs = (item.partition("=") for item in query.split("&") if item)
-    return peer_id, f"/{path}", {k: v for k, _, v in pairs}
+    return parts.netloc, parts.path or "/", dict(parse_qsl(parts.query))
 
 
 # ---------------------------------------------------------------- framing (pure)
@@ -336,7 +330,7 @@ class StreamServer:
 
 
 class StreamClient:
-    """The data-plane client for ``p2p://`` peers: each request on its own stream."""
+    """The data-plane client for ``p2p://`` peers (requests on pooled streams: ``exchange``)."""
 
     def __init__(self, host: Any, self_url: str | None, limits: HttpLimits) -> None:
         self.host, self.self_url, self.limits = host, self_url, limits
@@ -403,4 +397,4 @@ class RoutedClient:
         await self.streams.close()
 
 
-__all__ = ["PROTOCOL", "SCHEME", "PeerBusyError", "RoutedClient", "StreamClient", "StreamServer"]
+__all__ = ["PROTOCOL", "SCHEME", "RoutedClient", "StreamClient", "StreamServer"]
