@@ -41,7 +41,8 @@ class HttpTransport:
         return DataClient(node.url, node.cfg.http)
 
     async def gossip(self, node: Node) -> Any:
-        """A started libp2p host (its multiaddr in ``addr``). libp2p is an addition: if it
+        """A started libp2p host (its multiaddr in ``addr``; its record carries no HTTP URL
+        until a peer could dial it: ``node.reachability``). libp2p is an addition: if it
         cannot start, the node carries on from --peers (None)."""
         try:
             from p2p_sync.transport import p2p  # imported here: --no-p2p nodes never load it
@@ -52,7 +53,6 @@ class HttpTransport:
                 advertise_host=cfg.advertise_host,
                 identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
                 topic=announce.topic(node.policy.swarm_id),
-                http_url=None,  # advertised once a peer could dial it (node.reachability)
                 bootstrap=cfg.bootstrap,
                 relay=cfg.relay,
                 **asdict(cfg.libp2p),
