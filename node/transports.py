@@ -41,9 +41,8 @@ class HttpTransport:
         return DataClient(node.url, node.cfg.http)
 
     async def gossip(self, node: Node) -> Any:
-        """A started libp2p host (its multiaddr in ``addr``; its record carries no HTTP URL
-        until a peer could dial it: ``node.reachability``). libp2p is an addition: if it
-        cannot start, the node carries on from --peers (None)."""
+        """A started libp2p host (its record names no HTTP URL until a peer could dial it);
+        libp2p is an addition: if it cannot start, the node carries on from --peers (None)."""
         try:
             from p2p_sync.transport import p2p  # imported here: --no-p2p nodes never load it
 
