@@ -113,6 +113,8 @@ _ZERO_OK = {
     "http.max_upload_mbps",
     "manifest.clock_skew_s",
     "announce.clock_skew_s",
+    "reachability.links",  # 0: serve peers over libp2p streams only, behind NAT
+    "reachability.max_channels",  # 0: take no reverse channels
 }
 _MOVED = {  # settings from before the tree -> where they live now
     "chunk_size": "publish.chunk_size",

@@ -41,6 +41,7 @@ from p2p_sync.peers import PeerDirectory, PeerEntry, Source
 from p2p_sync.reachability import Verdict
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.transport.reverse import ReverseLinks
 from p2p_sync.transport.streams import RoutedClient, peer_url
 from p2p_sync.trusted import TrustedSet
 
@@ -91,6 +92,7 @@ class Node:
         self.client: PeerClient | None = None
         self.signer: SigningKey | None = None  # set on the trainer: signs gossip announcements
         self.p2p: Any = None  # transport.p2p.P2PHost once libp2p is up
+        self.links: ReverseLinks | None = None  # behind NAT: channels to public peers
         self.multiaddr: str | None = None
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
@@ -136,6 +138,8 @@ class Node:
 
     async def stop(self) -> None:
         await self.reach.stop()
+        if self.links is not None:
+            await self.links.close()
         if self.p2p is not None:
             await self.p2p.stop()
         await self.learner.stop()
@@ -173,7 +177,19 @@ class Node:
         if self.p2p is not None:
             behind_nat = self.reach.state.verdict is Verdict.BEHIND_NAT
             self.p2p.advertise(self.url if name == self.url else None, behind_nat)
+        self._relink()
         log.info("reachability: %s", self.reach.describe())
+
+    def _relink(self) -> None:
+        """Behind NAT: reverse channels to the public peers known (up to the bound), which
+        then fetch from this node over them; reachable: none (peers dial it)."""
+        if self.links is None:
+            return
+        if self.reach.state.verdict is not Verdict.BEHIND_NAT:
+            self.links.drop_all()
+            return
+        for url in self.peering.usable():
+            self.links.offer(url)
 
     @property
     def peers(self) -> dict[str, PeerEntry]:
@@ -183,6 +199,9 @@ class Node:
         """Someone named a peer (unproven unless the operator gave it)."""
         self.peering.add(url, source)
         self.reach.peers_changed()
+        behind_nat = self.reach.state.verdict is Verdict.BEHIND_NAT
+        if self.links is not None and behind_nat and url in self.peers:  # not banned, not me
+            self.links.offer(url)
 
     def ban(self, url: str, reason: str) -> None:
         self.peering.ban(url, reason)
@@ -225,4 +244,5 @@ class Node:
             "last_publish": self.last_publish,
             "last_update": self.last_update,
             "reachability": self.reach.status(),
+            "reverse": self.transport.reverse_status(self),
         }

@@ -16,6 +16,7 @@ from p2p_sync import announce
 from p2p_sync.transport.dataplane import DataRouter, PeerClient
 from p2p_sync.transport.http import DataClient, DataServer
 from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork
+from p2p_sync.transport.reverse import ReverseClient, ReverseHub, ReverseLinks
 from p2p_sync.transport.streams import RoutedClient, StreamClient
 
 if TYPE_CHECKING:
@@ -72,12 +73,30 @@ class HttpTransport:
         return host
 
     def _serve_streams(self, node: Node, host: Any) -> None:
-        """The data plane over libp2p streams too: the same router answers (one set of upload
-        slots), and ``p2p://`` peers are asked over streams (``transport.streams``)."""
+        """The data plane over libp2p streams and reverse channels too: the same router
+        answers (one set of upload slots); ``p2p://`` peers are asked over the channel they
+        opened here, else over streams. Behind NAT the node opens channels to public peers
+        (``node.links``); a rollout takes channels from NATed peers (a trainer or bootstrap
+        fetches nothing, so it has no use for them)."""
         assert self.server is not None and node.client is not None
-        host.serve_data(self.server.router)
+        router, limits = self.server.router, node.cfg.reachability
+        host.serve_data(router)
         streams = StreamClient(host, node.client.self_url, node.cfg.http)
-        node.client = RoutedClient(node.client, streams)
+        reverse = None
+        if node.cfg.role == "rollout":
+            hub = ReverseHub(node.cfg.http, limits.max_channels, lambda: node.url, node.add_peer)
+            self.server.reverse, reverse = hub, ReverseClient(hub, node.client.self_url)
+        node.client = RoutedClient(node.client, streams, reverse)
+        node.links = ReverseLinks(router, host.key_pair, host.peer_id, limits.links)
+
+    def reverse_status(self, node: Node) -> dict[str, Any] | None:
+        """Reverse channels (``transport.reverse``): the ones this node opened behind NAT and
+        the ones NATed peers opened to it; None without libp2p."""
+        if node.links is None or self.server is None:
+            return None
+        hub = self.server.reverse  # None: this node takes no channels
+        channels, accepted = (sorted(hub.channels), hub.accepted) if hub else ([], 0)
+        return node.links.status() | {"channels": channels, "accepted": accepted}
 
     async def stop(self) -> None:
         if self.server is not None:
@@ -113,6 +132,9 @@ class MemoryTransport:
         )
         await host.start()
         return host
+
+    def reverse_status(self, node: Node) -> None:
+        return None  # the in-memory network has no NAT
 
     async def stop(self) -> None:
         if self.url is not None:

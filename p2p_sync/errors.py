@@ -200,6 +200,11 @@ class PeerBusyError(PeerError):
     """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
 
 
+class ImpersonationError(PeerError):
+    """A reverse channel's handshake does not prove the peer id it claims: a node posing as
+    another, or a channel passed on by a peer it was opened to (``transport.reverse``)."""
+
+
 class DownloadStalledError(P2PSyncError):
     """Some chunk of a payload has had no reachable source for ``stall_timeout_s``, and nothing
     else moved: waiting longer would hang the node on peers that left, lied or were banned.

@@ -42,6 +42,8 @@ class ReachabilityLimits:
     retry_s: float = 2.0  # while unknown: look for peers to ask this often
     dial_timeout_s: float = 3.0  # a dial-back done for a peer: connect and answer
     max_concurrent: int = 4  # dial-backs this node does for others at once (more: busy)
+    links: int = 32  # behind NAT: public peers it keeps a reverse channel open to
+    max_channels: int = 64  # reverse channels this node accepts from NATed peers
 
 
 @dataclass(frozen=True)

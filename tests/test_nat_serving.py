@@ -163,7 +163,9 @@ async def _until(check, what: str, timeout: float = 30.0) -> None:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
-async def _nat_swarm(tmp_path: Path, versions: list) -> dict:
+async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict:
+    """A trainer, a rollout behind (declared) NAT and a public one taking at most
+    ``channels`` reverse channels."""
     keyfile, pub = _keyfile(tmp_path)
     fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
     async with Trainer(
@@ -176,7 +178,7 @@ async def _nat_swarm(tmp_path: Path, versions: list) -> dict:
     ) as trainer:
         join = {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **fast}
         nat = Rollout(data_dir=tmp_path / "n", reachability={"mode": "private"}, **join)
-        public = Rollout(data_dir=tmp_path / "p", **join)
+        public = Rollout(data_dir=tmp_path / "p", reachability={"max_channels": channels}, **join)
         async with nat, public:
             for v, weights in enumerate(versions):
                 await trainer.apublish(weights)
@@ -194,11 +196,7 @@ async def _at(r: Rollout, v: int) -> bool:
     return r.version == v
 
 
-def test_a_node_behind_nat_names_itself_by_peer_id_and_serves_over_libp2p(
-    tmp_path: Path,
-) -> None:
-    versions = list(Workload("tiny", lr=3e-4, seed=3).versions(2))
-    out = asyncio.run(_nat_swarm(tmp_path, versions))
+def _named_by_peer_id(out: dict) -> None:
     nat, public, trainer = out["nat"], out["public"], out["trainer"]
     assert nat["reachability"]["verdict"] == "behind NAT"
     assert nat["reachability"]["name"] == f"p2p://{nat['p2p']['peer_id']}"
@@ -206,6 +204,28 @@ def test_a_node_behind_nat_names_itself_by_peer_id_and_serves_over_libp2p(
     assert trainer["reachability"]["verdict"] == "reachable"  # a rollout dialed it back
     assert nat["url"] not in trainer["peers"] and nat["url"] not in public["peers"]
     assert nat["reachability"]["name"] in public["peers"]
+
+
+def test_a_node_behind_nat_serves_over_the_reverse_channel_it_opened(tmp_path: Path) -> None:
+    versions = list(Workload("tiny", lr=3e-4, seed=3).versions(2))
+    out = asyncio.run(_nat_swarm(tmp_path, versions))
+    nat, public, trainer = out["nat"], out["public"], out["trainer"]
+    _named_by_peer_id(out)
+    assert nat["reverse"]["links"] == [public["url"]]  # the trainer takes no channels
+    assert public["reverse"]["channels"] == [nat["p2p"]["peer_id"]]
+    assert trainer["reverse"]["channels"] == [] and trainer["reverse"]["links"] == []
+    assert nat["reverse"]["bytes_uploaded"] > 0  # its uploads went over the channel
+    assert nat["bytes_uploaded"] >= nat["reverse"]["bytes_uploaded"]
+    for weights in out["weights"]:
+        assert bit_equal(weights, versions[-1])
+
+
+def test_without_a_channel_a_node_behind_nat_serves_over_libp2p_streams(tmp_path: Path) -> None:
+    versions = list(Workload("tiny", lr=3e-4, seed=3).versions(2))
+    out = asyncio.run(_nat_swarm(tmp_path, versions, channels=0))
+    nat, public = out["nat"], out["public"]
+    _named_by_peer_id(out)
+    assert public["reverse"]["channels"] == [] and nat["reverse"]["bytes_uploaded"] == 0
     assert nat["p2p"]["streams_bytes_uploaded"] > 0  # its uploads went over libp2p streams
     assert nat["bytes_uploaded"] >= nat["p2p"]["streams_bytes_uploaded"]
     for weights in out["weights"]:

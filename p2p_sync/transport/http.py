@@ -27,6 +27,8 @@ from p2p_sync.transport.dataplane import (
     check_reply,
     parse_json,
 )
+from p2p_sync.transport.reverse import PATH as REVERSE
+from p2p_sync.transport.reverse import ReverseHub
 
 __all__ = ["DataClient", "DataServer", "HttpLimits", "PeerBusyError", "PeerError"]
 
@@ -37,8 +39,11 @@ class DataServer:
     def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
         self.router, self.limits = DataRouter(node, limits), limits
         self.app = web.Application(client_max_size=limits.max_request_bytes)
-        self.app.add_routes([web.route("*", "/{tail:.*}", self._handle)])
+        self.app.add_routes(
+            [web.get(REVERSE, self._reverse), web.route("*", "/{tail:.*}", self._handle)]
+        )
         self._runner: web.AppRunner | None = None
+        self.reverse: ReverseHub | None = None  # NATed peers' channels (``transport.reverse``)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (port 0 picks a free one); returns the bound port."""
@@ -52,8 +57,15 @@ class DataServer:
 
     async def stop(self) -> None:
         self.router.close()
+        if self.reverse is not None:  # its WebSocket handlers would hold the server open
+            await self.reverse.close()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _reverse(self, request: web.Request) -> web.StreamResponse:
+        if self.reverse is None:
+            return web.Response(status=404, text="this node takes no reverse channels")
+        return await self.reverse.accept(request)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read() if request.method == "POST" else b""  # capped: a 413

@@ -84,14 +84,16 @@ def split_url(url: str) -> tuple[str, str, dict[str, str]]:
 
 
 def encode_request(
-    method: str, path: str, query: dict[str, str], peer: str | None, body: bytes
+    method: str, path: str, query: dict[str, str], peer: str | None, body: bytes, **extra: Any
 ) -> bytes:
+    """A request frame (``extra``: more header fields, e.g. a reverse channel's ``id``)."""
     head = {"method": method, "path": path, "query": query, "peer": peer, "body": len(body)}
-    return _frame(head) + body
+    return _frame(head | extra) + body
 
 
-def encode_reply_header(reply: Reply) -> bytes:
-    return _frame({"status": reply.status, "type": reply.content_type, "length": len(reply.body)})
+def encode_reply_header(reply: Reply, **extra: Any) -> bytes:
+    head = {"status": reply.status, "type": reply.content_type, "length": len(reply.body)}
+    return _frame(head | extra)
 
 
 def _frame(doc: dict[str, Any]) -> bytes:
@@ -101,7 +103,11 @@ def _frame(doc: dict[str, Any]) -> bytes:
 
 def parse_request_header(raw: bytes, max_body: int) -> dict[str, Any]:
     """The request header, checked field by field; ValueError names what is wrong."""
-    doc = json.loads(raw)
+    return request_fields(json.loads(raw), max_body)
+
+
+def request_fields(doc: Any, max_body: int) -> dict[str, Any]:
+    """A parsed request header, checked field by field; ValueError names what is wrong."""
     if not isinstance(doc, dict) or doc.get("method") not in ("GET", "POST"):
         raise ValueError("method must be GET or POST")
     if not isinstance(doc.get("path"), str) or not doc["path"].startswith("/"):
@@ -119,7 +125,13 @@ def parse_request_header(raw: bytes, max_body: int) -> dict[str, Any]:
 
 def parse_reply_header(raw: bytes) -> tuple[int, str, int]:
     """(status, content type, length); ValueError if malformed."""
-    doc = json.loads(raw)
+    return reply_fields(json.loads(raw))
+
+
+def reply_fields(doc: Any) -> tuple[int, str, int]:
+    """(status, content type, length) of a parsed reply header; ValueError if malformed."""
+    if not isinstance(doc, dict):
+        raise ValueError("reply header must be an object")
     status, ctype, length = (doc.get(k) for k in ("status", "type", "length"))
     if not (isinstance(status, int) and isinstance(ctype, str) and isinstance(length, int)):
         raise ValueError("reply header needs integer status and length and a string type")
@@ -363,10 +375,12 @@ class StreamClient:
 
 
 class RoutedClient:
-    """One client for all peers: ``p2p://`` names go over libp2p streams, the rest over HTTP."""
+    """One client for all peers: ``p2p://`` names go over the reverse channel the peer
+    opened to this node when there is one (``transport.reverse``: HTTP's cost), else over
+    libp2p streams; the rest over HTTP."""
 
-    def __init__(self, http: PeerClient, streams: StreamClient) -> None:
-        self.http, self.streams, self.limits = http, streams, http.limits
+    def __init__(self, http: PeerClient, streams: StreamClient, reverse: Any = None) -> None:
+        self.http, self.streams, self.reverse, self.limits = http, streams, reverse, http.limits
 
     @property
     def self_url(self) -> str | None:
@@ -376,9 +390,15 @@ class RoutedClient:
     def self_url(self, url: str | None) -> None:
         """How this node names itself to peers (it changes once reachability is known)."""
         self.http.self_url = self.streams.self_url = url
+        if self.reverse is not None:
+            self.reverse.self_url = url
 
     def _for(self, url: str) -> PeerClient:
-        return self.streams if url.startswith(SCHEME) else self.http
+        if not url.startswith(SCHEME):
+            return self.http
+        if self.reverse is not None and self.reverse.hub.has(url):
+            return self.reverse  # type: ignore[no-any-return]
+        return self.streams
 
     async def get_json(self, url: str) -> Any:
         return await self._for(url).get_json(url)

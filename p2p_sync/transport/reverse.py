@@ -1,0 +1,469 @@
+"""Reverse channels: a node behind NAT serves public peers over TCP connections it opened.
+
+Why: behind a NAT nobody can dial a node, but it can dial any public peer's HTTP port. A
+WebSocket it opens there carries that peer's data-plane requests back to it, and its answers
+out, at about HTTP's cost: aiohttp frames WebSockets in C (loopback, both ends in one process
+on 2 cores: ~500 MiB/s for 1 MiB messages), where py-libp2p's Noise and yamux in Python cost
+~15x the CPU of HTTP per byte (measured 32 MiB/s). libp2p streams (``transport.streams``)
+stay for what a channel cannot do: two NATed nodes meeting through a relay, and peers a
+channel does not reach. The requester's client (``streams.RoutedClient``) takes a channel
+when there is one, so the scheduler sees one ``p2p://<peer id>`` source either way.
+
+Wire (a WebSocket on the public peer P's data-plane port, opened by the NATed node N)::
+
+    N -> P  GET /reverse, Upgrade: websocket
+    P -> N  text   {"challenge": 32 hex digits}
+    N -> P  text   {"peer": N's peer id, "url": the URL N dialed, "key": hex of N's libp2p
+                    public key (protobuf), "signature": hex of N's signature over
+                    b"p2psync-reverse/1 " + the URL N dialed + b" " + challenge}
+    P -> N  text   {"ok": true}, or P closes with code 4403 and the reason
+    then, any number of times and interleaved:
+    P -> N  binary a request frame of ``transport.streams`` with "id": int in its header
+    N -> P  binary a reply frame of ``transport.streams`` with the same "id" in its header
+
+P accepts when the key hashes to the claimed peer id, the signature verifies and the signed URL
+is P's own (its advertised URL, or the address the connection arrived at): so no node can
+claim another's name, and a peer N dialed cannot pass N's channel on to a third, which would
+then blame N for whatever that peer served in its name. N answers with its own data router
+(same routes, upload slots and limits as HTTP) and counts what it sent like an HTTP upload.
+
+Bounds: P keeps at most ``max_channels`` channels (a newer one from the same peer replaces the
+older); a message is at most a chunk plus its header one way, a request the other; N serves at
+most ``upload_queue + max_concurrent_uploads`` requests of a channel at once (more get a 503);
+a reply not sent within ``request_timeout_s`` closes the channel (as a slow HTTP reader is cut
+off); a request not answered within ``request_timeout_s`` fails (PeerError); both ends ping
+every ``HEARTBEAT_S`` and drop a silent channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import itertools
+import json
+import logging
+import secrets
+import struct
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp import web
+
+from p2p_sync.errors import ImpersonationError, PeerError
+from p2p_sync.transport.dataplane import (
+    HEX32,
+    PEER_ID,
+    DataRouter,
+    HttpLimits,
+    Reply,
+    Request,
+    check_reply,
+    parse_json,
+)
+from p2p_sync.transport.streams import (
+    MAX_REPLY_HEADER,
+    encode_reply_header,
+    encode_request,
+    peer_url,
+    reply_fields,
+    request_fields,
+    split_url,
+)
+
+log = logging.getLogger("p2psync.reverse")
+PATH = "/reverse"
+CONTEXT = b"p2psync-reverse/1 "
+HEARTBEAT_S = 15.0
+REFUSED = 4403  # WebSocket close code: the handshake did not prove the claimed peer id
+_U32 = struct.Struct(">I")
+
+
+# ---------------------------------------------------------------- handshake (pure)
+
+
+def handshake_message(url: str, challenge: str) -> bytes:
+    """What N signs: the URL it dialed and P's fresh challenge."""
+    return CONTEXT + url.encode() + b" " + challenge.encode()
+
+
+def prove(key_pair: Any, peer_id: str, url: str, challenge: str) -> dict[str, str]:
+    """N's answer to P's challenge, signed with its libp2p identity key."""
+    signature = key_pair.private_key.sign(handshake_message(url, challenge)).hex()
+    key = key_pair.public_key.serialize().hex()
+    return {"peer": peer_id, "url": url, "key": key, "signature": signature}
+
+
+def verify(doc: Any, challenge: str, own_url: Callable[[str], bool]) -> tuple[str, str]:
+    """The proven peer id and the URL it dialed, from N's answer; ImpersonationError names
+    what fails. ``own_url`` says whether a URL is this node's."""
+    from libp2p.crypto.serialization import deserialize_public_key
+    from libp2p.peer.id import ID
+
+    if not isinstance(doc, dict) or not all(
+        isinstance(doc.get(k), str) for k in ("peer", "key", "signature", "url")
+    ):
+        raise ImpersonationError("handshake needs string fields peer, key, signature and url")
+    if not PEER_ID.match(doc["peer"]) or not own_url(doc["url"]):
+        raise ImpersonationError(f"{doc['url']!r} is not this node's URL (a channel passed on?)")
+    try:
+        key = deserialize_public_key(bytes.fromhex(doc["key"]))
+        proven = key.verify(
+            handshake_message(doc["url"], challenge), bytes.fromhex(doc["signature"])
+        )
+    except Exception as exc:  # malformed hex or protobuf: both are "not proven"
+        raise ImpersonationError(f"unreadable key or signature ({type(exc).__name__})") from None
+    if str(ID.from_pubkey(key)) != doc["peer"] or not proven:
+        raise ImpersonationError(f"the signature does not prove peer id {doc['peer']}")
+    return doc["peer"], doc["url"]
+
+
+def is_own_url(url: str, advertised: str | None, sockname: Any) -> bool:
+    """Is ``url`` this node: its advertised URL, or the address and port the connection
+    arrived at (the URL a peer on the same network dials)?"""
+    if advertised is not None and url == advertised:
+        return True
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or not sockname:
+        return False
+    try:
+        return (ipaddress.ip_address(parts.hostname), parts.port) == (
+            ipaddress.ip_address(sockname[0]),
+            sockname[1],
+        )
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------- messages (pure)
+
+
+def split_message(data: bytes, limit: int) -> tuple[dict[str, Any], bytes]:
+    """A frame's header (parsed JSON object) and body; ValueError if malformed."""
+    if len(data) < _U32.size:
+        raise ValueError("message shorter than its length prefix")
+    (n,) = _U32.unpack_from(data)
+    if n > limit or _U32.size + n > len(data):
+        raise ValueError(f"header of {n} bytes: over {limit} or past the message")
+    head = json.loads(data[_U32.size : _U32.size + n])
+    if not isinstance(head, dict) or not isinstance(head.get("id"), int):
+        raise ValueError("header must be an object with an integer id")
+    return head, data[_U32.size + n :]
+
+
+# ---------------------------------------------------------------- the public peer's end
+
+
+class Channel:
+    """P's end of one channel: requests out, replies matched to them by id."""
+
+    def __init__(self, ws: web.WebSocketResponse, peer_id: str, limits: HttpLimits) -> None:
+        self.ws, self.peer_id, self.limits = ws, peer_id, limits
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+
+    async def request(self, frame: Callable[[int], bytes], limit: int, expect: int) -> bytes:
+        """Send the request ``frame(id)``; the body of its reply if the status is
+        ``expect`` and it fits ``limit``. PeerError (or PeerBusyError) otherwise."""
+        rid, url = next(self._ids), peer_url(self.peer_id)
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = waiter
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                await self.ws.send_bytes(frame(rid))
+                head, body = await waiter
+        except (TimeoutError, ConnectionError) as exc:
+            raise PeerError(f"{url}: reverse channel: {type(exc).__name__} {exc}") from None
+        finally:
+            self._waiting.pop(rid, None)
+        try:
+            status, _, length = reply_fields(head)
+        except ValueError as exc:
+            raise PeerError(f"{url}: {exc}") from None
+        check_reply(url, status, length, limit, expect)
+        if length != len(body):
+            raise PeerError(f"{url}: reply of {len(body)} bytes, header says {length}")
+        return body
+
+    async def pump(self) -> None:
+        """Hand replies to their requests until the channel closes or misbehaves; then fail
+        whatever still waits."""
+        try:
+            async for msg in self.ws:
+                if msg.type is not aiohttp.WSMsgType.BINARY:
+                    break
+                head, body = split_message(msg.data, MAX_REPLY_HEADER)
+                waiter = self._waiting.get(head["id"])
+                if waiter is not None and not waiter.done():
+                    waiter.set_result((head, body))
+        except (ValueError, UnicodeDecodeError) as exc:
+            log.info("closing reverse channel of %s: %s", self.peer_id, exc)
+        finally:
+            await self.ws.close()
+            for waiter in self._waiting.values():
+                if not waiter.done():
+                    waiter.set_exception(ConnectionError("channel closed"))
+
+
+class ReverseHub:
+    """P's channels, by peer id: accepts them (``GET /reverse``) and lends them to the
+    client. ``advertised`` gives this node's URL; ``on_channel`` learns a new peer's name."""
+
+    def __init__(
+        self,
+        limits: HttpLimits,
+        max_channels: int,
+        advertised: Callable[[], str | None],
+        on_channel: Callable[[str], None],
+    ) -> None:
+        self.limits, self.max_channels = limits, max_channels
+        self.advertised, self.on_channel = advertised, on_channel
+        self.channels: dict[str, Channel] = {}
+        self.accepted = 0  # channels ever accepted (status)
+
+    async def accept(self, request: web.Request) -> web.StreamResponse:
+        """The WebSocket handler: handshake, then serve as the channel until it closes."""
+        if len(self.channels) >= self.max_channels:
+            return web.Response(status=503, text="no room for another reverse channel")
+        ws = web.WebSocketResponse(
+            heartbeat=HEARTBEAT_S,
+            max_msg_size=self.limits.max_chunk_bytes + MAX_REPLY_HEADER + _U32.size,
+        )
+        await ws.prepare(request)
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        try:
+            peer_id = await self._handshake(ws, sockname)
+        except (ImpersonationError, TimeoutError, ValueError, TypeError) as exc:
+            await ws.close(code=REFUSED, message=str(exc)[:120].encode())
+            return ws
+        await self._serve(ws, peer_id)
+        return ws
+
+    async def _handshake(self, ws: web.WebSocketResponse, sockname: Any) -> str:
+        challenge = secrets.token_hex(16)
+        await ws.send_json({"challenge": challenge})
+        async with asyncio.timeout(self.limits.connect_timeout_s):
+            doc = await ws.receive_json()
+        peer_id, _ = verify(doc, challenge, lambda u: is_own_url(u, self.advertised(), sockname))
+        await ws.send_json({"ok": True})
+        return peer_id
+
+    async def _serve(self, ws: web.WebSocketResponse, peer_id: str) -> None:
+        channel = Channel(ws, peer_id, self.limits)
+        older = self.channels.get(peer_id)
+        self.channels[peer_id] = channel
+        self.accepted += 1
+        if older is not None:
+            await older.ws.close()
+        self.on_channel(peer_url(peer_id))
+        try:
+            await channel.pump()
+        finally:
+            if self.channels.get(peer_id) is channel:
+                del self.channels[peer_id]
+
+    def has(self, url: str) -> bool:
+        return url.startswith("p2p://") and url[6:].split("/", 1)[0] in self.channels
+
+    async def close(self) -> None:
+        for channel in list(self.channels.values()):
+            await channel.ws.close()
+
+
+class ReverseClient:
+    """The data-plane client for ``p2p://`` peers holding a channel to this node."""
+
+    def __init__(self, hub: ReverseHub, self_url: str | None) -> None:
+        self.hub, self.self_url, self.limits = hub, self_url, hub.limits
+
+    async def _request(
+        self, url: str, limit: int, method: str = "GET", body: bytes = b"", expect: int = 200
+    ) -> bytes:
+        peer_id, path, query = split_url(url)
+        channel = self.hub.channels.get(peer_id)
+        if channel is None:
+            raise PeerError(f"{url}: no reverse channel")
+
+        def frame(rid: int) -> bytes:
+            return encode_request(method, path, query, self.self_url, body, id=rid)
+
+        return await channel.request(frame, limit, expect)
+
+    async def get_json(self, url: str) -> Any:
+        return parse_json(url, await self._request(url, self.limits.max_json_bytes))
+
+    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+        return await self._request(url, limit or self.limits.max_chunk_bytes)
+
+    async def post_json(self, url: str, doc: Any) -> Any:
+        body = json.dumps(doc).encode()
+        return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
+
+    async def announce(self, peer: str, digests: list[str]) -> None:
+        doc = json.dumps({"url": self.self_url, "digests": digests}).encode()
+        await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", doc, 202)
+
+    async def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- the NATed node's end
+
+
+class ReverseLinks:
+    """N's channels to public peers, each answered by the node's router. ``offer`` a peer's
+    URL to open one (while fewer than ``max_links`` are open); ``drop_all`` once the node is
+    reachable itself (peers then dial it)."""
+
+    RETRY_S = 5.0  # a channel that closed is opened again after this long
+    GIVE_UP = 3  # ... unless it failed this many times in a row
+    FORGET_S = 300.0  # a peer given up on is not linked again for this long
+
+    def __init__(self, router: DataRouter, key_pair: Any, peer_id: str, max_links: int) -> None:
+        self.router, self.limits = router, router.limits
+        self.key_pair, self.peer_id, self.max_links = key_pair, peer_id, max_links
+        self.links: dict[str, asyncio.Task[None]] = {}
+        self._given_up: dict[str, float] = {}  # URL -> when (loop time)
+        self._dropped: set[asyncio.Task[None]] = set()  # cancelled, not yet finished
+        self.open: set[str] = set()  # URLs whose channel is up now
+        self.answered = 0  # requests answered whole over channels
+        self.bytes_uploaded = 0  # chunk bytes among them
+        self._session: aiohttp.ClientSession | None = None
+
+    def offer(self, url: str) -> None:
+        """Open a channel to ``url`` (an HTTP peer) unless one is open, the bound is reached
+        or it was given up on lately. Cheap: called whenever a peer is named."""
+        if not url.startswith("http://") or url in self.links or len(self.links) >= self.max_links:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self._given_up.get(url, -self.FORGET_S) < self.FORGET_S:
+            return
+        self.links[url] = asyncio.create_task(self._keep(url))
+
+    def drop_all(self) -> None:
+        """Close every channel (the node is reachable now: peers dial it)."""
+        for task in self.links.values():
+            task.cancel()
+            self._dropped.add(task)
+            task.add_done_callback(self._dropped.discard)
+        self.links.clear()
+
+    async def close(self) -> None:
+        self.drop_all()
+        await asyncio.gather(*list(self._dropped), return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _keep(self, url: str) -> None:
+        """Keep a channel to ``url`` open; forget the peer after ``GIVE_UP`` failures."""
+        failures = 0
+        try:
+            while failures < self.GIVE_UP:
+                try:
+                    await self._link(url)
+                    failures = 0
+                except (aiohttp.ClientError, OSError, TimeoutError, PeerError, ValueError) as exc:
+                    failures += 1
+                    log.debug("reverse channel to %s: %s", url, exc)
+                await asyncio.sleep(self.RETRY_S)
+            self._given_up[url] = asyncio.get_running_loop().time()
+        finally:
+            if self.links.get(url) is asyncio.current_task():
+                del self.links[url]
+
+    async def _link(self, url: str) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        async with self._session.ws_connect(
+            url + PATH,
+            heartbeat=HEARTBEAT_S,
+            timeout=aiohttp.ClientWSTimeout(ws_close=self.limits.connect_timeout_s),
+            max_msg_size=self.limits.max_request_bytes + MAX_REPLY_HEADER,
+        ) as ws:
+            async with asyncio.timeout(self.limits.connect_timeout_s):
+                await self._prove(ws, url)
+            self.open.add(url)
+            try:
+                await self._answer_all(ws, url)
+            finally:
+                self.open.discard(url)
+
+    async def _prove(self, ws: aiohttp.ClientWebSocketResponse, url: str) -> None:
+        challenge = (await ws.receive_json()).get("challenge")
+        if not isinstance(challenge, str) or not HEX32.match(challenge):
+            raise PeerError(f"{url}: no challenge on the reverse channel")
+        await ws.send_json(prove(self.key_pair, self.peer_id, url, challenge))
+        if await ws.receive_json() != {"ok": True}:
+            raise PeerError(f"{url}: reverse channel refused")
+
+    async def _answer_all(self, ws: aiohttp.ClientWebSocketResponse, url: str) -> None:
+        """Serve each request as it comes (several at once: long polls wait for news)."""
+        tasks: set[asyncio.Task[None]] = set()
+        room = self.limits.upload_queue + self.limits.max_concurrent_uploads
+        remote = urlsplit(url).hostname
+        try:
+            async for msg in ws:
+                if msg.type is not aiohttp.WSMsgType.BINARY:
+                    break
+                head, body = split_message(msg.data, self.limits.max_request_bytes)
+                req = _request(
+                    request_fields(head, self.limits.max_request_bytes), body, url, remote
+                )
+                rid = head["id"]
+                answer = self._answer(ws, rid, req) if len(tasks) < room else self._refuse(ws, rid)
+                task = asyncio.create_task(answer)
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(self, ws: aiohttp.ClientWebSocketResponse, rid: int, req: Request) -> None:
+        """Route ``req`` and send the reply while its upload slot is held, as HTTP does."""
+        async with self.router.serve(req) as reply:
+            frame = encode_reply_header(reply, id=rid) + reply.body
+            if not await _send(ws, frame, self.limits.request_timeout_s):
+                return
+        self.router.sent(reply)
+        self.answered += 1
+        self.bytes_uploaded += len(reply.body) if reply.upload else 0
+
+    async def _refuse(self, ws: aiohttp.ClientWebSocketResponse, rid: int) -> None:
+        text = b"too many requests on this channel at once"
+        frame = encode_reply_header(Reply(503, text, "text/plain"), id=rid) + text
+        await _send(ws, frame, self.limits.request_timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "links": sorted(self.open),
+            "answered": self.answered,
+            "bytes_uploaded": self.bytes_uploaded,
+        }
+
+
+def _request(head: dict[str, Any], body: bytes, url: str, remote: str | None) -> Request:
+    """A request from the peer at ``url``: the one this node dialed names it (its claim in
+    the frame is not needed), over a connection this node opened."""
+    if head["body"] != len(body):
+        raise ValueError(f"body of {len(body)} bytes, header says {head['body']}")
+    return Request(head["method"], head["path"], head["query"], url, body, remote, True)
+
+
+async def _send(ws: aiohttp.ClientWebSocketResponse, frame: bytes, timeout: float) -> bool:
+    """One message to the peer; False if it is gone, or did not take it within ``timeout``
+    (the channel is then closed: a message cannot be taken back half sent, and a reader too
+    slow for a chunk loses it, as over HTTP)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await ws.send_bytes(frame)
+        return True
+    except TimeoutError:
+        await ws.close()
+    except ConnectionError:
+        pass
+    return False
+
+
+__all__ = ["ReverseClient", "ReverseHub", "ReverseLinks", "handshake_message", "verify"]
