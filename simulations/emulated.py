@@ -147,8 +147,9 @@ class NodeReport:
     name: str
     nat: int  # 0: public; k: behind NAT router k
     verdict: str | None  # its reachability verdict (/status), None if it did not answer
-    uploaded: int  # chunk bytes served over the whole run, HTTP and libp2p streams
-    streams_uploaded: int  # of which over libp2p streams (the only way a NATed node serves)
+    uploaded: int  # chunk bytes served over the whole run: HTTP, channels, libp2p streams
+    channel_uploaded: int  # of which over reverse channels it opened (behind NAT)
+    streams_uploaded: int  # of which over libp2p streams (behind NAT: relayed, or no channel)
     downloaded: int
 
     @classmethod
@@ -157,8 +158,9 @@ class NodeReport:
         doc = proc.status() or {}
         verdict = (doc.get("reachability") or {}).get("verdict")
         streams = (doc.get("p2p") or {}).get("streams_bytes_uploaded", 0)
+        channels = (doc.get("reverse") or {}).get("bytes_uploaded", 0)
         up, down = doc.get("bytes_uploaded", 0), doc.get("bytes_downloaded", 0)
-        return cls(proc.name, nat, verdict, up, streams, down)
+        return cls(proc.name, nat, verdict, up, channels, streams, down)
 
 
 @dataclass
@@ -468,11 +470,12 @@ def _mb(nbytes: float | None) -> str:
 def uploads(result: EmulationResult) -> list[str]:
     """Per rollout: public or behind which NAT, its verdict, what it uploaded; then the mean
     upload of NATed and of public rollouts and the trainer's upload over the payload."""
-    head = ("rollout", "where", "verdict", "up MB", "streams MB", "down MB")
+    head = ("rollout", "where", "verdict", "up MB", "channels MB", "streams MB", "down MB")
     lines = ["  ".join(f"{h:>12}" for h in head)]
     for r in result.rollouts:
         cells = (r.name, f"NAT {r.nat}" if r.nat else "public", r.verdict or "-")
-        cells += (_mb(r.uploaded), _mb(r.streams_uploaded), _mb(r.downloaded))
+        cells += (_mb(r.uploaded), _mb(r.channel_uploaded), _mb(r.streams_uploaded))
+        cells += (_mb(r.downloaded),)
         lines.append("  ".join(f"{x:>12}" for x in cells))
     nated, public = result.mean_upload(True), result.mean_upload(False)
     share = f" ({nated / public:.2f}x)" if nated is not None and public else ""

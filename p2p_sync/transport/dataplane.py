@@ -25,6 +25,9 @@ POST /dialback              {"url": "http://host:port", "nonce": 32 hex} -> {"re
                             at most ``reachability.max_concurrent`` at once (beyond:
                             ``"busy": true``, ask again later)
 GET  /dialback/{nonce}      200 if this node issued ``nonce`` in a dial-back question, else 404
+GET  /reverse               a WebSocket a node behind NAT opens to serve this node over it
+                            (``transport.reverse``: handshake, framing and bounds); 404 on
+                            a node that fetches nothing (trainer, bootstrap)
 GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
 GET  /metrics               Prometheus text exposition
 =========================  ==================================================================

@@ -356,25 +356,31 @@ class ReverseLinks:
             await self._session.close()
 
     async def _keep(self, url: str) -> None:
-        """Keep a channel to ``url`` open; forget the peer after ``GIVE_UP`` failures."""
+        """Keep a channel to ``url`` open; forget the peer after ``GIVE_UP`` failures in a
+        row, or at once when it takes no channels (a 404: a trainer or a bootstrap)."""
         failures = 0
         try:
             while failures < self.GIVE_UP:
                 try:
                     await self._link(url)
                     failures = 0
+                except aiohttp.WSServerHandshakeError as exc:
+                    failures = self.GIVE_UP if exc.status == 404 else failures + 1
                 except (aiohttp.ClientError, OSError, TimeoutError, PeerError, ValueError) as exc:
                     failures += 1
                     log.debug("reverse channel to %s: %s", url, exc)
-                await asyncio.sleep(self.RETRY_S)
+                if failures < self.GIVE_UP:
+                    await asyncio.sleep(self.RETRY_S)
             self._given_up[url] = asyncio.get_running_loop().time()
         finally:
             if self.links.get(url) is asyncio.current_task():
                 del self.links[url]
 
     async def _link(self, url: str) -> None:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
+        if self._session is None:  # no total timeout: a channel lives as long as it serves
+            connect = self.limits.connect_timeout_s
+            timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
+            self._session = aiohttp.ClientSession(timeout=timeout)
         async with self._session.ws_connect(
             url + PATH,
             heartbeat=HEARTBEAT_S,

@@ -8,9 +8,11 @@ node forwarding a stream) when neither can dial the other.
 
 Such a node is named ``p2p://<peer-id>`` wherever an HTTP node is named by its URL (peer lists,
 the ``X-P2PSync-Peer`` header, announcements), and :class:`RoutedClient` sends each request
-down the matching transport. The requests and answers are the data plane's own
-(``transport.dataplane``: same routes, limits, upload slots and verification), so a chunk
-served over a stream is judged exactly like one served over HTTP.
+down the matching transport: the reverse channel the peer opened to this node when there is
+one (``transport.reverse``, a WebSocket at about HTTP's CPU cost), else a stream. The requests
+and answers are the data plane's own (``transport.dataplane``: same routes, limits, upload
+slots and verification), so a chunk served over a stream is judged exactly like one served
+over HTTP.
 
 Wire format of protocol ``/p2psync/data/1.0.0`` (requests one after another on a stream)::
 
