@@ -48,6 +48,7 @@ class _NodeSource(DataPlaneSource):
         self.timeline, self.known = node.timeline, node.peering.directory.known
         self._rank: dict[str, float] = {}
         self._rng = random.Random()
+        self.public = node.peer_url == node.url  # reachable (or no NAT to speak of)
 
     def peers(self) -> list[str]:
         """Trusted peers (given, proven) first, then peers behind NAT (``p2p://``: only
@@ -61,6 +62,12 @@ class _NodeSource(DataPlaneSource):
             return (entry is None or not entry.trusted, not url.startswith(SCHEME), rank)
 
         return sorted(super().peers(), key=key)
+
+    def owed(self, peer: str) -> bool:
+        """A public node follows every peer behind NAT it knows, beyond ``max_sources``: such
+        a peer uploads to nobody but the public peers following it, and the chunks the
+        trainer handed it would wait for ``SuperSeeder.starve_after_s`` otherwise."""
+        return peer.startswith(SCHEME) and self.public
 
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
         have = await super().have(peer, m, known)

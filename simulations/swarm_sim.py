@@ -261,20 +261,20 @@ class SwarmSim:
 
     def _follows(self, p: Peer, want: int) -> set[int]:
         """The neighbours ``p``'s downloads follow: all of them, or, for a public peer that
-        accepted more connections than ``max_sources``, ``want`` of them and the trainer: its
-        NATed neighbours first (nobody else can reach them, while public peers are reachable
-        by all), then random public ones. Following a random ``want`` instead leaves public
-        uplink on public peers and NATed uplink idle (100 peers, 20 ms, half NATed: x1.84 of
-        the bound against x1.57), and a NATed peer none of its neighbours follows holds the
-        chunks the trainer super-seeded to it until the seeder shows them to others again
-        (``SuperSeeder.starve_after_s``, 10 s: a swarm's whole run at these sizes)."""
+        accepted more connections than ``max_sources``, every NATed neighbour (nobody else can
+        reach them, while public peers are reachable by all: the node's ``owed`` sources),
+        then random public ones up to ``want``, and the trainer. Following a random ``want``
+        instead leaves public uplink on public peers and NATed uplink idle (100 peers, 20 ms,
+        half NATed: x1.84 of the bound against x1.57), and a NATed peer none of its
+        neighbours follows holds the chunks the trainer super-seeded to it until the seeder
+        shows them to others again (``SuperSeeder.starve_after_s``, 10 s: a swarm's whole run
+        at these sizes; Hypothesis found such a swarm of 24)."""
         rollouts = sorted(p.neighbors - {TRAINER})
         if len(rollouts) <= want:
             return p.neighbors
         nat = [q for q in rollouts if self.peers[q].nat]
         public = [q for q in rollouts if not self.peers[q].nat]
-        pick = self.rng.sample(nat, min(want, len(nat)))
-        pick += self.rng.sample(public, want - len(pick))
+        pick = nat + self.rng.sample(public, max(0, want - len(nat)))  # every NATed one: owed
         return set(pick) | (p.neighbors & {TRAINER})
 
     def _depths(self) -> list[int]:

@@ -55,6 +55,11 @@ class ChunkSource(Protocol):
         """Peers worth asking now (the directory's usable ones)."""
         ...
 
+    def owed(self, peer: str) -> bool:
+        """Follow ``peer`` even beyond ``max_sources``: it can upload to nobody but the
+        peers that follow it (behind NAT, while this node is public)."""
+        ...
+
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         """Chunk ``index`` of ``m`` from ``peer``, at most one byte over its length."""
         ...
@@ -91,6 +96,9 @@ class DataPlaneSource:
 
     def peers(self) -> list[str]:
         return self._peers()
+
+    def owed(self, peer: str) -> bool:
+        return False
 
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
@@ -160,14 +168,15 @@ class Download:
         self.events.put_nowait(PeerLost(peer))  # gone, dropped or silent: its claims lapse
 
     async def _watch_peers(self) -> None:
-        """Follow up to ``max_sources`` usable peers, the source's preferred first; one lost
-        (or no longer usable) makes room for the next (peers come and go during a download)."""
+        """Follow up to ``max_sources`` usable peers, the source's preferred first, and every
+        peer it is ``owed``; one lost (or no longer usable) makes room for the next (peers
+        come and go during a download)."""
         while not self.done.is_set():
             usable = self.source.peers()
             live = {p for p, t in self.followers.items() if not t.done() and p in usable}
             for peer in usable:
-                if len(live) >= self.config.max_sources:
-                    break
+                if len(live) >= self.config.max_sources and not self.source.owed(peer):
+                    continue
                 if peer not in live:
                     self.followers[peer] = asyncio.create_task(self._follow(peer))
                     live.add(peer)
