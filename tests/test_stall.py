@@ -113,6 +113,9 @@ class _Source:
     def peers(self) -> list[str]:
         return list(self._peers)
 
+    def owed(self, peer: str) -> bool:
+        return peer.startswith("p2p://")  # as a public node's: peers behind NAT
+
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         self.requests.append((peer, index))
         if index in self.lost:
@@ -178,6 +181,12 @@ def test_a_download_follows_at_most_max_sources_peers_the_preferred_first() -> N
     assert len(sink.chunks) == 5
     assert set(source.followed) == {"p0", "p1", "p2"}  # the source's first three
     assert {p for p, _ in source.requests} <= {"p0", "p1", "p2"}
+
+
+def test_a_download_follows_every_owed_peer_beyond_max_sources() -> None:
+    peers = ("p0", "p1", "p2", "p2p://n0", "p3", "p2p://n1")
+    _, source, _, _ = asyncio.run(_download(set(), peers, max_sources=3))
+    assert set(source.followed) == {"p0", "p1", "p2", "p2p://n0", "p2p://n1"}  # never p3
 
 
 def test_a_chunk_nobody_can_serve_stops_the_download_with_a_clear_error() -> None:

@@ -60,10 +60,10 @@ from p2p_sync.transport.dataplane import (
     Reply,
     Request,
     check_reply,
-    parse_json,
 )
 from p2p_sync.transport.streams import (
     MAX_REPLY_HEADER,
+    FramedClient,
     encode_reply_header,
     encode_request,
     peer_url,
@@ -264,14 +264,15 @@ class ReverseHub:
                 del self.channels[peer_id]
 
     def has(self, url: str) -> bool:
-        return url.startswith("p2p://") and url[6:].split("/", 1)[0] in self.channels
+        """Does the ``p2p://`` peer of ``url`` hold a channel here?"""
+        return urlsplit(url).netloc in self.channels
 
     async def close(self) -> None:
         for channel in list(self.channels.values()):
             await channel.ws.close()
 
 
-class ReverseClient:
+class ReverseClient(FramedClient):
     """The data-plane client for ``p2p://`` peers holding a channel to this node."""
 
     def __init__(self, hub: ReverseHub, self_url: str | None) -> None:
@@ -289,23 +290,6 @@ class ReverseClient:
             return encode_request(method, path, query, self.self_url, body, id=rid)
 
         return await channel.request(frame, limit, expect)
-
-    async def get_json(self, url: str) -> Any:
-        return parse_json(url, await self._request(url, self.limits.max_json_bytes))
-
-    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
-        return await self._request(url, limit or self.limits.max_chunk_bytes)
-
-    async def post_json(self, url: str, doc: Any) -> Any:
-        body = json.dumps(doc).encode()
-        return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
-
-    async def announce(self, peer: str, digests: list[str]) -> None:
-        doc = json.dumps({"url": self.self_url, "digests": digests}).encode()
-        await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", doc, 202)
-
-    async def close(self) -> None:
-        pass
 
 
 # ---------------------------------------------------------------- the NATed node's end

@@ -40,10 +40,13 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlsplit
 
 import trio
+
+if TYPE_CHECKING:
+    from p2p_sync.transport.reverse import ReverseClient
 
 from p2p_sync.errors import PeerError
 from p2p_sync.transport.dataplane import (
@@ -343,20 +346,18 @@ class StreamServer:
         return bool(sent)
 
 
-class StreamClient:
-    """The data-plane client for ``p2p://`` peers (requests on pooled streams: ``exchange``)."""
+class FramedClient:
+    """The data-plane calls for ``p2p://`` peers, over one ``_request`` that sends a request
+    frame and returns the reply's body (a stream here, a reverse channel in
+    ``transport.reverse``)."""
 
-    def __init__(self, host: Any, self_url: str | None, limits: HttpLimits) -> None:
-        self.host, self.self_url, self.limits = host, self_url, limits
+    limits: HttpLimits
+    self_url: str | None
 
     async def _request(
         self, url: str, limit: int, method: str = "GET", body: bytes = b"", expect: int = 200
     ) -> bytes:
-        peer_id, path, query = split_url(url)
-        request = encode_request(method, path, query, self.self_url, body)
-        return await self.host.call(
-            exchange, self.host, peer_id, request, limit, expect, self.limits
-        )
+        raise NotImplementedError
 
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._request(url, self.limits.max_json_bytes))
@@ -376,12 +377,30 @@ class StreamClient:
         pass
 
 
+class StreamClient(FramedClient):
+    """The data-plane client for ``p2p://`` peers (requests on pooled streams: ``exchange``)."""
+
+    def __init__(self, host: Any, self_url: str | None, limits: HttpLimits) -> None:
+        self.host, self.self_url, self.limits = host, self_url, limits
+
+    async def _request(
+        self, url: str, limit: int, method: str = "GET", body: bytes = b"", expect: int = 200
+    ) -> bytes:
+        peer_id, path, query = split_url(url)
+        request = encode_request(method, path, query, self.self_url, body)
+        return await self.host.call(
+            exchange, self.host, peer_id, request, limit, expect, self.limits
+        )
+
+
 class RoutedClient:
     """One client for all peers: ``p2p://`` names go over the reverse channel the peer
     opened to this node when there is one (``transport.reverse``: HTTP's cost), else over
     libp2p streams; the rest over HTTP."""
 
-    def __init__(self, http: PeerClient, streams: StreamClient, reverse: Any = None) -> None:
+    def __init__(
+        self, http: PeerClient, streams: StreamClient, reverse: ReverseClient | None = None
+    ) -> None:
         self.http, self.streams, self.reverse, self.limits = http, streams, reverse, http.limits
 
     @property
@@ -399,7 +418,7 @@ class RoutedClient:
         if not url.startswith(SCHEME):
             return self.http
         if self.reverse is not None and self.reverse.hub.has(url):
-            return self.reverse  # type: ignore[no-any-return]
+            return self.reverse
         return self.streams
 
     async def get_json(self, url: str) -> Any:
