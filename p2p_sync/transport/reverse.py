@@ -320,9 +320,11 @@ class ReverseLinks:
         or it was given up on lately. Cheap: called whenever a peer is named."""
         if not url.startswith("http://") or url in self.links or len(self.links) >= self.max_links:
             return
-        now = asyncio.get_running_loop().time()
-        if now - self._given_up.get(url, -self.FORGET_S) < self.FORGET_S:
-            return
+        given_up = self._given_up.get(url)
+        if given_up is not None:  # forgotten after FORGET_S, so the record stays bounded
+            if asyncio.get_running_loop().time() - given_up < self.FORGET_S:
+                return
+            del self._given_up[url]
         self.links[url] = asyncio.create_task(self._keep(url))
 
     def drop_all(self) -> None:
