@@ -180,6 +180,8 @@ async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict
         nat = Rollout(data_dir=tmp_path / "n", reachability={"mode": "private"}, **join)
         public = Rollout(data_dir=tmp_path / "p", reachability={"max_channels": channels}, **join)
         async with nat, public:
+            if channels:  # versions go out once the NATed node's channel is up
+                await _until(lambda: _holds_a_channel(public), "the reverse channel", 30)
             for v, weights in enumerate(versions):
                 await trainer.apublish(weights)
                 for r in (nat, public):
@@ -190,6 +192,10 @@ async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict
                 "trainer": await _status(trainer.url),
                 "weights": [nat.weights, public.weights],
             }
+
+
+async def _holds_a_channel(public: Rollout) -> bool:
+    return bool((await _status(public.url))["reverse"]["channels"])
 
 
 async def _at(r: Rollout, v: int) -> bool:
