@@ -162,6 +162,12 @@ class Node:
             return peer_url(self.p2p.peer_id) if verdict is Verdict.BEHIND_NAT else None
         return None if verdict is Verdict.BEHIND_NAT else self.url
 
+    def _lan_status(self) -> dict[str, Any] | None:
+        """LAN shortcuts to ``p2p://`` peers (``transport.lan``); None without libp2p."""
+        client = self.client
+        lan = client.lan if isinstance(client, RoutedClient) else None
+        return lan.status() if lan is not None else None
+
     @property
     def streams(self) -> bool:
         """Does libp2p carry this node's data plane too (``p2p://`` peers, serving behind
@@ -245,4 +251,5 @@ class Node:
             "last_update": self.last_update,
             "reachability": self.reach.status(),
             "reverse": self.transport.reverse_status(self),
+            "lan": self._lan_status(),
         }

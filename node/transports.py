@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from p2p_sync import announce
 from p2p_sync.transport.dataplane import DataRouter, PeerClient
 from p2p_sync.transport.http import DataClient, DataServer
+from p2p_sync.transport.lan import LanShortcuts
 from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork
 from p2p_sync.transport.reverse import ReverseClient, ReverseHub, ReverseLinks
-from p2p_sync.transport.streams import RoutedClient, StreamClient
+from p2p_sync.transport.streams import RoutedClient, StreamClient, direct_address
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -74,19 +76,23 @@ class HttpTransport:
 
     def _serve_streams(self, node: Node, host: Any) -> None:
         """The data plane over libp2p streams and reverse channels too: the same router
-        answers (one set of upload slots); ``p2p://`` peers are asked over the channel they
-        opened here, else over streams. Behind NAT the node opens channels to public peers
-        (``node.links``); a rollout takes channels from NATed peers (a trainer or bootstrap
-        fetches nothing, so it has no use for them)."""
-        assert self.server is not None and node.client is not None
+        answers (one set of upload slots); ``p2p://`` peers are asked over their LAN shortcut
+        (``transport.lan``), else the channel they opened here, else over streams. Behind NAT
+        the node opens channels to public peers (``node.links``); a rollout takes channels
+        from NATed peers (a trainer or bootstrap fetches nothing, so it has no use for them)."""
+        assert self.server is not None and node.client is not None and node.url is not None
         router, limits = self.server.router, node.cfg.reachability
         host.serve_data(router)
+        router.identity = {"peer": host.peer_id, "port": urlsplit(node.url).port}
         streams = StreamClient(host, node.client.self_url, node.cfg.http)
         reverse = None
         if node.cfg.role == "rollout":
             hub = ReverseHub(node.cfg.http, limits.max_channels, lambda: node.url, node.add_peer)
             self.server.reverse, reverse = hub, ReverseClient(hub, node.client.self_url)
-        node.client = RoutedClient(node.client, streams, reverse)
+        lan = None
+        if limits.lan:
+            lan = LanShortcuts(node.client, streams, lambda p: host.call(direct_address, host, p))
+        node.client = RoutedClient(node.client, streams, reverse, lan)
         node.links = ReverseLinks(router, host.key_pair, host.peer_id, limits.links)
 
     def reverse_status(self, node: Node) -> dict[str, Any] | None:

@@ -196,6 +196,10 @@ class PeerError(P2PSyncError):
     """A peer did not answer as the protocol says (transport error, bad status, bad body)."""
 
 
+class PeerUnreachableError(PeerError):
+    """No connection to the peer could be made (refused, no route, connect timed out)."""
+
+
 class PeerBusyError(PeerError):
     """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
 

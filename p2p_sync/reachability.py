@@ -44,6 +44,7 @@ class ReachabilityLimits:
     max_concurrent: int = 4  # dial-backs this node does for others at once (more: busy)
     links: int = 32  # behind NAT: public peers it keeps a reverse channel open to
     max_channels: int = 64  # reverse channels this node accepts from NATed peers
+    lan: bool = True  # NATed peers reached directly: plain HTTP on their network (transport.lan)
 
 
 @dataclass(frozen=True)

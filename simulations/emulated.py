@@ -470,11 +470,12 @@ def _mb(nbytes: float | None) -> str:
 def uploads(result: EmulationResult) -> list[str]:
     """Per rollout: public or behind which NAT, its verdict, what it uploaded; then the mean
     upload of NATed and of public rollouts and the trainer's upload over the payload."""
-    head = ("rollout", "where", "verdict", "up MB", "channels MB", "streams MB", "down MB")
-    lines = ["  ".join(f"{h:>12}" for h in head)]
+    head = ("rollout", "where", "verdict", "up MB", "HTTP MB", "channels MB", "streams MB")
+    lines = ["  ".join(f"{h:>12}" for h in (*head, "down MB"))]
     for r in result.rollouts:
         cells = (r.name, f"NAT {r.nat}" if r.nat else "public", r.verdict or "-")
-        cells += (_mb(r.uploaded), _mb(r.channel_uploaded), _mb(r.streams_uploaded))
+        http = r.uploaded - r.channel_uploaded - r.streams_uploaded  # behind NAT: its LAN's
+        cells += (_mb(r.uploaded), _mb(http), _mb(r.channel_uploaded), _mb(r.streams_uploaded))
         cells += (_mb(r.downloaded),)
         lines.append("  ".join(f"{x:>12}" for x in cells))
     nated, public = result.mean_upload(True), result.mean_upload(False)

@@ -273,11 +273,15 @@ def test_a_swarm_with_volunteers_behind_nat_converges(
     print(table(result))  # shown on failure (and with -s)
     assert result.converged and result.notes == [], result.notes
     assert result.trainer is not None and result.trainer.verdict == "reachable"
+    groups = [r.nat for r in result.rollouts]
     for r in result.rollouts:
         assert r.verdict == ("behind NAT" if r.nat else "reachable"), r
-        if r.nat:  # served over the connections it opened only: channels and libp2p
-            assert r.channel_uploaded > 0, r  # public rollouts fetched over its channels
+        if r.nat:  # public rollouts fetched over the channels it opened
+            assert r.channel_uploaded > 0, r
+        if r.nat and groups.count(r.nat) == 1:  # alone behind its NAT: nobody dials its HTTP
             assert r.uploaded == r.channel_uploaded + r.streams_uploaded, r
+    lan = [r.uploaded - r.channel_uploaded - r.streams_uploaded for r in result.rollouts if r.nat]
+    assert sum(lan) > 0  # two behind one NAT fetched from each other over plain HTTP
     for v in result.versions:
         why = f"v{v.version}: {v}"
         assert v.end_to_end_s >= v.lower_bound_s, why

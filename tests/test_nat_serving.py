@@ -165,7 +165,8 @@ async def _until(check, what: str, timeout: float = 30.0) -> None:
 
 async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict:
     """A trainer, a rollout behind (declared) NAT and a public one taking at most
-    ``channels`` reverse channels."""
+    ``channels`` reverse channels (on loopback the public one could reach the NATed one's
+    HTTP port, its "LAN": no shortcuts here, see ``_lan_swarm``)."""
     keyfile, pub = _keyfile(tmp_path)
     fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
     async with Trainer(
@@ -178,7 +179,8 @@ async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict
     ) as trainer:
         join = {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **fast}
         nat = Rollout(data_dir=tmp_path / "n", reachability={"mode": "private"}, **join)
-        public = Rollout(data_dir=tmp_path / "p", reachability={"max_channels": channels}, **join)
+        reach = {"max_channels": channels, "lan": False}
+        public = Rollout(data_dir=tmp_path / "p", reachability=reach, **join)
         async with nat, public:
             if channels:  # versions go out once the NATed node's channel is up
                 await _until(lambda: _holds_a_channel(public), "the reverse channel", 30)
@@ -234,6 +236,50 @@ def test_without_a_channel_a_node_behind_nat_serves_over_libp2p_streams(tmp_path
     assert public["reverse"]["channels"] == [] and nat["reverse"]["bytes_uploaded"] == 0
     assert nat["p2p"]["streams_bytes_uploaded"] > 0  # its uploads went over libp2p streams
     assert nat["bytes_uploaded"] >= nat["p2p"]["streams_bytes_uploaded"]
+    for weights in out["weights"]:
+        assert bit_equal(weights, versions[-1])
+
+
+async def _lan_swarm(tmp_path: Path, versions: list) -> dict:
+    """A slow trainer and two rollouts behind (declared) NAT on one network (loopback): they
+    meet over a direct libp2p connection and must trade to finish in time."""
+    keyfile, pub = _keyfile(tmp_path)
+    fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
+    async with Trainer(
+        key=keyfile,
+        data_dir=tmp_path / "t",
+        p2p=True,
+        publish={"chunk_size": 16384},
+        http={"max_upload_mbps": 4.0},
+        **fast,
+    ) as trainer:
+        join = {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **fast}
+        join |= {"reachability": {"mode": "private"}}
+        a, b = Rollout(data_dir=tmp_path / "a", **join), Rollout(data_dir=tmp_path / "b", **join)
+        async with a, b:
+            for v, weights in enumerate(versions):
+                await trainer.apublish(weights)
+                for r in (a, b):
+                    await _until(lambda r=r, v=v: _at(r, v), f"v{v}", 60)
+            return {
+                "rollouts": [await _status(r.url) for r in (a, b)],
+                "weights": [a.weights, b.weights],
+            }
+
+
+def test_nodes_behind_one_nat_trade_over_plain_http_on_their_network(tmp_path: Path) -> None:
+    versions = list(Workload("tiny", lr=3e-4, seed=4).versions(3))
+    out = asyncio.run(_lan_swarm(tmp_path, versions))
+    a, b = out["rollouts"]
+    for me, other in ((a, b), (b, a)):
+        assert me["reachability"]["name"] == f"p2p://{me['p2p']['peer_id']}"  # behind NAT
+        assert me["lan"]["routes"] == {other["reachability"]["name"]: other["url"]}
+    got = sum(r["lan"]["bytes_downloaded"] for r in (a, b))
+    over_http = sum(
+        r["bytes_uploaded"] - r["p2p"]["streams_bytes_uploaded"] - r["reverse"]["bytes_uploaded"]
+        for r in (a, b)
+    )
+    assert 0 < got <= over_http  # each counts what it sent whole / received whole
     for weights in out["weights"]:
         assert bit_equal(weights, versions[-1])
 

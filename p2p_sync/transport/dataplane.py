@@ -28,6 +28,9 @@ GET  /dialback/{nonce}      200 if this node issued ``nonce`` in a dial-back que
 GET  /reverse               a WebSocket a node behind NAT opens to serve this node over it
                             (``transport.reverse``: handshake, framing and bounds); 404 on
                             a node that fetches nothing (trainer, bootstrap)
+GET  /whoami                {"peer": libp2p peer id, "port": data-plane port}: how a node
+                            named ``p2p://<peer id>`` is reached over plain HTTP on its own
+                            network (``transport.lan``); 404 without libp2p
 GET  /status                JSON: version, state_hash, peers, bytes_uploaded, bytes_downloaded...
 GET  /metrics               Prometheus text exposition
 =========================  ==================================================================
@@ -155,7 +158,7 @@ def _hex(value: str, name: str) -> str:
 
 
 # the routes, and how many path segments each takes (its name, then a digest for some)
-_ARITY = {n: (1,) for n in ("manifests", "peers", "announce", "status", "metrics")} | {
+_ARITY = {n: (1,) for n in ("manifests", "peers", "announce", "whoami", "status", "metrics")} | {
     n: (2,) for n in ("chunk", "manifest", "have")
 }
 _ARITY["dialback"] = (1, 2)
@@ -175,6 +178,7 @@ class DataRouter:
         self.polls_held = 0  # have-map long polls waiting for news now
         rate = limits.max_upload_mbps * 1e6 / 8 or None
         self._bucket = TokenBucket(rate, max(rate / 10, 1 << 20)) if rate else None
+        self.identity: dict[str, Any] | None = None  # /whoami; set once libp2p runs
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "manifests"): self._manifests,
             ("GET", "manifest"): self._manifest,
@@ -183,6 +187,7 @@ class DataRouter:
             ("POST", "announce"): self._announce,
             ("POST", "dialback"): self._dial_back,
             ("GET", "dialback"): self._nonce,
+            ("GET", "whoami"): self._whoami,
             ("GET", "status"): self._status,
             ("GET", "metrics"): self._metrics,
         }
@@ -343,6 +348,11 @@ class DataRouter:
         if not (HEX32.match(nonce) and self.node.issued(nonce)):
             raise Refused(404, "no such nonce issued here")
         return _json({"nonce": nonce})
+
+    async def _whoami(self, req: Request, _: str) -> Reply:
+        if self.identity is None:
+            raise Refused(404, "no libp2p identity here")
+        return _json(self.identity)
 
     async def _status(self, req: Request, _: str) -> Reply:
         return _json(self.node.status())

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from p2p_sync.errors import PeerBusyError, PeerError
+from p2p_sync.errors import PeerBusyError, PeerError, PeerUnreachableError
 from p2p_sync.transport.dataplane import (
     PEER_HEADER,
     DataRouter,
@@ -126,7 +126,7 @@ class DataClient:
                         raise PeerError(f"{url}: response over {limit} bytes")
                 return bytes(body)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise PeerError(f"{url}: {type(exc).__name__} {exc}") from None
+            raise _peer_error(url, exc) from None
 
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._get(url, self.limits.max_json_bytes))
@@ -147,4 +147,12 @@ class DataClient:
                 check_reply(url, resp.status, resp.content_length or 0, limit, expect)
                 return await resp.content.read(limit)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise PeerError(f"{url}: {type(exc).__name__} {exc}") from None
+            raise _peer_error(url, exc) from None
+
+
+def _peer_error(url: str, exc: BaseException) -> PeerError:
+    """A failed request as a PeerError; PeerUnreachableError when no connection was made
+    (a shortcut to that address is then worth dropping: ``transport.lan``)."""
+    unreachable = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+    kind = PeerUnreachableError if isinstance(exc, unreachable) else PeerError
+    return kind(f"{url}: {type(exc).__name__} {exc}")

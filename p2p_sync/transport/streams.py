@@ -40,15 +40,17 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
 if TYPE_CHECKING:
+    from p2p_sync.transport.lan import LanShortcuts
     from p2p_sync.transport.reverse import ReverseClient
 
-from p2p_sync.errors import PeerError
+from p2p_sync.errors import PeerError, PeerUnreachableError
 from p2p_sync.transport.dataplane import (
     PEER_ID,
     DataRouter,
@@ -66,6 +68,7 @@ MAX_REPLY_HEADER = 4096
 IDLE_S = 15.0  # a requester reuses an idle stream this long; the server keeps it twice as long
 POOL_PER_PEER = 8  # idle streams a requester keeps per peer
 _U32 = struct.Struct(">I")
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- names (pure)
@@ -286,6 +289,24 @@ async def _exchange(
         raise PeerError(f"{peer_url(str(peer))}: {exc.__cause__!r}") from None
 
 
+async def direct_address(p2p: Any, peer_id: str) -> str | None:
+    """Trio side: the remote IP of a live direct (not relayed) connection to ``peer_id``, or
+    None (``transport.lan`` looks for the peer's HTTP port there)."""
+    from libp2p.connection_types import ConnectionType
+    from libp2p.peer.id import ID
+
+    for conn in p2p.libp2p.get_network().get_connections(ID.from_base58(peer_id)):
+        addrs = [str(a) for a in conn.get_transport_addresses()]
+        if conn.get_connection_type() is ConnectionType.RELAYED or any(
+            "/p2p-circuit" in a for a in addrs
+        ):
+            continue
+        remote = conn.muxed_conn.get_remote_address()
+        if remote:
+            return str(remote[0])
+    return None
+
+
 class _Unanswered(Exception):
     """The stream failed before any byte of the reply came back."""
 
@@ -394,14 +415,20 @@ class StreamClient(FramedClient):
 
 
 class RoutedClient:
-    """One client for all peers: ``p2p://`` names go over the reverse channel the peer
-    opened to this node when there is one (``transport.reverse``: HTTP's cost), else over
-    libp2p streams; the rest over HTTP."""
+    """One client for all peers: ``p2p://`` names go over their LAN shortcut when one holds
+    (``transport.lan``: plain HTTP on the peer's own network), else over the reverse channel
+    the peer opened to this node (``transport.reverse``: HTTP's cost), else over libp2p
+    streams, looking for a shortcut meanwhile; the rest over HTTP."""
 
     def __init__(
-        self, http: PeerClient, streams: StreamClient, reverse: ReverseClient | None = None
+        self,
+        http: PeerClient,
+        streams: StreamClient,
+        reverse: ReverseClient | None = None,
+        lan: LanShortcuts | None = None,
     ) -> None:
-        self.http, self.streams, self.reverse, self.limits = http, streams, reverse, http.limits
+        self.http, self.streams, self.reverse, self.lan = http, streams, reverse, lan
+        self.limits = http.limits
 
     @property
     def self_url(self) -> str | None:
@@ -414,26 +441,51 @@ class RoutedClient:
         if self.reverse is not None:
             self.reverse.self_url = url
 
-    def _for(self, url: str) -> PeerClient:
+    def _for(self, url: str) -> tuple[PeerClient, str]:
+        """The client for ``url``, and the URL to ask it (a shortcut's, for a LAN peer)."""
         if not url.startswith(SCHEME):
-            return self.http
+            return self.http, url
+        shortcut = self.lan.route(url) if self.lan is not None else None
+        if shortcut is not None:
+            return self.http, shortcut
         if self.reverse is not None and self.reverse.hub.has(url):
-            return self.reverse
-        return self.streams
+            return self.reverse, url
+        if self.lan is not None:
+            self.lan.consider(url)
+        return self.streams, url
+
+    async def _routed(
+        self, url: str, op: Callable[[PeerClient, str], Awaitable[T]]
+    ) -> tuple[T, bool]:
+        """``op`` on the client for ``url``; True if it went over a LAN shortcut (dropped
+        when it no longer connects)."""
+        client, target = self._for(url)
+        if target == url or self.lan is None:
+            return await op(client, url), False
+        try:
+            return await op(client, target), True
+        except PeerUnreachableError:
+            self.lan.drop(url)
+            raise
 
     async def get_json(self, url: str) -> Any:
-        return await self._for(url).get_json(url)
+        return (await self._routed(url, lambda c, u: c.get_json(u)))[0]
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
-        return await self._for(url).get_bytes(url, limit)
+        data, shortcut = await self._routed(url, lambda c, u: c.get_bytes(u, limit))
+        if shortcut and self.lan is not None:
+            self.lan.bytes_downloaded += len(data)
+        return data
 
     async def post_json(self, url: str, doc: Any) -> Any:
-        return await self._for(url).post_json(url, doc)
+        return (await self._routed(url, lambda c, u: c.post_json(u, doc)))[0]
 
     async def announce(self, peer: str, digests: list[str]) -> None:
-        await self._for(peer).announce(peer, digests)
+        await self._routed(peer, lambda c, u: c.announce(u, digests))
 
     async def close(self) -> None:
+        if self.lan is not None:
+            await self.lan.close()
         await self.http.close()
         await self.streams.close()
 
