@@ -151,16 +151,18 @@ class NodeReport:
     channel_uploaded: int  # of which over reverse channels it opened (behind NAT)
     streams_uploaded: int  # of which over libp2p streams (behind NAT: relayed, or no channel)
     downloaded: int
+    hole_punched: int = 0  # relayed connections it turned direct (DCUtR hole punches it started)
 
     @classmethod
     def of(cls, proc: Proc, nat: int) -> NodeReport:
         """From the node's own /status: it alone knows its verdict and what it served."""
         doc = proc.status() or {}
         verdict = (doc.get("reachability") or {}).get("verdict")
-        streams = (doc.get("p2p") or {}).get("streams_bytes_uploaded", 0)
+        p2p = doc.get("p2p") or {}
+        streams, punched = p2p.get("streams_bytes_uploaded", 0), p2p.get("hole_punched", 0)
         channels = (doc.get("reverse") or {}).get("bytes_uploaded", 0)
         up, down = doc.get("bytes_uploaded", 0), doc.get("bytes_downloaded", 0)
-        return cls(proc.name, nat, verdict, up, channels, streams, down)
+        return cls(proc.name, nat, verdict, up, channels, streams, down, punched)
 
 
 @dataclass
@@ -471,12 +473,12 @@ def uploads(result: EmulationResult) -> list[str]:
     """Per rollout: public or behind which NAT, its verdict, what it uploaded; then the mean
     upload of NATed and of public rollouts and the trainer's upload over the payload."""
     head = ("rollout", "where", "verdict", "up MB", "HTTP MB", "channels MB", "streams MB")
-    lines = ["  ".join(f"{h:>12}" for h in (*head, "down MB"))]
+    lines = ["  ".join(f"{h:>12}" for h in (*head, "down MB", "punched"))]
     for r in result.rollouts:
         cells = (r.name, f"NAT {r.nat}" if r.nat else "public", r.verdict or "-")
         http = r.uploaded - r.channel_uploaded - r.streams_uploaded  # behind NAT: its LAN's
         cells += (_mb(r.uploaded), _mb(http), _mb(r.channel_uploaded), _mb(r.streams_uploaded))
-        cells += (_mb(r.downloaded),)
+        cells += (_mb(r.downloaded), str(r.hole_punched))
         lines.append("  ".join(f"{x:>12}" for x in cells))
     nated, public = result.mean_upload(True), result.mean_upload(False)
     share = f" ({nated / public:.2f}x)" if nated is not None and public else ""

@@ -84,7 +84,9 @@ async def _serving(doc: Any, delay: float = 0.0) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
-async def _probe(answer: Any, address: str | None = "127.0.0.1", delay: float = 0.0) -> dict:
+async def _probe(
+    answer: Any, address: str | None = "127.0.0.1", delay: float = 0.0, held: tuple = ()
+) -> dict:
     runner, port = await _serving(answer, delay)
     http, streams = DataClient(None), Streams({"peer": PEER, "port": port})
 
@@ -93,6 +95,7 @@ async def _probe(answer: Any, address: str | None = "127.0.0.1", delay: float = 
         return address
 
     shortcuts = lan.LanShortcuts(http, streams, where)
+    shortcuts.routes.update((f"p2p://{p}", "http://10.0.0.1:1") for p in held)
     loop = asyncio.get_running_loop()
     try:
         t0 = loop.time()
@@ -115,6 +118,12 @@ def test_a_shortcut_holds_when_the_address_answers_as_the_peer() -> None:
     out = asyncio.run(_probe({"peer": PEER, "port": 1}))
     assert out["routes"] == {f"p2p://{PEER}": f"http://127.0.0.1:{out['port']}"}
     assert out["asked"] == [f"p2p://{PEER}/whoami"]
+
+
+def test_shortcuts_are_bounded_the_oldest_goes_first(monkeypatch) -> None:
+    monkeypatch.setattr(lan, "MAX_ROUTES", 2)
+    out = asyncio.run(_probe({"peer": PEER, "port": 1}, held=("Q" * 46, "R" * 46)))
+    assert list(out["routes"]) == [f"p2p://{'R' * 46}", f"p2p://{PEER}"]
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,9 @@ def test_nodes_behind_one_nat_trade_over_plain_http_on_their_network(tmp_path: P
     a, b = out["rollouts"]
     for me, other in ((a, b), (b, a)):
         assert me["reachability"]["name"] == f"p2p://{me['p2p']['peer_id']}"  # behind NAT
-        assert me["lan"]["routes"] == {other["reachability"]["name"]: other["url"]}
+        # a node that fetched nothing from the other over libp2p had no reason to look
+        assert me["lan"]["routes"] in ({}, {other["reachability"]["name"]: other["url"]})
+    assert a["lan"]["routes"] or b["lan"]["routes"]
     got = sum(r["lan"]["bytes_downloaded"] for r in (a, b))
     over_http = sum(
         r["bytes_uploaded"] - r["p2p"]["streams_bytes_uploaded"] - r["reverse"]["bytes_uploaded"]

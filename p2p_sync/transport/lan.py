@@ -25,8 +25,9 @@ Chunk bytes are verified against the signed manifest whichever way they come. A 
 stops connecting (``PeerUnreachableError``: the peer restarted elsewhere, the network changed)
 is dropped; requests go over streams again and the shortcut is tried again after ``RETRY_S``.
 
-Bounds: one probe per peer at a time, none for ``RETRY_S`` after one failed; a shortcut is kept
-only for a peer the node still routes to (at most its peer list's size).
+Bounds: one probe per peer at a time, none for ``RETRY_S`` after one failed; at most
+``MAX_ROUTES`` shortcuts (the oldest goes first: peers come and go, and one that is still
+around is found again on its next request over streams).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from p2p_sync.errors import PeerError
+from p2p_sync.errors import P2PError, PeerError
 from p2p_sync.transport.dataplane import PeerClient
 
 log = logging.getLogger("p2psync.lan")
 PROBE_TIMEOUT_S = 3.0  # the HTTP probe (step 3): a SYN nobody answers costs this, once
 RETRY_S = 300.0  # after a failed probe, or a shortcut that stopped connecting
+MAX_ROUTES = 256  # shortcuts kept (a node follows at most directory.max_peers peers)
 
 
 def shortcut_url(address: str, port: Any) -> str | None:
@@ -115,12 +117,14 @@ class LanShortcuts:
         peer = base.removeprefix("p2p://")
         try:
             target = await self._find(peer)
-        except PeerError as exc:
+        except (PeerError, P2PError) as exc:  # no answer, or libp2p stopped meanwhile
             log.debug("no LAN shortcut to %s: %s", base, exc)
             target = None
         if target is None:
             self._fail(base)
             return
+        if len(self.routes) >= MAX_ROUTES:
+            del self.routes[next(iter(self.routes))]
         self.routes[base] = target
         log.info("LAN shortcut: %s at %s", base, target)
 

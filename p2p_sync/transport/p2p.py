@@ -175,6 +175,7 @@ class P2PHost:
         self._dht: Any = None
         self._relay: relay.BoundedRelay | None = None
         self._relay_client: relay.RelayClient | None = None
+        self._puncher: relay.HolePuncher | None = None
         self.streams = streams.StreamPool()  # idle data streams to peers, for the next request
 
     # ------------------------------------------------------------ asyncio side
@@ -282,6 +283,8 @@ class P2PHost:
             "relay_offered": bool(self._relay and self._relay.offering),
             "relayed_bytes": self._relay.relayed_bytes if self._relay else 0,
             "relay_reservations": len(self._relay_client.reserved) if self._relay_client else 0,
+            "hole_punches": self._puncher.tried if self._puncher else 0,
+            "hole_punched": self._puncher.punched if self._puncher else 0,
             "streams_answered": self._data.answered if self._data else 0,
             "streams_bytes_uploaded": self._data.bytes_uploaded if self._data else 0,
         }
@@ -415,6 +418,7 @@ class P2PHost:
             background_trio_service(gossipsub),
             background_trio_service(dht) if dht is not None else _nothing(),
             background_trio_service(self._relay),
+            background_trio_service(self._puncher),
             trio.open_nursery() as nursery,
         ):
             await pubsub.wait_until_ready()
@@ -432,6 +436,7 @@ class P2PHost:
         bounds = self.settings.relay
         self._relay = relay.BoundedRelay(host, relay.relay_limits(bounds), bounds.mbps)
         self._relay_client = relay.RelayClient(host, self._relay, bounds.reservations)
+        self._puncher = relay.HolePuncher(host, self.settings.dial_timeout_s)
         self._apply_relay_role()
 
     def _dialable(self, host: Any) -> str:

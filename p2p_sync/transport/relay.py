@@ -20,8 +20,14 @@ bounded by the node's ``[relay]`` settings (``p2p_sync.reachability.RelayBounds`
 together (py-libp2p 0.8.1 has no bandwidth limit of its own: :class:`BoundedRelay` meters every
 piece it forwards through one token bucket).
 
-Hole punching (DCUtR) is not used yet: py-libp2p's implementation punches only from its
-listen port, which our nodes do not keep mapped, and we have not seen it cross a real NAT.
+Hole punching: once two peers are connected through a relay, each tries to replace that with
+a direct connection (libp2p's standard DCUtR, ``/libp2p/dcutr``, py-libp2p's implementation):
+they swap their predicted public addresses (the NAT's address a peer observed, with their own
+listen port: the dial leaves from the listen port, SO_REUSEPORT, and most home routers keep a
+port), and dial each other at the same moment (TCP simultaneous open). It works behind NATs
+that map endpoint-independently and keep ports, and fails, leaving the relay in place, behind
+symmetric ones (carrier-grade NAT often is); :class:`HolePuncher` counts both. A punched
+connection carries data-plane streams without the relay's hops and bandwidth cap.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from typing import Any
 
 import multiaddr
 import trio
+from libp2p.connection_types import ConnectionType
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -76,6 +84,34 @@ class BoundedRelay(CircuitV2Protocol):
             self.relayed_bytes += len(data)
             await trio.sleep(self.bucket.reserve(len(data), time.monotonic()))
         return data
+
+
+class HolePuncher(DCUtRProtocol):
+    """py-libp2p's DCUtR, counting the hole punches this node started while it had only a
+    relayed connection to the peer (tries, and tries that left a direct connection)."""
+
+    def __init__(self, host: Any, dial_timeout_s: float) -> None:
+        super().__init__(host, dial_timeout=int(max(dial_timeout_s, 1)))
+        self.tried = self.punched = 0
+
+    async def initiate_hole_punch(self, peer_id: ID) -> bool:
+        if direct_connection(self.host, peer_id) is not None:
+            return True  # nothing to punch (py-libp2p says True here too)
+        self.tried += 1
+        ok = await super().initiate_hole_punch(peer_id)
+        if ok and direct_connection(self.host, peer_id) is not None:
+            self.punched += 1
+            log.info("hole punched: direct connection to %s", peer_id)
+        return ok
+
+
+def direct_connection(host: Any, peer: ID) -> Any:
+    """A live connection to ``peer`` that no relay carries, or None."""
+    for conn in host.get_network().get_connections(peer):
+        relayed = conn.get_connection_type() is ConnectionType.RELAYED
+        if not relayed and not any(_is_circuit(a) for a in conn.get_transport_addresses()):
+            return conn
+    return None
 
 
 def relay_limits(bounds: RelayBounds) -> RelayLimits:

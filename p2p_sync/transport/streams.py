@@ -292,19 +292,13 @@ async def _exchange(
 async def direct_address(p2p: Any, peer_id: str) -> str | None:
     """Trio side: the remote IP of a live direct (not relayed) connection to ``peer_id``, or
     None (``transport.lan`` looks for the peer's HTTP port there)."""
-    from libp2p.connection_types import ConnectionType
     from libp2p.peer.id import ID
 
-    for conn in p2p.libp2p.get_network().get_connections(ID.from_base58(peer_id)):
-        addrs = [str(a) for a in conn.get_transport_addresses()]
-        if conn.get_connection_type() is ConnectionType.RELAYED or any(
-            "/p2p-circuit" in a for a in addrs
-        ):
-            continue
-        remote = conn.muxed_conn.get_remote_address()
-        if remote:
-            return str(remote[0])
-    return None
+    from p2p_sync.transport.relay import direct_connection
+
+    conn = direct_connection(p2p.libp2p, ID.from_base58(peer_id))
+    remote = conn.muxed_conn.get_remote_address() if conn is not None else None
+    return str(remote[0]) if remote else None
 
 
 class _Unanswered(Exception):
