@@ -163,31 +163,50 @@ async def _until(check, what: str, timeout: float = 30.0) -> None:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
-async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict:
-    """A trainer, a rollout behind (declared) NAT and a public one taking at most
-    ``channels`` reverse channels (on loopback the public one could reach the NATed one's
-    HTTP port, its "LAN": no shortcuts here, see ``_lan_swarm``)."""
+FAST = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
+
+
+def _slow_trainer(tmp_path: Path) -> tuple[Trainer, str]:
+    """A trainer alone too slow to serve everyone (rollouts must trade), and its public key."""
     keyfile, pub = _keyfile(tmp_path)
-    fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
-    async with Trainer(
+    http = {"max_upload_mbps": 4.0}
+    trainer = Trainer(
         key=keyfile,
         data_dir=tmp_path / "t",
         p2p=True,
         publish={"chunk_size": 16384},
-        http={"max_upload_mbps": 4.0},  # the trainer alone is slow: rollouts must trade
-        **fast,
-    ) as trainer:
-        join = {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **fast}
+        http=http,
+        **FAST,
+    )
+    return trainer, pub
+
+
+def _joining(trainer: Trainer, pub: str) -> dict:
+    return {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **FAST}
+
+
+async def _publish_all(trainer: Trainer, versions: list, rollouts: tuple[Rollout, ...]) -> None:
+    """Each version in turn, once every rollout has the one before."""
+    for v, weights in enumerate(versions):
+        await trainer.apublish(weights)
+        for r in rollouts:
+            await _until(lambda r=r, v=v: _at(r, v), f"v{v}", 60)
+
+
+async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict:
+    """A trainer, a rollout behind (declared) NAT and a public one taking at most
+    ``channels`` reverse channels (on loopback the public one could reach the NATed one's
+    HTTP port, its "LAN": no shortcuts here, see ``_lan_swarm``)."""
+    trainer, pub = _slow_trainer(tmp_path)
+    async with trainer:
+        join = _joining(trainer, pub)
         nat = Rollout(data_dir=tmp_path / "n", reachability={"mode": "private"}, **join)
         reach = {"max_channels": channels, "lan": False}
         public = Rollout(data_dir=tmp_path / "p", reachability=reach, **join)
         async with nat, public:
             if channels:  # versions go out once the NATed node's channel is up
                 await _until(lambda: _holds_a_channel(public), "the reverse channel", 30)
-            for v, weights in enumerate(versions):
-                await trainer.apublish(weights)
-                for r in (nat, public):
-                    await _until(lambda r=r, v=v: _at(r, v), f"v{v}", 60)
+            await _publish_all(trainer, versions, (nat, public))
             return {
                 "nat": await _status(nat.url),
                 "public": await _status(public.url),
@@ -243,24 +262,12 @@ def test_without_a_channel_a_node_behind_nat_serves_over_libp2p_streams(tmp_path
 async def _lan_swarm(tmp_path: Path, versions: list) -> dict:
     """A slow trainer and two rollouts behind (declared) NAT on one network (loopback): they
     meet over a direct libp2p connection and must trade to finish in time."""
-    keyfile, pub = _keyfile(tmp_path)
-    fast = {"download": {"have_poll_s": 0.05}, "directory": {"poll_interval_s": 0.2}}
-    async with Trainer(
-        key=keyfile,
-        data_dir=tmp_path / "t",
-        p2p=True,
-        publish={"chunk_size": 16384},
-        http={"max_upload_mbps": 4.0},
-        **fast,
-    ) as trainer:
-        join = {"trust": [pub], "peers": [trainer.url], "bootstrap": [trainer.multiaddr], **fast}
-        join |= {"reachability": {"mode": "private"}}
+    trainer, pub = _slow_trainer(tmp_path)
+    async with trainer:
+        join = _joining(trainer, pub) | {"reachability": {"mode": "private"}}
         a, b = Rollout(data_dir=tmp_path / "a", **join), Rollout(data_dir=tmp_path / "b", **join)
         async with a, b:
-            for v, weights in enumerate(versions):
-                await trainer.apublish(weights)
-                for r in (a, b):
-                    await _until(lambda r=r, v=v: _at(r, v), f"v{v}", 60)
+            await _publish_all(trainer, versions, (a, b))
             return {
                 "rollouts": [await _status(r.url) for r in (a, b)],
                 "weights": [a.weights, b.weights],
