@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from p2p_sync.seeding import SuperSeeder
+from p2p_sync.transport.dataplane import Pushed
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -52,6 +53,10 @@ class DataView:
         m = self.node.store.manifest(digest)
         return None if m is None else self.node.store.have_indices(m)
 
+    def offer(self, digest: str, peer: str) -> list[int] | None:
+        """What to push ``peer`` with our news: what ``have`` would answer it."""
+        return self.have(digest, peer)
+
     def chunk(self, sha256: str) -> bytes | None:
         return self.node.store.get_chunk(sha256)
 
@@ -67,8 +72,15 @@ class DataView:
     def metrics_text(self) -> bytes:
         return self.node.metrics.text()
 
-    def on_announce(self, url: str | None, digests: list[str]) -> None:
-        self.node.learner.on_announce(url, digests)
+    def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None:
+        self.node.learner.on_announce(url, digests, pushed)
+
+    def followers(self) -> set[str]:
+        """Peers to push a chunk offer with an announcement: none (only a seed hands out)."""
+        return set()
+
+    def withdraw(self, peer: str) -> None:
+        """An offer pushed to ``peer`` did not arrive: nothing to take back here."""
 
     def add_peer(self, url: str) -> None:
         self.node.add_peer(url)
@@ -82,6 +94,10 @@ class DataView:
         return await self.node.reach.dial_back(url, nonce, remote, outbound)
 
 
+FOLLOWER_S = 120.0  # a peer that asked the seed for a have-map this recently still follows it
+MAX_FOLLOWERS = 1024  # followers remembered (the oldest forgotten first)
+
+
 class SeedingView(DataView):
     """The trainer's data plane: each requester is shown a few chunks of its own
     (super-seeding), so rollouts fetch different chunks and trade them among themselves."""
@@ -90,6 +106,19 @@ class SeedingView(DataView):
         super().__init__(node)
         publish = node.cfg.publish
         self.seeder = SuperSeeder(publish.seed_outstanding, publish.reseed_after_s)
+        self._asked: dict[str, float] = {}  # requester -> when it last asked for a have-map
+
+    def followers(self) -> set[str]:
+        """Peers that asked for a have-map lately: the ones a new version's announcement
+        carries an offer to (handed-out chunks wait ``reseed_after_s`` for a peer that never
+        comes to fetch them, so only peers that do fetch get any)."""
+        now = time.monotonic()
+        return {peer for peer, at in self._asked.items() if now - at < FOLLOWER_S}
+
+    def withdraw(self, peer: str) -> None:
+        """The push to ``peer`` failed: it is no follower now, and its chunks go to others."""
+        self._asked.pop(peer, None)
+        self.seeder.release(peer)
 
     def chunk(self, sha256: str) -> bytes | None:
         data = super().chunk(sha256)
@@ -99,7 +128,14 @@ class SeedingView(DataView):
         return data
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:
+        """The requester's offer; asking makes it a follower (a push does not)."""
+        if requester is not None:
+            self._asked.pop(requester, None)
+            self._asked[requester] = time.monotonic()
+            while len(self._asked) > MAX_FOLLOWERS:
+                del self._asked[next(iter(self._asked))]
+        return self.offer(digest, requester)
+
+    def offer(self, digest: str, peer: str | None) -> list[int] | None:
         m = self.node.store.manifest(digest)
-        if m is None:
-            return None
-        return self.seeder.offer(m.chunks, requester, time.monotonic())
+        return None if m is None else self.seeder.offer(m.chunks, peer, time.monotonic())

@@ -46,6 +46,7 @@ class _NodeSource(DataPlaneSource):
         assert node.client is not None
         super().__init__(node.client, node.peering.usable)
         self.timeline, self.known = node.timeline, node.peering.directory.known
+        self.offer = node.learner.take_offer  # a have-map answer pushed with the announcement
         self._rank: dict[str, float] = {}
         self._rng = random.Random()
         self.public = node.peer_url == node.url  # reachable (or no NAT to speak of)
@@ -68,6 +69,12 @@ class _NodeSource(DataPlaneSource):
         a peer uploads to nobody but the public peers following it, and the chunks the
         trainer handed it would wait for ``SuperSeeder.starve_after_s`` otherwise."""
         return peer.startswith(SCHEME) and self.public
+
+    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
+        have = self.offer(peer, m.digest)
+        if have:
+            self.timeline.note(m.digest, "first_have")
+        return have
 
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
         have = await super().have(peer, m, known)

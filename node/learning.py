@@ -9,10 +9,11 @@ no store writes) and ``on_gossip`` / ``on_p2p_peer`` on the event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from p2p_sync import announce
@@ -20,13 +21,14 @@ from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, Rol
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
-from p2p_sync.transport.dataplane import gather_quietly
+from p2p_sync.transport.dataplane import Pushed, gather_quietly
 
 if TYPE_CHECKING:
     from node.runtime import Node
 
 log = logging.getLogger("p2psync.node")
 _SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
+MAX_OFFERS = 256  # chunk offers pushed with announcements, kept until a download asks
 
 
 class Learner:
@@ -37,6 +39,7 @@ class Learner:
         self.new_info = asyncio.Event()  # set whenever a manifest is accepted
         self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
         self._learning: set[str] = set()
+        self._offers: dict[tuple[str, str], list[int]] = {}  # (peer, digest) -> indices
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
         self._tasks: list[asyncio.Task[Any]] = []
         self._poller: asyncio.Task[None] | None = None
@@ -65,18 +68,43 @@ class Learner:
 
     # ------------------------------------------------------------ HTTP: announcements, fetches
 
-    def on_announce(self, url: str | None, digests: list[str]) -> None:
+    def on_announce(
+        self,
+        url: str | None,
+        digests: list[str],
+        pushed: Pushed = Pushed(),
+    ) -> None:
+        """An HTTP announcement; ``pushed.offers``: the sender's first have-map answers to this
+        node (kept for the download), ``pushed.manifests``: inline, judged as if fetched;
+        ``pushed.gossiped``: the news is on its way by gossip too, so a node on the mesh leaves
+        it to gossip (one that learned it first would not forward the gossip: IGNORE)."""
         node = self.node
         if url is not None:
             node.add_peer(url)
         if url is None or url in node.peering.banned:
             return
+        for digest, have in pushed.offers.items():
+            self._offers.pop((url, digest), None)
+            self._offers[(url, digest)] = have
+            while len(self._offers) > MAX_OFFERS:
+                del self._offers[next(iter(self._offers))]
+        mesh = node.p2p is not None and node.p2p.status().get("mesh_peers", 0) > 0
+        if pushed.gossiped and mesh:
+            return
         fresh = [d for d in digests if not node.store.has_manifest(d)]
         if fresh:
-            self.spawn(self.learn(url, fresh))
+            self.spawn(self.learn(url, fresh, pushed.manifests))
 
-    async def learn(self, peer: str, digests: list[str]) -> list[Manifest]:
-        """Fetch, verify and keep manifests ``peer`` offers; relay the accepted ones onward."""
+    def take_offer(self, peer: str, digest: str) -> list[int] | None:
+        """What ``peer`` pushed with its announcement of ``digest``: its have-map answer, so
+        a download's first question to it needs no round trip (once: later ones long-poll)."""
+        return self._offers.pop((peer, digest), None)
+
+    async def learn(
+        self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
+    ) -> list[Manifest]:
+        """Fetch (unless ``inline``), verify and keep manifests ``peer`` offers; relay the
+        accepted ones onward."""
         accepted = []
         for digest in digests:
             if digest in self._learning or self.node.store.has_manifest(digest):
@@ -84,7 +112,7 @@ class Learner:
             self.node.timeline.note(digest, "heard")  # announced, polled or gossiped
             self._learning.add(digest)
             try:
-                manifest = await self._learn_one(peer, digest)
+                manifest = await self._learn_one(peer, digest, (inline or {}).get(digest))
             finally:
                 self._learning.discard(digest)
             if manifest is not None:
@@ -94,12 +122,13 @@ class Learner:
             await self.announce([m.digest for m in accepted], exclude={peer})
         return accepted
 
-    async def _learn_one(self, peer: str, digest: str) -> Manifest | None:
+    async def _learn_one(self, peer: str, digest: str, data: bytes | None) -> Manifest | None:
         node = self.node
         assert node.client is not None
         try:
-            limit = node.trusted.limits.manifest.max_manifest_bytes
-            data = await node.client.get_bytes(f"{peer}/manifest/{digest}", limit)
+            if data is None:
+                limit = node.trusted.limits.manifest.max_manifest_bytes
+                data = await node.client.get_bytes(f"{peer}/manifest/{digest}", limit)
             manifest = node.trusted.admit(data, time.time(), digest)
         except PeerError:
             node.peering.handle(PeerFailed(peer))
@@ -116,15 +145,70 @@ class Learner:
 
     async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
         """Tell peers about manifests: gossip for our own publications (relays pass
-        ``exclude``; gossipsub relays by itself), HTTP push to peers gossip does not reach."""
+        ``exclude``; gossipsub relays by itself), HTTP push to peers gossip does not reach
+        and, with their offers, to our followers (at once, not after the gossip publish: an
+        offer that comes after the gossiped manifest finds the follower already asking; the
+        gossip goes first, though: a node that learns the news over HTTP before its gossip
+        would not forward the gossip)."""
         node = self.node
         if node.client is None or not digests:
             return
-        if node.p2p is not None and node.signer is not None and not exclude:
-            await self._gossip(digests)
-        skip = exclude | self._p2p_urls
+        own = node.signer is not None and not exclude  # our publication, not a relay
+        gossip = asyncio.ensure_future(self._gossip(digests)) if node.p2p and own else None
+        if gossip is not None:
+            await asyncio.sleep(0)  # let it sign and hand the message to libp2p first
+        followers = node.view.followers() if own else set()
+        skip = exclude | (self._p2p_urls - followers)
         peers = [p for p in node.peering.usable() if p not in skip]
-        await gather_quietly([node.client.announce(p, digests) for p in peers])
+        extra: list[dict[str, Any]] = [{} for _ in peers]  # a relay's: the digests alone
+        if own:
+            texts = {d: b.decode() for d in digests if (b := node.store.manifest_bytes(d))}
+            inline = (texts, len(json.dumps(texts)))  # encoded once: ~56 KB for 768 chunks
+            extra = [self._extra(p, digests, followers, inline) for p in peers]
+        pushes = asyncio.ensure_future(
+            gather_quietly([self._push(p, digests, x) for p, x in zip(peers, extra)])
+        )
+        if gossip is not None:
+            await gossip
+        await pushes
+
+    async def _push(self, peer: str, digests: list[str], extra: dict[str, Any]) -> None:
+        """``POST /announce``; a follower it fails to reach gives back the chunks handed to it
+        (else they would wait ``reseed_after_s`` for a peer that is gone)."""
+        assert self.node.client is not None
+        try:
+            await self.node.client.announce(peer, digests, extra)
+        except PeerError:
+            if "offers" in extra:
+                self.node.view.withdraw(peer)
+            raise
+
+    def _extra(
+        self,
+        peer: str,
+        digests: list[str],
+        followers: set[str],
+        inline: tuple[dict[str, str], int],
+    ) -> dict[str, Any]:
+        """What our own announcement carries to ``peer`` beyond the digests: to a follower,
+        the chunks we hand it (its first have-map answer, ahead of its question) and, unless
+        gossip reaches it, the manifests (``inline``: their texts, and those encoded's size;
+        it would fetch them from us right after), when the request stays within the
+        receiver's body limit; and whether the news also went out by gossip (a node on the
+        mesh then waits for it: one that learned it over HTTP first would not forward the
+        gossip, IGNORE, and our view of who is on the mesh is not complete)."""
+        assert self.node.client is not None
+        view, extra = self.node.view, {}
+        if peer in followers:
+            offers = {d: have for d in digests if (have := view.offer(d, peer)) is not None}
+            extra["offers"] = offers
+        if self.node.p2p is not None:
+            extra["gossiped"] = True
+        texts, size = inline
+        room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
+        if peer in followers and peer not in self._p2p_urls and size <= room:
+            extra["manifests"] = texts
+        return extra
 
     # ------------------------------------------------------------ pull fallback
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ipaddress
 import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from p2p_sync.errors import PeerError
 from p2p_sync.reachability import Reachability, Verdict
+from p2p_sync.transport.dataplane import same_host
 from p2p_sync.transport.streams import peer_url
 
 if TYPE_CHECKING:
@@ -28,17 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2psync.node")
 NONCES = 64  # dial-back questions remembered (a bounded memory)
-
-
-def same_host(url: str, remote: str | None) -> bool:
-    """Does ``url`` point at ``remote``, the address a request came from?"""
-    host = urlsplit(url).hostname
-    if host is None or remote is None:
-        return False
-    try:
-        return ipaddress.ip_address(host) == ipaddress.ip_address(remote)
-    except ValueError:
-        return host == remote  # names (the in-memory network): compared as they are
 
 
 class ReachabilityCheck:

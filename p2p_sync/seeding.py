@@ -49,6 +49,13 @@ class SuperSeeder:
         """The seed uploaded chunk ``key`` (to anyone)."""
         self.served[key] += 1
 
+    def release(self, requester: Hashable) -> None:
+        """``requester`` is gone (an offer pushed to it found nobody): the chunks handed to it
+        and not fetched go to the next requester at once, not ``reseed_after_s`` later."""
+        for key in [k for k, (who, _) in self.owner.items() if who == requester]:
+            if not self.served[key]:
+                del self.owner[key]
+
     def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
         """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones."""
         budget, served = self.outstanding, self.served

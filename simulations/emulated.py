@@ -24,11 +24,20 @@ Volunteers behind NAT (issue 15): ``--nat 0,0,0,1,1,2,2,3`` gives each rollout's
 public, k: behind router k, shared by its group: ``TopologyConfig.nat``). A NATed node can only
 serve over the libp2p connections it opened, so a NAT run puts a public bootstrap node on host 1
 (``--bootstrap``, implied by ``--nat``), turns libp2p on for every node and has the trainer and
-the rollouts join through it. The bootstrap holds no weights: the bound counts only the trainer
-and the rollouts. The report adds each rollout's place, its reachability verdict and its upload::
+the rollouts join through it (``--trainer-nat K`` puts the trainer behind router K too: a
+trainer on a lab or home network). The bootstrap holds no weights: the bound counts only the
+trainer and the rollouts. The report adds each rollout's place, its reachability verdict and
+its upload::
 
     python -m simulations.emulated --nat 0,0,0,1,1,2,2,3 --delay-ms 20   # 10 hosts
     python -m simulations.emulated --nat 0,0,0,0,0,0,0,0 --delay-ms 20   # the same, all public
+
+"relayed/F" is what public nodes forwarded between NATed peers (circuit relay v2) per version.
+NATed peers behind different NATs first meet through a relay, then punch a hole (DCUtR) a few
+seconds into a download; ``--punch-wait 20`` waits up to 20 s for one after each version until
+one is seen, so the later versions show the swarm as long-running volunteers have it::
+
+    python -m simulations.emulated --nat 1,2 --mbps 40 --payload-mb 4 --punch-wait 20
 
 Needs root and iproute2 (see ``simulations.netns``).
 """
@@ -68,6 +77,11 @@ class EmulationConfig:
     rate_probe_mb: float = 0.0  # measure one host-to-host transfer first (0: skip)
     start_timeout_s: float = 120.0  # every node process up
     verdict_timeout_s: float = 60.0  # then (libp2p on) every node's reachability verdict
+    # After each version until the first hole punch (DCUtR) is seen, wait up to this long for
+    # one, so later versions show NAT-to-NAT pairs as long-running volunteers have them (a
+    # punch needs a relayed connection first: two NATed peers that traded in a version, then a
+    # few seconds; peers that have not met yet meet in the next); 0: do not wait.
+    punch_wait_s: float = 0.0
     version_timeout_s: float = 300.0  # one version from publish to every rollout
     poll_s: float = 0.05  # /status polling period (bounds the timing resolution)
     anchor_every: int = 10_000  # no anchor snapshots: each version is one 1-step patch
@@ -79,6 +93,9 @@ class EmulationConfig:
     # nat[i]: NAT group of rollout i (0: public; k > 0: behind NAT router k, shared by every
     # rollout of group k, one home LAN); rollouts beyond len(nat) are public. Needs bootstrap.
     nat: tuple[int, ...] = ()
+    # NAT group of the trainer (0: public; k: behind router k, with the rollouts of group k
+    # if any): a trainer on a home or lab network. Needs bootstrap.
+    trainer_nat: int = 0
     node_args: tuple[str, ...] = ()  # more flags for every node
     seed: int = 0
 
@@ -109,7 +126,7 @@ class EmulationConfig:
             raise ValueError(f"{self.hosts} hosts leave no rollout (a trainer, a bootstrap?)")
         if len(self.nat) > self.rollouts:
             raise ValueError(f"nat has {len(self.nat)} entries for {self.rollouts} rollouts")
-        if any(self.nat) and not self.bootstrap:
+        if (any(self.nat) or self.trainer_nat) and not self.bootstrap:
             raise ValueError("rollouts behind NAT serve over libp2p: they need the bootstrap")
 
     def link(self) -> LinkShape:
@@ -117,7 +134,7 @@ class EmulationConfig:
 
     def topology(self) -> TopologyConfig:
         """The trainer and the bootstrap public, each rollout where ``nat`` puts it."""
-        nat = (0,) * self.first_rollout + self.nat if any(self.nat) else ()
+        nat = (self.trainer_nat, 0, *self.nat) if any(self.nat) or self.trainer_nat else ()
         return TopologyConfig(self.hosts, self.link(), delay_ms=self.delay_ms, nat=nat)
 
 
@@ -132,6 +149,7 @@ class VersionResult:
     lower_bound_s: float  # Kumar-Ross for F
     trainer_up: int  # trainer's chunk upload during this version
     rollouts_down: int  # sum of rollouts' chunk download during this version
+    relayed: int = 0  # bytes that public nodes relayed (circuit relay v2) during this version
     steps: dict[str, float] = field(default_factory=dict)  # STEPS: median rollout's seconds
 
     @property
@@ -175,6 +193,7 @@ class EmulationResult:
     trainer: NodeReport | None = None
     rollouts: list[NodeReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what went wrong without stopping the run
+    punched_after: int | None = None  # the version after which a hole punch was first seen
 
     def mean_upload(self, nated: bool) -> float | None:
         """Mean bytes uploaded per NATed (or per public) rollout; None if there is none."""
@@ -271,6 +290,19 @@ def _await_verdicts(procs: list[Proc], cfg: EmulationConfig) -> str | None:
     return None
 
 
+def _punched(rollouts: list[Proc], cfg: EmulationConfig) -> bool:
+    """Wait (bounded) until a rollout has turned a relayed connection direct: whether one did."""
+
+    def punched() -> bool:
+        return any(_p2p(p).get("hole_punched", 0) > 0 for p in rollouts)
+
+    try:
+        wait_for(punched, cfg.punch_wait_s, "a hole punch", 0.2)
+    except AssertionError:
+        return False
+    return True
+
+
 def _payload_of(trainer: Proc, version: int) -> int:
     """F: size of the artifact a follower fetches (the 1-step patch; v0: the snapshot)."""
     manifests = trainer.get(f"{trainer.url}/manifests?version={version}") or []
@@ -296,6 +328,16 @@ def lower_bound(topo: Topology, payload: int, first_rollout: int = 1) -> float:
 
 def _counters(procs: list[Proc], key: str) -> list[int]:
     return [(p.status() or {}).get(key, 0) for p in procs]
+
+
+def _p2p(proc: Proc) -> dict:
+    """The libp2p part of a node's /status (empty if it has none or did not answer)."""
+    return (proc.status() or {}).get("p2p") or {}
+
+
+def _relayed(procs: list[Proc]) -> int:
+    """Bytes relayed for others so far, all of ``procs`` together."""
+    return sum(_p2p(p).get("relayed_bytes", 0) for p in procs)
 
 
 # where a version's time goes at a rollout: (name, from step, to step) of node/timeline.py's
@@ -369,9 +411,11 @@ def _one_version(
     v: int,
     weights: dict,
     cfg: EmulationConfig,
+    relays: list[Proc],
 ) -> VersionResult:
     """Publish ``weights`` as version ``v``, time it until every rollout holds it."""
     up0, down0 = _counters([trainer], "bytes_uploaded")[0], _counters(rollouts, "bytes_downloaded")
+    relayed0 = _relayed(relays)
     seen, reached = _arrivals(swarm, [trainer, *rollouts], v)
     t0 = time.monotonic()
     swarm.publish(weights)
@@ -386,6 +430,7 @@ def _one_version(
         lower_bound_s=lower_bound(topo, payload, cfg.first_rollout),
         trainer_up=_counters([trainer], "bytes_uploaded")[0] - up0,
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
+        relayed=_relayed(relays) - relayed0,
         steps=_steps(trainer, rollouts, v),
     )
 
@@ -405,11 +450,17 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
         trainer, rollouts = _start(swarm, topo, cfg)
         note = _await_verdicts([trainer, *rollouts], cfg) if cfg.bootstrap else None
         result.notes += [note] if note else []
+        relays = [*swarm.procs]  # the bootstrap too: every public node may relay
         for v, weights in enumerate(versions):
-            result.versions.append(_one_version(swarm, topo, trainer, rollouts, v, weights, cfg))
+            vr = _one_version(swarm, topo, trainer, rollouts, v, weights, cfg, relays)
+            result.versions.append(vr)
+            if cfg.punch_wait_s > 0 and result.punched_after is None and _punched(rollouts, cfg):
+                result.punched_after = v
+        if cfg.punch_wait_s > 0 and result.punched_after is None:
+            result.notes.append(f"no rollout punched a hole within {cfg.punch_wait_s:g} s")
         want = state_hash(versions[-1]).hex()
         result.converged = all((p.status() or {}).get("state_hash") == want for p in rollouts)
-        result.trainer = NodeReport.of(trainer, 0)
+        result.trainer = NodeReport.of(trainer, cfg.trainer_nat)
         result.rollouts = [NodeReport.of(p, cfg.nat_of(i)) for i, p in enumerate(rollouts)]
     finally:
         swarm.stop()
@@ -435,6 +486,7 @@ _HEAD = (
     "end-to-end s",
     "trainer up/F",
     "rollouts down/F",
+    "relayed/F",
 )
 
 
@@ -448,6 +500,7 @@ def _row(r: VersionResult) -> str:
         f"{r.end_to_end_s:.2f}",
         f"{r.trainer_up / r.payload:.2f}",
         f"{r.rollouts_down / r.payload:.2f}",
+        f"{r.relayed / r.payload:.2f}",
     )
     return "  ".join(f"{x:>12}" for x in cells)
 
@@ -455,7 +508,8 @@ def _row(r: VersionResult) -> str:
 def _setup(c: EmulationConfig) -> str:
     """The run's one-line description: who runs where, the links, the payload."""
     nated = sum(1 for i in range(c.rollouts) if c.nat_of(i))
-    who = f"1 trainer{' + 1 bootstrap' if c.bootstrap else ''} + {c.rollouts} rollouts"
+    trainer = f"1 trainer{f' (behind NAT {c.trainer_nat})' if c.trainer_nat else ''}"
+    who = f"{trainer}{' + 1 bootstrap' if c.bootstrap else ''} + {c.rollouts} rollouts"
     where = f" ({nated} behind {len(set(c.nat) - {0})} NATs)" if nated else ""
     chunk = f"{c.chunk_size // 1024} KiB" if c.chunk_size else "by payload"
     return (
@@ -474,7 +528,7 @@ def uploads(result: EmulationResult) -> list[str]:
     upload of NATed and of public rollouts and the trainer's upload over the payload."""
     head = ("rollout", "where", "verdict", "up MB", "HTTP MB", "channels MB", "streams MB")
     lines = ["  ".join(f"{h:>12}" for h in (*head, "down MB", "punched"))]
-    for r in result.rollouts:
+    for r in [result.trainer] * bool(result.trainer and result.trainer.nat) + result.rollouts:
         cells = (r.name, f"NAT {r.nat}" if r.nat else "public", r.verdict or "-")
         http = r.uploaded - r.channel_uploaded - r.streams_uploaded  # behind NAT: its LAN's
         cells += (_mb(r.uploaded), _mb(http), _mb(r.channel_uploaded), _mb(r.streams_uploaded))
@@ -541,13 +595,25 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=(),
         help="each rollout's NAT group, e.g. 0,0,0,1,1,2,2,3 (0: public); implies --bootstrap",
     )
+    ap.add_argument(
+        "--trainer-nat",
+        type=int,
+        default=0,
+        help="the trainer's NAT group (0: public; k: behind router k); implies --bootstrap",
+    )
+    ap.add_argument(
+        "--punch-wait",
+        type=float,
+        default=d.punch_wait_s,
+        help="after each version until one is seen, wait up to this long for a hole punch",
+    )
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
-    bootstrap = args.bootstrap or bool(args.nat)
+    bootstrap = args.bootstrap or bool(args.nat) or bool(args.trainer_nat)
     hosts = args.hosts or (1 + bootstrap + len(args.nat) if args.nat else EmulationConfig.hosts)
     cfg = EmulationConfig(
         hosts=hosts,
@@ -559,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
         delay_ms=args.delay_ms,
         bootstrap=bootstrap,
         nat=args.nat,
+        punch_wait_s=args.punch_wait,
+        trainer_nat=args.trainer_nat,
     )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)

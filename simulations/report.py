@@ -20,13 +20,15 @@ corrupt, stalling nor lying):
 * ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
 * ``uploaded_bytes_per_peer``, ``wall_clock_s``, ``events``, ``scenario`` (every knob)
 * ``nat`` (only when ``nat_fraction`` > 0; over honest rollouts): ``nat_peers``,
-  ``public_peers``; ``mean_upload_bytes`` per NATed and per public peer (all versions) and
+  ``public_peers``, ``punchable_peers`` (NATed ones hole punching gets through);
+  ``mean_upload_bytes`` per NATed and per public peer (all versions) and
   ``nat_upload_share`` (NATed peers' part of all rollout upload): whether NATed peers pull
   their weight through the connections they opened; ``mean_neighbours`` of each kind;
   ``last_s``: the last NATed and the last public peer per version; ``lower_bound_s``: the
   bound once NATed peers can fetch only from public ones (max of Kumar-Ross and
-  N_nat*F/(u_s + sum of public u_i)) and ``ratio_to_bound``, worst completion over it;
-  ``nat_nat_chunks``: chunks served between two NATed peers (0: they never connect)
+  N_nat*F/(u_s + sum of public u_i), N_nat counting the NATed peers no punch reaches) and
+  ``ratio_to_bound``, worst completion over it; ``nat_nat_chunks``: chunks served between two
+  NATed peers (over punched connections only: 0 unless ``punch_fraction`` > 0)
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def nat_section(sim: SwarmSim, last: list[float]) -> dict[str, Any]:
     return {
         "nat_peers": len(kinds["nat"]),
         "public_peers": len(kinds["public"]),
+        "punchable_peers": sum(p.punchable for p in kinds["nat"]),
         "mean_upload_bytes": {k: mean(v) for k, v in uploads.items()},
         "nat_upload_share": sum(uploads["nat"]) / total if total else 0.0,
         "mean_neighbours": {k: mean([len(p.neighbors) for p in ps]) for k, ps in kinds.items()},
@@ -151,7 +154,8 @@ def _nat_lines(report: dict[str, Any]) -> list[str]:
     per = report["payload_bytes"] * report["versions"]  # one payload per version
     up = nat["mean_upload_bytes"]
     return [
-        f"- NAT: {nat['nat_peers']} NATed / {nat['public_peers']} public honest rollouts "
+        f"- NAT: {nat['nat_peers']} NATed ({nat['punchable_peers']} punchable) / "
+        f"{nat['public_peers']} public honest rollouts "
         f"(mean neighbours {nat['mean_neighbours']['nat']:.1f} / "
         f"{nat['mean_neighbours']['public']:.1f})",
         f"- mean upload per NATed peer {up['nat'] / mb:.1f} MB ({up['nat'] / per:.2f}x the "

@@ -14,7 +14,11 @@ and never answer, ``liar`` peers answer "not found".
 
 NAT: ``nat_fraction`` of the rollouts (drawn with ``seed``) are behind NAT: nobody can dial
 them. They dial out to public peers (the trainer is public), and a connection, once open,
-carries requests both ways; two NATed peers never connect (no relays). See ``swarm_sim.py``.
+carries requests both ways. Two NATed peers connect only if both are among the
+``punch_fraction`` of them whose NATs hole punching gets through (endpoint-independent
+mapping that keeps ports; a home router usually, carrier-grade NAT usually not): they met
+through a relay in an earlier version and punched a hole (DCUtR), so the overlay has the
+direct connection. Relayed traffic itself is not modelled. See ``swarm_sim.py``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Scenario:
     stall_fraction: float = 0.0
     liar_fraction: float = 0.0
     nat_fraction: float = 0.0  # rollouts behind NAT: they dial out, nobody dials them
+    punch_fraction: float = 0.0  # of the NATed ones: behind a NAT that hole punching gets through
     seed: int = 0
     chunk_kb: int = 0  # the trainer's chunk size; 0: its default, picked from the payload size
     max_peers: int = 64  # overlay: neighbours of every rollout (the node's peer-list bound)
@@ -107,6 +112,7 @@ _FRACTIONS = (
     "stall_fraction",
     "liar_fraction",
     "nat_fraction",
+    "punch_fraction",
 )
 
 

@@ -8,7 +8,12 @@ shared links plus a one-way latency on every message and on the last byte of eve
 and the node's messaging, as follows.
 
 * Announcements: a version reaches a peer one latency per overlay hop after it is published
-  (announcements are relayed by every node), plus one round trip to fetch the manifest.
+  (announcements are relayed by every node), plus one round trip to fetch the manifest. The
+  trainer's followers (rollouts that follow it: they fetched from it before, the steady state
+  of a running swarm) get its announcement pushed instead, carrying the manifest inline and
+  the chunks the trainer hands each one (``node.learning``: its first have-map answer without
+  a question): a transfer of ``MANIFEST_BYTES_PER_CHUNK`` bytes per chunk over the trainer's
+  uplink, then one latency, and the follower requests its chunks at once.
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
@@ -27,9 +32,13 @@ download follows ``max_sources`` of them, in a random order of its own); the tra
 NAT (``nat_fraction``): a NATed rollout cannot be dialed, so it dials ``min(max_peers,
 max_sources)`` public rollouts itself (the public ones are wired among themselves first, as
 above). A connection carries requests both ways (libp2p streams on the connection the NATed
-peer opened), so an edge is used in both directions whoever opened it. Two NATed peers never
-connect: relaying their traffic through a public peer is not modelled (it would cost the relay
-its uplink and downlink both), so NAT-NAT pairs exchange nothing. A public rollout accepts
+peer opened), so an edge is used in both directions whoever opened it. Two NATed peers connect
+only if both are "punchable" (``punch_fraction`` of the NATed ones: behind NATs that DCUtR hole
+punching gets through): such peers, once wired to public ones, fill their lists up to the same
+``want`` with each other, over direct connections (a long-running swarm: they met through a
+relay and punched earlier). Relaying traffic through a public peer is not modelled (it would
+cost the relay its uplink and downlink both), so other NAT-NAT pairs exchange nothing. A public
+rollout accepts
 inbound connections until it has ``max_peers`` neighbours (its peer list's bound, the node's
 ``directory.max_peers``): beyond that a NATed peer dials another one, and when every public
 peer is full it makes do with fewer. A rollout with more neighbours than ``max_sources``
@@ -75,6 +84,7 @@ from simulations.scenario import Scenario
 TRAINER = 0
 HONEST, CORRUPT, STALL, LIAR = "honest", "corrupt", "stall", "liar"
 HAVE_WAIT_S = HttpLimits().have_wait_s  # a long-polled have-map answers at least this often
+MANIFEST_BYTES_PER_CHUNK = 73  # a signed manifest's size (measured: 29,939 B for 411 chunks)
 MBPS = 1e6 / 8  # bytes/s in one Mbit/s
 V = TypeVar("V")
 
@@ -88,6 +98,7 @@ class Peer:
     slots: UploadSlots[tuple[int, int, int]]  # its uploads: (requester, chunk, generation)
     neighbors: set[int] = field(default_factory=set)
     nat: bool = False  # behind NAT: reachable only over connections it opened itself
+    punchable: bool = False  # behind NAT, and hole punching gets through it
     follows: set[int] = field(default_factory=set)  # the neighbours its downloads follow
     online: bool = True
     silent_crash: bool = False
@@ -101,6 +112,7 @@ class Peer:
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
     timer_at: float | None = None  # when the scheduler's next TimerFired is due
     done_at: float | None = None
+    pushed: bool = False  # the trainer pushed this version's news and its offer to it
 
 
 @dataclass
@@ -169,6 +181,12 @@ class SwarmSim:
         nat = [False] * n
         if sc.nat_fraction > 0:
             nat = _spread(rng, slots, ((True, sc.nat_fraction),), False)
+        punch = [False] * n
+        if sc.punch_fraction > 0:  # only then: scenarios without it draw as before
+            nated = [i for i in range(n) if nat[i]]
+            draw = _spread(rng, list(range(len(nated))), ((True, sc.punch_fraction),), False)
+            for i, ok in zip(nated, draw):
+                punch[i] = ok
         queue = sc.upload_queue
         trainer_slots = UploadSlots(sc.trainer_max_concurrent_uploads, queue)
         trainer = Peer(TRAINER, "trainer", sc.trainer_uplink_mbps * MBPS, 1e12, trainer_slots)
@@ -182,6 +200,7 @@ class SwarmSim:
                 links[i][1] * MBPS,
                 UploadSlots(sc.max_concurrent_uploads, queue),
                 nat=nat[i],
+                punchable=punch[i],
                 state=state0,
             )
             for i in range(n)
@@ -198,6 +217,9 @@ class SwarmSim:
         nat = [p.idx for p in self.peers[1:] if p.nat]
         if nat:
             self._wire_nat(nat, public, min(want, len(public)), max(sc.max_peers, want))
+        # punched connections fill the lists of punchable NATed peers that public ones left short
+        short = [p.idx for p in self.peers[1:] if p.punchable and len(p.neighbors) < want]
+        self._wire_public(short, want)
         for q in rng.sample(range(1, n), min(self.sc.trainer_peers, n - 1)):
             self._connect(TRAINER, q)
         for p in self.peers[1:]:
@@ -300,10 +322,11 @@ class SwarmSim:
         return max(f / us, f / d_min, n * f / total_up), max(n * f / us, f / d_min)
 
     def nat_bound(self, bound: float) -> float:
-        """``bound`` once NATed peers can fetch only from public ones: the honest NATed rollouts
-        need their payloads from the trainer's and public honest rollouts' uplinks alone."""
+        """``bound`` once NATed peers can fetch only from public ones (or, punchable ones, from
+        each other): the honest NATed rollouts that no punch reaches need their payloads from
+        the trainer's and the public honest rollouts' uplinks alone."""
         us, f = self.peers[TRAINER].uplink, self.sc.payload_bytes
-        nat = sum(p.nat for p in self.honest)
+        nat = sum(p.nat and not p.punchable for p in self.honest)
         public_up = sum(p.uplink for p in self.honest if not p.nat)
         return max(bound, nat * f / (us + public_up))
 
@@ -321,9 +344,13 @@ class SwarmSim:
         rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
         self._remaining = 0
         for p in self.honest:
-            p.done_at = None
+            p.done_at, p.pushed = None, False
             self._remaining += 1
-            clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
+            if TRAINER in p.follows:
+                size = MANIFEST_BYTES_PER_CHUNK * self._n_chunks(self.artifacts[-1])
+                self.net.start(TRAINER, p.idx, size, lambda p=p: self._pushed(p))
+            else:
+                clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
         self._run(version, t0 + self.sc.time_limit_factor * nat_bound)
         up = self.net.bytes_sent[TRAINER] - up0
@@ -409,6 +436,12 @@ class SwarmSim:
         if p.online and p.sched is None and p.done_at is None:
             self._start_download(p)
 
+    def _pushed(self, p: Peer) -> None:
+        """The trainer's push reached ``p`` (a latency after its last byte)."""
+        if p.online and p.done_at is None and not p.pushed:
+            p.pushed = True
+            self.clock.after(self.lat, self._learn, p)
+
     def _start_download(self, p: Peer) -> None:
         steps = plan(p.state, self.artifacts)
         if not steps:
@@ -487,15 +520,22 @@ class SwarmSim:
         return q.have.get(art.ident, set())
 
     def _subscribe(self, p: Peer, q_idx: int) -> None:
+        if q_idx == TRAINER and p.pushed:  # its first answer came with the news
+            p.pushed = False
+            self._subscribed(p, q_idx, p.generation, pushed=True)
+            return
         self.clock.after(self.lat, self._subscribed, p, q_idx, p.generation)
 
-    def _subscribed(self, p: Peer, q_idx: int, gen: int) -> None:
+    def _subscribed(self, p: Peer, q_idx: int, gen: int, pushed: bool = False) -> None:
+        """``q_idx`` answers ``p``'s first have-map question (a latency later), or gave its
+        answer with the news it pushed (at once, and no round trip measured)."""
         q = self.peers[q_idx]
         if not q.online or p.generation != gen or p.artifact is None:
             return
         q.subscribers.add(p.idx)
         shown = frozenset(self._visible(q, p, p.artifact))
-        self.clock.after(self.lat, self._deliver_have, p, q_idx, gen, shown)
+        rtt = None if pushed else 2 * self.lat
+        self.clock.after(0.0 if pushed else self.lat, self._deliver_have, p, q_idx, gen, shown, rtt)
         if q_idx == TRAINER:
             self.clock.after(HAVE_WAIT_S, self._repoll_seed, p, gen, shown)
 
@@ -510,10 +550,12 @@ class SwarmSim:
             self.clock.after(self.lat, self._deliver_have, p, TRAINER, gen, now - shown)
         self.clock.after(HAVE_WAIT_S, self._repoll_seed, p, gen, shown | now)
 
-    def _deliver_have(self, p: Peer, q_idx: int, gen: int, indices: frozenset[int]) -> None:
-        """The first answer of a have-map subscription: a round trip after asking."""
+    def _deliver_have(
+        self, p: Peer, q_idx: int, gen: int, indices: frozenset[int], rtt: float | None = None
+    ) -> None:
+        """The first answer of a have-map subscription (``rtt``: the round trip it took)."""
         if p.generation == gen and p.online and q_idx not in p.banned:
-            self._feed(p, PeerHad(q_idx, indices, 2 * self.lat))
+            self._feed(p, PeerHad(q_idx, indices, rtt))
 
     def _push_have(self, q: Peer, p_idx: int, index: int) -> None:
         key = (q.idx, p_idx)
@@ -584,8 +626,10 @@ class SwarmSim:
         art = p.artifact
         assert art is not None
         q_idx = q.idx
-        if q_idx == TRAINER:
+        if q_idx == TRAINER:  # the node notes it as it reads the chunk, and offers more
             self.seeder.note_served((art.ident, index))
+            if p.online:
+                self._reoffer(p, art)
         pair = (q_idx, p.idx)
         self.served[pair] = self.served.get(pair, 0) + 1
         size = self._chunk_size(art, index)
@@ -608,8 +652,6 @@ class SwarmSim:
 
     def _delivered(self, p: Peer, q: Peer, art: Artifact, index: int, gen: int) -> None:
         self._upload_ended(q, p.idx)
-        if q.idx == TRAINER and p.online:
-            self._reoffer(p, art)
         if q.role == CORRUPT:
             event: Event = ChunkCorrupted(q.idx, index)
         else:

@@ -11,6 +11,7 @@ from pathlib import Path
 from node.timeline import STEPS
 from p2p_sync import announce
 from p2p_sync.chunks import manifest_for
+from p2p_sync.errors import PeerError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits, Source
@@ -195,7 +196,9 @@ def test_gossip_alone_carries_versions_above_the_floor_and_blacklists_forgers(
     tmp_path: Path, tiny_versions: list
 ) -> None:
     out = _run(_gossip(tmp_path, tiny_versions[:3]))
-    assert out["announce posts"] == 0  # every rollout was reachable by gossip: no HTTP push
+    # every rollout was reachable by gossip: HTTP pushes only carry the trainer's offers to
+    # the rollouts that fetched the version before (v1 and v2: at most 3 each)
+    assert out["announce posts"] <= 2 * 3
     for weights in out["weights"]:
         assert bit_equal(weights, tiny_versions[2])
     assert not any(out["stale stored"]), "a stale announcement's manifest got past the floor"
@@ -245,3 +248,137 @@ def test_a_flood_of_fake_peers_cannot_push_out_known_good_ones(
     assert out["size"] <= 16
     assert bit_equal(out["weights"], tiny_versions[1])
     assert out["hash"] == state_hash(tiny_versions[1])
+
+
+# ---------------------------------------------------------------- offers pushed with news
+
+
+async def _pushed(tmp_path: Path, versions: list, asked: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer = await swarm.start_trainer()
+        rollout = await swarm.start_rollout("r0")
+        await swarm.publish(versions[0])
+        await swarm.converge(0)  # the rollout asked the trainer for have-maps: a follower
+        followers, before = trainer.view.followers(), dict(swarm.network.requests)
+        asked.clear()
+        digests = {m.digest for m in await swarm.publish(versions[1])}
+        await swarm.converge(1)
+        return {
+            "followers": followers,
+            "rollout": rollout.url,
+            "manifest GETs": swarm.network.requests["manifest"] - before.get("manifest", 0),
+            "questions": [(peer, known) for view, peer, d, known in asked if d in digests],
+            "trainer": trainer.view,
+            "asked": [view for view, *_ in asked],
+            "weights": swarm.weights(rollout),
+        }
+
+
+def test_the_trainer_pushes_a_follower_its_chunks_and_the_manifest_with_the_news(
+    tmp_path: Path, tiny_versions: list, monkeypatch
+) -> None:
+    """A round trip less before the trainer's uplink starts: the follower neither fetches the
+    manifest nor asks the trainer's have-map before requesting the chunks it was handed."""
+    from p2p_sync.transport.dataplane import DataRouter
+
+    asked: list = []
+    have = DataRouter._have
+
+    async def spy(self: DataRouter, req, digest: str):
+        asked.append((self.node, req.peer, digest, req.query.get("known")))
+        return await have(self, req, digest)
+
+    monkeypatch.setattr(DataRouter, "_have", spy)
+    out = _run(_pushed(tmp_path, tiny_versions[:2], asked))
+    assert bit_equal(out["weights"], tiny_versions[1])
+    assert out["rollout"] in out["followers"]
+    assert out["manifest GETs"] == 0  # inline, judged by the rollout's trust gate
+    to_trainer = [q for view, q in zip(out["asked"], out["questions"]) if view is out["trainer"]]
+    assert to_trainer and all(known is not None for _, known in to_trainer), to_trainer
+
+
+async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        await swarm.start_trainer()
+        rollout = await swarm.start_rollout("r0")
+        await swarm.publish(versions[0])
+        await swarm.converge(0)
+        evil = await swarm.node("evil")
+        m, data, _ = _manifest(swarm.policy.swarm_id, SigningKey.generate(), 5)
+        url, gets = rollout.url or "", swarm.network.requests["manifest"]
+        refused = []
+        for extra in (
+            {"offers": {"ab" * 32: [0]}},  # a digest it did not announce
+            {"offers": {m.digest: [-1]}},
+            {"offers": {m.digest: "all"}},
+            {"manifests": {m.digest: 7}},
+            {"manifests": {"cd" * 32: "{}"}},
+        ):
+            try:
+                await evil.client.announce(url, [m.digest], extra)
+            except PeerError as exc:
+                refused.append(str(exc))
+        assert not rollout.peering.banned  # malformed: refused at the door, nothing judged
+        inline = {"offers": {m.digest: [0]}, "manifests": {m.digest: data.decode()}}
+        evil_url, evil.client.self_url = evil.client.self_url, swarm.trainer.url
+        await evil.client.announce(url, [m.digest], inline)  # posing as the trainer
+        await rollout.learner.settled()
+        posed = rollout.learner.take_offer(swarm.trainer.url or "", m.digest)
+        framed = set(rollout.peering.banned)
+        evil.client.self_url = evil_url
+        await evil.client.announce(url, [m.digest], inline)  # as itself: well formed, forged
+        await rollout.learner.settled()
+        return {
+            "refused": refused,
+            "banned": set(rollout.peering.banned),
+            "evil": evil.url,
+            "has forged": rollout.store.has_manifest(m.digest),
+            "manifest GETs": swarm.network.requests["manifest"] - gets,
+            "posed": posed,
+            "framed": framed,
+        }
+
+
+def test_a_forged_manifest_pushed_inline_gets_its_pusher_banned_and_bad_fields_a_400(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_pushed_forgery(tmp_path, tiny_versions[:1]))
+    assert len(out["refused"]) == 5 and all("400" in r for r in out["refused"]), out["refused"]
+    # posing as the trainer: its offer and manifest are dropped (kept only from the host the
+    # sender names), so nobody is framed, and the manifest is asked of the trainer itself
+    assert out["posed"] is None and out["framed"] == set()
+    assert out["evil"] in out["banned"] and not out["has forged"]
+    assert out["manifest GETs"] == 1  # the posed one; the inline one was judged as pushed
+
+
+async def _gone_follower(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer = await swarm.start_trainer()
+        stays, goes = await swarm.start_rollout("r0"), await swarm.start_rollout("r1")
+        await swarm.publish(versions[0])
+        await swarm.converge(0)
+        followers = trainer.view.followers()
+        swarm.network.cut(goes.url or "")  # it left without a word
+        await swarm.publish(versions[1])
+        await swarm.converge(1, nodes=[stays])
+        seeder = trainer.view.seeder
+        return {
+            "followers before": followers,
+            "followers after": trainer.view.followers(),
+            "gone": goes.url,
+            "held by gone": [
+                k
+                for k, (who, _) in seeder.owner.items()
+                if who == goes.url and not seeder.served[k]
+            ],
+            "weights": swarm.weights(stays),
+        }
+
+
+def test_a_follower_the_push_cannot_reach_gives_its_chunks_back_at_once(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_gone_follower(tmp_path, tiny_versions[:2]))
+    assert out["gone"] in out["followers before"] and out["gone"] not in out["followers after"]
+    assert out["held by gone"] == []  # not left waiting reseed_after_s for a peer that is gone
+    assert bit_equal(out["weights"], tiny_versions[1])

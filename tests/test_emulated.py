@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from simulations import netns
 from simulations.emulated import (
     STEPS,
     EmulationConfig,
+    EmulationResult,
     kumar_ross,
     lower_bound,
     main,
@@ -224,6 +226,14 @@ NAT_SWARM = EmulationConfig(
 )
 
 
+def _run(cfg: EmulationConfig, tmp_path: Path) -> EmulationResult:
+    """``cfg``'s run on its own topology; its report is printed (shown on failure, or -s)."""
+    with Topology(cfg.topology()) as topo:
+        result = run_in(topo, tmp_path, cfg)
+    print(table(result))
+    return result
+
+
 def test_the_nat_layout_keeps_trainer_and_bootstrap_public() -> None:
     topo = NAT_SWARM.topology()
     assert topo.nat == (0, 0, 0, 1, 1, 2) and topo.hosts == 6
@@ -268,9 +278,7 @@ def test_the_cli_reads_a_nat_layout() -> None:
 def test_a_swarm_with_volunteers_behind_nat_converges(
     nat_ready: None, own_prefix: str, tmp_path: Path
 ) -> None:
-    with Topology(NAT_SWARM.topology()) as topo:
-        result = run_in(topo, tmp_path, NAT_SWARM)
-    print(table(result))  # shown on failure (and with -s)
+    result = _run(NAT_SWARM, tmp_path)
     assert result.converged and result.notes == [], result.notes
     assert result.trainer is not None and result.trainer.verdict == "reachable"
     groups = [r.nat for r in result.rollouts]
@@ -287,4 +295,45 @@ def test_a_swarm_with_volunteers_behind_nat_converges(
         assert v.end_to_end_s >= v.lower_bound_s, why
         assert v.trainer_up <= 2 * v.payload, why  # rollouts relay, NATed ones too
         assert v.rollouts_down >= NAT_SWARM.rollouts * v.payload, why
+    assert leftovers(own_prefix) == []
+
+
+# trainer and bootstrap public, r2 and r3 each behind its own router: they can reach each other
+# only through a relay, until DCUtR punches a hole (~30 s on a loaded 2-core VM; at most ~80)
+PUNCH = replace(NAT_SWARM, hosts=4, versions=3, nat=(1, 2), punch_wait_s=20.0)
+
+
+def test_volunteers_behind_different_nats_punch_a_hole_and_stop_using_the_relay(
+    nat_ready: None, own_prefix: str, tmp_path: Path
+) -> None:
+    result = _run(PUNCH, tmp_path)
+    assert result.converged and result.notes == [], result.notes
+    # they met through a relay in v0 (or, under load, in v1), and punched a hole right after
+    assert result.punched_after in (0, 1) and sum(r.hole_punched for r in result.rollouts) >= 1
+    for r in result.rollouts:  # each served the other, over its libp2p connection only
+        assert r.verdict == "behind NAT" and r.streams_uploaded > 0, r
+    assert sum(v.relayed for v in result.versions[: result.punched_after + 1]) > 0
+    after = result.versions[result.punched_after + 1]
+    assert after.relayed < 0.05 * after.payload, after  # then traded over the punched link
+    assert after.trainer_up <= 1.5 * after.payload, after
+    assert leftovers(own_prefix) == []
+
+
+# the trainer on a lab network: behind router 2, one public rollout, r3 behind router 1
+TRAINER_NAT = replace(NAT_SWARM, hosts=4, nat=(0, 1), trainer_nat=2)
+
+
+def test_a_trainer_behind_nat_publishes_to_public_and_nated_rollouts(
+    nat_ready: None, own_prefix: str, tmp_path: Path
+) -> None:
+    assert TRAINER_NAT.topology().nat == (2, 0, 0, 1)
+    result = _run(TRAINER_NAT, tmp_path)
+    assert result.converged and result.notes == [], result.notes
+    assert result.trainer is not None and result.trainer.verdict == "behind NAT"
+    assert (
+        result.trainer.uploaded == result.trainer.channel_uploaded + result.trainer.streams_uploaded
+    )
+    for v in result.versions:  # the rollouts still relay: the trainer serves each chunk ~once
+        assert v.trainer_up <= 1.5 * v.payload, v
+        assert v.rollouts_down >= TRAINER_NAT.rollouts * v.payload, v
     assert leftovers(own_prefix) == []

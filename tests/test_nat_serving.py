@@ -76,6 +76,26 @@ def test_p2p_urls_split_and_refuse_what_is_not_one() -> None:
             streams.split_url(bad)
 
 
+def test_the_stream_pool_hands_out_only_young_usable_streams_and_keeps_a_few() -> None:
+    import trio.testing
+
+    async def scenario() -> None:
+        pool = streams.StreamPool()
+        assert all(pool.give_back("a", f"s{i}") for i in range(streams.POOL_PER_PEER))
+        assert not pool.give_back("a", "one too many")
+        assert pool.take("b") is None
+        # the newest first; one that is not usable (a relayed stream once a hole is punched)
+        # is dropped, not handed out later
+        last = f"s{streams.POOL_PER_PEER - 1}"
+        assert pool.take("a", lambda s: s != last) == f"s{streams.POOL_PER_PEER - 2}"
+        assert pool.take("a") == f"s{streams.POOL_PER_PEER - 3}"
+        pool.give_back("b", "old")
+        await trio.sleep(streams.IDLE_S)  # trio's virtual clock: no wall time
+        assert pool.take("b") is None and pool.take("a") is None  # idled out
+
+    trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # ---------------------------------------------------------------- the verdict (sans-I/O)
 
 

@@ -23,6 +23,7 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
+from p2p_sync.transport.dataplane import HttpLimits
 from tests.helpers import rollout_config, trainer_config
 
 HEX = "ab" * 32
@@ -76,7 +77,9 @@ async def _hostile_requests(node: Node) -> dict[str, int]:
                 "announce bad url": s.post(
                     f"{url}/announce", json={"url": "file:///x", "digests": []}
                 ),
-                "announce huge": s.post(f"{url}/announce", data=b"{" + b" " * 200_000),
+                "announce huge": s.post(
+                    f"{url}/announce", data=b"{" + b" " * HttpLimits().max_request_bytes
+                ),
                 "no such route": s.get(f"{url}/admin"),
                 "manifests bad version": s.get(f"{url}/manifests?version=x"),
                 "status after": s.get(f"{url}/status"),

@@ -5,6 +5,7 @@ and every honest peer still converges."""
 from __future__ import annotations
 
 import re
+import statistics
 
 import pytest
 from hypothesis import example, given, settings
@@ -106,3 +107,37 @@ def test_random_nated_swarms_converge_without_nat_nat_transfers(
     assert rep["honest_converged_fraction"] == 1.0
     assert nat_nat_chunks(sim) == 0
     assert all(not (p.nat and sim.peers[q].nat) for p in sim.peers for q in p.neighbors)
+
+
+def test_punchable_nated_peers_trade_directly_and_no_other_nated_pair_does() -> None:
+    sc = nat_scenario(peers=40, nat_fraction=0.8, punch_fraction=0.5, versions=2)
+    sim, rep = simulate(sc)
+    assert rep["honest_converged_fraction"] == 1.0
+    nat = [p for p in sim.peers[1:] if p.nat]
+    punchable = [p for p in nat if p.punchable]
+    assert len(nat) == 32 and len(punchable) == rep["nat"]["punchable_peers"] == 16
+    for p in nat:  # a NAT-NAT edge needs a hole punched: both NATs let it through
+        assert all(p.punchable and sim.peers[q].punchable for q in p.neighbors if sim.peers[q].nat)
+    # 8 public peers have room for few of the 32: punched connections fill the punchable
+    # ones' lists, the others stay short
+    mean = statistics.fmean
+    assert mean(len(p.neighbors) for p in punchable) > mean(
+        len(p.neighbors) for p in nat if not p.punchable
+    )
+    by_pair = sim.served.items()
+    punched = sum(n for (a, b), n in by_pair if sim.peers[a].nat and sim.peers[b].nat)
+    assert punched == rep["nat"]["nat_nat_chunks"] > 0
+    assert "(16 punchable)" in summary_md(rep)
+
+
+def test_punchable_peers_are_drawn_after_everything_else() -> None:
+    # so a scenario without punch_fraction draws the swarm it always drew
+    plain = SwarmSim(nat_scenario(peers=30, nat_fraction=0.5))
+    punch = SwarmSim(nat_scenario(peers=30, nat_fraction=0.5, punch_fraction=0.6))
+    assert [(p.role, p.nat, p.uplink) for p in plain.peers] == [
+        (p.role, p.nat, p.uplink) for p in punch.peers
+    ]
+    assert not any(p.punchable for p in plain.peers)
+    assert sum(p.punchable for p in punch.peers) == 9 and all(
+        p.nat for p in punch.peers if p.punchable
+    )

@@ -109,6 +109,8 @@ class _Source:
         self.payload, self._peers, self.lost = payload, peers, lost
         self.requests: list[tuple[str, int]] = []
         self.followed: list[str] = []  # whose have-map was asked for, in order
+        self.asked: list[tuple[str, int]] = []  # (peer, known) of every have-map question
+        self.push: dict[str, list[int]] = {}  # have-maps pushed with the announcement
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -122,8 +124,12 @@ class _Source:
             raise PeerError(f"{peer}: 404")
         return self.payload[index * CHUNK : (index + 1) * CHUNK]
 
+    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
+        return self.push.pop(peer, None)
+
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
         self.followed.append(peer)
+        self.asked.append((peer, known))
         if known >= 0:  # a long poll: nothing new will come
             await asyncio.Event().wait()
         return list(range(len(m.chunks)))
@@ -154,11 +160,15 @@ def _manifest(payload: bytes) -> Manifest:
 
 
 async def _download(
-    lost: set[int], peers: tuple[str, ...] = ("p1", "p2"), **settings: int
+    lost: set[int],
+    peers: tuple[str, ...] = ("p1", "p2"),
+    push: dict[str, list[int]] | None = None,
+    **settings: int,
 ) -> tuple[_Sink, _Source, _Counting, float]:
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Counting()
+    source.push = dict(push or {})
     config = SwarmConfig(stall_timeout_s=0.3, seed=1, have_poll_s=0.05, **settings)
     t0 = time.monotonic()
     try:
@@ -173,6 +183,15 @@ def test_the_driver_fetches_every_chunk_from_an_in_process_source() -> None:
     assert len(sink.chunks) == 5
     assert 5 * CHUNK <= listener.bytes <= 2 * 5 * CHUNK  # endgame: at most 2 copies a chunk
     assert {p for p, _ in source.requests} == {"p1", "p2"}  # both sources used
+
+
+def test_a_pushed_have_map_is_the_first_answer_and_the_peer_is_only_long_polled() -> None:
+    # p1 pushed chunks 0 and 1 with its announcement (as the trainer hands a follower its own)
+    sink, source, _, _ = asyncio.run(_download(set(), ("p1", "p2"), {"p1": [0, 1]}))
+    assert len(sink.chunks) == 5
+    assert ("p1", -1) not in source.asked and ("p1", 2) in source.asked  # no round trip
+    assert ("p2", -1) in source.asked  # nothing pushed: asked as before
+    assert source.push == {}  # taken once
 
 
 def test_a_download_follows_at_most_max_sources_peers_the_preferred_first() -> None:

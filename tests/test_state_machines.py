@@ -243,6 +243,12 @@ class SeederMachine(RuleBasedStateMachine):
         self.now += dt
         self.offer(requester)
 
+    @rule(requester=st.sampled_from(["r0", "r1", "r2", "r3"]))
+    def requester_found_gone(self, requester: str) -> None:
+        self.seeder.release(requester)  # a pushed offer did not reach it
+        held = [k for k, (who, _) in self.seeder.owner.items() if who == requester]
+        assert all(self.seeder.served[k] for k in held), "kept a gone requester's chunks"
+
     @rule(data=st.data())
     def requester_fetches(self, data: st.DataObject) -> None:
         shown = sorted({k for keys in self.shown.values() for k in keys})
@@ -281,3 +287,12 @@ class SeederMachine(RuleBasedStateMachine):
 
 SeederMachine.TestCase.settings = FAST
 test_seeder_state_machine = SeederMachine.TestCase
+
+
+def test_a_released_requester_s_chunks_go_to_the_next_one_at_once() -> None:
+    seeder, keys = SuperSeeder(outstanding=2, reseed_after_s=2.0), ["a", "b", "c"]
+    assert seeder.offer(keys, "gone", 0.0) == [0, 1]
+    seeder.note_served("a")
+    assert seeder.offer(keys, "next", 0.1) == [2]  # b is still handed to "gone"
+    seeder.release("gone")
+    assert seeder.offer(keys, "next", 0.2) == [1, 2]  # b at once; a is in the swarm already

@@ -17,7 +17,21 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             ``have_wait_s``) until the list is no longer N long, so news
                             of a chunk reaches peers one latency after it is verified
 GET  /peers                 {"peers": [base URLs this node knows]}
-POST /announce              {"url": sender base URL or null, "digests": [...]} -> 202
+POST /announce              {"url": sender base URL or null, "digests": [...], and
+                            optionally "offers": {digest: [chunk indices]}, what the sender's
+                            ``GET /have/{digest}`` would answer the receiver now (the trainer
+                            pushes each follower the chunks it hands it, so the follower
+                            requests them at once instead of asking first: a round trip
+                            less before the trainer's uplink starts; kept only when the
+                            request came from the host of ``url``: else anyone could make
+                            every rollout fetch everything from the trainer), "manifests": {digest:
+                            signed manifest text} (no ``GET /manifest`` round trip; each one
+                            passes the receiver's trust gate as if fetched from ``url``: so
+                            kept only when the request came from its host too), "gossiped":
+                            true (the same news went out by gossip: a node on the gossip mesh
+                            keeps the offers and waits for it, rather than learning it over
+                            HTTP first and so not forwarding the gossip: ``p2p_sync.announce``,
+                            IGNORE)} -> 202
 POST /dialback              {"url": "http://host:port", "nonce": 32 hex} -> {"reachable":
                             bool, "observed": the requester's address as seen here, "why"}:
                             this node GETs ``{url}/dialback/{nonce}``, only when the URL's
@@ -49,6 +63,7 @@ so a control-plane test in memory exercises exactly what a real node serves.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import re
 import time
@@ -56,6 +71,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from p2p_sync.errors import PeerBusyError, PeerError
 from p2p_sync.ratelimit import TokenBucket
@@ -76,7 +92,9 @@ class HttpLimits:
     """Bounds of the data plane, on both sides."""
 
     max_concurrent_uploads: int = 16
-    max_request_bytes: int = 64 * 1024
+    # a POST body; room for an announcement carrying a manifest inline (~73 bytes a chunk:
+    # ~56 KB for the 768 chunks of a large payload)
+    max_request_bytes: int = 256 * 1024
     max_json_bytes: int = 16 * 2**20
     max_chunk_bytes: int = 64 * 2**20
     request_timeout_s: float = 10.0
@@ -84,6 +102,15 @@ class HttpLimits:
     max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What a ``POST /announce`` carries beyond its digests (see the route table)."""
+
+    offers: Mapping[str, list[int]] = field(default_factory=dict)  # digest -> chunk indices
+    manifests: Mapping[str, bytes] = field(default_factory=dict)  # digest -> signed manifest
+    gossiped: bool = False  # the same news went out by gossip
 
 
 class NodeView(Protocol):
@@ -98,12 +125,23 @@ class NodeView(Protocol):
     def status(self) -> dict[str, Any]: ...
     def metrics_text(self) -> bytes: ...
     def count_upload(self, nbytes: int) -> None: ...
-    def on_announce(self, url: str | None, digests: list[str]) -> None: ...
+    def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None: ...
     def add_peer(self, url: str) -> None: ...
     def issued(self, nonce: str) -> bool: ...
     async def dial_back(
         self, url: str, nonce: str, remote: str | None, outbound: bool
     ) -> dict[str, Any]: ...
+
+
+def same_host(url: str, remote: str | None) -> bool:
+    """Does ``url`` point at ``remote``, the address a request came from?"""
+    host = urlsplit(url).hostname
+    if host is None or remote is None:
+        return False
+    try:
+        return ipaddress.ip_address(host) == ipaddress.ip_address(remote)
+    except ValueError:
+        return host == remote  # names (the in-memory network): compared as they are
 
 
 def valid_peer_url(url: str) -> bool:
@@ -332,7 +370,14 @@ class DataRouter:
             raise Refused(400, "digests must be 64 hex digits each")
         if url is not None and not valid_peer_url(url):
             raise Refused(400, "url must be http://host:port or p2p://<peer id>")
-        self.node.on_announce(url, digests)
+        offers = _offers(doc.get("offers", {}), digests)
+        manifests = _inline_manifests(doc.get("manifests", {}), digests)
+        if url is None or not same_host(url, req.remote):  # anyone may claim to be the trainer
+            offers, manifests = {}, {}  # (and a forgery would get the trainer banned)
+        gossiped = doc.get("gossiped", False)
+        if not isinstance(gossiped, bool):
+            raise Refused(400, "gossiped must be true or false")
+        self.node.on_announce(url, digests, Pushed(offers, manifests, gossiped))
         return _json({"ok": True}, status=202)
 
     async def _dial_back(self, req: Request, _: str) -> Reply:
@@ -365,6 +410,30 @@ def _nothing() -> None:
     pass
 
 
+def _offers(doc: Any, digests: list[str]) -> dict[str, list[int]]:
+    """An announcement's ``offers``: chunk indices per announced digest, or a 400."""
+    if not (isinstance(doc, dict) and set(doc) <= set(digests)):
+        raise Refused(400, "offers must map announced digests to chunk indices")
+    for have in doc.values():
+        if not (isinstance(have, list) and all(_index(i) for i in have)):
+            raise Refused(400, "offers must map announced digests to chunk indices")
+    return doc
+
+
+def _index(i: Any) -> bool:
+    return type(i) is int and 0 <= i < 2**31
+
+
+def _inline_manifests(doc: Any, digests: list[str]) -> dict[str, bytes]:
+    """An announcement's ``manifests``: signed manifest text per announced digest, or a 400
+    (whether each is genuine is the receiver's trust gate's question)."""
+    if not (isinstance(doc, dict) and set(doc) <= set(digests)):
+        raise Refused(400, "manifests must map announced digests to manifest text")
+    if not all(isinstance(text, str) for text in doc.values()):
+        raise Refused(400, "manifests must map announced digests to manifest text")
+    return {d: text.encode() for d, text in doc.items()}
+
+
 def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:
     """A POST body: a JSON object within the request limit, or a 4xx."""
     if len(req.body) > limits.max_request_bytes:
@@ -372,7 +441,7 @@ def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:
     try:
         doc = json.loads(req.body)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise Refused(400, "body must be JSON of at most 64 KiB") from None
+        raise Refused(400, "body must be JSON") from None
     if not isinstance(doc, dict):
         raise Refused(400, "body must be a JSON object")
     return doc
@@ -391,7 +460,12 @@ class PeerClient(Protocol):
     async def get_json(self, url: str) -> Any: ...
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes: ...
     async def post_json(self, url: str, doc: Any) -> Any: ...
-    async def announce(self, peer: str, digests: list[str]) -> None: ...
+    async def announce(
+        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+    ) -> None:
+        """``POST /announce``; ``extra``: its optional fields (offers, manifests)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -68,6 +68,11 @@ class ChunkSource(Protocol):
         """The chunks ``peer`` holds; with ``known >= 0``, once it holds other than ``known``."""
         ...
 
+    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
+        """The have-map ``peer`` pushed with its announcement of ``m`` (the trainer hands a
+        follower its chunks that way), if any: the first answer, without asking."""
+        ...
+
 
 class ChunkSink(Protocol):
     """Where verified chunks go (the store)."""
@@ -99,6 +104,9 @@ class DataPlaneSource:
 
     def owed(self, peer: str) -> bool:
         return False
+
+    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
+        return None
 
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
@@ -152,6 +160,10 @@ class Download:
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
         known, failures = -1, 0
+        pushed = self.source.pushed(peer, self.m)
+        if pushed is not None:  # no round trip measured: the chunk replies will measure it
+            known = len(pushed)
+            self.events.put_nowait(PeerHad(peer, frozenset(pushed), None))
         while not self.done.is_set() and failures < self.config.have_failures:
             if peer not in self.source.peers():
                 break

@@ -11,6 +11,7 @@ chunk under ``request_timeout_s`` so a reader too slow to take it in time loses 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -137,8 +138,11 @@ class DataClient:
     async def post_json(self, url: str, doc: Any) -> Any:
         return parse_json(url, await self._post(url, doc, 200))
 
-    async def announce(self, peer: str, digests: list[str]) -> None:
-        await self._post(f"{peer}/announce", {"url": self.self_url, "digests": digests}, 202)
+    async def announce(
+        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+    ) -> None:
+        doc = {"url": self.self_url, "digests": digests, **(extra or {})}
+        await self._post(f"{peer}/announce", doc, 202)
 
     async def _post(self, url: str, doc: Any, expect: int) -> bytes:
         limit = self.limits.max_json_bytes

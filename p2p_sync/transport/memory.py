@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -113,9 +113,11 @@ class MemoryClient:
         body = json.dumps(doc).encode()
         return parse_json(url, await self._request("POST", url, self.limits.max_json_bytes, body))
 
-    async def announce(self, peer: str, digests: list[str]) -> None:
-        body = json.dumps({"url": self.self_url, "digests": digests}).encode()
-        await self._request("POST", f"{peer}/announce", 1024, body, expect=202)
+    async def announce(
+        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+    ) -> None:
+        doc = {"url": self.self_url, "digests": digests, **(extra or {})}
+        await self._request("POST", f"{peer}/announce", 1024, json.dumps(doc).encode(), 202)
 
     async def close(self) -> None:
         pass

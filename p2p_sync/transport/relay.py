@@ -86,6 +86,9 @@ class BoundedRelay(CircuitV2Protocol):
         return data
 
 
+RELAYED_GRACE_S = 3.0  # after a punch, the relayed connection lives on this long
+
+
 class HolePuncher(DCUtRProtocol):
     """py-libp2p's DCUtR, counting the hole punches this node started while it had only a
     relayed connection to the peer (tries, and tries that left a direct connection)."""
@@ -102,7 +105,19 @@ class HolePuncher(DCUtRProtocol):
         if ok and direct_connection(self.host, peer_id) is not None:
             self.punched += 1
             log.info("hole punched: direct connection to %s", peer_id)
+            self._retire_relayed(peer_id)
         return ok
+
+    def _retire_relayed(self, peer_id: ID) -> None:
+        """Close the relayed connections to ``peer_id`` once requests already on them had
+        ``RELAYED_GRACE_S`` to finish (py-libp2p waits a minute, and its stream selection may
+        keep opening streams on the relayed one meanwhile: the relay's hops and bandwidth cap
+        would stay on the pair). Its own check that the direct connection still works
+        comes first."""
+        if self._nursery is not None:
+            self._nursery.start_soon(
+                self._close_relayed_conns_after_grace, peer_id, RELAYED_GRACE_S
+            )
 
 
 def direct_connection(host: Any, peer: ID) -> Any:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -232,11 +232,13 @@ class StreamPool:
     def __init__(self) -> None:
         self._idle: dict[Any, list[tuple[Any, float]]] = {}
 
-    def take(self, peer: Any) -> Any | None:
+    def take(self, peer: Any, usable: Callable[[Any], bool] = lambda _: True) -> Any | None:
+        """An idle stream to ``peer`` that is young enough and ``usable``; the others are
+        dropped (the server closes them when they idle out)."""
         idle, now = self._idle.get(peer, []), trio.current_time()
         while idle:
             stream, since = idle.pop()
-            if now - since < IDLE_S:
+            if now - since < IDLE_S and usable(stream):
                 return stream
         self._idle.pop(peer, None)
         return None
@@ -273,8 +275,12 @@ async def _exchange(
     p2p: Any, peer: Any, request: bytes, bounds: tuple[int, int], limits: HttpLimits
 ) -> bytes:
     """An idle stream may have died meanwhile: if it fails before any reply, once more on a
-    new one."""
-    stream = p2p.streams.take(peer)
+    new one. An idle stream through a relay is not reused once a hole is punched to the peer
+    (the relay's hops and bandwidth cap would stay on every request otherwise)."""
+    from p2p_sync.transport.relay import direct_connection
+
+    direct = direct_connection(p2p.libp2p, peer)
+    stream = p2p.streams.take(peer, lambda s: direct is None or s.muxed_conn is direct.muxed_conn)
     if stream is not None:
         try:
             return await _on_stream(p2p, peer, stream, request, bounds)
@@ -384,8 +390,10 @@ class FramedClient:
         body = json.dumps(doc).encode()
         return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
 
-    async def announce(self, peer: str, digests: list[str]) -> None:
-        doc = json.dumps({"url": self.self_url, "digests": digests}).encode()
+    async def announce(
+        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+    ) -> None:
+        doc = json.dumps({"url": self.self_url, "digests": digests, **(extra or {})}).encode()
         await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", doc, 202)
 
     async def close(self) -> None:
@@ -474,8 +482,10 @@ class RoutedClient:
     async def post_json(self, url: str, doc: Any) -> Any:
         return (await self._routed(url, lambda c, u: c.post_json(u, doc)))[0]
 
-    async def announce(self, peer: str, digests: list[str]) -> None:
-        await self._routed(peer, lambda c, u: c.announce(u, digests))
+    async def announce(
+        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+    ) -> None:
+        await self._routed(peer, lambda c, u: c.announce(u, digests, extra))
 
     async def close(self) -> None:
         if self.lan is not None:
