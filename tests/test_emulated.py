@@ -299,8 +299,11 @@ def test_a_swarm_with_volunteers_behind_nat_converges(
 
 
 # trainer and bootstrap public, r2 and r3 each behind its own router: they can reach each other
-# only through a relay, until DCUtR punches a hole (~30 s on a loaded 2-core VM; at most ~80)
-PUNCH = replace(NAT_SWARM, hosts=4, versions=3, nat=(1, 2), punch_wait_s=20.0)
+# only through a relay, until DCUtR punches a hole. Each side tries every 2 s while a relayed
+# connection is up, at most 3 times (py-libp2p), and a try is a timed simultaneous open: on an
+# idle 2-core VM the first one wins (punched after v0), on a loaded CI runner it took until
+# after v2. The version after the punch shows whether the relay is left alone.
+PUNCH = replace(NAT_SWARM, hosts=4, versions=4, nat=(1, 2), punch_wait_s=30.0)
 
 
 def test_volunteers_behind_different_nats_punch_a_hole_and_stop_using_the_relay(
@@ -308,8 +311,9 @@ def test_volunteers_behind_different_nats_punch_a_hole_and_stop_using_the_relay(
 ) -> None:
     result = _run(PUNCH, tmp_path)
     assert result.converged and result.notes == [], result.notes
-    # they met through a relay in v0 (or, under load, in v1), and punched a hole right after
-    assert result.punched_after in (0, 1) and sum(r.hole_punched for r in result.rollouts) >= 1
+    # they met through a relay, and punched a hole before the last version
+    assert result.punched_after is not None and result.punched_after < PUNCH.versions - 1
+    assert sum(r.hole_punched for r in result.rollouts) >= 1
     for r in result.rollouts:  # each served the other, over its libp2p connection only
         assert r.verdict == "behind NAT" and r.streams_uploaded > 0, r
     assert sum(v.relayed for v in result.versions[: result.punched_after + 1]) > 0
