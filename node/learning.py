@@ -76,8 +76,9 @@ class Learner:
     ) -> None:
         """An HTTP announcement; ``pushed.offers``: the sender's first have-map answers to this
         node (kept for the download), ``pushed.manifests``: inline, judged as if fetched;
-        ``pushed.gossiped``: the news is on its way by gossip too, so a node on the mesh leaves
-        it to gossip (one that learned it first would not forward the gossip: IGNORE)."""
+        ``pushed.gossiped``: the news is on its way by gossip too, manifests inline, so a node
+        on the mesh leaves it to gossip (fetching them from ``url`` would cost a round trip and
+        the sender's uplink)."""
         node = self.node
         if url is not None:
             node.add_peer(url)
@@ -141,6 +142,8 @@ class Learner:
         node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
         node.store.put_manifest(manifest, data)
         node.timeline.note(digest, "learned")
+        if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
+            node.p2p.gate.learned_elsewhere([digest])
         return manifest
 
     async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
@@ -148,8 +151,7 @@ class Learner:
         ``exclude``; gossipsub relays by itself), HTTP push to peers gossip does not reach
         and, with their offers, to our followers (at once, not after the gossip publish: an
         offer that comes after the gossiped manifest finds the follower already asking; the
-        gossip goes first, though: a node that learns the news over HTTP before its gossip
-        would not forward the gossip)."""
+        gossip is handed to libp2p first, as mesh followers take the manifests from it)."""
         node = self.node
         if node.client is None or not digests:
             return
@@ -195,8 +197,8 @@ class Learner:
         gossip reaches it, the manifests (``inline``: their texts, and those encoded's size;
         it would fetch them from us right after), when the request stays within the
         receiver's body limit; and whether the news also went out by gossip (a node on the
-        mesh then waits for it: one that learned it over HTTP first would not forward the
-        gossip, IGNORE, and our view of who is on the mesh is not complete)."""
+        mesh then takes the manifests from it: our view of who is on the mesh is not
+        complete, so a follower we think off the mesh may be on it)."""
         assert self.node.client is not None
         view, extra = self.node.view, {}
         if peer in followers:

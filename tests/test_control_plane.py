@@ -210,6 +210,40 @@ def test_gossip_alone_carries_versions_above_the_floor_and_blacklists_forgers(
         assert set(latency) >= {1, 2}
 
 
+async def _http_first(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path, gossip=True) as swarm:
+        trainer = await swarm.start_trainer()
+        quiet = PeerLimits(poll_interval_s=60)
+        rollout = await swarm.start_rollout("r0", directory=quiet, peers=())
+        await swarm.publish(versions[0])
+        await swarm.converge(0)
+        swarm.network.cut(rollout.url)  # v1's gossip and pushes miss it
+        digests = [m.digest for m in await swarm.publish(versions[1])]
+        swarm.network.restore(rollout.url)
+        learned = await rollout.learner.learn(trainer.url, digests)  # over HTTP, first
+        a = announce.Announcement(
+            swarm.policy.swarm_id, 1, tuple(digests), int(time.time() * 1000), ()
+        )
+        inline = [trainer.store.manifest_bytes(d) or b"" for d in digests]
+        copy = announce.encode(a, [swarm.key], inline)  # then the gossip copy comes
+        gate = rollout.p2p.gate
+        return {
+            "learned": [m.digest for m in learned],
+            "digests": digests,
+            "forwards": [gate.validate(copy, "mesh-peer", None).forward for _ in range(2)],
+        }
+
+
+def test_news_learned_over_http_first_still_goes_on_by_gossip(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_http_first(tmp_path, tiny_versions[:2]))
+    assert out["learned"] == out["digests"]
+    # the first gossip copy is forwarded to the mesh behind this node (judged "already
+    # known", it would have stopped here); a second one is old news
+    assert out["forwards"] == [True, False]
+
+
 # ---------------------------------------------------------------- peer-table flood
 
 

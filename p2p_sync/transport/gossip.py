@@ -8,12 +8,21 @@ callback); this holds the transport's part of the policy: a bounded memory of ac
 forwarder before it is cut off. No asyncio, no libp2p: the callers pass a ``schedule`` that
 hands accepted news to the node's loop (``call_soon_threadsafe`` from the Trio thread, plain
 ``call_soon`` in memory).
+
+News a node learned another way first (an HTTP push or poll stored the manifest before the
+gossip copy came) is still news *to gossip*: judged "already known", the copy would be ignored
+and not forwarded, and every peer behind this one on the mesh would lose it (measured: a
+bootstrap's leaf never heard an announcement). So the node notes such digests
+(:meth:`GossipValidator.learned_elsewhere`); the first gossip copy of one is accepted and
+forwarded, later ones are ignored. Replays stay bounded: a digest is forwarded at most once
+per note, and only digests the node itself just learned are noted.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,10 +65,32 @@ class GossipValidator:
         self.counts = collections.Counter[str]()
         self.rejects = collections.Counter[str]()
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # known to the node, not yet seen by gossip (both bounded by seen_digests)
+        self._elsewhere: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = threading.Lock()  # validate: the transport's thread; notes: the node's
+
+    def learned_elsewhere(self, digests: list[str]) -> None:
+        """The node learned these manifests outside gossip: forward their first gossip copy."""
+        with self._lock:
+            for digest in digests:
+                if digest not in self._seen:
+                    self._elsewhere[digest] = None
+            _bound(self._elsewhere, self.seen_digests)
+
+    def _knows(self, digest: str) -> bool:
+        """Whether gossip news of ``digest`` is old news (seen by gossip, or known to the node
+        and not noted as learned elsewhere)."""
+        if digest in self._seen:
+            return True
+        return digest not in self._elsewhere and self._known(digest)
 
     def validate(self, data: bytes, forwarder: str, sender_url: str | None) -> Outcome:
         """Judge ``data`` relayed by ``forwarder`` (its HTTP URL, when known, is ``sender_url``)."""
-        decision = self._judge(data, lambda d: d in self._seen or self._known(d))
+        with self._lock:
+            return self._validate(data, forwarder, sender_url)
+
+    def _validate(self, data: bytes, forwarder: str, sender_url: str | None) -> Outcome:
+        decision = self._judge(data, self._knows)
         self.counts[decision.verdict.value] += 1
         if decision.verdict is Verdict.REJECT:
             return Outcome(False, self._penalize(forwarder, decision.reason))
@@ -71,8 +102,8 @@ class GossipValidator:
         assert decision.announcement is not None
         for digest in decision.announcement.digests:
             self._seen[digest] = None
-        while len(self._seen) > self.seen_digests:
-            self._seen.popitem(last=False)
+            self._elsewhere.pop(digest, None)
+        _bound(self._seen, self.seen_digests)
         self._schedule(self._on_accept, decision, sender_url, now_ms)
         return Outcome(True)
 
@@ -81,3 +112,9 @@ class GossipValidator:
         self.rejects[forwarder] += 1
         log.warning("rejected announcement from %s: %s", forwarder, reason)
         return self.rejects[forwarder] >= self.max_rejects
+
+
+def _bound(entries: collections.OrderedDict[str, None], limit: int) -> None:
+    """Forget the oldest entries beyond ``limit``."""
+    while len(entries) > limit:
+        entries.popitem(last=False)
