@@ -77,8 +77,9 @@ class Learner:
         """An HTTP announcement; ``pushed.offers``: the sender's first have-map answers to this
         node (kept for the download), ``pushed.manifests``: inline, judged as if fetched;
         ``pushed.gossiped``: the news is on its way by gossip too, manifests inline, so a node
-        on the mesh leaves it to gossip (fetching them from ``url`` would cost a round trip and
-        the sender's uplink)."""
+        on the mesh takes only the manifests pushed inline and leaves the rest to gossip
+        (fetching them from ``url`` would cost a round trip and the sender's uplink; and the
+        gossip copy is forwarded all the same: ``GossipValidator.learned_elsewhere``)."""
         node = self.node
         if url is not None:
             node.add_peer(url)
@@ -90,9 +91,9 @@ class Learner:
             while len(self._offers) > MAX_OFFERS:
                 del self._offers[next(iter(self._offers))]
         mesh = node.p2p is not None and node.p2p.status().get("mesh_peers", 0) > 0
-        if pushed.gossiped and mesh:
-            return
         fresh = [d for d in digests if not node.store.has_manifest(d)]
+        if pushed.gossiped and mesh:
+            fresh = [d for d in fresh if d in pushed.manifests]
         if fresh:
             self.spawn(self.learn(url, fresh, pushed.manifests))
 

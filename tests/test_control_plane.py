@@ -8,6 +8,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from node.runtime import Node
 from node.timeline import STEPS
 from p2p_sync import announce
 from p2p_sync.chunks import manifest_for
@@ -16,6 +17,7 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits, Source
 from p2p_sync.statehash import state_hash
+from p2p_sync.transport.dataplane import Pushed
 from p2p_sync.transport.memory import MemoryClient
 from tests.helpers import bit_equal
 from tests.nodebase import MemorySwarm
@@ -210,16 +212,23 @@ def test_gossip_alone_carries_versions_above_the_floor_and_blacklists_forgers(
         assert set(latency) >= {1, 2}
 
 
+async def _missed(swarm: MemorySwarm, versions: list) -> tuple[Node, Node, list[str]]:
+    """A trainer and a gossiping rollout that got v0 and missed v1's news (gossip and push);
+    v1's digests."""
+    trainer = await swarm.start_trainer()
+    quiet = PeerLimits(poll_interval_s=60)
+    rollout = await swarm.start_rollout("r0", directory=quiet, peers=())
+    await swarm.publish(versions[0])
+    await swarm.converge(0)
+    swarm.network.cut(rollout.url)
+    digests = [m.digest for m in await swarm.publish(versions[1])]
+    swarm.network.restore(rollout.url)
+    return trainer, rollout, digests
+
+
 async def _http_first(tmp_path: Path, versions: list) -> dict:
     async with MemorySwarm(tmp_path, gossip=True) as swarm:
-        trainer = await swarm.start_trainer()
-        quiet = PeerLimits(poll_interval_s=60)
-        rollout = await swarm.start_rollout("r0", directory=quiet, peers=())
-        await swarm.publish(versions[0])
-        await swarm.converge(0)
-        swarm.network.cut(rollout.url)  # v1's gossip and pushes miss it
-        digests = [m.digest for m in await swarm.publish(versions[1])]
-        swarm.network.restore(rollout.url)
+        trainer, rollout, digests = await _missed(swarm, versions)
         learned = await rollout.learner.learn(trainer.url, digests)  # over HTTP, first
         a = announce.Announcement(
             swarm.policy.swarm_id, 1, tuple(digests), int(time.time() * 1000), ()
@@ -242,6 +251,28 @@ def test_news_learned_over_http_first_still_goes_on_by_gossip(
     # the first gossip copy is forwarded to the mesh behind this node (judged "already
     # known", it would have stopped here); a second one is old news
     assert out["forwards"] == [True, False]
+
+
+async def _pushed_to_mesh(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path, gossip=True) as swarm:
+        trainer, rollout, digests = await _missed(swarm, versions)
+        stored = []
+        inline = {d: trainer.store.manifest_bytes(d) or b"" for d in digests}
+        for pushed in (Pushed(gossiped=True), Pushed(manifests=inline, gossiped=True)):
+            rollout.learner.on_announce(trainer.url, digests, pushed)
+            await rollout.learner.settled()
+            stored.append([rollout.store.has_manifest(d) for d in digests])
+        return {"mesh": rollout.p2p.status()["mesh_peers"], "stored": stored}
+
+
+def test_a_node_on_the_mesh_takes_pushed_manifests_and_leaves_the_rest_to_gossip(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = _run(_pushed_to_mesh(tmp_path, tiny_versions[:2]))
+    assert out["mesh"] >= 1
+    no_manifests, with_manifests = out["stored"]
+    assert not any(no_manifests)  # no round trip to the sender: gossip brings them inline
+    assert all(with_manifests)  # here already: taken at once (its gossip copy still goes on)
 
 
 # ---------------------------------------------------------------- peer-table flood

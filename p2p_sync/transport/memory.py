@@ -181,6 +181,7 @@ class MemoryGossipHost:
         return {
             "peer_id": self.url,
             "connected": len(self.network.gossip) - 1,
+            "mesh_peers": len(self.network.gossip) - 1,  # every member meshed with every other
             "blacklisted": len(self.blacklist),
             "accepted": counts["accept"],
             "rejected": counts["reject"],
