@@ -29,9 +29,9 @@ POST /announce              {"url": sender base URL or null, "digests": [...], a
                             passes the receiver's trust gate as if fetched from ``url``: so
                             kept only when the request came from its host too), "gossiped":
                             true (the same news went out by gossip, manifests inline: a node
-                            on the gossip mesh keeps the offers and takes the manifests from
-                            its mesh neighbour, rather than from ``url`` by a round trip over
-                            the trainer's uplink)} -> 202
+                            on the gossip mesh keeps the offers and the inline manifests and
+                            takes the other manifests from gossip, not from ``url`` by a
+                            round trip over the trainer's uplink)} -> 202
 POST /dialback              {"url": "http://host:port", "nonce": 32 hex} -> {"reachable":
                             bool, "observed": the requester's address as seen here, "why"}:
                             this node GETs ``{url}/dialback/{nonce}``, only when the URL's

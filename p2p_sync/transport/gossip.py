@@ -67,7 +67,7 @@ class GossipValidator:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         # known to the node, not yet seen by gossip (both bounded by seen_digests)
         self._elsewhere: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._lock = threading.Lock()  # validate: the transport's thread; notes: the node's
+        self._lock = threading.RLock()  # validate: the transport's thread; notes: the node's
 
     def learned_elsewhere(self, digests: list[str]) -> None:
         """The node learned these manifests outside gossip: forward their first gossip copy."""
