@@ -319,7 +319,9 @@ def test_volunteers_behind_different_nats_punch_a_hole_and_stop_using_the_relay(
     assert sum(v.relayed for v in result.versions[: result.punched_after + 1]) > 0
     after = result.versions[result.punched_after + 1]
     assert after.relayed < 0.05 * after.payload, after  # then traded over the punched link
-    assert after.trainer_up <= 1.5 * after.payload, after
+    # and the pair still traded: not a star (2 F). How much: that depends on the CPU (libp2p
+    # streams cost more of it than the trainer's HTTP: 1.00-1.33 F idle, up to 1.96 F loaded)
+    assert after.trainer_up < 2 * after.payload, after
     assert leftovers(own_prefix) == []
 
 
