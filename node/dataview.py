@@ -7,6 +7,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+from p2p_sync.bounded import remember
 from p2p_sync.seeding import SuperSeeder
 from p2p_sync.transport.dataplane import Pushed
 
@@ -130,10 +131,7 @@ class SeedingView(DataView):
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         """The requester's offer; asking makes it a follower (a push does not)."""
         if requester is not None:
-            self._asked.pop(requester, None)
-            self._asked[requester] = time.monotonic()
-            while len(self._asked) > MAX_FOLLOWERS:
-                del self._asked[next(iter(self._asked))]
+            remember(self._asked, requester, time.monotonic(), MAX_FOLLOWERS)
         return self.offer(digest, requester)
 
     def offer(self, digest: str, peer: str | None) -> list[int] | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from p2p_sync import announce
+from p2p_sync.bounded import remember
 from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, RollbackAttackError
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
@@ -86,10 +87,7 @@ class Learner:
         if url is None or url in node.peering.banned:
             return
         for digest, have in pushed.offers.items():
-            self._offers.pop((url, digest), None)
-            self._offers[(url, digest)] = have
-            while len(self._offers) > MAX_OFFERS:
-                del self._offers[next(iter(self._offers))]
+            remember(self._offers, (url, digest), have, MAX_OFFERS)
         mesh = node.p2p is not None and node.p2p.status().get("mesh_peers", 0) > 0
         fresh = [d for d in digests if not node.store.has_manifest(d)]
         if pushed.gossiped and mesh:
@@ -208,9 +206,10 @@ class Learner:
         if self.node.p2p is not None:
             extra["gossiped"] = True
         texts, size = inline
-        room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
-        if peer in followers and peer not in self._p2p_urls and size <= room:
-            extra["manifests"] = texts
+        if peer in followers and peer not in self._p2p_urls:
+            room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
+            if size <= room:
+                extra["manifests"] = texts
         return extra
 
     # ------------------------------------------------------------ pull fallback

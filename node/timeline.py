@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import time
 
+from p2p_sync.bounded import trim
+
 STEPS = ("heard", "learned", "first_have", "first_chunk", "fetched", "applied", "handed_off")
 
 
@@ -33,8 +35,7 @@ class Timeline:
             raise ValueError(f"unknown step {step!r}")
         steps = self._steps.setdefault(digest, {})
         steps.setdefault(step, time.time() if at is None else at)
-        while len(self._steps) > self.keep:
-            del self._steps[next(iter(self._steps))]
+        trim(self._steps, self.keep)
 
     def of(self, digest: str) -> dict[str, float]:
         """The steps noted for ``digest``, in the order they happen."""

@@ -38,16 +38,15 @@ punching gets through): such peers, once wired to public ones, fill their lists 
 ``want`` with each other, over direct connections (a long-running swarm: they met through a
 relay and punched earlier). Relaying traffic through a public peer is not modelled (it would
 cost the relay its uplink and downlink both), so other NAT-NAT pairs exchange nothing. A public
-rollout accepts
-inbound connections until it has ``max_peers`` neighbours (its peer list's bound, the node's
-``directory.max_peers``): beyond that a NATed peer dials another one, and when every public
-peer is full it makes do with fewer. A rollout with more neighbours than ``max_sources``
-follows (subscribes to, fetches from) ``max_sources`` of them plus the trainer, as the node's
-download driver does, its NATed neighbours first (``_follows`` says why: this is what the
-NAT-aware node must do too); the others still follow it. A rollout that the overlay left
-with no neighbour at all (``nat_fraction = 1``: only the trainer is reachable) connects to the
-trainer, on top of ``trainer_peers``. ``served`` counts the chunks each (uploader, requester)
-pair started, so tests can check that no NAT-NAT pair ever carried one.
+rollout accepts inbound connections until it has ``max_peers`` neighbours (its peer list's
+bound, the node's ``directory.max_peers``): beyond that a NATed peer dials another one, and
+when every public peer is full it makes do with fewer. A rollout with more neighbours than
+``max_sources`` follows (subscribes to, fetches from) ``max_sources`` of them plus the trainer,
+as the node's download driver does, its NATed neighbours first (``_follows`` says why: this is
+what the NAT-aware node must do too); the others still follow it. A rollout that the overlay
+left with no neighbour at all (``nat_fraction = 1``: only the trainer is reachable) connects to
+the trainer, on top of ``trainer_peers``. ``served`` counts the chunks each (uploader,
+requester) pair started, so tests can check that no NAT-NAT pair ever carried one.
 """
 
 from __future__ import annotations

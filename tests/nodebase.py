@@ -93,6 +93,17 @@ class MemorySwarm:
         self._tasks.append(asyncio.create_task(follower.run(self._stop)))
         return node
 
+    async def at_v0(
+        self, tensors: dict[str, torch.Tensor], *names: str, **cfg: Any
+    ) -> tuple[TrainerNode, list[Node]]:
+        """A trainer and rollouts ``names`` (each with ``cfg``) that all hold ``tensors`` as v0:
+        every rollout has asked the trainer for have-maps by then (a follower of it)."""
+        trainer = await self.start_trainer()
+        rollouts = [await self.start_rollout(name, **cfg) for name in names]
+        await self.publish(tensors)
+        await self.converge(0)
+        return trainer, rollouts
+
     async def publish(self, tensors: dict[str, torch.Tensor]) -> list[Manifest]:
         assert self.publisher is not None
         return await self.publisher.publish(tensors)

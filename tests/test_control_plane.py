@@ -112,10 +112,7 @@ def _manifest(
 
 async def _ban(tmp_path: Path, versions: list) -> dict:
     async with MemorySwarm(tmp_path) as swarm:
-        await swarm.start_trainer()
-        rollout = await swarm.start_rollout("r0")
-        await swarm.publish(versions[0])
-        await swarm.converge(0)
+        _, [rollout] = await swarm.at_v0(versions[0], "r0")
         forger = SigningKey.generate()  # a key the swarm does not trust
         evil = await swarm.node("evil", policy=SwarmPolicy("memory", (forger.public,)))
         m, data, payload = _manifest(swarm.policy.swarm_id, forger, 5)
@@ -215,11 +212,8 @@ def test_gossip_alone_carries_versions_above_the_floor_and_blacklists_forgers(
 async def _missed(swarm: MemorySwarm, versions: list) -> tuple[Node, Node, list[str]]:
     """A trainer and a gossiping rollout that got v0 and missed v1's news (gossip and push);
     v1's digests."""
-    trainer = await swarm.start_trainer()
     quiet = PeerLimits(poll_interval_s=60)
-    rollout = await swarm.start_rollout("r0", directory=quiet, peers=())
-    await swarm.publish(versions[0])
-    await swarm.converge(0)
+    trainer, [rollout] = await swarm.at_v0(versions[0], "r0", directory=quiet, peers=())
     swarm.network.cut(rollout.url)
     digests = [m.digest for m in await swarm.publish(versions[1])]
     swarm.network.restore(rollout.url)
@@ -320,10 +314,7 @@ def test_a_flood_of_fake_peers_cannot_push_out_known_good_ones(
 
 async def _pushed(tmp_path: Path, versions: list, asked: list) -> dict:
     async with MemorySwarm(tmp_path) as swarm:
-        trainer = await swarm.start_trainer()
-        rollout = await swarm.start_rollout("r0")
-        await swarm.publish(versions[0])
-        await swarm.converge(0)  # the rollout asked the trainer for have-maps: a follower
+        trainer, [rollout] = await swarm.at_v0(versions[0], "r0")  # a follower of the trainer
         followers, before = trainer.view.followers(), dict(swarm.network.requests)
         asked.clear()
         digests = {m.digest for m in await swarm.publish(versions[1])}
@@ -364,10 +355,7 @@ def test_the_trainer_pushes_a_follower_its_chunks_and_the_manifest_with_the_news
 
 async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
     async with MemorySwarm(tmp_path) as swarm:
-        await swarm.start_trainer()
-        rollout = await swarm.start_rollout("r0")
-        await swarm.publish(versions[0])
-        await swarm.converge(0)
+        _, [rollout] = await swarm.at_v0(versions[0], "r0")
         evil = await swarm.node("evil")
         m, data, _ = _manifest(swarm.policy.swarm_id, SigningKey.generate(), 5)
         url, gets = rollout.url or "", swarm.network.requests["manifest"]
@@ -418,10 +406,7 @@ def test_a_forged_manifest_pushed_inline_gets_its_pusher_banned_and_bad_fields_a
 
 async def _gone_follower(tmp_path: Path, versions: list) -> dict:
     async with MemorySwarm(tmp_path) as swarm:
-        trainer = await swarm.start_trainer()
-        stays, goes = await swarm.start_rollout("r0"), await swarm.start_rollout("r1")
-        await swarm.publish(versions[0])
-        await swarm.converge(0)
+        trainer, [stays, goes] = await swarm.at_v0(versions[0], "r0", "r1")
         followers = trainer.view.followers()
         swarm.network.cut(goes.url or "")  # it left without a word
         await swarm.publish(versions[1])

@@ -370,8 +370,9 @@ class DataRouter:
             raise Refused(400, "digests must be 64 hex digits each")
         if url is not None and not valid_peer_url(url):
             raise Refused(400, "url must be http://host:port or p2p://<peer id>")
-        offers = _offers(doc.get("offers", {}), digests)
-        manifests = _inline_manifests(doc.get("manifests", {}), digests)
+        offers = _by_digest(doc, "offers", digests, _indices, "chunk indices")
+        texts = _by_digest(doc, "manifests", digests, _is_str, "manifest text")
+        manifests = {d: text.encode() for d, text in texts.items()}
         if url is None or not same_host(url, req.remote):  # anyone may claim to be the trainer
             offers, manifests = {}, {}  # (and a forgery would get the trainer banned)
         gossiped = doc.get("gossiped", False)
@@ -410,28 +411,28 @@ def _nothing() -> None:
     pass
 
 
-def _offers(doc: Any, digests: list[str]) -> dict[str, list[int]]:
-    """An announcement's ``offers``: chunk indices per announced digest, or a 400."""
-    if not (isinstance(doc, dict) and set(doc) <= set(digests)):
-        raise Refused(400, "offers must map announced digests to chunk indices")
-    for have in doc.values():
-        if not (isinstance(have, list) and all(_index(i) for i in have)):
-            raise Refused(400, "offers must map announced digests to chunk indices")
-    return doc
+def _by_digest(
+    doc: dict[str, Any], name: str, digests: list[str], valid: Callable[[Any], bool], what: str
+) -> dict:
+    """An announcement's optional field ``name``: announced digests to ``what`` (each value
+    ``valid``), or a 400."""
+    field = doc.get(name, {})
+    if isinstance(field, dict) and set(field) <= set(digests) and all(map(valid, field.values())):
+        return field
+    raise Refused(400, f"{name} must map announced digests to {what}")
 
 
-def _index(i: Any) -> bool:
-    return type(i) is int and 0 <= i < 2**31
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
 
 
-def _inline_manifests(doc: Any, digests: list[str]) -> dict[str, bytes]:
-    """An announcement's ``manifests``: signed manifest text per announced digest, or a 400
-    (whether each is genuine is the receiver's trust gate's question)."""
-    if not (isinstance(doc, dict) and set(doc) <= set(digests)):
-        raise Refused(400, "manifests must map announced digests to manifest text")
-    if not all(isinstance(text, str) for text in doc.values()):
-        raise Refused(400, "manifests must map announced digests to manifest text")
-    return {d: text.encode() for d, text in doc.items()}
+def _indices(have: Any) -> bool:
+    return isinstance(have, list) and all(type(i) is int and 0 <= i < 2**31 for i in have)
+
+
+def announce_doc(url: str | None, digests: list[str], extra: Mapping[str, Any] | None) -> dict:
+    """The body of ``POST /announce`` (its fields: the route table above)."""
+    return {"url": url, "digests": digests, **(extra or {})}
 
 
 def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2p_sync.announce import Decision, Verdict
+from p2p_sync.bounded import trim
 
 log = logging.getLogger("p2psync.p2p")
 
@@ -64,9 +65,8 @@ class GossipValidator:
         self.max_rejects, self.seen_digests = max_rejects, seen_digests
         self.counts = collections.Counter[str]()
         self.rejects = collections.Counter[str]()
-        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
-        # known to the node, not yet seen by gossip (both bounded by seen_digests)
-        self._elsewhere: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._seen: dict[str, None] = {}
+        self._elsewhere: dict[str, None] = {}  # known to the node, not yet seen by gossip
         self._lock = threading.RLock()  # validate: the transport's thread; notes: the node's
 
     def learned_elsewhere(self, digests: list[str]) -> None:
@@ -75,7 +75,7 @@ class GossipValidator:
             for digest in digests:
                 if digest not in self._seen:
                     self._elsewhere[digest] = None
-            _bound(self._elsewhere, self.seen_digests)
+            trim(self._elsewhere, self.seen_digests)
 
     def _knows(self, digest: str) -> bool:
         """Whether gossip news of ``digest`` is old news (seen by gossip, or known to the node
@@ -103,7 +103,7 @@ class GossipValidator:
         for digest in decision.announcement.digests:
             self._seen[digest] = None
             self._elsewhere.pop(digest, None)
-        _bound(self._seen, self.seen_digests)
+        trim(self._seen, self.seen_digests)
         self._schedule(self._on_accept, decision, sender_url, now_ms)
         return Outcome(True)
 
@@ -112,9 +112,3 @@ class GossipValidator:
         self.rejects[forwarder] += 1
         log.warning("rejected announcement from %s: %s", forwarder, reason)
         return self.rejects[forwarder] >= self.max_rejects
-
-
-def _bound(entries: collections.OrderedDict[str, None], limit: int) -> None:
-    """Forget the oldest entries beyond ``limit``."""
-    while len(entries) > limit:
-        entries.popitem(last=False)

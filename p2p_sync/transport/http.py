@@ -25,6 +25,7 @@ from p2p_sync.transport.dataplane import (
     NodeView,
     Reply,
     Request,
+    announce_doc,
     check_reply,
     parse_json,
 )
@@ -141,8 +142,7 @@ class DataClient:
     async def announce(
         self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
     ) -> None:
-        doc = {"url": self.self_url, "digests": digests, **(extra or {})}
-        await self._post(f"{peer}/announce", doc, 202)
+        await self._post(f"{peer}/announce", announce_doc(self.self_url, digests, extra), 202)
 
     async def _post(self, url: str, doc: Any, expect: int) -> bytes:
         limit = self.limits.max_json_bytes

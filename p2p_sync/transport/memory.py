@@ -26,6 +26,7 @@ from p2p_sync.transport.dataplane import (
     DataRouter,
     HttpLimits,
     Request,
+    announce_doc,
     check_reply,
     parse_json,
 )
@@ -116,8 +117,8 @@ class MemoryClient:
     async def announce(
         self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
     ) -> None:
-        doc = {"url": self.self_url, "digests": digests, **(extra or {})}
-        await self._request("POST", f"{peer}/announce", 1024, json.dumps(doc).encode(), 202)
+        body = json.dumps(announce_doc(self.self_url, digests, extra)).encode()
+        await self._request("POST", f"{peer}/announce", 1024, body, 202)
 
     async def close(self) -> None:
         pass

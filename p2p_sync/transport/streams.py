@@ -58,6 +58,7 @@ from p2p_sync.transport.dataplane import (
     PeerClient,
     Reply,
     Request,
+    announce_doc,
     check_reply,
     parse_json,
 )
@@ -393,7 +394,7 @@ class FramedClient:
     async def announce(
         self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
     ) -> None:
-        doc = json.dumps({"url": self.self_url, "digests": digests, **(extra or {})}).encode()
+        doc = json.dumps(announce_doc(self.self_url, digests, extra)).encode()
         await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", doc, 202)
 
     async def close(self) -> None:

@@ -1,0 +1,24 @@
+"""Bounded memories: dicts that keep their newest entries (insertion order) and forget the
+oldest beyond a limit. Every table a peer can make a node fill (offers pushed to it, peers that
+asked it, digests it saw) is one, so no peer can grow a node's memory without bound."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def trim(entries: dict[K, V], limit: int) -> None:
+    """Forget the oldest entries of ``entries`` beyond ``limit``."""
+    while len(entries) > limit:
+        del entries[next(iter(entries))]
+
+
+def remember(entries: dict[K, V], key: K, value: V, limit: int) -> None:
+    """Keep ``key`` as the newest entry of ``entries``, then :func:`trim` to ``limit``."""
+    entries.pop(key, None)
+    entries[key] = value
+    trim(entries, limit)
