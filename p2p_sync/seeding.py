@@ -69,9 +69,13 @@ class SuperSeeder:
             if (owner is not None and owner[0] == requester) or self.starved(key, now):
                 out.append(i)
             elif (
-                owner is None or (not served[key] and now - owner[1] > self.reseed_after_s)
-            ) and budget > 0:
-                # unclaimed, or handed out long ago and never fetched (its owner went quiet)
+                not served[key]
+                and (owner is None or now - owner[1] > self.reseed_after_s)
+                and budget > 0
+            ):
+                # never fetched, and unclaimed or handed out long ago (its owner went quiet);
+                # a chunk fetched without an owner (one released while its requester still
+                # fetched it) is out in the swarm: shown only once it starves, like any other
                 self.owner[key], budget = (requester, now), budget - 1
                 out.append(i)
         return out

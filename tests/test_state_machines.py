@@ -225,7 +225,7 @@ class SeederMachine(RuleBasedStateMachine):
         before = dict(self.seeder.owner)
         shown = [self.keys[i] for i in self.seeder.offer(self.keys, requester, self.now)]
         for key in shown:
-            owner, _ = self.seeder.owner[key]
+            owner = self.seeder.owner.get(key, (None, 0.0))[0]
             if owner != requester:  # only a chunk long in the swarm is shown to anyone
                 assert self.seeder.served[key], "showed a chunk handed to someone else"
                 since = self.seeder.spread_since[key]
@@ -296,3 +296,15 @@ def test_a_released_requester_s_chunks_go_to_the_next_one_at_once() -> None:
     assert seeder.offer(keys, "next", 0.1) == [2]  # b is still handed to "gone"
     seeder.release("gone")
     assert seeder.offer(keys, "next", 0.2) == [1, 2]  # b at once; a is in the swarm already
+
+
+def test_a_released_chunk_fetched_anyway_is_not_handed_out_again() -> None:
+    """Found by the state machine: the push to a requester failed, yet it still fetched a chunk
+    it had been shown (its have-map answer came earlier). That chunk is in the swarm: nobody
+    gets it as fresh (the seed would upload it twice), and it is shown to all once starved."""
+    seeder, keys = SuperSeeder(outstanding=2, reseed_after_s=0.5, starve_after_s=2.0), ["a", "b"]
+    assert seeder.offer(keys, "r1", 0.0) == [0, 1]
+    seeder.release("r1")
+    seeder.note_served("a")  # r1 fetched it all the same
+    assert seeder.offer(keys, "r0", 0.1) == [1]  # b, freed; not a
+    assert seeder.offer(keys, "r0", 2.2) == [0, 1]  # a starved: shown to anyone asking
