@@ -35,7 +35,12 @@ Policy:
 * a request is cancelled and re-requested elsewhere once it is ``timeout_factor`` times older
   than this download's typical chunk time (an EWMA over verified chunks, queueing at the
   uploader included), within [``min_request_timeout_s``, ``request_timeout_s``]; a peer that
-  crashed silently thus holds a chunk for a fraction of a second, not ``request_timeout_s``;
+  crashed silently thus holds a chunk for a fraction of a second, not ``request_timeout_s``.
+  Only if there is an elsewhere: a request to a chunk's only holder waits ``request_timeout_s``,
+  since asking the same peer again can only make it upload the chunk twice (a TCP request is
+  not lost; a late reply is on its way, or queued behind others; a starved CPU wakes to both
+  the reply and the timer at once). Measured before this rule: a super-seeded trainer, whose
+  handed-out chunks have no other holder, uploaded 2.2x the payload on a loaded CI runner;
 * endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
   ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
 * per-peer score: an EWMA of measured throughput, divided by (1 + failures);
@@ -249,8 +254,14 @@ class Scheduler:
         the end of a busy peer's back-off, or a stall deadline (``None``: only news helps)."""
         times = [t for t in self.busy_until.values() if t > now]
         if self.inflight:
-            oldest = min(min(peers.values()) for peers in self.inflight.values())
-            times.append(oldest + self._timeout_limit())
+            soft = self._timeout_limit()
+            times.append(
+                min(
+                    started + self._patience(peer, i, soft)
+                    for i, peers in self.inflight.items()
+                    for peer, started in peers.items()
+                )
+            )
         if self._orphans and not self._stall_reported:
             stuck = now if self._stuck_since is None else self._stuck_since
             times.append(stuck + self.config.stall_timeout_s)
@@ -378,6 +389,14 @@ class Scheduler:
         typical = c.timeout_factor * self._chunk_time
         return min(c.request_timeout_s, max(c.min_request_timeout_s, typical))
 
+    def _patience(self, peer: str, index: int, soft: float) -> float:
+        """How long the request for ``index`` at ``peer`` may run: ``soft`` (the adaptive
+        limit) if another peer holds the chunk, else the hard ``request_timeout_s``."""
+        holders = self.holders.get(index, ())
+        if len(holders) > (peer in holders):
+            return soft
+        return max(soft, self.config.request_timeout_s)
+
     def _progress(self) -> None:
         """A chunk verified or an orphan found a source: the stall clock starts again."""
         self._stuck_since = None
@@ -398,12 +417,12 @@ class Scheduler:
 
     def _timeouts(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        limit = self._timeout_limit()
+        soft = self._timeout_limit()
         expired = [
             (peer, i)
             for i, peers in self.inflight.items()
             for peer, started in peers.items()
-            if started + limit <= now  # the very sum next_timer() wakes us at
+            if started + self._patience(peer, i, soft) <= now  # the sum next_timer() wakes at
         ]
         for peer, i in expired:
             if peer in self.banned or self._drop_request(peer, i) is None:

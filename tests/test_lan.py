@@ -140,9 +140,36 @@ def test_no_shortcut_where_the_address_does_not_answer_as_the_peer(answer, why) 
     assert out["again"] == 0  # asked again only after RETRY_S
 
 
-def test_no_shortcut_without_a_direct_connection_and_nothing_asked() -> None:
+def test_no_shortcut_without_a_direct_connection() -> None:
+    """Only a relayed connection (or none) after the stream request: nothing to dial."""
     out = asyncio.run(_probe({"peer": PEER, "port": 1}, address=None))
-    assert out["routes"] == {} and out["asked"] == []
+    assert out["routes"] == {} and out["asked"] == [f"p2p://{PEER}/whoami"]
+    assert out["again"] == 0
+
+
+async def _first_request_connects() -> dict:
+    """No connection to the peer when the probe starts (the node's first request to it is
+    what dials it, on a loaded machine): the stream request comes first and connects."""
+    runner, port = await _serving({"peer": PEER, "port": 1})
+    http, streams = DataClient(None), Streams({"peer": PEER, "port": port})
+
+    async def where(_: str) -> str | None:
+        return "127.0.0.1" if streams.asked else None  # up once a stream went out
+
+    shortcuts = lan.LanShortcuts(http, streams, where)
+    try:
+        shortcuts.consider(f"p2p://{PEER}/have/ab")
+        await asyncio.wait_for(asyncio.gather(*shortcuts._probes.values()), 5)
+        return {"routes": shortcuts.routes, "port": port}
+    finally:
+        await shortcuts.close()
+        await http.close()
+        await runner.cleanup()
+
+
+def test_the_probe_asks_over_streams_before_it_reads_the_connection() -> None:
+    out = asyncio.run(_first_request_connects())
+    assert out["routes"] == {f"p2p://{PEER}": f"http://127.0.0.1:{out['port']}"}
 
 
 def test_an_address_that_never_answers_costs_one_probe_timeout(monkeypatch) -> None:

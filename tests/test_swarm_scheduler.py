@@ -146,6 +146,38 @@ def test_timeout_moves_the_request_elsewhere() -> None:
     assert any(isinstance(a, RequestChunk) and a.peer != first for a in actions)
 
 
+def _measured(holders: dict[str, frozenset[int]]) -> Scheduler:
+    """Chunk 0 verified from "seed" 0.1 s after its request: the adaptive limit is then
+    0.4 s (4 x 0.1 s), far below the hard ``request_timeout_s`` of 5 s; chunk 1 is in flight
+    at "seed" since 0.1 s."""
+    s = Scheduler(2, SwarmConfig(request_timeout_s=5, endgame_sources=1))
+    s.handle(PeerHad("seed", frozenset({0})), 0)
+    for peer, chunks in holders.items():
+        s.handle(PeerHad(peer, chunks), 0.1)
+    s.handle(ChunkVerified("seed", 0, 1000), 0.1)
+    assert set(s.inflight[1]) == {"seed"}
+    return s
+
+
+def test_a_request_to_the_only_holder_waits_the_hard_timeout() -> None:
+    """Asking the only holder again cannot be faster, only make it upload twice."""
+    s = _measured({"seed": frozenset({0, 1})})
+    assert s.next_timer(0.2) == 5.1
+    assert s.handle(TimerFired(), 1.0) == []  # past the adaptive limit: nothing cancelled
+    assert set(s.inflight[1]) == {"seed"}
+    actions = s.handle(TimerFired(), 5.1)  # the hard limit: a silent crash, asked again
+    assert actions[0] == CancelRequest("seed", 1)
+    assert s.stats["seed"].failures == 1
+
+
+def test_a_request_with_another_holder_moves_at_the_adaptive_timeout() -> None:
+    s = _measured({"seed": frozenset({0, 1}), "other": frozenset({1})})
+    assert s.next_timer(0.2) == 0.5
+    actions = s.handle(TimerFired(), 0.5)
+    assert actions[0] == CancelRequest("seed", 1)  # then asked again where it scores best
+    assert [a.index for a in actions[1:] if isinstance(a, RequestChunk)] == [1]
+
+
 def test_endgame_duplicates_then_cancels_the_loser() -> None:
     s = Scheduler(1, SwarmConfig(endgame_sources=2))
     s.handle(PeerHad("a", frozenset({0})), 0)

@@ -11,10 +11,13 @@ there. The scheduler, scores and bans still see the one source ``p2p://<peer id>
 
 Procedure (node B about peer X, the first time B sends X a request over libp2p streams):
 
-1. the remote address of B's live direct libp2p connection to X (``direct_address``; none, or
+1. ``GET /whoami`` over a stream to X: ``{"peer": X's peer id, "port": its data-plane port}``
+   (the route is the data plane's own: ``transport.dataplane``). First, because it dials X if
+   no connection is up yet: the probe starts with B's first request to X, and on a loaded
+   machine that request is often the one that connects (reading the address first found
+   none there, and the shortcut was then not tried again for ``RETRY_S``);
+2. the remote address of B's live direct libp2p connection to X (``direct_address``; none, or
    only a relayed one: no shortcut, ask again after ``RETRY_S``);
-2. ``GET /whoami`` over a stream to X: ``{"peer": X's peer id, "port": its data-plane port}``
-   (the route is the data plane's own: ``transport.dataplane``);
 3. ``GET http://<that address>:<port>/whoami`` over HTTP within ``PROBE_TIMEOUT_S``: the
    shortcut holds if the answer names X.
 
@@ -130,10 +133,10 @@ class LanShortcuts:
 
     async def _find(self, peer: str) -> str | None:
         """Steps 1-3: the shortcut's URL, or None."""
+        doc = await self.streams.get_json(f"p2p://{peer}/whoami")
         address = await self._address(peer)
         if address is None:
             return None
-        doc = await self.streams.get_json(f"p2p://{peer}/whoami")
         target = shortcut_url(address, doc.get("port") if isinstance(doc, dict) else None)
         if target is None:
             return None
