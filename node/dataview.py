@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from p2p_sync.bounded import remember
@@ -13,6 +14,14 @@ from p2p_sync.transport.dataplane import Pushed
 
 if TYPE_CHECKING:
     from node.runtime import Node
+
+
+async def _wait(news: asyncio.Event, timeout: float) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            await news.wait()
+    except TimeoutError:
+        pass
 
 
 class DataView:
@@ -42,13 +51,10 @@ class DataView:
         news, self._have_news = self._have_news, asyncio.Event()
         news.set()
 
-    async def have_changed(self, timeout: float) -> None:
-        news = self._have_news
-        try:
-            async with asyncio.timeout(timeout):
-                await news.wait()
-        except TimeoutError:
-            pass
+    def have_changed(self, timeout: float) -> Awaitable[None]:
+        """Awaitable: the next news after this call (the event is taken now, not when the
+        caller first awaits: ``DataRouter._news_or_close``), or ``timeout``."""
+        return _wait(self._have_news, timeout)
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         m = self.node.store.manifest(digest)

@@ -1361,17 +1361,26 @@ def encode_frame(
 ) -> tuple[int, int, bytes]:
     """(coding, count, frame) for one tensor: the smallest of the codings it may use. Coding 3
     needs the base's bits; without them (or for a dtype with no exponent) it is not tried."""
+    return _frames(delta, level, base_bits)[0]
+
+
+Frame = tuple[int, int, bytes]
+
+
+def _frames(delta: TensorDelta, level: int, base_bits: Bits | None) -> tuple[Frame, Frame]:
+    """(the smallest frame, the smallest of the version-1 codings): the same when coding 3
+    does not win."""
     count = delta.count
-    best = (SPARSE, _compress(_sparse_streams(delta), level))
-    if base_bits is not None and classed_dtype(delta.spec.dtype):
-        classed = _compress(_classed_streams(delta, base_bits), level)
-        if len(classed) < len(best[1]):
-            best = (CLASSED, classed)
+    plain = (SPARSE, count, _compress(_sparse_streams(delta), level))
     if count >= DENSE_TRY_FRACTION * delta.spec.numel:
         dense = _compress(_dense_streams(delta), level)
-        if len(dense) < len(best[1]):
-            best = (DENSE, dense)
-    return best[0], count, best[1]
+        if len(dense) < len(plain[2]):
+            plain = (DENSE, count, dense)
+    if base_bits is not None and classed_dtype(delta.spec.dtype):
+        classed = _compress(_classed_streams(delta, base_bits), level)
+        if len(classed) < len(plain[2]):
+            return (CLASSED, count, classed), plain
+    return plain, plain
 
 
 def _decompress(frame: memoryview, bound: int, name: str) -> memoryview:
@@ -1494,11 +1503,16 @@ def encode(
     if base is not None:
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
-    frames = map_workers(
-        lambda d: encode_frame(d, level, _base_bits(base, d.spec)), changed, workers
-    )
-    by_name = {d.spec.name: f for d, f in zip(changed, frames)}
-    return assemble(patch.layout, patch.base_hash, patch.target_hash, by_name, level)
+    pairs = map_workers(lambda d: _frames(d, level, _base_bits(base, d.spec)), changed, workers)
+    best = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
+    data = assemble(patch.layout, patch.base_hash, patch.target_hash, best, level)
+    if all(p[0] is p[1] for p in pairs):
+        return data
+    # coding 3 won frame by frame, but the row table compresses differently: by a few bytes,
+    # a file of version-1 frames can still be the smaller one, and then it is the one sent
+    plain = {d.spec.name: p[1] for d, p in zip(changed, pairs)}
+    fallback = assemble(patch.layout, patch.base_hash, patch.target_hash, plain, level)
+    return fallback if len(fallback) < len(data) else data
 
 
 def assemble(

@@ -200,3 +200,67 @@ async def _dropped() -> dict:
 def test_a_shortcut_that_stops_connecting_is_dropped_for_streams() -> None:
     out = asyncio.run(_dropped())
     assert out["after"] == {} and out["data"] == b"over streams" and out["probes"] == 0
+
+
+async def _counted() -> int:
+    """A manifest and a chunk fetched over a shortcut: only the chunk is counted, as the
+    serving side counts only chunk bytes uploaded."""
+
+    async def manifest(_: web.Request) -> web.Response:
+        return web.Response(body=b"m" * 300)
+
+    async def chunk(_: web.Request) -> web.Response:
+        return web.Response(body=b"c" * 1000)
+
+    app = web.Application()
+    app.router.add_get("/manifest/{d}", manifest)
+    app.router.add_get("/chunk/{d}", chunk)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    http, streams = DataClient(None), Streams(PeerError("unused"))
+    shortcuts = lan.LanShortcuts(http, streams, lambda _p: asyncio.sleep(0, None))
+    shortcuts.routes[f"p2p://{PEER}"] = f"http://127.0.0.1:{port}"
+    client = RoutedClient(http, streams, None, shortcuts)  # type: ignore[arg-type]
+    try:
+        assert await client.get_bytes(f"p2p://{PEER}/manifest/{'ab' * 32}") == b"m" * 300
+        assert await client.get_bytes(f"p2p://{PEER}/chunk/{'cd' * 32}") == b"c" * 1000
+        return shortcuts.bytes_downloaded
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+def test_a_shortcut_counts_the_chunk_bytes_it_carried() -> None:
+    assert asyncio.run(_counted()) == 1000
+
+
+async def _not_asked(monkeypatch) -> tuple[dict, int, int]:
+    """The stream request fails (libp2p knows no address for the peer yet): no verdict, so
+    a request within ``ASK_AGAIN_S`` starts no probe, one after it does."""
+    http, streams = DataClient(None), Streams(PeerError("No known addresses to peer"))
+    clock = [1000.0]
+    monkeypatch.setattr(lan.time, "monotonic", lambda: clock[0])
+    shortcuts = lan.LanShortcuts(http, streams, lambda _p: asyncio.sleep(0, "127.0.0.1"))
+    try:
+        shortcuts.consider(f"p2p://{PEER}/have/ab")
+        await asyncio.gather(*shortcuts._probes.values())
+        clock[0] += lan.ASK_AGAIN_S - 0.1
+        shortcuts.consider(f"p2p://{PEER}/have/ab")
+        soon = len(shortcuts._probes)
+        await asyncio.gather(*shortcuts._probes.values())
+        clock[0] += 0.2
+        shortcuts.consider(f"p2p://{PEER}/have/ab")
+        later = len(shortcuts._probes)
+        await asyncio.gather(*shortcuts._probes.values())
+        return shortcuts.routes, soon, later
+    finally:
+        await shortcuts.close()
+        await http.close()
+
+
+def test_a_probe_that_could_not_ask_the_peer_asks_again_soon(monkeypatch) -> None:
+    routes, soon, later = asyncio.run(_not_asked(monkeypatch))
+    assert routes == {} and (soon, later) == (0, 1)

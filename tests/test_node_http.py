@@ -135,6 +135,51 @@ def test_stopping_a_node_answers_held_long_polls_at_once(tmp_path: Path) -> None
     assert held and status == 200 and body == {"have": [0]}
 
 
+async def _poll_woken_before_it_waits(node: Node) -> dict:
+    """A 2-chunk manifest of which the node holds chunk 0; a peer long-polls with known=1,
+    and chunk 1 lands (and the node says so) in the instant between the router's check and
+    its wait: the answer must come at once, not after ``have_wait_s``."""
+    url = await node.start()
+    payload = b"a" * 16 * 1024 + b"b" * 16 * 1024  # two distinct 16 KiB chunks
+    m = manifest_for(
+        payload,
+        swarm="t",
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    node.store.put_chunk(payload[: 16 * 1024])
+    view, have, loop = node.view, node.view.have, asyncio.get_running_loop()
+
+    def land() -> None:
+        node.store.put_chunk(payload[16 * 1024 :])
+        view.notify_have()
+
+    def have_then_land(digest: str, requester: str | None) -> list[int] | None:
+        out = have(digest, requester)
+        if out == [0]:  # the poll's check: chunk 1 lands before the poll waits
+            loop.call_soon(land)
+        return out
+
+    view.have = have_then_land  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(10), aiohttp.ClientSession() as s:  # have_wait_s: 600
+            async with s.get(f"{url}/have/{m.digest}?known=1") as resp:
+                return await resp.json()
+    finally:
+        await node.stop()
+
+
+def test_a_have_map_growing_just_before_the_poll_waits_wakes_it(tmp_path: Path) -> None:
+    node = make_node(tmp_path)
+    node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=600.0))
+    assert asyncio.run(_poll_woken_before_it_waits(node)) == {"have": [0, 1]}
+
+
 async def _status_and_metrics(node: Node) -> tuple[dict, str]:
     url = await node.start()
     try:

@@ -15,7 +15,9 @@ Procedure (node B about peer X, the first time B sends X a request over libp2p s
    (the route is the data plane's own: ``transport.dataplane``). First, because it dials X if
    no connection is up yet: the probe starts with B's first request to X, and on a loaded
    machine that request is often the one that connects (reading the address first found
-   none there, and the shortcut was then not tried again for ``RETRY_S``);
+   none there, and the shortcut was then not tried again for ``RETRY_S``). If the request
+   fails (libp2p may not know X's addresses yet), X was not asked: no verdict, the next
+   request over streams tries again after ``ASK_AGAIN_S``;
 2. the remote address of B's live direct libp2p connection to X (``direct_address``; none, or
    only a relayed one: no shortcut, ask again after ``RETRY_S``);
 3. ``GET http://<that address>:<port>/whoami`` over HTTP within ``PROBE_TIMEOUT_S``: the
@@ -23,12 +25,13 @@ Procedure (node B about peer X, the first time B sends X a request over libp2p s
 
 Trust: the address is where B's Noise-authenticated connection to X goes, and the port is X's
 own answer over it, so the shortcut can point only at X's own host (a relayed connection's
-address is the relay's: step 1 skips those, and step 3 would find the relay's own peer id).
+address is the relay's: step 2 skips those, and step 3 would find the relay's own peer id).
 Chunk bytes are verified against the signed manifest whichever way they come. A shortcut that
 stops connecting (``PeerUnreachableError``: the peer restarted elsewhere, the network changed)
 is dropped; requests go over streams again and the shortcut is tried again after ``RETRY_S``.
 
-Bounds: one probe per peer at a time, none for ``RETRY_S`` after one failed; at most
+Bounds: one probe per peer at a time, none for ``RETRY_S`` after one failed (``ASK_AGAIN_S``
+after one that could not ask); at most
 ``MAX_ROUTES`` shortcuts (the oldest goes first: peers come and go, and one that is still
 around is found again on its next request over streams).
 """
@@ -48,6 +51,7 @@ from p2p_sync.transport.dataplane import PeerClient
 log = logging.getLogger("p2psync.lan")
 PROBE_TIMEOUT_S = 3.0  # the HTTP probe (step 3): a SYN nobody answers costs this, once
 RETRY_S = 300.0  # after a failed probe, or a shortcut that stopped connecting
+ASK_AGAIN_S = 5.0  # after a probe whose stream request failed: the peer was not asked at all
 MAX_ROUTES = 256  # shortcuts kept (a node follows at most directory.max_peers peers)
 
 
@@ -118,8 +122,14 @@ class LanShortcuts:
 
     async def _probe(self, base: str) -> None:
         peer = base.removeprefix("p2p://")
+        try:  # step 1: on a loaded machine libp2p may not know the peer's addresses yet
+            doc = await self.streams.get_json(f"p2p://{peer}/whoami")
+        except (PeerError, P2PError) as exc:  # not asked: no verdict, ask again soon
+            log.debug("LAN shortcut to %s not asked: %s", base, exc)
+            self._fail(base, RETRY_S - ASK_AGAIN_S)
+            return
         try:
-            target = await self._find(peer)
+            target = await self._find(peer, doc)
         except (PeerError, P2PError) as exc:  # no answer, or libp2p stopped meanwhile
             log.debug("no LAN shortcut to %s: %s", base, exc)
             target = None
@@ -131,9 +141,8 @@ class LanShortcuts:
         self.routes[base] = target
         log.info("LAN shortcut: %s at %s", base, target)
 
-    async def _find(self, peer: str) -> str | None:
-        """Steps 1-3: the shortcut's URL, or None."""
-        doc = await self.streams.get_json(f"p2p://{peer}/whoami")
+    async def _find(self, peer: str, doc: Any) -> str | None:
+        """Steps 2-3 after ``doc``, the peer's answer to step 1: the shortcut's URL, or None."""
         address = await self._address(peer)
         if address is None:
             return None
@@ -147,10 +156,11 @@ class LanShortcuts:
             return None
         return target if isinstance(seen, dict) and seen.get("peer") == peer else None
 
-    def _fail(self, base: str) -> None:
+    def _fail(self, base: str, waited: float = 0.0) -> None:
+        """Try ``base`` again ``RETRY_S - waited`` from now."""
         now = time.monotonic()
         self._failed = {b: t for b, t in self._failed.items() if now - t < RETRY_S}
-        self._failed[base] = now
+        self._failed[base] = now - waited
 
     def status(self) -> dict[str, Any]:
         routes = dict(sorted(self.routes.items()))

@@ -476,7 +476,7 @@ class RoutedClient:
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         data, shortcut = await self._routed(url, lambda c, u: c.get_bytes(u, limit))
-        if shortcut and self.lan is not None:
+        if shortcut and self.lan is not None and "/chunk/" in url:  # chunks, as uploads count
             self.lan.bytes_downloaded += len(data)
         return data
 
