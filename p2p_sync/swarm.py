@@ -5,12 +5,13 @@ from many peers at once. The node (asyncio + HTTP) and the simulator (virtual cl
 same events and carry out the same actions, so what the simulator shows is true of the node.
 
 Events (inputs, past tense): :class:`PeerHad` (a peer's have-map, or part of it),
-:class:`PeerLost`, :class:`ChunkVerified`, :class:`ChunkCorrupted` (bytes failed the signed
-hash), :class:`ChunkFailed` (transport error, or the peer lacks the chunk it claimed),
+:class:`PeerPushes` (a peer will push these chunks unasked), :class:`PeerLost`,
+:class:`ChunkVerified`, :class:`ChunkCorrupted` (bytes failed the signed hash),
+:class:`ChunkFailed` (transport error, or the peer lacks the chunk it claimed),
 :class:`PeerBusy` (the peer refused for lack of upload slots), :class:`TimerFired`.
 
 Actions (outputs): :class:`RequestChunk`, :class:`CancelRequest`, :class:`PeerBanned`,
-:class:`DownloadCompleted`, :class:`DownloadStalled`.
+:class:`PushStopped`, :class:`DownloadCompleted`, :class:`DownloadStalled`.
 
 Time: the scheduler never asks for a fixed tick. After each event, :meth:`Scheduler.next_timer`
 says when it next needs a :class:`TimerFired` (the oldest request's timeout, the end of a busy
@@ -50,6 +51,9 @@ Policy:
   last source of a chunk must stay usable, or the download could never finish.
 * a busy peer (all its upload slots taken) is no failure: it keeps its have-map and is left
   alone for ``busy_backoff_s``.
+* pushed chunks: a chunk a peer promised to push (a push-tree parent) is not requested while
+  that push is on time (:mod:`p2p_sync.pushes` says when it is not: the pusher stopped, or it
+  lags behind on that chunk); then it is requested like any other;
 * stall: a missing chunk that no usable peer has claimed for ``stall_timeout_s`` (nobody
   reachable holds it: they left, were banned, or failed to serve it) makes the scheduler emit
   :class:`DownloadStalled` once; the caller gives up on this payload and re-plans (another
@@ -62,6 +66,8 @@ import hashlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from p2p_sync.pushes import PushWait
 
 # ---------------------------------------------------------------- configuration
 
@@ -110,6 +116,14 @@ class PeerHad:
 
 
 @dataclass(frozen=True)
+class PeerPushes:
+    """``peer`` will push us these chunks as it gets them, unasked (a push-tree parent)."""
+
+    peer: str
+    indices: frozenset[int]
+
+
+@dataclass(frozen=True)
 class PeerLost:
     peer: str
 
@@ -144,7 +158,16 @@ class TimerFired:
     pass
 
 
-Event = PeerHad | PeerLost | ChunkVerified | ChunkCorrupted | ChunkFailed | PeerBusy | TimerFired
+Event = (
+    PeerHad
+    | PeerPushes
+    | PeerLost
+    | ChunkVerified
+    | ChunkCorrupted
+    | ChunkFailed
+    | PeerBusy
+    | TimerFired
+)
 
 # ---------------------------------------------------------------- actions
 
@@ -173,13 +196,23 @@ class DownloadCompleted:
 
 
 @dataclass(frozen=True)
+class PushStopped:
+    """``peer`` owed us pushed chunks and stopped pushing (or left, or was banned): they are
+    requested like any other chunk now; the caller may ask another peer to push."""
+
+    peer: str
+
+
+@dataclass(frozen=True)
 class DownloadStalled:
     """These missing chunks have had no usable source for ``stall_timeout_s``."""
 
     indices: frozenset[int]
 
 
-Action = RequestChunk | CancelRequest | PeerBanned | DownloadCompleted | DownloadStalled
+Action = (
+    RequestChunk | CancelRequest | PeerBanned | PushStopped | DownloadCompleted | DownloadStalled
+)
 
 
 @dataclass
@@ -227,6 +260,8 @@ class Scheduler:
         self.stats: dict[str, PeerStats] = {}
         self.busy_until: dict[str, float] = {}
         self._n_inflight = 0
+        c = self.config
+        self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._chunk_bytes = 1.0  # mean size of the chunks verified so far
         self._samples = 0
@@ -265,6 +300,7 @@ class Scheduler:
         if self._orphans and not self._stall_reported:
             stuck = now if self._stuck_since is None else self._stuck_since
             times.append(stuck + self.config.stall_timeout_s)
+        times += self.pushes.deadlines()
         return min(times, default=None)
 
     # ------------------------------------------------------------ events
@@ -274,6 +310,9 @@ class Scheduler:
         actions: list[Action] = []
         if isinstance(event, PeerHad):
             self._peer_had(event.peer, event.indices, event.rtt_s)
+            self.pushes.claimed(event.peer, event.indices, now)
+        elif isinstance(event, PeerPushes):
+            self._promised(event.peer, event.indices & self.missing, now)
         elif isinstance(event, PeerLost):
             actions += self._forget_peer(event.peer)
         elif isinstance(event, ChunkVerified):
@@ -304,6 +343,15 @@ class Scheduler:
                     self._orphans.discard(i)
                     self._progress()  # a source appeared for a chunk that had none
 
+    def _promised(self, pusher: str, indices: frozenset[int], now: float) -> None:
+        """Wait for ``indices`` from ``pusher``; a chunk some peer already holds counts as
+        claimed from now (else a promise made after the have-maps would never fall due)."""
+        if pusher in self.banned:
+            return
+        self.pushes.expect(pusher, indices, now)
+        for peer, chunks in self.peer_chunks.items():
+            self.pushes.claimed(peer, chunks & indices, now)
+
     def _unhold(self, peer: str, index: int) -> None:
         """``peer`` no longer counts as holding ``index`` (it left, failed, was banned)."""
         holders = self.holders.get(index)
@@ -316,7 +364,7 @@ class Scheduler:
     def _forget_peer(self, peer: str) -> list[Action]:
         for i in self.peer_chunks.pop(peer, set()):
             self._unhold(peer, i)
-        cancelled = []
+        cancelled: list[Action] = [PushStopped(peer)] if self.pushes.drop(peer) else []
         for i in list(self.peer_inflight.get(peer, ())):
             self._drop_request(peer, i)
             cancelled.append(CancelRequest(peer, i))
@@ -339,6 +387,7 @@ class Scheduler:
         if started is not None:
             self._measure(ev, stats, started, now)
         stats.verified += 1
+        self.pushes.arrived(ev.peer, ev.index, now)
         if ev.index not in self.missing:
             return []
         self.missing.discard(ev.index)
@@ -416,7 +465,7 @@ class Scheduler:
         return [DownloadStalled(frozenset(self._orphans))]
 
     def _timeouts(self, now: float) -> list[Action]:
-        actions: list[Action] = []
+        actions: list[Action] = [PushStopped(peer) for peer in self.pushes.expire(now)]
         soft = self._timeout_limit()
         expired = [
             (peer, i)
@@ -473,7 +522,8 @@ class Scheduler:
             for i in self._rarest_first(free, budget):
                 if budget <= 0 or not free:
                     return out
-                peer = self._best_peer(i, free)
+                lagging = self.pushes.lagged.get(i, "")  # its pusher: the last resort
+                peer = self._best_peer(i, free, (lagging,)) or self._best_peer(i, free)
                 if peer is not None:
                     out.append(self._request(peer, i, now))
                     budget -= 1
@@ -490,6 +540,7 @@ class Scheduler:
         for p in free:
             cands.update(self.peer_chunks[p])
         cands.difference_update(self.inflight)
+        cands.difference_update(self.pushes.pusher)  # on their way unasked
         holders, tiebreak = self.holders, self._tiebreak
 
         def rarity(i: int) -> tuple[int, bytes]:

@@ -69,6 +69,9 @@ class Scenario:
     reseed_after_s: float = 2.0
     download: SwarmConfig = field(default_factory=SwarmConfig)  # the node's [download] table
     time_limit_factor: float = 50.0  # give up on a version after this many lower bounds
+    # a dissemination the node does not run yet, modelled to decide whether to build it:
+    # SplitStream-like push trees over the pull mesh (simulations/pushtree.py)
+    push_tree: bool = False
     links: tuple[LinkClass, ...] = field(default=())
 
     @property
@@ -173,7 +176,8 @@ def from_dict(values: dict[str, Any], name: str = "scenario") -> Scenario:
                 raise ScenarioError(f"scenario: {exc}") from None
             continue
         default = getattr(Scenario(), key)
-        if isinstance(default, bool) or not isinstance(value, (type(default), int)):
+        wrong_kind = isinstance(default, bool) != isinstance(value, bool)
+        if wrong_kind or not isinstance(value, (type(default), int)):
             raise _bad(key, f"expected {type(default).__name__}, got {value!r}")
         if isinstance(default, int) and not isinstance(value, int):
             raise _bad(key, f"expected int, got {value!r}")

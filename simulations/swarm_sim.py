@@ -55,6 +55,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 from p2p_sync.seeding import SuperSeeder
@@ -69,6 +70,8 @@ from p2p_sync.swarm import (
     PeerBusy,
     PeerHad,
     PeerLost,
+    PeerPushes,
+    PushStopped,
     RequestChunk,
     Scheduler,
     TimerFired,
@@ -78,6 +81,7 @@ from p2p_sync.uploads import Admission, UploadSlots
 from p2p_sync.versions import PATCH, Artifact, PeerState, plan
 from simulations.clock import Clock
 from simulations.network import Network, Transfer
+from simulations.pushtree import TreeLayout
 from simulations.scenario import Scenario
 
 TRAINER = 0
@@ -165,6 +169,12 @@ class SwarmSim:
         self.progress = progress
         self.honest = [p for p in self.peers[1:] if p.role == HONEST]
         self._remaining = 0
+        self.tree: TreeLayout | None = None  # push_tree: this version's layout
+        self.tree_children: dict[tuple[int, int], set[int]] = {}  # (parent, stripe) -> kids
+        self.streams: dict[tuple[int, int], deque[int]] = {}  # (parent, child) -> to push
+        self.pushing: set[tuple[int, int]] = set()  # streams with a chunk on the wire
+        self.pushed_chunks = 0  # verified chunks that reached an honest rollout pushed
+        self.published_at = 0.0
 
     # ------------------------------------------------------------ set-up
 
@@ -339,6 +349,11 @@ class SwarmSim:
         nat_bound = self.nat_bound(bound)
         t0 = clock.now
         self._publish(version)
+        if self.sc.push_tree:
+            self.tree = TreeLayout.build([p.idx for p in self.peers[1:]], self.rng)
+            self.tree_children.clear()
+            self.streams.clear()
+            self.pushing.clear()
         up0 = self.net.bytes_sent[TRAINER]
         rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
         self._remaining = 0
@@ -371,6 +386,7 @@ class SwarmSim:
             ident=f"v{version}",
         )
         self.artifacts.append(art)
+        self.published_at = self.clock.now
         self.peers[TRAINER].have[art.ident] = set(range(self._n_chunks(art)))
         self.peers[TRAINER].state = PeerState(version, art.target_state)
 
@@ -454,6 +470,9 @@ class SwarmSim:
         p.sched = Scheduler(self._n_chunks(art), self.sc.swarm_config(seed), have)
         p.timer_at = None
         self._feed(p, TimerFired())
+        if self.tree is not None:
+            for s in range(self.tree.k):
+                self._push_subscribe(p, self.tree.parent[(p.idx, s)], s)
         for q in p.neighbors:  # in the set's order: runs stay reproducible
             if q in p.follows and q not in p.banned:
                 self._subscribe(p, q)
@@ -484,6 +503,8 @@ class SwarmSim:
                 p.banned.add(action.peer)
                 q = self.peers[action.peer]
                 self.bans.append(Ban(p.idx, q.idx, q.role, action.reason))
+            elif isinstance(action, PushStopped):
+                self.clock.after(0.0, self._reparent, p, action.peer, p.generation)
             elif isinstance(action, DownloadCompleted):
                 self._completed(p)
                 return
@@ -514,6 +535,9 @@ class SwarmSim:
         if q.role in (CORRUPT, STALL, LIAR):
             return range(self._n_chunks(art))
         if q.idx == TRAINER:
+            late = self.published_at + self.sc.reseed_after_s
+            if self.tree is not None and self.clock.now < late:
+                return ()  # the trees carry its chunks; pulling from it is the late fall-back
             keys = [(art.ident, i) for i in range(self._n_chunks(art))]
             return self.seeder.offer(keys, p.idx, self.clock.now)
         return q.have.get(art.ident, set())
@@ -572,6 +596,8 @@ class SwarmSim:
             self._feed(p, PeerHad(key[0], frozenset(indices)))
 
     def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
+        if self.tree is not None:
+            self._push_on(q, art, index)
         for s in q.subscribers:
             p = self.peers[s]
             if p.artifact is art and p.sched is not None and index in p.sched.missing:
@@ -676,6 +702,92 @@ class SwarmSim:
             for i in self._visible(trainer, p, art):
                 if p.sched is not None and i in p.sched.missing:
                     self._push_have(trainer, p.idx, i)
+
+    # ------------------------------------------------------------ push trees (push_tree)
+
+    def _push_subscribe(self, p: Peer, parent: int, s: int) -> None:
+        """``p`` asks ``parent`` to push it stripe ``s``, and expects those chunks from it."""
+        assert self.tree is not None and p.sched is not None and p.artifact is not None
+        if parent in p.banned:
+            return
+        chunks = self.tree.chunks(s, self._n_chunks(p.artifact))
+        self._feed(p, PeerPushes(parent, frozenset(chunks)))
+        self.clock.after(self.lat, self._push_subscribed, p, parent, s, p.generation)
+
+    def _push_subscribed(self, p: Peer, parent: int, s: int, gen: int) -> None:
+        """The subscription reached ``parent``: it pushes what it holds of the stripe now and
+        each chunk it gets later, and ``p`` hears of its have-map as a subscriber does."""
+        q, art = self.peers[parent], p.artifact
+        if p.generation != gen or not q.online or art is None or self.tree is None:
+            return
+        self.tree_children.setdefault((parent, s), set()).add(p.idx)
+        if parent != TRAINER:
+            q.subscribers.add(p.idx)
+            held = frozenset(self._visible(q, p, art))
+            self.clock.after(self.lat, self._deliver_have, p, parent, gen, held)
+        for i in self.tree.chunks(s, self._n_chunks(art)):
+            if i in q.have.get(art.ident, ()):
+                self._push_queue(q, p, i)
+
+    def _push_on(self, q: Peer, art: Artifact, index: int) -> None:
+        """``q`` got chunk ``index``: forward it to its children in that chunk's stripe."""
+        assert self.tree is not None
+        for child in sorted(self.tree_children.get((q.idx, self.tree.stripe(index)), ())):
+            c = self.peers[child]
+            if c.artifact is art:
+                self._push_queue(q, c, index)
+
+    def _push_queue(self, q: Peer, c: Peer, index: int) -> None:
+        if q.idx in c.banned:
+            return
+        self.streams.setdefault((q.idx, c.idx), deque()).append(index)
+        self._push_next(q, c)
+
+    def _push_next(self, q: Peer, c: Peer) -> None:
+        """One chunk at a time per child (a stream): the next one the child still lacks."""
+        key, art = (q.idx, c.idx), c.artifact
+        line = self.streams.get(key)
+        while line and key not in self.pushing and q.online and c.online and art is not None:
+            index = line.popleft()
+            if c.sched is not None and index in c.sched.missing and q.idx not in c.banned:
+                self.pushing.add(key)
+                done = partial(self._pushed_chunk, q, c, art, index, c.generation)
+                self.net.start(q.idx, c.idx, self._chunk_size(art, index), done)
+
+    def _pushed_chunk(self, q: Peer, c: Peer, art: Artifact, index: int, gen: int) -> None:
+        self.pushing.discard((q.idx, c.idx))
+        self._push_next(q, c)
+        if q.role == CORRUPT:
+            event: Event = ChunkCorrupted(q.idx, index)
+        else:
+            event = ChunkVerified(q.idx, index, self._chunk_size(art, index))
+        self.clock.after(self.lat, self._push_arrived, c, art, gen, event)
+
+    def _push_arrived(self, p: Peer, art: Artifact, gen: int, event: Event) -> None:
+        if p.generation != gen or not p.online or p.sched is None:
+            return
+        if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
+            self.pushed_chunks += p.role == HONEST
+            p.have[art.ident].add(event.index)
+            self._announce_chunk(p, art, event.index)
+        self._feed(p, event)
+
+    def _reparent(self, p: Peer, stopped: int, gen: int) -> None:
+        """``stopped`` owed ``p`` pushes and stopped: an interior node asks the next parent of
+        its stripe (``TreeLayout.replace``); a leaf pulls the stripe from the mesh."""
+        if self.tree is None or p.generation != gen or p.sched is None:
+            return
+        for s in range(self.tree.k):
+            if self.tree.parent.get((p.idx, s)) != stopped:
+                continue
+            self.tree_children.get((stopped, s), set()).discard(p.idx)
+            usable = partial(self._may_parent, p, stopped)
+            new = self.tree.replace(p.idx, s, usable)
+            if new is not None:
+                self._push_subscribe(p, new, s)
+
+    def _may_parent(self, p: Peer, stopped: int, q: int) -> bool:
+        return q != stopped and q not in p.banned and self.peers[q].online
 
     # ------------------------------------------------------------ churn
 

@@ -179,6 +179,35 @@ def test_churn_every_honest_peer_still_converges() -> None:
     assert rep["honest_converged_fraction"] == 1.0
 
 
+PUSH_NET = dict(
+    peers=36,
+    payload_mb=4.0,
+    uplink_mbps=100.0,
+    downlink_mbps=100.0,
+    trainer_uplink_mbps=100.0,
+    latency_ms=20.0,
+)
+
+
+def test_push_trees_carry_most_chunks_and_beat_pull_at_internet_latency() -> None:
+    _, pull = simulate(scenario(**PUSH_NET))
+    sim, push = simulate(scenario(**PUSH_NET, push_tree=True))
+    assert push["honest_converged_fraction"] == 1.0
+    assert sim.tree is not None and sim.tree.k == 6  # sqrt(36) stripes
+    n_chunks = -(-4_000_000 // (64 * 1024))
+    assert sim.pushed_chunks > 0.8 * 36 * n_chunks  # the mesh only fills in
+    assert push["completion_time_s"]["worst"] < pull["completion_time_s"]["worst"]
+    assert push["trainer_upload_ratio"] <= 1.1  # each stripe leaves the trainer once
+
+
+def test_push_trees_under_corruption_and_churn_fall_back_to_the_mesh() -> None:
+    net = dict(PUSH_NET, corrupt_fraction=0.1, churn_fraction=0.2, request_timeout_s=0.5)
+    sim, rep = simulate(scenario(**net, push_tree=True, versions=2))
+    assert rep["honest_converged_fraction"] == 1.0
+    assert rep["bans"] > 0 and rep["false_bans"] == 0
+    assert sim.pushed_chunks > 0
+
+
 def test_same_seed_same_result() -> None:
     sc = scenario(peers=20, payload_mb=1.0, corrupt_fraction=0.1)
     a, b = simulate(sc)[1], simulate(sc)[1]
@@ -196,6 +225,8 @@ def test_same_seed_same_result() -> None:
         ({"latency_ms": -1.0}, "latency_ms"),
         ({"links": [{"fraction": 0.5}]}, "links[0]"),
         ({"corrupt_fraction": 0.5, "liar_fraction": 0.5}, "corrupt_fraction"),
+        ({"push_tree": 1}, "push_tree"),
+        ({"peers": True}, "peers"),
     ],
 )
 def test_bad_scenarios_name_the_field(values: dict, field: str) -> None:

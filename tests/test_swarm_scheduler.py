@@ -16,6 +16,7 @@ from p2p_sync.swarm import (
     PeerBanned,
     PeerHad,
     PeerLost,
+    PeerPushes,
     RequestChunk,
     Scheduler,
     SwarmConfig,
@@ -88,7 +89,7 @@ def swarms(draw: st.DrawFn):
 
 
 @settings(max_examples=150, deadline=None)
-@given(swarms(), st.lists(st.tuples(st.sampled_from("dftl"), st.integers(0, 10**6)), max_size=60))
+@given(swarms(), st.lists(st.tuples(st.sampled_from("dftlp"), st.integers(0, 10**6)), max_size=60))
 def test_random_event_sequences_keep_invariants_and_finish(swarm, script) -> None:
     n, honest, evil, config = swarm
     h = Harness(n, honest, evil, config)
@@ -108,6 +109,10 @@ def test_random_event_sequences_keep_invariants_and_finish(swarm, script) -> Non
             h.feed(TimerFired())
         elif op == "l" and evil:
             h.feed(PeerLost(sorted(evil)[k % len(evil)]))
+        elif op == "p":  # a push promised, never kept: the download must not wait for ever
+            peers = sorted([*honest, *evil])
+            chunks = frozenset(i for i in range(n) if (k >> (i % 20)) & 1)
+            h.feed(PeerPushes(peers[k % len(peers)], chunks))
     for _ in range(20 * n + 50):  # then the network behaves: everything pending arrives
         if h.done:
             break
