@@ -73,6 +73,8 @@ class TreeLayout:
             return None
         before = interior[: interior.index(node)]
         heir = next((q for q in before if usable(q)), None)
+        if heir is None:  # the new root: a stopped node that comes back joins under it
+            self.parent.update({(q, s): node for q in before})
         new = TRAINER if heir is None else heir
         self.parent[(node, s)] = new
         return new

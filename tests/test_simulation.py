@@ -4,6 +4,7 @@ adversaries, scenario errors, the CLI's report, and the CI scenario's acceptance
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from p2p_sync.swarm import SwarmConfig
 from simulations.clock import Clock
 from simulations.network import Network
+from simulations.pushtree import TreeLayout
 from simulations.run import simulate
 from simulations.scenario import ScenarioError, from_dict, load
 
@@ -206,6 +208,24 @@ def test_push_trees_under_corruption_and_churn_fall_back_to_the_mesh() -> None:
     assert rep["honest_converged_fraction"] == 1.0
     assert rep["bans"] > 0 and rep["false_bans"] == 0
     assert sim.pushed_chunks > 0
+
+
+def test_push_tree_layout_and_its_repair() -> None:
+    tree = TreeLayout.build(list(range(1, 10)), random.Random(1))
+    assert tree.k == 3
+    for s in range(3):
+        root, heir, third = tree.interior[s]
+        assert tree.parent[(root, s)] == 0 and tree.parent[(heir, s)] == root
+        leaves = [q for q in range(1, 10) if q not in tree.interior[s]]
+        assert sorted(tree.parent[(q, s)] for q in leaves) == sorted([heir, third] * 3)
+    assert [len([s for s in range(3) if q in tree.interior[s]]) for q in range(1, 10)] == [1] * 9
+    root, heir, third = tree.interior[0]
+    alive = lambda q: q != root  # noqa: E731 - the root stopped
+    assert tree.replace(heir, 0, alive) == 0  # the heir becomes the root: the trainer pushes it
+    assert tree.parent[(root, 0)] == heir  # the old root, back, joins under it
+    assert tree.replace(third, 0, alive) == heir
+    leaf = next(q for q in range(1, 10) if q not in tree.interior[0])
+    assert tree.replace(leaf, 0, alive) is None  # a leaf pulls the stripe instead
 
 
 def test_same_seed_same_result() -> None:
