@@ -136,6 +136,8 @@ def check(s: Scenario) -> Scenario:
         raise _bad("corrupt_fraction", "adversaries must leave at least one honest peer")
     if sum(c.fraction for c in s.links) > 1:
         raise _bad("links", "fractions add up to more than 1")
+    if s.push_tree and s.nat_fraction > 0:
+        raise _bad("push_tree", "push trees are not modelled behind NAT yet (nat_fraction > 0)")
     try:
         check_numbers("download", s.download, frozenset({"seed"}))
     except ValueError as exc:

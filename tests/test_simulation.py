@@ -246,6 +246,7 @@ def test_same_seed_same_result() -> None:
         ({"links": [{"fraction": 0.5}]}, "links[0]"),
         ({"corrupt_fraction": 0.5, "liar_fraction": 0.5}, "corrupt_fraction"),
         ({"push_tree": 1}, "push_tree"),
+        ({"push_tree": True, "nat_fraction": 0.5}, "push_tree"),
         ({"peers": True}, "peers"),
     ],
 )
