@@ -12,11 +12,13 @@ parent's children sharing its uplink equally.
 
 Every node still runs the pull scheduler: a child gets :class:`p2p_sync.swarm.PeerPushes` for
 its parent's stripe, waits for those chunks instead of requesting them, and pulls whatever a
-parent fails to push (:mod:`p2p_sync.pushes`). An interior node whose root stopped (crashed,
+parent fails to push (:mod:`p2p_sync.pushes`). An interior node whose root is gone (left,
 banned) asks the stripe's next interior node, and the first of those asks the trainer (the
-stripe has no other source); a leaf whose parent stopped pulls that stripe from the mesh
+stripe has no other source); a leaf whose parent is gone pulls that stripe from the mesh
 (measured: re-parenting leaves overloads the remaining parents, x2.2 instead of x1.8 at 100
-peers, 10% corrupt + 20% churn).
+peers, 10% corrupt + 20% churn). The trainer shows nothing to pull for ``reseed_after_s``:
+then its super-seeder serves what the trees lost (a root that crashed silently with chunks it
+had not forwarded yet).
 
 What is global here and would not be in a node: the layout (one random permutation; a node
 would derive its stripe from its id and the version, and find parents by peer exchange), and

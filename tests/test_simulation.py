@@ -8,6 +8,7 @@ import random
 import re
 import subprocess
 import sys
+from collections import deque
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from simulations.network import Network
 from simulations.pushtree import TreeLayout
 from simulations.run import simulate
 from simulations.scenario import ScenarioError, from_dict, load
+from simulations.swarm_sim import SwarmSim
 
 ROOT = Path(__file__).resolve().parents[1]
 DOWNLOAD = {f.name for f in fields(SwarmConfig)}
@@ -226,6 +228,21 @@ def test_push_tree_layout_and_its_repair() -> None:
     assert tree.replace(third, 0, alive) == heir
     leaf = next(q for q in range(1, 10) if q not in tree.interior[0])
     assert tree.replace(leaf, 0, alive) is None  # a leaf pulls the stripe instead
+
+
+def test_a_parent_that_leaves_takes_its_push_streams_with_it() -> None:
+    """Its connections die: back online, it must not push to children that moved on, nor
+    hold a stream as busy for ever (a cancelled transfer never ends)."""
+    sim = SwarmSim(scenario(**PUSH_NET, push_tree=True), None)
+    sim.run_version(1)
+    parent = sim.peers[5]
+    sim.tree_children[(5, 0)] = {6, 7}
+    sim.streams[(5, 6)] = deque([3])
+    sim.pushing.add((5, 6))
+    sim.streams[(4, 6)] = deque([1])
+    sim._leave(parent, silent=True, downtime=1.0)
+    assert (5, 0) not in sim.tree_children and (5, 6) not in sim.streams
+    assert (5, 6) not in sim.pushing and (4, 6) in sim.streams  # others' streams stay
 
 
 def test_same_seed_same_result() -> None:
