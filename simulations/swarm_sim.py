@@ -23,6 +23,10 @@ and the node's messaging, as follows.
   chunk streams over the network model and the receiver checks it (``ChunkVerified`` or, from
   a corrupt peer, ``ChunkCorrupted``).
 * Churn, adversaries: see ``scenario.py``.
+* Push trees (``push_tree``, a dissemination the node does not run yet): see ``pushtree.py``.
+  Each rollout subscribes to its parent of every stripe (one latency), which then streams it
+  the stripe's chunks, one at a time, as it gets them; the download is told with
+  :class:`p2p_sync.swarm.PeerPushes` and pulls whatever the stream fails to bring.
 
 Overlay: a near-regular random graph in which every rollout has ``min(max_peers,
 download.max_sources)`` neighbours (a node's peer list fills up through peer exchange, and a
