@@ -73,6 +73,10 @@ class PushWait:
         self._forget(index)
         self.lagged.pop(index, None)
 
+    def pushed_any(self, peer: str) -> bool:
+        """Whether ``peer`` ever pushed us a chunk (a slow pusher, not a dead or lying one)."""
+        return peer in self._pushed
+
     def drop(self, peer: str) -> bool:
         """Stop waiting for ``peer`` (it left, was banned, stopped); ``True`` if it owed us."""
         mine = [i for i, p in self.pusher.items() if p == peer]

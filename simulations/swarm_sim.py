@@ -175,7 +175,7 @@ class SwarmSim:
         self._remaining = 0
         self.tree: TreeLayout | None = None  # push_tree: this version's layout
         self.tree_children: dict[tuple[int, int], set[int]] = {}  # (parent, stripe) -> kids
-        self.streams: dict[tuple[int, int], deque[int]] = {}  # (parent, child) -> to push
+        self.streams: dict[tuple[int, int], dict[int, None]] = {}  # (parent, child): to push
         self.pushing: set[tuple[int, int]] = set()  # streams with a chunk on the wire
         self.pushed_chunks = 0  # verified chunks that reached an honest rollout pushed
         self.published_at = 0.0
@@ -744,7 +744,7 @@ class SwarmSim:
     def _push_queue(self, q: Peer, c: Peer, index: int) -> None:
         if q.idx in c.banned:
             return
-        self.streams.setdefault((q.idx, c.idx), deque()).append(index)
+        self.streams.setdefault((q.idx, c.idx), {})[index] = None  # once: an ordered set
         self._push_next(q, c)
 
     def _push_next(self, q: Peer, c: Peer) -> None:
@@ -752,7 +752,8 @@ class SwarmSim:
         key, art = (q.idx, c.idx), c.artifact
         line = self.streams.get(key)
         while line and key not in self.pushing and q.online and c.online and art is not None:
-            index = line.popleft()
+            index = next(iter(line))
+            del line[index]
             if c.sched is not None and index in c.sched.missing and q.idx not in c.banned:
                 self.pushing.add(key)
                 done = partial(self._pushed_chunk, q, c, art, index, c.generation)
@@ -777,15 +778,17 @@ class SwarmSim:
         self._feed(p, event)
 
     def _reparent(self, p: Peer, stopped: int, gen: int) -> None:
-        """``stopped`` owed ``p`` pushes and is gone (left, banned): an interior node asks the
-        next parent of its stripe (``TreeLayout.replace``); a leaf pulls the stripe from the
-        mesh. A parent that is still there but slow (its stream into a crowded downlink) is
-        kept: what it lags on comes from the mesh (replacing it made the new root's trainer
-        stream a second copy: 100 peers, 10% corrupt + 20% churn, trainer 1.08 -> 1.04 F)."""
+        """``stopped`` owed ``p`` pushes and is gone (left, banned) or never pushed anything (a
+        corrupt root that does not even download): an interior node asks the next parent of
+        its stripe (``TreeLayout.replace``); a leaf pulls the stripe from the mesh. A parent
+        that pushed before and is still there but slow (its stream into a crowded downlink)
+        is kept: what it lags on comes from the mesh (replacing it made the new root's
+        trainer stream a second copy: 100 peers, 10% corrupt + 20% churn, 1.08 -> 1.04 F)."""
         if self.tree is None or p.generation != gen or p.sched is None:
             return
-        if self.peers[stopped].online and stopped not in p.banned:
-            return  # connected and slow: the mesh fills in what it lags on
+        slow = self.peers[stopped].online and p.sched.pushes.pushed_any(stopped)
+        if slow and stopped not in p.banned:
+            return  # connected, pushing, slow: the mesh fills in what it lags on
         for s in range(self.tree.k):
             if self.tree.parent.get((p.idx, s)) != stopped:
                 continue
@@ -796,12 +799,16 @@ class SwarmSim:
                 self._push_subscribe(p, new, s)
 
     def _drop_streams(self, p: Peer) -> None:
-        """``p`` left: the push streams it served die with its connections."""
+        """``p`` left: the push streams it served or received die with its connections (back
+        online, it subscribes again; a stream left queued would push its backlog twice)."""
         for key in [key for key in self.tree_children if key[0] == p.idx]:
             del self.tree_children[key]
-        for key in [key for key in self.streams if key[0] == p.idx]:
+        for children in self.tree_children.values():
+            children.discard(p.idx)
+        for key in [key for key in self.streams if p.idx in key]:
             del self.streams[key]
-            self.pushing.discard(key)
+            if key[0] == p.idx:
+                self.pushing.discard(key)
 
     def _may_parent(self, p: Peer, stopped: int, q: int) -> bool:
         return q != stopped and q not in p.banned and self.peers[q].online

@@ -102,6 +102,7 @@ def test_patience_follows_the_pushers_rhythm_and_others_before_its_own() -> None
     w.arrived("a", 0, 0.5)  # the first push sets no rhythm (it waited for the chunk itself)
     w.arrived("a", 1, 0.6)  # 0.1 s between pushes: patience 0.4 s
     w.claimed("x", {2, 3}, 1.0)
+    assert w.pushed_any("a") and not w.pushed_any("b")
     assert sorted(w.deadlines()) == [1.4, 1.4]  # "b" has no rhythm: the others' median
     assert w.expire(1.39) == []
     assert sorted(w.expire(1.4)) == ["a", "b"]
