@@ -681,23 +681,31 @@ class SwarmSim:
 
     def _delivered(self, p: Peer, q: Peer, art: Artifact, index: int, gen: int) -> None:
         self._upload_ended(q, p.idx)
+        self.clock.after(self.lat, self._received, p, art, gen, self._checked(q, art, index))
+
+    def _checked(self, q: Peer, art: Artifact, index: int) -> Event:
+        """What the receiver's hash check makes of chunk ``index`` from ``q``."""
         if q.role == CORRUPT:
-            event: Event = ChunkCorrupted(q.idx, index)
-        else:
-            event = ChunkVerified(q.idx, index, self._chunk_size(art, index))
-        self.clock.after(self.lat, self._received, p, art, gen, event)
+            return ChunkCorrupted(q.idx, index)
+        return ChunkVerified(q.idx, index, self._chunk_size(art, index))
 
     def _received(self, p: Peer, art: Artifact, gen: int, event: Event) -> None:
         key = (event.peer, event.index)  # type: ignore[union-attr]
         if p.generation != gen or not p.online or key not in p.requests:
             return
         del p.requests[key]
-        if isinstance(event, ChunkVerified):
-            have = p.have[art.ident]
-            if event.index not in have:
-                have.add(event.index)
-                self._announce_chunk(p, art, event.index)
+        self._accept(p, art, event)
+
+    def _accept(self, p: Peer, art: Artifact, event: Event) -> bool:
+        """``p`` got a chunk (pulled or pushed): keep and announce it if new, tell its
+        scheduler; ``True`` if it was new."""
+        new = False
+        if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
+            new = True
+            p.have[art.ident].add(event.index)
+            self._announce_chunk(p, art, event.index)
         self._feed(p, event)
+        return new
 
     def _reoffer(self, p: Peer, art: Artifact) -> None:
         """The trainer served ``p`` one of its chunks: top up what it shows ``p``."""
@@ -762,20 +770,13 @@ class SwarmSim:
     def _pushed_chunk(self, q: Peer, c: Peer, art: Artifact, index: int, gen: int) -> None:
         self.pushing.discard((q.idx, c.idx))
         self._push_next(q, c)
-        if q.role == CORRUPT:
-            event: Event = ChunkCorrupted(q.idx, index)
-        else:
-            event = ChunkVerified(q.idx, index, self._chunk_size(art, index))
-        self.clock.after(self.lat, self._push_arrived, c, art, gen, event)
+        self.clock.after(self.lat, self._push_arrived, c, art, gen, self._checked(q, art, index))
 
     def _push_arrived(self, p: Peer, art: Artifact, gen: int, event: Event) -> None:
         if p.generation != gen or not p.online or p.sched is None:
             return
-        if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
+        if self._accept(p, art, event):
             self.pushed_chunks += p.role == HONEST
-            p.have[art.ident].add(event.index)
-            self._announce_chunk(p, art, event.index)
-        self._feed(p, event)
 
     def _reparent(self, p: Peer, stopped: int, gen: int) -> None:
         """``stopped`` owed ``p`` pushes and is gone (left, banned) or never pushed anything (a

@@ -37,10 +37,10 @@ def make_node(tmp_path: Path) -> Node:
     return Node(cfg, policy, Store.open(tmp_path))
 
 
-def _store_snapshot(node: Node, key: SigningKey) -> Manifest:
-    """A signed 100-byte snapshot and its payload, in ``node``'s store."""
-    m = manifest_for(
-        b"z" * 100,
+def _snapshot(payload: bytes) -> Manifest:
+    """Version 0 of swarm "t" carrying ``payload`` in 16 KiB chunks."""
+    return manifest_for(
+        payload,
         swarm="t",
         version=0,
         kind=SNAPSHOT,
@@ -49,6 +49,11 @@ def _store_snapshot(node: Node, key: SigningKey) -> Manifest:
         now=int(time.time()),
         chunk_size=16 * 1024,
     )
+
+
+def _store_snapshot(node: Node, key: SigningKey) -> Manifest:
+    """A signed 100-byte snapshot and its payload, in ``node``'s store."""
+    m = _snapshot(b"z" * 100)
     node.store.put_payload(m, b"z" * 100)
     node.store.put_manifest(m, sign(m, [key]))
     return m
@@ -141,16 +146,7 @@ async def _poll_woken_before_it_waits(node: Node) -> dict:
     its wait: the answer must come at once, not after ``have_wait_s``."""
     url = await node.start()
     payload = b"a" * 16 * 1024 + b"b" * 16 * 1024  # two distinct 16 KiB chunks
-    m = manifest_for(
-        payload,
-        swarm="t",
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
+    m = _snapshot(payload)
     node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
     node.store.put_chunk(payload[: 16 * 1024])
     view, have, loop = node.view, node.view.have, asyncio.get_running_loop()
