@@ -73,6 +73,9 @@ class DataView:
     def count_upload(self, nbytes: int) -> None:
         self.node.metrics.count_upload(nbytes)
 
+    def upload_contact(self, requester: str, pending: bool) -> None:
+        """Only a seed cares whether a requester still asks (see :class:`SeedingView`)."""
+
     def status(self) -> dict[str, Any]:
         return self.node.status()
 
@@ -121,6 +124,9 @@ class SeedingView(DataView):
         comes to fetch them, so only peers that do fetch get any)."""
         now = time.monotonic()
         return {peer for peer, at in self._asked.items() if now - at < FOLLOWER_S}
+
+    def upload_contact(self, requester: str, pending: bool) -> None:
+        self.seeder.contact(requester, pending, time.monotonic())
 
     def withdraw(self, peer: str) -> None:
         """The push to ``peer`` failed: it is no follower now, and its chunks go to others."""

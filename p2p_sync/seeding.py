@@ -17,6 +17,18 @@ still asking: one that lacks it by then can get it from nobody else. In a swarm 
 reach each other a chunk spreads in seconds, and a requester asks only for what it lacks, so
 this costs the seed little more than the stragglers' own copies.
 
+A requester that crashes silently or exits holding chunks handed to it would keep them from
+everyone for ``reseed_after_s`` (or until it comes back): measured in the simulator, such
+chunks were the last to spread in swarms with churn, everyone waiting on them. So the seed also
+watches its upload slots (:meth:`SuperSeeder.contact`): a live requester that owns unfetched
+chunks asks for them (only the seed has them, so they are its rarest), and has a request
+here in progress or waiting nearly all the time, idle only for the round trip between one
+answer and its next question (plus a back-off when the seed refused it as busy). An owner
+with no request here for ``quiet_factor`` times the 90th percentile of those idle gaps (at
+least ``quiet_floor_s``; ``reseed_after_s`` before any gap was seen) is taken for gone, and
+its unfetched chunks go to the next requester. Taking a live but idle owner for gone costs at
+most one more upload of its chunk.
+
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
 same method, so what it shows of seeding is true of the node.
 """
@@ -24,8 +36,14 @@ same method, so what it shows of seeding is true of the node.
 from __future__ import annotations
 
 import collections
+import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+
+from p2p_sync.bounded import remember
+
+MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
+GAPS = 64  # recent idle gaps the quiet threshold follows
 
 
 @dataclass
@@ -38,6 +56,39 @@ class SuperSeeder:
     owner: dict[Hashable, tuple[Hashable, float]] = field(default_factory=dict)
     served: collections.Counter[Hashable] = field(default_factory=collections.Counter)
     spread_since: dict[Hashable, float] = field(default_factory=dict)  # first seen fetched
+    quiet_factor: float = 2.0
+    quiet_floor_s: float = 0.05
+    busy: set[Hashable] = field(default_factory=set)  # requesters with requests here now
+    idle_since: dict[Hashable, float] = field(default_factory=dict)  # their last one ended
+    gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS))
+    quiet_after_s: float | None = None  # from ``gaps``; None before any gap was seen
+
+    def contact(self, requester: Hashable, pending: bool, now: float) -> None:
+        """The seed's upload slots changed for ``requester``: it has chunk requests in progress
+        or waiting here (``pending``), or has none since ``now``."""
+        if not pending:
+            self.busy.discard(requester)
+            remember(self.idle_since, requester, now, MAX_IDLE)
+        elif requester not in self.busy:
+            self.busy.add(requester)
+            since = self.idle_since.pop(requester, None)
+            if since is not None:  # from one answer to its next question: ~ a round trip
+                self._idle_gap(now - since)
+
+    def _idle_gap(self, gap: float) -> None:
+        """A live requester was idle here for ``gap``: the quiet threshold is ``quiet_factor``
+        times the 90th percentile of recent gaps (a busy seed's back-off adds to round trips)."""
+        self.gaps.append(gap)
+        gaps = self.gaps
+        p90 = statistics.quantiles(gaps, n=10, method="inclusive")[-1] if len(gaps) > 1 else gap
+        self.quiet_after_s = max(self.quiet_floor_s, self.quiet_factor * p90)
+
+    def quiet(self, owner: Hashable, handed_at: float, now: float) -> bool:
+        """``owner``, handed a chunk at ``handed_at``, asked nothing here for too long."""
+        if owner in self.busy:
+            return False
+        limit = self.reseed_after_s if self.quiet_after_s is None else self.quiet_after_s
+        return now - max(handed_at, self.idle_since.get(owner, handed_at)) > limit
 
     def starved(self, key: Hashable, now: float) -> bool:
         """Fetched from the seed ``starve_after_s`` ago or longer: shown to anyone asking."""
@@ -68,14 +119,14 @@ class SuperSeeder:
             owner = self.owner.get(key)
             if (owner is not None and owner[0] == requester) or self.starved(key, now):
                 out.append(i)
-            elif (
-                not served[key]
-                and (owner is None or now - owner[1] > self.reseed_after_s)
-                and budget > 0
-            ):
+            elif not served[key] and (owner is None or self._lapsed(owner, now)) and budget > 0:
                 # never fetched, and unclaimed or handed out long ago (its owner went quiet);
                 # a chunk fetched without an owner (one released while its requester still
                 # fetched it) is out in the swarm: shown only once it starves, like any other
                 self.owner[key], budget = (requester, now), budget - 1
                 out.append(i)
         return out
+
+    def _lapsed(self, owner: tuple[Hashable, float], now: float) -> bool:
+        """A hand-out not fetched in time: ``reseed_after_s`` ago, or its owner went quiet."""
+        return now - owner[1] > self.reseed_after_s or self.quiet(*owner, now)

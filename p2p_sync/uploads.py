@@ -51,6 +51,10 @@ class UploadSlots(Generic[T]):
     def queued(self) -> int:
         return len(self._order)
 
+    def pending(self, requester: Hashable) -> bool:
+        """``requester`` has an upload in progress here or a request waiting for one."""
+        return requester in self.active or requester in self._waiting
+
     def request(self, requester: Hashable, handle: T) -> Admission:
         """A request arrives: serve it now, queue it, or refuse it."""
         if self.busy < self.slots and not self._order:

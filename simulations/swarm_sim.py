@@ -619,8 +619,14 @@ class SwarmSim:
         if t is not None:
             if self.net.cancel(t):  # not if it died with its uploader already
                 self._upload_ended(q, p.idx)
-        else:  # on its way, or waiting for a slot there
-            q.slots.withdraw((p.idx, index, p.generation))
+        elif q.slots.withdraw((p.idx, index, p.generation)):  # else still on its way
+            self._seed_contact(q, p.idx)
+
+    def _seed_contact(self, q: Peer, requester: int) -> None:
+        """The trainer's upload slots changed for ``requester``: its seeder hears of it, as
+        the node's does from the data plane (a quiet owner's chunks go to others)."""
+        if q.idx == TRAINER:
+            self.seeder.contact(requester, q.slots.pending(requester), self.clock.now)
 
     def _reply(self, p: Peer, gen: int, event: Event) -> None:
         self.clock.after(self.lat, self._answer, p, gen, event)
@@ -646,6 +652,7 @@ class SwarmSim:
             self._reply(p, gen, ChunkFailed(q_idx, index))
             return
         admission = q.slots.request(p.idx, (p.idx, index, gen))
+        self._seed_contact(q, p.idx)
         if admission is Admission.SERVE:
             self._serve(q, p, index, gen)
         elif admission is Admission.BUSY:
@@ -672,7 +679,10 @@ class SwarmSim:
         its requester no longer wants ends at once, as a closed connection does)."""
         ended = [requester]
         while ended and q.online:
-            for r_idx, (_, index, gen) in q.slots.finished(ended.pop()):
+            done = ended.pop()
+            started = q.slots.finished(done)
+            self._seed_contact(q, done)
+            for r_idx, (_, index, gen) in started:
                 r = self.peers[r_idx]
                 if r.generation == gen and (q.idx, index) in r.requests:
                     self._serve(q, r, index, gen)

@@ -108,6 +108,9 @@ class _Chunks:
     def count_upload(self, nbytes: int) -> None:
         self.uploaded += nbytes
 
+    def upload_contact(self, requester: str, pending: bool) -> None:
+        pass
+
     def add_peer(self, url: str) -> None:
         pass
 

@@ -220,6 +220,8 @@ class SeederMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.shown: dict[str, set[str]] = {}  # requester -> keys it was shown
         self.handed_at: dict[str, tuple[str, float]] = {}  # key -> (owner, when) as seen
+        self.pending: set[str] = set()  # requesters with a chunk request at the seed now
+        self.heard: dict[str, float] = {}  # requester -> when the seed last heard of it
 
     def offer(self, requester: str) -> list[str]:
         before = dict(self.seeder.owner)
@@ -234,7 +236,10 @@ class SeederMachine(RuleBasedStateMachine):
             prev = before.get(key)
             if prev is not None and prev[0] != requester:  # taken over from a quiet owner
                 assert not self.seeder.served[key], "re-handed a chunk already fetched"
-                assert self.now - prev[1] > self.seeder.reseed_after_s, "re-handed too soon"
+                if self.now - prev[1] <= self.seeder.reseed_after_s:  # its owner went quiet
+                    assert prev[0] not in self.pending, "taken from an owner asking for it"
+                    last = max(prev[1], self.heard.get(prev[0], prev[1]))
+                    assert self.now - last > self.seeder.quiet_floor_s, "re-handed too soon"
         self.shown.setdefault(requester, set()).update(shown)
         return shown
 
@@ -242,6 +247,12 @@ class SeederMachine(RuleBasedStateMachine):
     def requester_asks(self, requester: str, dt: float) -> None:
         self.now += dt
         self.offer(requester)
+
+    @rule(requester=st.sampled_from(["r0", "r1", "r2", "r3"]), pending=st.booleans())
+    def requester_asks_for_a_chunk_or_stops(self, requester: str, pending: bool) -> None:
+        self.seeder.contact(requester, pending, self.now)
+        self.heard[requester] = self.now
+        (self.pending.add if pending else self.pending.discard)(requester)
 
     @rule(requester=st.sampled_from(["r0", "r1", "r2", "r3"]))
     def requester_found_gone(self, requester: str) -> None:
@@ -287,6 +298,34 @@ class SeederMachine(RuleBasedStateMachine):
 
 SeederMachine.TestCase.settings = FAST
 test_seeder_state_machine = SeederMachine.TestCase
+
+
+def test_a_quiet_owner_s_chunks_go_to_the_next_requester() -> None:
+    """An owner with no request at the seed for twice the 90th percentile of the idle gaps
+    seen (a requester's answer to its next question) loses its unfetched chunks; an owner
+    with a request waiting keeps them however long it waits."""
+    seeder, keys = SuperSeeder(outstanding=1, reseed_after_s=5.0), ["a", "b"]
+    assert seeder.offer(keys, "busy", 0.0) == [0]
+    assert seeder.offer(keys, "gone", 0.0) == [1]
+    for t in (0.0, 0.15):  # "busy" asks again 0.1 s after each answer
+        seeder.contact("busy", True, t)
+        seeder.contact("busy", False, t + 0.05)
+    seeder.contact("busy", True, 0.3)  # and waits for a slot from now on
+    assert seeder.quiet_after_s is not None and abs(seeder.quiet_after_s - 0.2) < 1e-9
+    seeder.contact("gone", True, 0.1)
+    seeder.contact("gone", False, 0.2)  # its answer went out; it never asks again
+    assert seeder.offer(keys, "next", 0.39) == []  # 0.19 s idle: not yet
+    assert seeder.offer(keys, "next", 0.41) == [1]  # b; a's owner waits for its turn
+    assert seeder.offer(keys, "next", 4.9) == [1]
+    seeder.note_served("b")
+    assert seeder.offer(keys, "gone", 4.95) == []  # back: b is in the swarm, a is busy's
+
+
+def test_before_any_idle_gap_an_owner_is_quiet_only_after_reseed_after_s() -> None:
+    seeder, keys = SuperSeeder(outstanding=1, reseed_after_s=2.0), ["a"]
+    assert seeder.offer(keys, "r0", 0.0) == [0]
+    assert seeder.offer(keys, "r1", 1.9) == []
+    assert seeder.offer(keys, "r1", 2.1) == [0]
 
 
 def test_a_released_requester_s_chunks_go_to_the_next_one_at_once() -> None:

@@ -121,12 +121,16 @@ class _Chunks:
 
     def __init__(self, chunks: dict[str, bytes]) -> None:
         self.chunks, self.uploaded = chunks, 0
+        self.contacts: list[tuple[str, bool]] = []  # (requester, has uploads here) in order
 
     def chunk(self, sha256: str) -> bytes | None:
         return self.chunks.get(sha256)
 
     def count_upload(self, nbytes: int) -> None:
         self.uploaded += nbytes
+
+    def upload_contact(self, requester: str, pending: bool) -> None:
+        self.contacts.append((requester, pending))
 
     def add_peer(self, url: str) -> None:
         pass
@@ -135,7 +139,8 @@ class _Chunks:
 async def _serve_in_turn(limits: HttpLimits) -> dict[str, Any]:
     data = b"x" * 1000
     sha = hashlib.sha256(data).hexdigest()
-    router = DataRouter(_Chunks({sha: data}), limits)  # type: ignore[arg-type]
+    view = _Chunks({sha: data})
+    router = DataRouter(view, limits)  # type: ignore[arg-type]
     order: list[str] = []
 
     def ask(peer: str) -> Request:
@@ -156,7 +161,13 @@ async def _serve_in_turn(limits: HttpLimits) -> dict[str, Any]:
             assert router._slots.queued == k + 1
         busy = await fetch("c1", "c")  # the line (4) is full: refused at once
     statuses = {name: await task for name, task in tasks.items()}
-    return {"first": first.status, "busy": busy, "statuses": statuses, "order": order}
+    return {
+        "first": first.status,
+        "busy": busy,
+        "statuses": statuses,
+        "order": order,
+        "contacts": view.contacts,
+    }
 
 
 def test_the_data_plane_hands_a_freed_slot_to_the_requester_served_least() -> None:
@@ -166,3 +177,11 @@ def test_the_data_plane_hands_a_freed_slot_to_the_requester_served_least() -> No
     assert out["first"] == 200 and set(out["statuses"].values()) == {200}
     assert out["busy"] == 503
     assert out["order"] == ["b1", "a2", "a3", "a4"]  # first come, first served: a2 a3 b1 a4
+    # the node hears when a requester has uploads here and when it has none left (a seed
+    # takes back what it handed to one that stopped asking)
+    said: dict[str, list[bool]] = {}
+    for requester, pending in out["contacts"]:
+        said.setdefault(requester, []).append(pending)
+    assert said["http://a:1"][0] is True and said["http://a:1"][-1] is False
+    assert said["http://b:1"] == [True, False]  # queued, then served
+    assert said["http://c:1"] == [False]  # refused: nothing of its waits here

@@ -125,6 +125,7 @@ class NodeView(Protocol):
     def status(self) -> dict[str, Any]: ...
     def metrics_text(self) -> bytes: ...
     def count_upload(self, nbytes: int) -> None: ...
+    def upload_contact(self, requester: str, pending: bool) -> None: ...
     def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None: ...
     def add_peer(self, url: str) -> None: ...
     def issued(self, nonce: str) -> bool: ...
@@ -265,7 +266,7 @@ class DataRouter:
         if len(parts) not in _ARITY.get(name, ()):
             raise Refused(404, "no such route")
         if (req.method, name) == ("GET", "chunk"):
-            return await self._chunk(arg, req.requester), lambda: self._release(req.requester)
+            return await self._chunk(arg, req), lambda: self._release(req)
         handler = self._routes.get((req.method, name))
         if handler is None:
             raise Refused(405, f"{req.method} is not allowed on /{name}")
@@ -273,10 +274,11 @@ class DataRouter:
 
     # ------------------------------------------------------------ chunks
 
-    async def _upload_slot(self, requester: str) -> None:
+    async def _upload_slot(self, req: Request) -> None:
         """Wait for an upload slot (bounded queue, bounded wait) or refuse with 503."""
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        admission = self._slots.request(requester, turn)
+        admission = self._slots.request(req.requester, turn)
+        self._contact(req)
         if admission is Admission.BUSY:
             raise Refused(503, "upload queue full")
         if admission is Admission.SERVE:
@@ -285,22 +287,37 @@ class DataRouter:
             async with asyncio.timeout(self.limits.request_timeout_s):
                 await asyncio.shield(turn)
         except TimeoutError:
-            if self._slots.withdraw(turn):
+            if self._withdraw(turn, req):
                 raise Refused(503, "no upload slot in time") from None
         except asyncio.CancelledError:  # the requester hung up while waiting
-            if not self._slots.withdraw(turn):
-                self._release(requester)  # the slot came at that instant: hand it on
+            if not self._withdraw(turn, req):
+                self._release(req)  # the slot came at that instant: hand it on
             raise
 
-    def _release(self, requester: str) -> None:
-        """An upload to ``requester`` ended: wake whom the slots pick next."""
-        for _, turn in self._slots.finished(requester):
-            turn.set_result(None)
+    def _withdraw(self, turn: asyncio.Future[None], req: Request) -> bool:
+        withdrawn = self._slots.withdraw(turn)
+        if withdrawn:
+            self._contact(req)
+        return withdrawn
 
-    async def _chunk(self, sha: str, requester: str) -> Reply:
+    def _release(self, req: Request) -> None:
+        """An upload to ``req``'s requester ended: wake whom the slots pick next."""
+        for _, turn in self._slots.finished(req.requester):
+            turn.set_result(None)
+        self._contact(req)
+
+    def _contact(self, req: Request) -> None:
+        """Tell the node whether the peer that sent ``req`` has uploads here now (a seed
+        takes back chunks it handed to a peer that stopped asking: ``p2p_sync.seeding``). A
+        peer is named by the URL it claims, as the seed's offers name it: a forged claim can
+        at worst make the seed upload a chunk twice, or wait ``reseed_after_s`` as before."""
+        if req.peer is not None:
+            self.node.upload_contact(req.peer, self._slots.pending(req.requester))
+
+    async def _chunk(self, sha: str, req: Request) -> Reply:
         """The chunk's bytes, holding an upload slot (the caller releases it)."""
         _hex(sha, "sha")
-        await self._upload_slot(requester)
+        await self._upload_slot(req)
         try:
             data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), < a thread hop
             if data is None:
@@ -308,7 +325,7 @@ class DataRouter:
             if self._bucket is not None:  # upload cap: wait our turn before sending
                 await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
         except BaseException:
-            self._release(requester)
+            self._release(req)
             raise
         return Reply(200, data, "application/octet-stream", upload=True)
 
