@@ -96,6 +96,55 @@ def test_the_stream_pool_hands_out_only_young_usable_streams_and_keeps_a_few() -
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_a_peer_whose_hole_punch_tries_ran_out_gets_fresh_ones_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """py-libp2p tries a relayed peer 3 times, 2 s apart, then never again; a try that misses
+    its moment on a busy CPU is not a NAT that defeats it, so the peer gets fresh rounds of
+    tries, ever further apart, a bounded number of times."""
+    import trio.testing
+    from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
+
+    from p2p_sync.transport import relay
+
+    class Relayed:  # the host: every connection to the peer goes through a relay
+        def get_network(self) -> Relayed:
+            return self
+
+        def get_connections(self, peer: object) -> list:
+            return []
+
+    async def missed(self: DCUtRProtocol, peer_id: object) -> bool:  # py-libp2p's budget
+        n = self._hole_punch_attempts.get(peer_id, 0)  # type: ignore[call-overload]
+        if n < MAX_HOLE_PUNCH_ATTEMPTS:
+            self._hole_punch_attempts[peer_id] = n + 1  # type: ignore[index]
+        return False
+
+    monkeypatch.setattr(DCUtRProtocol, "initiate_hole_punch", missed)
+
+    async def scenario() -> list[float]:
+        puncher = relay.HolePuncher(Relayed(), 3.0)
+        tries: list[float] = []
+        async with trio.open_nursery() as nursery:
+            puncher._nursery = nursery
+            for _ in range(100):  # py-libp2p's loop: every 2 s, skipping a peer out of tries
+                if puncher._hole_punch_attempts.get("p", 0) < MAX_HOLE_PUNCH_ATTEMPTS:
+                    await puncher.initiate_hole_punch("p")  # type: ignore[arg-type]
+                    tries.append(trio.current_time())
+                await trio.sleep(2.0)
+            nursery.cancel_scope.cancel()
+        assert puncher.tried == len(tries) and puncher.punched == 0
+        return tries
+
+    tries = trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+    rounds = [tries[i : i + 3] for i in range(0, len(tries), 3)]
+    assert len(rounds) == 1 + relay.REARM_ROUNDS and all(len(r) == 3 for r in rounds)
+    pauses = [b[0] - a[-1] for a, b in zip(rounds, rounds[1:], strict=False)]
+    for n, pause in enumerate(pauses):  # REARM_S doubling, rounded up to the loop's 2 s tick
+        assert relay.REARM_S * 2**n <= pause < relay.REARM_S * 2**n + 2.0, pauses
+    assert tries[-1] < 200  # and then no more, with 100 s of the loop left
+
+
 # ---------------------------------------------------------------- the verdict (sans-I/O)
 
 

@@ -41,12 +41,13 @@ import trio
 from libp2p.connection_types import ConnectionType
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
+from p2p_sync.bounded import remember
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.reachability import RelayBounds
 
@@ -87,15 +88,27 @@ class BoundedRelay(CircuitV2Protocol):
 
 
 RELAYED_GRACE_S = 3.0  # after a punch, the relayed connection lives on this long
+REARM_S = 5.0  # a peer whose tries all failed gets fresh ones this long after (doubling)
+REARM_ROUNDS = 4  # fresh rounds of tries per peer, then the relay stays for good
+MAX_REARMED = 1024  # peers whose rounds are remembered (the oldest forgotten)
 
 
 class HolePuncher(DCUtRProtocol):
     """py-libp2p's DCUtR, counting the hole punches this node started while it had only a
-    relayed connection to the peer (tries, and tries that left a direct connection)."""
+    relayed connection to the peer (tries, and tries that left a direct connection).
+
+    py-libp2p tries a peer 3 times, 2 s apart, then never again while the relayed connection
+    lasts. A try is a timed simultaneous open: on a loaded CPU all three can miss their moment
+    as surely as behind a symmetric NAT (seen in CI: no punch within 30 s). So a peer whose
+    tries ran out gets fresh ones ``REARM_S`` later, doubling, ``REARM_ROUNDS`` times (~75 s
+    in all): a few dials more where the NAT defeats them, the relay's hops and cap left
+    behind where only the timing did."""
 
     def __init__(self, host: Any, dial_timeout_s: float) -> None:
         super().__init__(host, dial_timeout=int(max(dial_timeout_s, 1)))
         self.tried = self.punched = 0
+        self._rounds: dict[ID, int] = {}  # fresh rounds of tries given to each peer
+        self._rearming: set[ID] = set()
 
     async def initiate_hole_punch(self, peer_id: ID) -> bool:
         if direct_connection(self.host, peer_id) is not None:
@@ -104,9 +117,28 @@ class HolePuncher(DCUtRProtocol):
         ok = await super().initiate_hole_punch(peer_id)
         if ok and direct_connection(self.host, peer_id) is not None:
             self.punched += 1
+            self._rounds.pop(peer_id, None)
             log.info("hole punched: direct connection to %s", peer_id)
             self._retire_relayed(peer_id)
+        elif self._hole_punch_attempts.get(peer_id, 0) >= MAX_HOLE_PUNCH_ATTEMPTS:
+            self._rearm(peer_id)
         return ok
+
+    def _rearm(self, peer_id: ID) -> None:
+        rounds = self._rounds.get(peer_id, 0)
+        if rounds >= REARM_ROUNDS or peer_id in self._rearming or self._nursery is None:
+            return
+        remember(self._rounds, peer_id, rounds + 1, MAX_REARMED)
+        self._rearming.add(peer_id)
+        self._nursery.start_soon(self._fresh_tries, peer_id, REARM_S * 2**rounds)
+
+    async def _fresh_tries(self, peer_id: ID, delay: float) -> None:
+        """After ``delay``, py-libp2p's loop may try ``peer_id`` again (if still relayed)."""
+        try:
+            await trio.sleep(delay)
+            self._hole_punch_attempts.pop(peer_id, None)
+        finally:
+            self._rearming.discard(peer_id)
 
     def _retire_relayed(self, peer_id: ID) -> None:
         """Close the relayed connections to ``peer_id`` once requests already on them had
