@@ -25,7 +25,7 @@ chunks asks for them (only the seed has them, so they are its rarest), and has a
 here in progress or waiting nearly all the time, idle only for the round trip between one
 answer and its next question (plus a back-off when the seed refused it as busy). An owner
 with no request here for ``quiet_factor`` times the 90th percentile of those idle gaps (at
-least ``quiet_floor_s``; ``reseed_after_s`` before any gap was seen) is taken for gone, and
+least ``quiet_floor_s``; ``reseed_after_s`` before ``MIN_GAPS`` were seen) is taken for gone, and
 its unfetched chunks go to the next requester. Taking a live but idle owner for gone costs at
 most one more upload of its chunk.
 
@@ -44,6 +44,7 @@ from p2p_sync.bounded import remember
 
 MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
 GAPS = 64  # recent idle gaps the quiet threshold follows
+MIN_GAPS = 8  # gaps seen before the threshold is trusted (``reseed_after_s`` until then)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class SuperSeeder:
     busy: set[Hashable] = field(default_factory=set)  # requesters with requests here now
     idle_since: dict[Hashable, float] = field(default_factory=dict)  # their last one ended
     gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS))
-    quiet_after_s: float | None = None  # from ``gaps``; None before any gap was seen
+    quiet_after_s: float | None = None  # from ``gaps``; None before ``MIN_GAPS`` were seen
 
     def contact(self, requester: Hashable, pending: bool, now: float) -> None:
         """The seed's upload slots changed for ``requester``: it has chunk requests in progress
@@ -79,9 +80,9 @@ class SuperSeeder:
         """A live requester was idle here for ``gap``: the quiet threshold is ``quiet_factor``
         times the 90th percentile of recent gaps (a busy seed's back-off adds to round trips)."""
         self.gaps.append(gap)
-        gaps = self.gaps
-        p90 = statistics.quantiles(gaps, n=10, method="inclusive")[-1] if len(gaps) > 1 else gap
-        self.quiet_after_s = max(self.quiet_floor_s, self.quiet_factor * p90)
+        if len(self.gaps) >= MIN_GAPS:
+            p90 = statistics.quantiles(self.gaps, n=10, method="inclusive")[-1]
+            self.quiet_after_s = max(self.quiet_floor_s, self.quiet_factor * p90)
 
     def quiet(self, owner: Hashable, handed_at: float, now: float) -> bool:
         """``owner``, handed a chunk at ``handed_at``, asked nothing here for too long."""

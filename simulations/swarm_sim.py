@@ -624,7 +624,10 @@ class SwarmSim:
 
     def _seed_contact(self, q: Peer, requester: int) -> None:
         """The trainer's upload slots changed for ``requester``: its seeder hears of it, as
-        the node's does from the data plane (a quiet owner's chunks go to others)."""
+        the node's does from the data plane (a quiet owner's chunks go to others). Here a
+        requester that crashed silently takes its waiting requests with it at once; a node's
+        data plane holds them until served into the dead connection or timed out, so a real
+        trainer notices such a crash up to that much later."""
         if q.idx == TRAINER:
             self.seeder.contact(requester, q.slots.pending(requester), self.clock.now)
 

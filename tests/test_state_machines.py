@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from p2p_sync import seeding
 from p2p_sync.seeding import SuperSeeder
 from p2p_sync.swarm import (
     Action,
@@ -307,15 +308,16 @@ def test_a_quiet_owner_s_chunks_go_to_the_next_requester() -> None:
     seeder, keys = SuperSeeder(outstanding=1, reseed_after_s=5.0), ["a", "b"]
     assert seeder.offer(keys, "busy", 0.0) == [0]
     assert seeder.offer(keys, "gone", 0.0) == [1]
-    for t in (0.0, 0.15):  # "busy" asks again 0.1 s after each answer
-        seeder.contact("busy", True, t)
-        seeder.contact("busy", False, t + 0.05)
-    seeder.contact("busy", True, 0.3)  # and waits for a slot from now on
+    for i in range(seeding.MIN_GAPS):  # "busy" asks again 0.1 s after each answer
+        seeder.contact("busy", True, 0.15 * i)
+        assert seeder.quiet_after_s is None  # too few gaps seen to trust
+        seeder.contact("busy", False, 0.15 * i + 0.05)
+    seeder.contact("busy", True, 1.2)  # and waits for a slot from now on
     assert seeder.quiet_after_s is not None and abs(seeder.quiet_after_s - 0.2) < 1e-9
-    seeder.contact("gone", True, 0.1)
-    seeder.contact("gone", False, 0.2)  # its answer went out; it never asks again
-    assert seeder.offer(keys, "next", 0.39) == []  # 0.19 s idle: not yet
-    assert seeder.offer(keys, "next", 0.41) == [1]  # b; a's owner waits for its turn
+    seeder.contact("gone", True, 1.1)
+    seeder.contact("gone", False, 1.2)  # its answer went out; it never asks again
+    assert seeder.offer(keys, "next", 1.39) == []  # 0.19 s idle: not yet
+    assert seeder.offer(keys, "next", 1.41) == [1]  # b; a's owner waits for its turn
     assert seeder.offer(keys, "next", 4.9) == [1]
     seeder.note_served("b")
     assert seeder.offer(keys, "gone", 4.95) == []  # back: b is in the swarm, a is busy's
