@@ -1504,15 +1504,15 @@ def encode(
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
     pairs = map_workers(lambda d: _frames(d, level, _base_bits(base, d.spec)), changed, workers)
-    best = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
-    data = assemble(patch.layout, patch.base_hash, patch.target_hash, best, level)
-    if all(p[0] is p[1] for p in pairs):
-        return data
-    # coding 3 won frame by frame, but the row table compresses differently: by a few bytes,
-    # a file of version-1 frames can still be the smaller one, and then it is the one sent
-    plain = {d.spec.name: p[1] for d, p in zip(changed, pairs)}
-    fallback = assemble(patch.layout, patch.base_hash, patch.target_hash, plain, level)
-    return fallback if len(fallback) < len(data) else data
+    frames = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
+    if any(p[0] is not p[1] for p in pairs):
+        # coding 3 won frame by frame, but the row table compresses differently: by a few
+        # bytes, a file of version-1 frames can still be the smaller one, and then it is the
+        # one sent (sizes compared before either file is joined: a patch is copied once)
+        plain = {d.spec.name: p[1] for d, p in zip(changed, pairs)}
+        if _file_size(patch.layout, plain, level) < _file_size(patch.layout, frames, level):
+            frames = plain
+    return assemble(patch.layout, patch.base_hash, patch.target_hash, frames, level)
 
 
 def assemble(
@@ -1526,12 +1526,7 @@ def assemble(
     unchanged). For builders that code each tensor as soon as it is diffed, without ever
     holding the whole decoded patch: the bytes equal :func:`encode`'s for the same frames."""
     version = 2 if any(f[0] == CLASSED for f in frames.values()) else 1
-    rows = []
-    for spec in layout:
-        coding, count, frame = frames.get(spec.name, (UNCHANGED, 0, b""))
-        rows.append(_row_bytes(spec, coding, count, len(frame)))
-    table_raw = b"".join(rows)
-    table = _compress([table_raw], level)
+    table, table_raw = _table(layout, frames, level)
     header = _HEADER.pack(
         MAGIC,
         version,
@@ -1544,6 +1539,27 @@ def assemble(
         target_hash,
     )
     return b"".join([header, table, *(frames[s.name][2] for s in layout if s.name in frames)])
+
+
+def _table(
+    layout: Layout, frames: Mapping[str, tuple[int, int, bytes]], level: int
+) -> tuple[bytes, bytes]:
+    """The file's row table, compressed and raw."""
+    rows = []
+    for spec in layout:
+        coding, count, frame = frames.get(spec.name, (UNCHANGED, 0, b""))
+        rows.append(_row_bytes(spec, coding, count, len(frame)))
+    table_raw = b"".join(rows)
+    return _compress([table_raw], level), table_raw
+
+
+def _file_size(layout: Layout, frames: Mapping[str, tuple[int, int, bytes]], level: int) -> int:
+    """The length of :func:`assemble`'s file for ``frames``, without joining it."""
+    return (
+        HEADER_SIZE
+        + len(_table(layout, frames, level)[0])
+        + sum(len(f[2]) for f in frames.values())
+    )
 
 
 class _Reader:
