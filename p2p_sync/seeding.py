@@ -86,7 +86,7 @@ class SuperSeeder:
 
     def quiet(self, owner: Hashable, handed_at: float, now: float) -> bool:
         """``owner``, handed a chunk at ``handed_at``, asked nothing here for too long."""
-        if owner in self.busy:
+        if owner in self.busy or self.quiet_factor <= 0:
             return False
         limit = self.reseed_after_s if self.quiet_after_s is None else self.quiet_after_s
         return now - max(handed_at, self.idle_since.get(owner, handed_at)) > limit

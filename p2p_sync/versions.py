@@ -44,11 +44,17 @@ class PublishPolicy:
     lifetime_s: int = 7 * 86400  # manifests expire (and are re-signed) after this
     seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0  # a chunk handed out but not fetched is offered again after
+    # a requester with no chunk request at the seed for this many times the 90th percentile of
+    # live requesters' idle gaps loses what it was handed and did not fetch (0: only
+    # reseed_after_s frees it; see p2p_sync.seeding)
+    seed_quiet_factor: float = 2.0
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1 or any(s < 2 for s in self.catchup_spans):
             raise ValueError("anchor_every must be >= 1 and catch-up spans >= 2")
+        if self.seed_quiet_factor < 0:
+            raise ValueError("seed_quiet_factor must be >= 0")
         if self.patch_format not in (1, 2):
             raise ValueError("patch_format must be 1 or 2")
         if self.chunk_size and not 16 * 1024 <= self.chunk_size <= 64 * 2**20:

@@ -67,6 +67,7 @@ class Scenario:
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
     seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
     reseed_after_s: float = 2.0
+    seed_quiet_factor: float = 2.0  # a quiet owner loses its hand-outs (0: never)
     download: SwarmConfig = field(default_factory=SwarmConfig)  # the node's [download] table
     time_limit_factor: float = 50.0  # give up on a version after this many lower bounds
     # a dissemination the node does not run yet, modelled to decide whether to build it:
@@ -129,7 +130,7 @@ def check(s: Scenario) -> Scenario:
     for name in _FRACTIONS:
         if not 0 <= getattr(s, name) <= 1:
             raise _bad(name, "must be between 0 and 1")
-    for name in ("latency_ms", "churn_downtime", "chunk_kb"):
+    for name in ("latency_ms", "churn_downtime", "chunk_kb", "seed_quiet_factor"):
         if getattr(s, name) < 0:
             raise _bad(name, "must be >= 0")
     if s.corrupt_fraction + s.stall_fraction + s.liar_fraction >= 1:

@@ -238,6 +238,11 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         ("role = 'rollout'\ntrust = ['k']\nlisten = 'nope'\n", {}, "listen:"),
         ("role = 'rollout'\ntrust = ['k']\n[publish]\nchunk_size = 10\n", {}, "publish: chunk"),
         (
+            "role = 'rollout'\ntrust = ['k']\n[publish]\nseed_quiet_factor = -1\n",
+            {},
+            "publish: seed_quiet_factor must be >= 0",
+        ),
+        (
             "role = 'rollout'\ntrust = ['k']\n[directory]\npoll_interval_s = 'x'\n",
             {},
             "directory.p",

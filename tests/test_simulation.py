@@ -349,9 +349,10 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
         node.http.max_concurrent_uploads,
         node.http.upload_queue,
     )
-    assert (sc.seed_outstanding, sc.reseed_after_s) == (
+    assert (sc.seed_outstanding, sc.reseed_after_s, sc.seed_quiet_factor) == (
         node.publish.seed_outstanding,
         node.publish.reseed_after_s,
+        node.publish.seed_quiet_factor,
     )
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 

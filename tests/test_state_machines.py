@@ -323,6 +323,16 @@ def test_a_quiet_owner_s_chunks_go_to_the_next_requester() -> None:
     assert seeder.offer(keys, "gone", 4.95) == []  # back: b is in the swarm, a is busy's
 
 
+def test_quiet_factor_0_leaves_hand_outs_to_reseed_after_s_alone() -> None:
+    seeder, keys = SuperSeeder(outstanding=1, reseed_after_s=2.0, quiet_factor=0.0), ["a"]
+    assert seeder.offer(keys, "gone", 0.0) == [0]
+    for i in range(2 * seeding.MIN_GAPS):  # others' round trips: a threshold it ignores
+        seeder.contact("other", True, 0.1 * i)
+        seeder.contact("other", False, 0.1 * i + 0.05)
+    assert seeder.offer(keys, "next", 1.9) == []
+    assert seeder.offer(keys, "next", 2.1) == [0]
+
+
 def test_before_any_idle_gap_an_owner_is_quiet_only_after_reseed_after_s() -> None:
     seeder, keys = SuperSeeder(outstanding=1, reseed_after_s=2.0), ["a"]
     assert seeder.offer(keys, "r0", 0.0) == [0]
