@@ -202,6 +202,7 @@ MAGIC = b"P2PPATCH"
 FORMAT_VERSION = 2
 SUPPORTED_VERSIONS = frozenset({1, 2})
 _HEADER = struct.Struct("<8sHHIII16s16s16s")
+Frames = Mapping[str, tuple[int, int, bytes]]  # tensor name -> (coding, count, frame)
 HEADER_SIZE = _HEADER.size  # 72
 
 UNCHANGED, SPARSE, DENSE, CLASSED = 0, 1, 2, 3
@@ -1505,61 +1506,62 @@ def encode(
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
     pairs = map_workers(lambda d: _frames(d, level, _base_bits(base, d.spec)), changed, workers)
     frames = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
+    table = _table(patch.layout, frames, level)
     if any(p[0] is not p[1] for p in pairs):
         # coding 3 won frame by frame, but the row table compresses differently: by a few
         # bytes, a file of version-1 frames can still be the smaller one, and then it is the
         # one sent (sizes compared before either file is joined: a patch is copied once)
         plain = {d.spec.name: p[1] for d, p in zip(changed, pairs)}
-        if _file_size(patch.layout, plain, level) < _file_size(patch.layout, frames, level):
-            frames = plain
-    return assemble(patch.layout, patch.base_hash, patch.target_hash, frames, level)
+        plain_table = _table(patch.layout, plain, level)
+        if _file_size(plain, plain_table) < _file_size(frames, table):
+            frames, table = plain, plain_table
+    return _join(patch.layout, patch.base_hash, patch.target_hash, frames, table)
 
 
 def assemble(
     layout: Layout,
     base_hash: bytes,
     target_hash: bytes,
-    frames: Mapping[str, tuple[int, int, bytes]],
+    frames: Frames,
     level: int = DEFAULT_LEVEL,
 ) -> bytes:
     """A patch file from frames made by :func:`encode_frame` (tensors not in ``frames`` are
     unchanged). For builders that code each tensor as soon as it is diffed, without ever
     holding the whole decoded patch: the bytes equal :func:`encode`'s for the same frames."""
-    version = 2 if any(f[0] == CLASSED for f in frames.values()) else 1
-    table, table_raw = _table(layout, frames, level)
-    header = _HEADER.pack(
-        MAGIC,
-        version,
-        0,
-        len(layout),
-        len(table),
-        len(table_raw),
-        layout_fingerprint(layout),
-        base_hash,
-        target_hash,
-    )
-    return b"".join([header, table, *(frames[s.name][2] for s in layout if s.name in frames)])
+    return _join(layout, base_hash, target_hash, frames, _table(layout, frames, level))
 
 
-def _table(
-    layout: Layout, frames: Mapping[str, tuple[int, int, bytes]], level: int
-) -> tuple[bytes, bytes]:
-    """The file's row table, compressed and raw."""
+def _table(layout: Layout, frames: Frames, level: int) -> tuple[bytes, int]:
+    """The file's row table: compressed, and its raw length."""
     rows = []
     for spec in layout:
         coding, count, frame = frames.get(spec.name, (UNCHANGED, 0, b""))
         rows.append(_row_bytes(spec, coding, count, len(frame)))
     table_raw = b"".join(rows)
-    return _compress([table_raw], level), table_raw
+    return _compress([table_raw], level), len(table_raw)
 
 
-def _file_size(layout: Layout, frames: Mapping[str, tuple[int, int, bytes]], level: int) -> int:
-    """The length of :func:`assemble`'s file for ``frames``, without joining it."""
-    return (
-        HEADER_SIZE
-        + len(_table(layout, frames, level)[0])
-        + sum(len(f[2]) for f in frames.values())
+def _file_size(frames: Frames, table: tuple[bytes, int]) -> int:
+    """The length of :func:`_join`'s file, without joining it."""
+    return HEADER_SIZE + len(table[0]) + sum(len(f[2]) for f in frames.values())
+
+
+def _join(
+    layout: Layout, base_hash: bytes, target_hash: bytes, frames: Frames, table: tuple[bytes, int]
+) -> bytes:
+    version = 2 if any(f[0] == CLASSED for f in frames.values()) else 1
+    header = _HEADER.pack(
+        MAGIC,
+        version,
+        0,
+        len(layout),
+        len(table[0]),
+        table[1],
+        layout_fingerprint(layout),
+        base_hash,
+        target_hash,
     )
+    return b"".join([header, table[0], *(frames[s.name][2] for s in layout if s.name in frames)])
 
 
 class _Reader:
