@@ -35,6 +35,7 @@ from node.fetch import fetch_payload
 from node.runtime import Node
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import DownloadStalledError, LayoutMismatchError, NoPathError, PatchError
+from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.statehash import StateDigest, state_hash
@@ -186,15 +187,15 @@ class Follower:
             self._checkpointing = asyncio.create_task(self._checkpoint(m.version, m.target_state))
 
     async def _export(self, version: int, state: str) -> None:
-        """Write ``--export``: the weights, then ``version.json``, each by atomic rename. Not
-        fsynced: an fsync of a whole model costs twice the write on a slow disk, and the
-        export is rebuilt from the store at start whenever it does not match the state."""
+        """Write ``--export``: the weights (``p2p_sync.export``: double-buffered, swapped by
+        atomic rename), then ``version.json``. Not fsynced: an fsync of a whole model costs
+        twice the write on a slow disk, and the export is rebuilt from the store at start
+        whenever it does not match the state."""
         if self.export is None:
             return
         weights, export = self.weights, self.export
         assert weights is not None
-        export.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(save_weights, export / "model.safetensors", weights, None, False)
+        await asyncio.to_thread(write_export, export, weights)
         doc = {"version": version, "state_hash": state}
         atomic_write_bytes(export / "version.json", json.dumps(doc).encode(), durable=False)
 

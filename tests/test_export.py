@@ -1,0 +1,103 @@
+"""The ``--export`` directory (``p2p_sync.export``): the link swaps between two buffers, the spare
+one is rewritten in place only when nobody holds it, and a reader always keeps what it opened."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from p2p_sync import export
+from p2p_sync.export import BUFFERS, LINK, spare_buffer, write_export
+from p2p_sync.weights_io import save_weights
+from tests.helpers import bit_equal
+
+
+def weights(seed: int, rows: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(rows, 32, generator=g).to(torch.bfloat16),
+        "layer.bias": torch.randn(32, generator=g).to(torch.bfloat16),
+    }
+
+
+def exported(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(directory / LINK)
+
+
+def test_versions_alternate_buffers_and_the_spare_is_rewritten_in_place(tmp_path: Path) -> None:
+    versions = [weights(v) for v in range(4)]
+    inodes = []
+    for v in versions:
+        written = write_export(tmp_path, v)
+        assert os.readlink(tmp_path / LINK) == str(written.relative_to(tmp_path))
+        assert bit_equal(exported(tmp_path), v)
+        inodes.append(written.stat().st_ino)
+    assert os.readlink(tmp_path / LINK) == BUFFERS[1]
+    assert spare_buffer(tmp_path) == BUFFERS[0]
+    assert inodes[0] == inodes[2] and inodes[1] == inodes[3]  # no new file after the first two
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".p2psync", LINK]
+
+
+def test_a_reader_of_a_buffer_keeps_its_version(tmp_path: Path) -> None:
+    """An engine still loading version 1 (safetensors maps the file) when version 3 comes,
+    which goes into the buffer it holds: that buffer is replaced, not overwritten."""
+    v1, v2, v3 = weights(1), weights(2), weights(3)
+    first = write_export(tmp_path, v1)
+    ino = first.stat().st_ino
+    with safe_open(str(tmp_path / LINK), framework="pt") as held:
+        write_export(tmp_path, v2)
+        assert write_export(tmp_path, v3) == first
+        assert first.stat().st_ino != ino
+        assert bit_equal({k: held.get_tensor(k) for k in held.keys()}, v1)
+    assert bit_equal(exported(tmp_path), v3)
+
+
+def test_a_held_buffer_gets_a_new_file_and_a_free_one_does_not(tmp_path: Path) -> None:
+    write_export(tmp_path, weights(1))
+    a = tmp_path / BUFFERS[0]
+    ino = a.stat().st_ino
+    write_export(tmp_path, weights(2))
+    with open(a, "rb") as reader:
+        write_export(tmp_path, weights(3))
+        assert a.stat().st_ino != ino  # replaced by rename: the reader's file is untouched
+        assert os.fstat(reader.fileno()).st_ino == ino
+    ino = a.stat().st_ino
+    write_export(tmp_path, weights(4))
+    write_export(tmp_path, weights(5))
+    assert a.stat().st_ino == ino  # nobody held it: rewritten in place
+    assert bit_equal(exported(tmp_path), weights(5))
+
+
+def test_a_plain_file_from_before_double_buffering_is_kept_for_its_reader(tmp_path: Path) -> None:
+    old = weights(0)
+    save_weights(tmp_path / LINK, old)
+    with safe_open(str(tmp_path / LINK), framework="pt") as held:
+        write_export(tmp_path, weights(1))
+        assert bit_equal({k: held.get_tensor(k) for k in held.keys()}, old)
+    assert (tmp_path / LINK).is_symlink()
+    assert bit_equal(exported(tmp_path), weights(1))
+
+
+def test_a_smaller_version_leaves_no_tail_of_the_larger_one(tmp_path: Path) -> None:
+    write_export(tmp_path, weights(1, rows=256))
+    write_export(tmp_path, weights(2))
+    small = write_export(tmp_path, weights(3, rows=8))
+    save_weights(tmp_path / "expected.safetensors", weights(3, rows=8))
+    assert small.read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+
+
+def test_without_leases_every_version_is_a_fresh_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(export, "unused", lambda path: False)
+    write_export(tmp_path, weights(1))
+    ino = (tmp_path / BUFFERS[0]).stat().st_ino
+    write_export(tmp_path, weights(2))
+    write_export(tmp_path, weights(3))
+    assert (tmp_path / BUFFERS[0]).stat().st_ino != ino
+    assert bit_equal(exported(tmp_path), weights(3))
