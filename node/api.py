@@ -186,7 +186,7 @@ class Trainer(_Embedded):
 
     async def _astop(self) -> None:
         if self.publisher is not None:
-            await asyncio.to_thread(self.publisher.close)
+            await self.publisher.aclose()
         if self.node is not None:
             await self.node.stop()
 

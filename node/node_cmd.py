@@ -67,7 +67,7 @@ async def _run_role(node: Node, key: object | None, cfg: NodeConfig, stop: async
         else:
             await stop.wait()
         await refresher
-        await asyncio.to_thread(publisher.close)
+        await publisher.aclose()
     else:
         device = pick_device(cfg.device)
         follower = await asyncio.to_thread(Follower, node, device, cfg.export, cfg.on_update)

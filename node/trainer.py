@@ -31,10 +31,11 @@ from node.dataview import SeedingView
 from node.runtime import Node
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
+from p2p_sync.catchup import merge_steps
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
-from p2p_sync.patch import Patch, add_all, check_layout, diff, diff_tensor, merge
+from p2p_sync.patch import Patch, add_all, check_layout, diff, diff_tensor
 from p2p_sync.restore import restore
 from p2p_sync.statehash import StateDigest, update
 from p2p_sync.tensors import (
@@ -77,6 +78,8 @@ class PublishTimings:
     patch_bytes: int = 0
     stored_at: float = 0.0  # wall clock (time.time()): stored and signed, about to be announced
     finished_at: float = 0.0  # wall clock when the manifests were announced
+    catchup_s: float = 0.0  # merged catch-up patches, built after the announcement
+    catchup_bytes: int = 0
 
 
 class Publisher:
@@ -114,20 +117,13 @@ class Publisher:
         self.history: collections.deque[bytes] = collections.deque(
             maxlen=max(self.policy.catchup_spans, default=0)
         )
+        self._spans: asyncio.Task[None] | None = None  # catch-ups of the last version
         self._rebuild_prev()
 
     @property
     def next_version(self) -> int:
         state = self.node.store.state
         return state.version + 1 if state else 0
-
-    def _merged(self, span: int) -> Patch:
-        """The last ``span`` steps as one patch, merged one decoded step at a time."""
-        steps = list(self.history)[-span:]
-        acc = codec.decode(steps[0], workers=WORKERS)
-        for data in steps[1:]:
-            acc = merge([acc, codec.decode(data, workers=WORKERS)])
-        return acc
 
     def _manifest(
         self, version: int, kind: str, target: str, layout: str, payload: bytes | None, **extra
@@ -259,7 +255,8 @@ class Publisher:
     def _artifacts(
         self, version: int, target: str, layout: Layout, weights: TensorSet, step: bytes | None
     ) -> list[Built]:
-        """Sign what ``versions.to_publish`` says: the anchor, the 1-step patch, merged spans."""
+        """Sign the head's artifacts (``versions.to_publish``): the anchor, the 1-step patch.
+        Merged catch-up spans follow the announcement (``_publish_spans``)."""
         t, built = self.timings, []
         layout_hex = layout_fingerprint(layout).hex()
         for kind, base in to_publish(version, self.policy):
@@ -267,39 +264,75 @@ class Publisher:
             if kind == SNAPSHOT:
                 built.append(self._snapshot(version, weights, target, layout_hex))
                 t.snapshot_s = time.perf_counter() - t1
-                continue
-            assert base is not None
-            patch = self._patch_payload(version, base, step)
-            if patch is None:
-                continue
-            t2 = time.perf_counter()
-            payload, base_state = patch
-            m = self._manifest(
-                version,
-                PATCH,
-                target,
-                layout_hex,
-                payload,
-                base_version=base,
-                base_state=base_state,
-            )
-            built.append((m, sign(m, [self.key]), payload))
-            t.hash_sign_s += time.perf_counter() - t2
+            elif base == version - 1 and step is not None and self.prev_hash is not None:
+                t.patch_bytes = len(step)
+                base_state = self.prev_hash.hex()
+                built.append(self._signed(version, base, base_state, target, layout_hex, step))
+                t.hash_sign_s += time.perf_counter() - t1
         return built
 
-    def _patch_payload(self, version: int, base: int, step: bytes | None) -> tuple | None:
-        """(payload, base state) of the patch ``base`` -> ``version``: the step just coded, or
-        a merge of the last steps; None when the history no longer reaches back to ``base``."""
-        t, t1 = self.timings, time.perf_counter()
-        if base == version - 1 and step is not None and self.prev_hash is not None:
-            t.patch_bytes = len(step)
-            return step, self.prev_hash.hex()
-        if version - base > len(self.history):
-            return None
-        merged = self._merged(version - base)
-        payload = codec.encode(merged, workers=WORKERS)
-        t.encode_s += time.perf_counter() - t1
-        return payload, merged.base_hash.hex()
+    def _signed(
+        self, version: int, base: int, base_state: str, target: str, layout: str, payload: bytes
+    ) -> Built:
+        m = self._manifest(
+            version, PATCH, target, layout, payload, base_version=base, base_state=base_state
+        )
+        return m, sign(m, [self.key]), payload
+
+    def _span_jobs(self, version: int) -> list[tuple[int, list[bytes]]]:
+        """(base, encoded steps) of each merged catch-up span due at ``version`` that the
+        history reaches back to; taken at once, as the history moves on with the next step."""
+        steps = list(self.history)
+        return [
+            (base, steps[len(steps) - (version - base) :])
+            for kind, base in to_publish(version, self.policy)
+            if kind == PATCH and base is not None and 1 < version - base <= len(steps)
+        ]
+
+    def _build_spans(
+        self, version: int, target: str, layout: str, jobs: list[tuple[int, list[bytes]]]
+    ) -> list[Built]:
+        """Merged catch-up patches, merged and coded one tensor at a time, then signed."""
+        built = []
+        for base, steps in jobs:
+            payload = merge_steps(steps, workers=WORKERS)
+            base_state = codec.read_header(payload).base_hash.hex()
+            built.append(self._signed(version, base, base_state, target, layout, payload))
+        return built
+
+    async def _publish_spans(
+        self, version: int, target: str, layout: str, jobs: list[tuple[int, list[bytes]]]
+    ) -> None:
+        """Build, store and announce the catch-up spans of ``version``, after its head: only
+        peers that fell behind need them, and merging 4-16 steps costs seconds."""
+        t0 = time.perf_counter()
+        built = await asyncio.to_thread(self._build_spans, version, target, layout, jobs)
+        store = self.node.store
+
+        def put() -> None:
+            for m, signed, payload in built:
+                store.put_payload(m, payload)
+                store.put_manifest(m, signed)
+
+        await asyncio.to_thread(put)
+        await self.node.learner.announce([m.digest for m, _, _ in built])
+        self.node.learner.new_info.set()
+        t = self.timings
+        t.catchup_s, t.catchup_bytes = time.perf_counter() - t0, sum(len(p) for *_, p in built)
+        if t.version == version:
+            self.node.last_publish = dataclasses.asdict(t)
+        log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, _sizes(built))
+
+    async def spans_done(self) -> None:
+        """Wait for the last version's catch-up patches (a failure is logged: the head it
+        follows is published, and peers behind it still have the 1-step patches)."""
+        task, self._spans = self._spans, None
+        if task is None:
+            return
+        try:
+            await task
+        except Exception:
+            log.exception("building catch-up patches failed")
 
     def _store(
         self,
@@ -361,6 +394,7 @@ class Publisher:
     async def _publish(
         self, build: Callable[[], tuple], new: TensorSet | None, owned: bool
     ) -> list[Manifest]:
+        await self.spans_done()  # the last version's: one writer of the store at a time
         t0 = time.perf_counter()
         version, target, step, built = await asyncio.to_thread(build)
         new = new if new is not None else self.prev
@@ -375,19 +409,18 @@ class Publisher:
         t = self.timings
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
-        log.info(
-            "published v%d in %.2fs (diff %.2f, encode %.2f, hash+sign %.2f, store %.2f, "
-            "snapshot %.2f): %s",
-            version,
-            t.total_s,
-            t.diff_s,
-            t.encode_s,
-            t.hash_sign_s,
-            t.store_s,
-            t.snapshot_s,
-            ", ".join(f"{m.kind} {m.payload_size:,} B" for m in manifests),
-        )
+        log.info("published v%d in %.2fs (%s): %s", version, t.total_s, _split(t), _sizes(built))
+        jobs = self._span_jobs(version)
+        if jobs:
+            self._spans = asyncio.create_task(
+                self._publish_spans(version, target, manifests[0].layout, jobs)
+            )
         return manifests
+
+    async def aclose(self) -> None:
+        """``close`` once the last catch-up patches are stored (from the node's event loop)."""
+        await self.spans_done()
+        await asyncio.to_thread(self.close)
 
     def close(self) -> None:
         """Checkpoint the head at clean shutdown, so a restart replays nothing."""
@@ -426,6 +459,21 @@ class Publisher:
                 await asyncio.wait_for(stop.wait(), interval)
             except TimeoutError:
                 pass
+
+
+def _split(t: PublishTimings) -> str:
+    return (
+        f"diff {t.diff_s:.2f}, encode {t.encode_s:.2f}, hash+sign {t.hash_sign_s:.2f}, "
+        f"store {t.store_s:.2f}, snapshot {t.snapshot_s:.2f}"
+    )
+
+
+def _sizes(built: list[Built]) -> str:
+    def one(m: Manifest) -> str:
+        since = "" if m.base_version is None else f" from v{m.base_version}"
+        return f"{m.kind}{since} {m.payload_size:,} B"
+
+    return ", ".join(one(m) for m, _, _ in built)
 
 
 async def watch(

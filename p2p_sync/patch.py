@@ -378,7 +378,8 @@ def invert(patch: Patch) -> Patch:
     return Patch(patch.layout, patch.target_hash, patch.base_hash, deltas)
 
 
-def _merge_tensor(spec: TensorSpec, parts: list[TensorDelta]) -> TensorDelta | None:
+def merge_tensor(spec: TensorSpec, parts: list[TensorDelta]) -> TensorDelta | None:
+    """One tensor's changes in ``parts`` (in order) as one delta; ``None`` if they cancel out."""
     if len(parts) == 1:
         return parts[0]
     if any(p.dense for p in parts):
@@ -415,7 +416,7 @@ def merge(patches: Sequence[Patch]) -> Patch:
     deltas = {}
     for spec in first.layout:
         parts = [p.deltas[spec.name] for p in patches if spec.name in p.deltas]
-        merged = _merge_tensor(spec, parts) if parts else None
+        merged = merge_tensor(spec, parts) if parts else None
         if merged is not None:
             deltas[spec.name] = merged
     return Patch(first.layout, first.base_hash, patches[-1].target_hash, deltas)

@@ -126,6 +126,6 @@ class MemorySwarm:
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.publisher is not None:
-            self.publisher.close()
+            await self.publisher.aclose()
         for node in reversed(self._nodes):
             await node.stop()

@@ -14,8 +14,10 @@ from node.config import NodeConfig
 from node.rollout import Follower
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
+from p2p_sync import codec
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.patch import apply
 from p2p_sync.peers import PeerLimits
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
@@ -79,7 +81,7 @@ async def _sync(
     finally:
         stop.set()
         await task
-        publisher.close()
+        await publisher.aclose()
         await rollout.stop()
         await trainer.stop()
     return {
@@ -220,6 +222,7 @@ async def _publish_files(tmp_path: Path, versions: list) -> tuple:
         trainer_mod.pread_into = real_read
     after_torn = bit_equal(publisher.prev, versions[0])  # rebuilt: nothing half-replaced
     manifests = [await publisher.publish_file(f) for f in files[1:]]
+    await publisher.spans_done()  # v2's catch-up from v0 follows its announcement
     return after_torn, manifests, publisher.prev, node.store
 
 
@@ -228,7 +231,16 @@ def test_watched_files_publish_streaming_and_a_torn_file_changes_nothing(
 ) -> None:
     after_torn, manifests, prev, store = asyncio.run(_publish_files(tmp_path, tiny_versions))
     assert after_torn and bit_equal(prev, tiny_versions[2])
-    assert [sorted(m.kind for m in ms) for ms in manifests] == [["patch"], ["patch", "patch"]]
-    assert [m.version for ms in manifests for m in ms] == [1, 2, 2]
+    assert [[(m.kind, m.version, m.base_version) for m in ms] for ms in manifests] == [
+        [("patch", 1, 0)],
+        [("patch", 2, 1)],
+    ]
+    span = [m for m in store.manifests() if (m.version, m.base_version) == (2, 0)]
+    assert len(span) == 1 and store.has_payload(span[0])
+    base = {k: v.clone() for k, v in tiny_versions[0].items()}
+    payload = store.payload(span[0])
+    assert payload is not None
+    apply(base, codec.decode(payload))
+    assert bit_equal(base, tiny_versions[2])
     restored = restore(Store.open(store.root))  # the published chain rebuilds the last file
     assert restored is not None and bit_equal(restored.weights, tiny_versions[2])

@@ -267,7 +267,7 @@ async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> di
     finally:
         stop.set()
         await task
-        publisher.close()
+        await publisher.aclose()
         await rollout.stop()
         await trainer.stop()
     return {"kinds": kinds, "weights": follower.weights, "stalled": follower.stalled}

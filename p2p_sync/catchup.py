@@ -1,0 +1,63 @@
+"""Merged catch-up patches built from encoded 1-step patches, one tensor at a time.
+
+A catch-up patch ``v - s -> v`` (``versions.PublishPolicy.catchup_spans``) lets a peer that
+fell ``s`` versions behind fetch one patch instead of ``s``. Merging decoded patches holds
+every step's positions and deltas at once, then the merge of them all: on a 0.95B model, a
+span of 4 steps at 3.3% density took 14.8 s and lifted the trainer's peak RSS from 1.7x to
+2.5x the model; a span of 16 would hold ~16 patches decoded. Here each tensor is merged on
+its own: its frame is decoded from every step, the parts are summed
+(:func:`p2p_sync.patch.merge_tensor`), and the result is coded as one frame before the next
+tensor is touched, so memory is one tensor's changes per worker plus the encoded frames. The
+file equals ``codec.encode(patch.merge([codec.decode(s) for s in steps]))`` byte for byte.
+
+Steps must be version-1 files (the trainer keeps its history so: exponent-class frames need
+a base the history does not have) and must chain: each one's base is the previous one's
+target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from p2p_sync import codec
+from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
+from p2p_sync.patch import merge_tensor
+from p2p_sync.tensors import TensorSpec
+from p2p_sync.threads import map_workers
+
+
+def merge_steps(
+    steps: Sequence[bytes], workers: int = 1, level: int = codec.DEFAULT_LEVEL
+) -> bytes:
+    """One patch file equal to applying ``steps`` (encoded patches) in order."""
+    if not steps:
+        raise ValueError("merge_steps needs at least one patch")
+    infos = [codec.read_header(s) for s in steps]
+    _check_chain(infos)
+    rows = [{r.spec.name: r for r in info.rows if r.coding != codec.UNCHANGED} for info in infos]
+    views = [memoryview(s) for s in steps]
+
+    def one(spec: TensorSpec) -> tuple[str, codec.Frame] | None:
+        parts = [
+            codec.decode_frame(row, view[row.offset : row.offset + row.size])
+            for view, by_name in zip(views, rows)
+            if (row := by_name.get(spec.name)) is not None
+        ]
+        merged = merge_tensor(spec, parts) if parts else None
+        return None if merged is None else (spec.name, codec.encode_frame(merged, level))
+
+    frames = dict(f for f in map_workers(one, list(infos[0].layout), workers) if f is not None)
+    return codec.assemble(infos[0].layout, infos[0].base_hash, infos[-1].target_hash, frames, level)
+
+
+def _check_chain(infos: Sequence[codec.PatchInfo]) -> None:
+    for prev, nxt in zip(infos, infos[1:]):
+        if nxt.fingerprint != infos[0].fingerprint:
+            raise LayoutMismatchError("patches to merge have different tensor layouts")
+        if prev.target_hash != nxt.base_hash:
+            raise ChainBrokenError(
+                f"patch with base {nxt.base_hash.hex()} does not follow "
+                f"one with target {prev.target_hash.hex()}"
+            )
+    if any(r.coding == codec.CLASSED for info in infos for r in info.rows):
+        raise MissingBaseError("catch-up merges take version-1 patches (no exponent classes)")
