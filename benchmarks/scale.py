@@ -45,7 +45,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.models import SIZES, Model  # noqa: E402
 from node.localswarm import Proc, Swarm, wait_for  # noqa: E402
 from p2p_sync.keys import SigningKey, write_keypair  # noqa: E402
+from p2p_sync.versions import PublishPolicy, to_publish  # noqa: E402
 from p2p_sync.weights_io import save_weights  # noqa: E402
+
+POLICY = PublishPolicy()  # the trainer's catch-up spans: the node's default
 
 
 def rss_peak_kb(pid: int) -> int:
@@ -120,7 +123,7 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
                 step=0.02,
             )
             ups = [(r.status() or {})["last_update"] for r in rollouts]
-            pub = (trainer.status() or {}).get("last_publish") or {}
+            pub = catchups_built(trainer, v)
             after = {p.name: written(p.popen.pid) for p in procs}
             row = Row(
                 v,
@@ -141,6 +144,24 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
     finally:
         swarm.stop()
     return {"rows": rows, "peaks": peaks, "params": params}
+
+
+def catchups_built(trainer: Proc, v: int) -> dict:
+    """The trainer's figures for ``v`` once the catch-up patches due then are built (they
+    follow the head's announcement; the next version's publish would wait for them)."""
+    due = any(k == "patch" and b is not None and b < v - 1 for k, b in to_publish(v, POLICY))
+
+    def figures() -> dict:
+        return (trainer.status() or {}).get("last_publish") or {}
+
+    if due:
+        wait_for(
+            lambda: figures().get("version") == v and figures().get("catchup_s", 0) > 0,
+            300,
+            f"v{v} catch-up",
+            step=0.05,
+        )
+    return figures()
 
 
 def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
@@ -245,6 +266,12 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
             f"bytes written per version per rollout: max {rw / 1e6:.0f} MB = export "
             f"{export / 1e6:.0f} MB + {(rw - export) / patch:.2f}x the patch"
         )
+    for r in res["rows"]:
+        if r.publish.get("catchup_s"):
+            console.print(
+                f"v{r.version}: catch-up patches built {r.publish['catchup_s']:.2f} s after the "
+                f"head's announcement, {r.publish['catchup_bytes'] / 1e6:.1f} MB"
+            )
     for name, peak in res["peaks"].items():
         console.print(f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
