@@ -39,7 +39,7 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.peers import PeerDirectory, PeerEntry, Source
 from p2p_sync.reachability import Verdict
-from p2p_sync.store import Store
+from p2p_sync.store import AcceptedState, Store
 from p2p_sync.transport.dataplane import PeerClient
 from p2p_sync.transport.reverse import ReverseLinks
 from p2p_sync.transport.streams import RoutedClient, peer_url
@@ -96,6 +96,10 @@ class Node:
         self.multiaddr: str | None = None
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
+        # What /status reports as the node's version: the store's head, or for a rollout the
+        # last version handed off (logged *and* exported: the log comes first, rollout.py)
+        self.reports_hand_off = False
+        self.handed_off: AcceptedState | None = None
         self.learner = Learner(self)
         self.reach = ReachabilityCheck(self)
         self.view = self.view_class(self)
@@ -230,7 +234,7 @@ class Node:
             log.info("evicted %d old artifacts to stay within the store budget", len(dropped))
 
     def status(self) -> dict[str, Any]:
-        state = self.store.state
+        state = self.handed_off if self.reports_hand_off else self.store.state
         p2p = self.p2p.status() if self.p2p is not None else None
         latency = self.learner.announce_latency_ms
         return {

@@ -106,6 +106,23 @@ def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> N
     ]
 
 
+def test_status_reports_a_version_only_once_it_is_exported(
+    tmp_path: Path, tiny_versions: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log record comes before the export (its fsync would wait behind the export's
+    writeback), but ``/status`` must not say ``v`` while the export still holds ``v - 1``."""
+    real, seen = Follower._export, []
+
+    async def spy(self: Follower, version: int, state: str) -> None:
+        seen.append((self.node.status()["version"], self.node.store.state.version, version))
+        await real(self, version, state)
+
+    monkeypatch.setattr(Follower, "_export", spy)
+    asyncio.run(_sync(tmp_path, tiny_versions[:3]))
+    assert [(logged, v) for _, logged, v in seen] == [(0, 0), (1, 1), (2, 2)]
+    assert [reported for reported, _, _ in seen] == [None, 0, 1]
+
+
 def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
     tmp_path: Path, tiny_versions: list
 ) -> None:
