@@ -26,7 +26,6 @@ the buffers sit in a hidden subdirectory, out of that glob.
 
 from __future__ import annotations
 
-import fcntl
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +33,11 @@ from pathlib import Path
 import torch
 
 from p2p_sync.weights_io import save_weights, write_to
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no leases, every version is a fresh file
+    fcntl = None  # type: ignore[assignment]
 
 LINK = "model.safetensors"
 BUFFERS = (".p2psync/a.safetensors", ".p2psync/b.safetensors")
@@ -63,7 +67,7 @@ def unused(path: Path) -> bool:
     """Whether no process (this one included) has ``path`` open or mapped. A write lease is
     granted only on a file nobody else holds; it is released at once (held, it would make
     other processes' ``open`` wait for us and signal us)."""
-    if not hasattr(fcntl, "F_SETLEASE"):
+    if fcntl is None or not hasattr(fcntl, "F_SETLEASE"):
         return False
     try:
         fd = os.open(path, os.O_RDWR)
