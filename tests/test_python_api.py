@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from node.config import NodeConfig
 from node.rollout import Follower
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode
 from p2p_sync import codec
+from p2p_sync.export import write_export
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.patch import apply
@@ -121,6 +123,35 @@ def test_status_reports_a_version_only_once_it_is_exported(
     asyncio.run(_sync(tmp_path, tiny_versions[:3]))
     assert [(logged, v) for _, logged, v in seen] == [(0, 0), (1, 1), (2, 2)]
     assert [reported for reported, _, _ in seen] == [None, 0, 1]
+
+
+def test_an_export_behind_the_log_is_rewritten_at_start(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    """A crash after the log record and before the export (the rollout logs first): the
+    restarted node finds ``version.json`` behind its state, exports that state again, and
+    reports the version only then."""
+    versions = tiny_versions[:3]
+    asyncio.run(_sync(tmp_path, versions))
+    export = tmp_path / "export"
+    write_export(export, versions[1])
+    stale = {"version": 1, "state_hash": state_hash(versions[1]).hex()}
+    (export / "version.json").write_text(json.dumps(stale))
+
+    async def restart() -> tuple:
+        key = SigningKey.generate()
+        rcfg = rollout_config(tmp_path, key, "http://127.0.0.1:9")
+        node = Node(rcfg, SwarmPolicy("api", (key.public,)), Store.open(rcfg.data_dir))
+        follower = Follower(node, export=export)
+        before = node.handed_off
+        await follower._export_if_stale()
+        return before, node.handed_off
+
+    before, after = asyncio.run(restart())
+    assert before is None and after is not None and after.version == 2
+    head = {"version": 2, "state_hash": state_hash(versions[2]).hex()}
+    assert json.loads((export / "version.json").read_text()) == head
+    assert bit_equal(load_file(export / "model.safetensors"), versions[2])
 
 
 def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(

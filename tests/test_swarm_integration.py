@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 from node.localswarm import ROOT, Swarm, get_json, wait_for
-from p2p_sync.export import write_export
 from p2p_sync.statehash import state_hash
 from p2p_sync.workloads import Workload
 from tests.helpers import bit_equal
@@ -72,25 +70,6 @@ def test_killed_rollout_resumes_from_its_store(swarm: Swarm, versions) -> None:
     snapshot_size = len(Path(swarm.watch / "v0000.safetensors").read_bytes())
     assert down < snapshot_size / 2  # only the new patch, not the weights again
     assert bit_equal(load_file(r0b.export / "model.safetensors"), versions[3])
-
-
-def test_an_export_behind_the_log_is_rewritten_at_start(swarm: Swarm, versions) -> None:
-    """A crash after the log record and before the export (the node logs first): the restarted
-    node finds ``version.json`` behind its state and exports that state again."""
-    trainer = swarm.start_trainer()
-    r0 = swarm.start_rollout("r0", [trainer.url])
-    for v in range(3):
-        swarm.publish(versions[v])
-    swarm.wait_version([r0], 2)
-    swarm.kill(r0)
-    assert r0.export is not None
-    write_export(r0.export, versions[1])
-    stale = {"version": 1, "state_hash": state_hash(versions[1]).hex()}
-    (r0.export / "version.json").write_text(json.dumps(stale))
-    swarm.start_rollout("r0", [trainer.url], data_dir=r0.data_dir)
-    doc = {"version": 2, "state_hash": state_hash(versions[2]).hex()}
-    wait_for(lambda: json.loads((r0.export / "version.json").read_text()) == doc, 60, "export")
-    assert bit_equal(load_file(r0.export / "model.safetensors"), versions[2])
 
 
 def test_peer_serving_corrupt_chunks_is_banned_and_honest_rollouts_converge(
