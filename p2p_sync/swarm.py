@@ -255,6 +255,9 @@ class Scheduler:
         self.holders: dict[int, set[str]] = {i: set() for i in self.missing}
         self.peer_chunks: dict[str, set[int]] = {}
         self.inflight: dict[int, dict[str, float]] = {}
+        self._starts: dict[tuple[int, str], float] = {}  # the same requests, oldest first
+        self._last_start = -math.inf
+        self._unordered = False  # a request started before an older one: times went back
         self.peer_inflight: dict[str, set[int]] = {}
         self.banned: set[str] = set()
         self.stats: dict[str, PeerStats] = {}
@@ -289,14 +292,7 @@ class Scheduler:
         the end of a busy peer's back-off, or a stall deadline (``None``: only news helps)."""
         times = [t for t in self.busy_until.values() if t > now]
         if self.inflight:
-            soft = self._timeout_limit()
-            times.append(
-                min(
-                    started + self._patience(peer, i, soft)
-                    for i, peers in self.inflight.items()
-                    for peer, started in peers.items()
-                )
-            )
+            times.append(self._first_timeout())
         if self._orphans and not self._stall_reported:
             stuck = now if self._stuck_since is None else self._stuck_since
             times.append(stuck + self.config.stall_timeout_s)
@@ -375,6 +371,7 @@ class Scheduler:
         started = self.inflight.get(index, {}).pop(peer, None)
         if started is None:
             return None
+        del self._starts[(index, peer)]
         if not self.inflight[index]:
             del self.inflight[index]
         self.peer_inflight[peer].discard(index)
@@ -438,6 +435,23 @@ class Scheduler:
         typical = c.timeout_factor * self._chunk_time
         return min(c.request_timeout_s, max(c.min_request_timeout_s, typical))
 
+    def _first_timeout(self) -> float:
+        """The earliest ``started + _patience`` over the requests in flight (``_timeouts``
+        fires on that sum), without summing every request after every event: requests are
+        kept oldest first, and the hard limit is never below the soft one, so the oldest
+        request on a chunk someone else holds ends the search."""
+        soft = self._timeout_limit()
+        hard = max(soft, self.config.request_timeout_s)
+        if self._unordered:
+            return min(s + self._patience(p, i, soft) for (i, p), s in self._starts.items())
+        holders, oldest_hard = self.holders, math.inf
+        for (i, peer), started in self._starts.items():
+            h = holders.get(i, ())
+            if len(h) > (peer in h):
+                return min(started + soft, oldest_hard + hard)
+            oldest_hard = min(oldest_hard, started)
+        return oldest_hard + hard
+
     def _patience(self, peer: str, index: int, soft: float) -> float:
         """How long the request for ``index`` at ``peer`` may run: ``soft`` (the adaptive
         limit) if another peer holds the chunk, else the hard ``request_timeout_s``."""
@@ -495,14 +509,18 @@ class Scheduler:
 
     def _free_peers(self, now: float) -> set[str]:
         busy = self.busy_until
-        return {
+        return {  # the cheap tests first: _free weighs the peer's bandwidth-delay product
             p
             for p, chunks in self.peer_chunks.items()
-            if chunks and self._free(p) and busy.get(p, 0.0) <= now and p not in self.banned
+            if chunks and busy.get(p, 0.0) <= now and p not in self.banned and self._free(p)
         }
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
         self.inflight.setdefault(index, {})[peer] = now
+        self._starts.pop((index, peer), None)
+        self._starts[(index, peer)] = now
+        self._unordered |= now < self._last_start
+        self._last_start = now
         self.peer_inflight.setdefault(peer, set()).add(index)
         self._n_inflight += 1
         return RequestChunk(peer, index)

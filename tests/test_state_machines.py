@@ -186,6 +186,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.requests_in_flight() == len(self.pending) <= c.max_requests_total
         assert not any(p in self.banned for p, _ in self.pending)
 
+    @invariant()
+    def the_first_timeout_is_the_earliest_request_deadline(self) -> None:
+        """``next_timer`` finds the earliest ``started + patience`` without summing every
+        request: it must equal the sum taken over all of them."""
+        if not hasattr(self, "sched") or not self.sched.inflight:
+            return
+        s = self.sched
+        soft = s._timeout_limit()
+        brute = min(
+            started + s._patience(peer, i, soft)
+            for i, peers in s.inflight.items()
+            for peer, started in peers.items()
+        )
+        assert s._first_timeout() == brute
+
     def teardown(self) -> None:
         """Liveness: the network now behaves (honest peers re-send their have-maps, as the
         node's have-map followers do, and everything asked for arrives): it must finish."""
