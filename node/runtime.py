@@ -69,6 +69,10 @@ class Node:
     """Shared machinery of trainer and rollout nodes."""
 
     view_class: type[DataView] = DataView  # the trainer's super-seeds
+    # What /status reports as the node's version: the store's head, or for a rollout the last
+    # version handed off (logged *and* exported: the log comes first, rollout.py)
+    reports_hand_off: bool = False
+    handed_off: AcceptedState | None = None
 
     def __init__(
         self,
@@ -96,10 +100,6 @@ class Node:
         self.multiaddr: str | None = None
         self.last_publish: dict[str, Any] | None = None  # trainer: timings of the last version
         self.last_update: dict[str, Any] | None = None  # rollout: timings of the last hand-off
-        # What /status reports as the node's version: the store's head, or for a rollout the
-        # last version handed off (logged *and* exported: the log comes first, rollout.py)
-        self.reports_hand_off = False
-        self.handed_off: AcceptedState | None = None
         self.learner = Learner(self)
         self.reach = ReachabilityCheck(self)
         self.view = self.view_class(self)
