@@ -285,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1b", choices=sorted(SIZES))
     parser.add_argument("--rollouts", type=int, default=2)
-    parser.add_argument("--versions", type=int, default=4)
+    parser.add_argument(
+        "--versions", type=int, default=5, help="5 (v0-v4) reaches the first catch-up patch"
+    )
     parser.add_argument("--lr", type=float, default=2e-6)
     parser.add_argument("--device", default="cpu", help="where rollouts keep weights")
     parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2])
