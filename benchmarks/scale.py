@@ -156,7 +156,7 @@ def catchups_built(trainer: Proc, v: int) -> dict:
 
     if due:
         wait_for(
-            lambda: figures().get("version") == v and figures().get("catchup_s", 0) > 0,
+            lambda: (f := figures()).get("version") == v and f.get("catchup_s", 0) > 0,
             300,
             f"v{v} catch-up",
             step=0.05,

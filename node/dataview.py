@@ -114,12 +114,7 @@ class SeedingView(DataView):
 
     def __init__(self, node: Node) -> None:
         super().__init__(node)
-        publish = node.cfg.publish
-        self.seeder = SuperSeeder(
-            publish.seed_outstanding,
-            publish.reseed_after_s,
-            quiet_factor=publish.seed_quiet_factor,
-        )
+        self.seeder = SuperSeeder.of(node.cfg.publish)
         self._asked: dict[str, float] = {}  # requester -> when it last asked for a have-map
 
     def followers(self) -> set[str]:

@@ -307,21 +307,23 @@ class Publisher:
         peers that fell behind need them, and merging 4-16 steps costs seconds."""
         t0 = time.perf_counter()
         built = await asyncio.to_thread(self._build_spans, version, target, layout, jobs)
-        store = self.node.store
-
-        def put() -> None:
-            for m, signed, payload in built:
-                store.put_payload(m, payload)
-                store.put_manifest(m, signed)
-
-        await asyncio.to_thread(put)
+        await asyncio.to_thread(self._put, built)
         await self.node.learner.announce([m.digest for m, _, _ in built])
         self.node.learner.new_info.set()
-        t = self.timings
+        t = self.timings  # still this version's: the next publish waits for this task
         t.catchup_s, t.catchup_bytes = time.perf_counter() - t0, sum(len(p) for *_, p in built)
-        if t.version == version:
-            self.node.last_publish = dataclasses.asdict(t)
+        self.node.last_publish = dataclasses.asdict(t)
         log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, _sizes(built))
+
+    def _put(self, built: list[Built]) -> None:
+        """Store each artifact's payload (bytes, or a pack file moved in) and its manifest."""
+        store = self.node.store
+        for m, signed, payload in built:
+            if isinstance(payload, Path):
+                store.put_pack_file(m, payload)
+            else:
+                store.put_payload(m, payload)  # hashed moments ago for the manifest
+            store.put_manifest(m, signed)
 
     async def spans_done(self) -> None:
         """Wait for the last version's catch-up patches (a failure is logged: the head it
@@ -345,12 +347,7 @@ class Publisher:
     ) -> None:
         t0 = time.perf_counter()
         store = self.node.store
-        for m, signed, payload in built:
-            if isinstance(payload, Path):
-                store.put_pack_file(m, payload)
-            else:
-                store.put_payload(m, payload)  # hashed moments ago for the manifest
-            store.put_manifest(m, signed)
+        self._put(built)
         record = built[0][0]  # the anchor when there is one: a replay base, not a patch
         store.record(version, target, record.digest)
         self._advance(new, step, target, owned)

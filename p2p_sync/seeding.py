@@ -39,12 +39,24 @@ import collections
 import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from p2p_sync.bounded import remember
 
 MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
 GAPS = 64  # recent idle gaps the quiet threshold follows
 MIN_GAPS = 8  # gaps seen before the threshold is trusted (``reseed_after_s`` until then)
+
+
+class SeedSettings(Protocol):
+    """The seeding fields of ``[publish]`` (read only: both holders are frozen dataclasses)."""
+
+    @property
+    def seed_outstanding(self) -> int: ...
+    @property
+    def reseed_after_s(self) -> float: ...
+    @property
+    def seed_quiet_factor(self) -> float: ...
 
 
 @dataclass
@@ -63,6 +75,16 @@ class SuperSeeder:
     idle_since: dict[Hashable, float] = field(default_factory=dict)  # their last one ended
     gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS))
     quiet_after_s: float | None = None  # from ``gaps``; None before ``MIN_GAPS`` were seen
+
+    @classmethod
+    def of(cls, settings: SeedSettings) -> SuperSeeder:
+        """From the ``[publish]`` seeding fields (``versions.PublishPolicy``, or a simulated
+        ``Scenario``): the node and the simulator build the same seeder."""
+        return cls(
+            settings.seed_outstanding,
+            settings.reseed_after_s,
+            quiet_factor=settings.seed_quiet_factor,
+        )
 
     def contact(self, requester: Hashable, pending: bool, now: float) -> None:
         """The seed's upload slots changed for ``requester``: it has chunk requests in progress

@@ -164,11 +164,7 @@ class SwarmSim:
         )
         self._wire_overlay()
         self.depth = self._depths()
-        self.seeder = SuperSeeder(
-            scenario.seed_outstanding,
-            scenario.reseed_after_s,
-            quiet_factor=scenario.seed_quiet_factor,
-        )
+        self.seeder = SuperSeeder.of(scenario)
         self.artifacts: list[Artifact] = []
         self.pending_have: dict[tuple[int, int], set[int]] = {}
         self.served: dict[tuple[int, int], int] = {}  # (uploader, requester): chunks started
