@@ -47,7 +47,7 @@ from p2p_sync.tensors import (
     layout_of,
     layout_of_specs,
 )
-from p2p_sync.threads import map_workers
+from p2p_sync.threads import background_pool, map_workers
 from p2p_sync.versions import PublishPolicy, to_publish
 from p2p_sync.weights_io import load_weights, pread_into, read_index, save_weights, write_to
 
@@ -306,7 +306,11 @@ class Publisher:
         """Build, store and announce the catch-up spans of ``version``, after its head: only
         peers that fell behind need them, and merging 4-16 steps costs seconds."""
         t0 = time.perf_counter()
-        built = await asyncio.to_thread(self._build_spans, version, target, layout, jobs)
+        with background_pool() as pool:  # the head's delivery and the next step go first
+            loop = asyncio.get_running_loop()
+            built = await loop.run_in_executor(
+                pool, self._build_spans, version, target, layout, jobs
+            )
         await asyncio.to_thread(self._put, built)
         await self.node.learner.announce([m.digest for m, _, _ in built])
         self.node.learner.new_info.set()

@@ -38,7 +38,10 @@ files, manifests that do not parse or match their name, packs no manifest names,
 files the checkpoint does not name; it re-hashes every pack slot. The checkpoint's weights
 are verified when loaded (against the signed state hash), not on open: opening stays O(1) in
 the model size. Recently stored or served chunks are kept, verified, in a bounded in-memory
-LRU (``memory_cache_bytes``), so relaying costs no disk read.
+LRU (``memory_cache_bytes``), so relaying costs no disk read. A node's own payloads of its
+newest version (``put_payload``: the trainer's head patch and catch-up spans) are served from
+the very bytes it built, whatever their size: every peer fetches them first, and an LRU a little
+smaller than the head patch misses on every chunk (each miss evicts a chunk not yet served).
 
 The store trusts its caller to have verified manifests (``trusted.TrustedSet``) and chunks
 (``chunks.verify_chunk``) before putting them; it re-parses manifests on open, and its owner
@@ -155,6 +158,7 @@ class Store:
         self._valid: dict[str, set[int]] = {}  # manifest digest -> slots verified in its pack
         self._hot: collections.OrderedDict[str, bytes] = collections.OrderedDict()  # LRU
         self._hot_bytes = 0
+        self._own: dict[str, tuple[Manifest, bytes]] = {}  # own payloads, newest version only
         self.checkpoint: Checkpoint | None = None
         self.log: list[AcceptedState] = []  # records past the checkpoint, oldest first
         self.dropped: list[str] = []  # what the last self-check removed, for logs and tests
@@ -290,12 +294,25 @@ class Store:
                 f"payload is {len(payload)} bytes, manifest says {manifest.payload_size}"
             )
         self._write_slot(manifest, 0, payload)  # a pack nobody names yet: no lock needed
-        view = memoryview(payload)
         with self._lock:
             self._valid[manifest.digest] = set(range(len(manifest.chunks)))
             self._index(manifest)
-            for i, c in enumerate(manifest.chunks):  # the seed serves these next: keep them hot
-                self._remember(c, bytes(view[self._slot(manifest, i)]))
+            self._keep_own(manifest, bytes(payload))  # no copy of ``bytes``; served next
+
+    def _keep_own(self, manifest: Manifest, payload: bytes) -> None:
+        """Serve ``payload`` from memory until a newer version's own payload arrives (the
+        caller, who built it, usually holds it anyway: no copy is made)."""
+        for digest, (m, _) in list(self._own.items()):
+            if m.version < manifest.version:
+                del self._own[digest]
+        self._own[manifest.digest] = (manifest, payload)
+
+    def _own_chunk(self, digest: str) -> bytes | None:
+        for mdigest, index in self._where.get(digest, ()):
+            own = self._own.get(mdigest)
+            if own is not None and index in self._valid.get(mdigest, ()):
+                return own[1][self._slot(own[0], index)]
+        return None
 
     def put_pack_file(self, manifest: Manifest, path: Path) -> None:
         """Adopt a payload file written (and hashed, for ``manifest``) by this node as its pack,
@@ -362,6 +379,9 @@ class Store:
         if hot is not None:
             self._hot.move_to_end(digest)
             return hot
+        own = self._own_chunk(digest)
+        if own is not None:
+            return own
         data = self._peek(digest)
         if data is not None:
             self._remember(digest, data)
@@ -467,6 +487,9 @@ class Store:
         call from a worker thread (it reads the in-memory cache but does not reorder it)."""
         with self._lock:
             complete = len(self._valid.get(manifest.digest, ())) == len(manifest.chunks)
+            own = self._own.get(manifest.digest) if complete else None
+            if own is not None:
+                return memoryview(own[1])
             view = self._map_pack(manifest) if complete else None
         if view is not None and self._all_slots_match(manifest, view):  # hashing: no lock
             return view
@@ -686,6 +709,7 @@ class Store:
     def _forget_pack(self, mdigest: str) -> None:
         entry = self._manifests.get(mdigest)
         self._valid.pop(mdigest, None)
+        self._own.pop(mdigest, None)
         if entry is not None:
             for c in entry[0].chunks:
                 if not self.has_chunk(c):

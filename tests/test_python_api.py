@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from p2p_sync.peers import PeerLimits
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store, StoreLimits
+from p2p_sync.threads import BACKGROUND_NICE
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal, rollout_config, trainer_config
 
@@ -269,8 +272,19 @@ async def _publish_files(tmp_path: Path, versions: list) -> tuple:
     finally:
         trainer_mod.pread_into = real_read
     after_torn = bit_equal(publisher.prev, versions[0])  # rebuilt: nothing half-replaced
-    manifests = [await publisher.publish_file(f) for f in files[1:]]
-    await publisher.spans_done()  # v2's catch-up from v0 follows its announcement
+    real_merge, nice = trainer_mod.merge_steps, []
+
+    def spy_merge(*args, **kwargs) -> bytes:  # the catch-up runs below the head's priority
+        nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_merge(*args, **kwargs)
+
+    trainer_mod.merge_steps = spy_merge
+    try:
+        manifests = [await publisher.publish_file(f) for f in files[1:]]
+        await publisher.spans_done()  # v2's catch-up from v0 follows its announcement
+    finally:
+        trainer_mod.merge_steps = real_merge
+    assert nice == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)]
     return after_torn, manifests, publisher.prev, node.store
 
 

@@ -126,11 +126,44 @@ def test_a_chunk_corrupted_while_running_is_never_served(tmp_path: Path) -> None
     rot(cached, m, 0)
     assert cached.get_chunk(m.chunks[0]) == payload[: m.chunk_size]
     uncached = Store.open(tmp_path / "b", StoreLimits(memory_cache_bytes=0))  # read from disk
-    m, payload = put_version(uncached, 0)
+    m, payload = relay_version(uncached, 0)
     rot(uncached, m, 0)
     assert uncached.get_chunk(m.chunks[0]) is None and not uncached.has_chunk(m.chunks[0])
     assert uncached.get_chunk(m.chunks[1]) == payload[m.chunk_size : 2 * m.chunk_size]
     assert uncached.payload(m) is None
+
+
+def relay_version(store: Store, version: int, size: int = 40_000):
+    """Store an artifact as a relay does: the manifest, then each chunk as it arrives."""
+    payload = random.Random(version).randbytes(size)
+    m = store_writer.manifest(KEY, SWARM, version, payload)
+    store.put_manifest(m, sign(m, [KEY]))
+    for i, c in enumerate(m.chunks):
+        store.put_chunk(payload[i * m.chunk_size : (i + 1) * m.chunk_size], c)
+    return m, payload
+
+
+def test_own_payloads_of_the_newest_version_are_served_from_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer's head patch is what every peer fetches first: served from the bytes it
+    built even when it is larger than the chunk cache, where an LRU would miss on every chunk
+    (each miss evicting a chunk not served yet)."""
+    reads: list[int] = []
+    read_slot = Store._read_slot
+    monkeypatch.setattr(Store, "_read_slot", lambda s, *a: reads.append(1) or read_slot(s, *a))
+    store = Store.open(tmp_path, StoreLimits(memory_cache_bytes=64 * 1024))
+    m0, p0 = put_version(store, 1, size=400_000)  # 25 chunks, four fit the cache
+    order = list(range(len(m0.chunks))) * 2
+    random.Random(0).shuffle(order)
+    for i in order:
+        assert store.get_chunk(m0.chunks[i]) == p0[i * m0.chunk_size : (i + 1) * m0.chunk_size]
+    assert reads == [] and bytes(store.payload(m0) or b"") == p0
+    m1, p1 = put_version(store, 2, size=400_000)  # a newer version: the old one goes to disk
+    assert store.get_chunk(m0.chunks[3]) == p0[3 * m0.chunk_size : 4 * m0.chunk_size]
+    assert reads == [1]
+    assert store.get_chunk(m1.chunks[3]) == p1[3 * m1.chunk_size : 4 * m1.chunk_size]
+    assert reads == [1]
 
 
 def test_store_refuses_to_go_back_a_version(tmp_path: Path) -> None:
