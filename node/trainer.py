@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from node.dataview import SeedingView
@@ -35,9 +34,17 @@ from p2p_sync.catchup import merge_steps
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
-from p2p_sync.patch import Patch, add_all, check_layout, diff, diff_tensor
+from p2p_sync.patch import (
+    DiffScratch,
+    Patch,
+    add_all,
+    aliases,
+    check_layout,
+    diff,
+    diff_tracked,
+)
 from p2p_sync.restore import restore
-from p2p_sync.statehash import StateDigest, update
+from p2p_sync.statehash import StateDigest
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -118,6 +125,7 @@ class Publisher:
             maxlen=max(self.policy.catchup_spans, default=0)
         )
         self._spans: asyncio.Task[None] | None = None  # catch-ups of the last version
+        self._moved = False  # ``prev`` moved in place ahead of the store (a build in progress)
         self._rebuild_prev()
 
     @property
@@ -153,8 +161,10 @@ class Publisher:
         self.timings.hash_sign_s += time.perf_counter() - t0
         return m, sign(m, [self.key]), Path(name)
 
-    def _build(self, new: TensorSet) -> tuple[int, str, Patch | None, list[Built]]:
-        """CPU-heavy part (diff, encode, hash, sign) for tensors in memory, in a worker thread."""
+    def _build(self, new: TensorSet, owned: bool) -> tuple[int, str, Patch | None, list[Built]]:
+        """CPU-heavy part (diff, encode, hash, sign) for tensors in memory, in a worker thread.
+        In format 1 the diff also moves ``prev`` to ``new`` in its pass (format 2 codes against
+        ``prev``'s old bits, so it moves after; tensors handed over replace ``prev``)."""
         version = self.next_version
         t = self.timings = PublishTimings(version)
         t0 = time.perf_counter()
@@ -164,7 +174,8 @@ class Publisher:
             t.diff_s = time.perf_counter() - t0
             built = self._artifacts(version, target, layout_of(new), new, None)
             return version, target, None, built
-        step = diff(self.prev, new, digest=self.digest, workers=WORKERS)
+        self._moved = self.policy.patch_format == 1 and not owned
+        step = diff(self.prev, new, digest=self.digest, workers=WORKERS, advance=self._moved)
         self._target_digest = step.target_digest
         t1 = time.perf_counter()
         base = self.prev if self.policy.patch_format == 2 else None
@@ -190,11 +201,8 @@ class Publisher:
             layout = layout_of_specs([(n, dt, shape) for n, dt, shape, _, _ in entries])
             check_layout(layout_of(self.prev), layout, f"{path}")
             digest = self.digest.copy()
-            try:
-                frames, history = self._stream_frames(f.fileno(), entries, start, path, digest)
-            except BaseException:
-                self._rebuild_prev()
-                raise
+            self._moved = True
+            frames, history = self._stream_frames(f.fileno(), entries, start, path, digest)
         t1 = time.perf_counter()
         self._target_digest, target_hash = digest, digest.hash()
         payload = codec.assemble(layout, self.prev_hash, target_hash, frames)
@@ -208,18 +216,21 @@ class Publisher:
         self, fd: int, entries: list, start: int, path: Path, digest: StateDigest
     ) -> tuple[dict, dict]:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
-        to the file's version tensor by tensor (the digest by the words that changed)."""
+        to the file's version tensor by tensor, in place (the digest by the words that
+        changed). Each tensor is read into a buffer its worker thread reuses: a fresh tensor
+        per read would page-fault the whole model in again every version."""
         assert self.prev is not None
-        local = threading.local()
+        local, scratch = threading.local(), DiffScratch()
         biggest = max((e[4] - e[3] for e in entries), default=0)
 
         def one(entry: tuple) -> tuple[str, tuple | None, tuple | None]:
-            name, dtype, shape, begin, _end = entry
-            new = torch.empty(shape, dtype=dtype)
+            name, dtype, shape, begin, end = entry
+            if not hasattr(local, "buffer"):
+                local.buffer = torch.empty(biggest, dtype=torch.uint8)
+            new = local.buffer[: end - begin].view(dtype).view(shape)
             pread_into(fd, new, start + begin, path, name)
-            if not hasattr(local, "scratch"):
-                local.scratch = np.empty(biggest, dtype=bool)
-            return name, *self._frame_of(TensorSpec(name, shape, dtype), new, digest, local.scratch)
+            spec = TensorSpec(name, shape, dtype)
+            return name, *self._frame_of(spec, new, digest, scratch)
 
         done = map_workers(one, entries, WORKERS)
         frames = {name: f for name, f, _ in done if f is not None}
@@ -227,27 +238,29 @@ class Publisher:
         return frames, history
 
     def _frame_of(
-        self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: np.ndarray
+        self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: DiffScratch
     ) -> tuple[tuple | None, tuple | None]:
-        """One tensor's frame and history frame (None, None if unchanged); ``prev`` and the
-        digest move to ``new``, and the old tensor goes now, not after the whole file."""
+        """One tensor's frame and history frame (None, None if unchanged); ``prev``'s tensor
+        and the digest move to ``new`` in place. Format 1 moves it in the diff's own pass;
+        format 2 codes against the old bits first, then copies."""
         assert self.prev is not None
         old = self.prev[spec.name]
-        delta = diff_tensor(spec, old, new, scratch)
-        frame = hist = None
-        if delta is not None:
-            update(digest, spec, old, new, delta.positions)
-            fmt2 = self.policy.patch_format == 2
-            bits = flat_bits(old).numpy() if fmt2 else None
-            frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
-            hist = codec.encode_frame(delta, codec.DEFAULT_LEVEL) if fmt2 else frame
-        self.prev[spec.name] = new
-        return frame, hist
+        fmt2 = self.policy.patch_format == 2
+        delta = diff_tracked(spec, old, new, digest, scratch, advance=not fmt2)
+        if delta is None:
+            return None, None
+        bits = flat_bits(old).numpy() if fmt2 else None
+        frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
+        if not fmt2:
+            return frame, frame
+        old.copy_(new)
+        return frame, codec.encode_frame(delta, codec.DEFAULT_LEVEL)
 
     def _rebuild_prev(self) -> None:
-        """``prev`` from the store: checkpoint + logged patches (at start, or after a file
-        failed part-way through a streamed publish)."""
+        """``prev`` from the store: checkpoint + logged patches (at start, or after a publish
+        failed with ``prev`` moved part-way)."""
         restored = restore(self.node.store, workers=WORKERS)
+        self._moved = False
         self.prev = restored.weights if restored is not None else None
         self.prev_hash = bytes.fromhex(restored.state.state_hash) if restored else None
         self.digest = restored.digest if restored is not None else None
@@ -363,21 +376,22 @@ class Publisher:
     def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
         """Bring ``prev`` to the new version: apply the step in place (O(patch)), or take the
         caller's tensors when they are handed over (``owned``), or copy them once (v0)."""
-        if self.prev is not None and step is not None and not owned:
+        if self.prev is not None and step is not None and not owned and not self._moved:
             add_all(self.prev, step)  # its sums are the diff's target digest, adopted below
         elif owned:
-            self.prev = dict(new)
-        else:
+            self.prev = _untied(new)
+        elif not self._moved:
             self.prev = {k: v.detach().clone() for k, v in new.items()}
         self.prev_hash = bytes.fromhex(target)
         self.digest, self._target_digest = self._target_digest, None
+        self._moved = False
 
     async def publish(self, state_dict: TensorSet, owned: bool = False) -> list[Manifest]:
         """Publish ``state_dict`` as the next version; returns its manifests. The tensors are
         only read; pass ``owned=True`` when the caller hands them over for good, so no copy is
         kept."""
         new = {k: v.detach() for k, v in state_dict.items()}
-        return await self._publish(lambda: self._build(new), new, owned)
+        return await self._publish(lambda: self._build(new, owned), new, owned)
 
     async def publish_file(self, path: Path) -> list[Manifest]:
         """Publish a safetensors file (``--watch``): streamed tensor by tensor into ``prev``
@@ -397,10 +411,15 @@ class Publisher:
     ) -> list[Manifest]:
         await self.spans_done()  # the last version's: one writer of the store at a time
         t0 = time.perf_counter()
-        version, target, step, built = await asyncio.to_thread(build)
-        new = new if new is not None else self.prev
-        assert new is not None
-        await asyncio.to_thread(self._store, version, target, new, step, built, owned)
+        try:
+            version, target, step, built = await asyncio.to_thread(build)
+            new = new if new is not None else self.prev
+            assert new is not None
+            await asyncio.to_thread(self._store, version, target, new, step, built, owned)
+        except Exception:
+            if self._moved:  # ``prev`` moved part or all of the way: back to the store's head
+                await asyncio.to_thread(self._rebuild_prev)
+            raise
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
         self.node.metrics.version.set(version)
         manifests = [m for m, _, _ in built]
@@ -460,6 +479,13 @@ class Publisher:
                 await asyncio.wait_for(stop.wait(), interval)
             except TimeoutError:
                 pass
+
+
+def _untied(weights: TensorSet) -> dict[str, torch.Tensor]:
+    """``weights`` with every name in its own memory (tied tensors cloned apart): ``prev`` is
+    moved in place name by name, and a second name on the same memory would see no change."""
+    tied = aliases(weights, sorted(weights))
+    return {k: v.clone() if k in tied else v for k, v in weights.items()}
 
 
 def _split(t: PublishTimings) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +28,16 @@ from p2p_sync.errors import (
     MalformedPatchError,
     TargetMismatchError,
 )
-from p2p_sync.statehash import StateDigest, track, update
+from p2p_sync.statehash import (
+    StateDigest,
+    Sums,
+    add,
+    position_sums,
+    scan_diff,
+    tensor_sums,
+    track,
+    update,
+)
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -43,6 +52,8 @@ from p2p_sync.threads import map_workers
 # A tensor whose changed fraction exceeds this is held dense in memory: a sparse entry costs
 # 8 bytes of position plus the delta, a dense one just the delta.
 DENSE_IN_MEMORY_FRACTION = 0.25
+# Changed elements the host diff kernel lists per call, into a worker's reused buffers (~10 MB).
+SCAN_ENTRIES = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,41 +233,150 @@ def diff_tensor(
 
 
 def diff(
-    base: TensorSet, new: TensorSet, digest: StateDigest | None = None, workers: int = 1
+    base: TensorSet,
+    new: TensorSet,
+    digest: StateDigest | None = None,
+    workers: int = 1,
+    advance: bool = False,
 ) -> Patch:
     """The patch that turns ``base`` into ``new`` (equal layouts required). ``digest``, the
     caller's record of ``base``'s sums, makes the state hashes O(patch): the target's comes from
     the words that changed, not from hashing ``new`` whole. ``workers > 1`` diffs tensors in
-    parallel threads (numpy's compare and nonzero release the GIL). The target's digest rides
-    along as ``Patch.target_digest``."""
+    parallel threads (the kernels release the GIL). The target's digest rides along as
+    ``Patch.target_digest``. With ``advance``, ``base`` is made equal to ``new`` in the same
+    pass (a publisher's copy of the last version, moved on without a second pass over it); a
+    failure part-way then leaves ``base`` partly moved."""
     layout = layout_of(base)
     check_layout(layout, layout_of(new), "new version")
     before = digest if digest is not None else StateDigest.of(base, workers)
     after = before.copy()
-    one = _tracked_differ(base, new, after, max((s.numel for s in layout), default=0))
+    scratch = DiffScratch()
+
+    def one(spec: TensorSpec) -> TensorDelta | None:
+        delta = diff_tracked(spec, base[spec.name], new[spec.name], after, scratch, advance)
+        return delta.host() if delta is not None else None
+
     found = map_workers(one, layout, workers)
     deltas = {spec.name: d for spec, d in zip(layout, found) if d is not None}
     return Patch(layout, before.hash(), after.hash(), deltas, after)
 
 
-def _tracked_differ(
-    base: TensorSet, new: TensorSet, after: StateDigest, biggest: int
-) -> Callable[[TensorSpec], TensorDelta | None]:
-    """Diff one tensor (a reused compare buffer per thread) and move ``after`` to its new
-    sums while the positions are still on the tensors' device; then hand the delta to the
-    host, where it is coded."""
-    local = threading.local()
+class DiffScratch(threading.local):
+    """A worker thread's reused host buffers for diffing (each thread gets its own): the
+    kernel's output lists, and a compare mask for the two-pass way. Fresh buffers per tensor
+    cost more than the diff itself in page faults."""
 
-    def one(spec: TensorSpec) -> TensorDelta | None:
-        if not hasattr(local, "scratch"):
-            local.scratch = np.empty(biggest, dtype=bool)
-        delta = diff_tensor(spec, base[spec.name], new[spec.name], local.scratch)
-        if delta is None:
-            return None
-        update(after, spec, base[spec.name], new[spec.name], delta.positions)
-        return delta.host()
+    def __init__(self) -> None:
+        self.positions = np.empty(SCAN_ENTRIES, np.int64)
+        self._deltas = np.empty(SCAN_ENTRIES * 8, np.uint8)
+        self._mask = np.empty(0, bool)
 
-    return one
+    def deltas(self, itemsize: int) -> np.ndarray:
+        return self._deltas.view(np.dtype(f"u{itemsize}"))[:SCAN_ENTRIES]
+
+    def mask(self, numel: int) -> np.ndarray:
+        if self._mask.size < numel:
+            self._mask = np.empty(numel, bool)
+        return self._mask
+
+
+def diff_tracked(
+    spec: TensorSpec,
+    base: torch.Tensor,
+    new: torch.Tensor,
+    digest: StateDigest,
+    scratch: DiffScratch | None = None,
+    advance: bool = False,
+) -> TensorDelta | None:
+    """The change from ``base`` to ``new`` (on ``base``'s device), with ``digest`` moved to
+    ``new``'s sums and, with ``advance``, ``base`` made equal to ``new``. On the host one
+    kernel pass does all three while each word is in cache; on a device, or for a view whose
+    words are not its memory, the diff, the sums and the copy are separate steps."""
+    scratch = scratch if scratch is not None else DiffScratch()
+    old = flat_bits(base.detach())
+    cur = flat_bits(new.detach().to(base.device, non_blocking=True))
+    if old.device.type == "cpu" and base.is_contiguous() and cur.is_contiguous():
+        scanned = _diff_scanned(spec, old, cur, digest, scratch, advance)
+        if scanned is not False:
+            return scanned
+    delta = diff_tensor(spec, base, new, scratch.mask(spec.numel))
+    if delta is not None:
+        update(digest, spec, base, new, delta.positions)
+        if advance:
+            base.detach().copy_(new)
+    return delta
+
+
+def _diff_scanned(
+    spec: TensorSpec,
+    old: torch.Tensor,
+    cur: torch.Tensor,
+    digest: StateDigest,
+    scratch: DiffScratch,
+    advance: bool,
+) -> TensorDelta | None | bool:
+    """The one-pass host diff (``diff_tracked``); False when the kernel cannot see the
+    tensors' memory as words (nothing done)."""
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    moved: tuple[Sums, Sums] = ((0, 0), (0, 0))
+    whole, word, count = spec.numel * spec.itemsize // 8, 0, 0
+    out = scratch.deltas(spec.itemsize)
+    while word < whole and count <= DENSE_IN_MEMORY_FRACTION * spec.numel:
+        scan = scan_diff(old, cur, word, scratch.positions, out, advance)
+        if scan is None:
+            return False
+        moved = (add(moved[0], scan.before), add(moved[1], scan.after))
+        parts.append((scratch.positions[: scan.count].copy(), out[: scan.count].copy()))
+        word, count = scan.word, count + scan.count
+    tail = _diff_tail(spec, old, cur, whole * 8 // spec.itemsize) if word == whole else None
+    if tail is None or count + tail[0].size > DENSE_IN_MEMORY_FRACTION * spec.numel:
+        return _dense_after_scan(spec, old, cur, digest, parts, advance)  # from what is listed
+    positions, deltas, before, after = tail
+    if positions.size and advance:
+        old.numpy()[positions] = cur.numpy()[positions]
+    parts.append((positions, deltas))
+    digest.replace(spec.name, add(moved[0], before), add(moved[1], after))
+    positions = np.concatenate([p for p, _ in parts])
+    if positions.size == 0:
+        return None
+    deltas = np.concatenate([d for _, d in parts]).view(np.dtype(f"i{spec.itemsize}"))
+    return TensorDelta(spec, torch.from_numpy(positions), torch.from_numpy(deltas))
+
+
+def _diff_tail(
+    spec: TensorSpec, old: torch.Tensor, cur: torch.Tensor, first: int
+) -> tuple[np.ndarray, np.ndarray, Sums, Sums]:
+    """The elements from ``first``, past the last whole word (at most 7), the two-pass way,
+    and their word's terms before and after."""
+    o, c = old.numpy(), cur.numpy()
+    positions = np.flatnonzero(o[first:] != c[first:]) + first
+    deltas = (c[positions] - o[positions]).view(np.dtype(f"u{spec.itemsize}"))
+    if positions.size == 0:
+        return positions, deltas, (0, 0), (0, 0)
+    at = torch.from_numpy(positions)
+    before = position_sums(old, at, spec.itemsize)
+    return positions, deltas, before, position_sums(cur, at, spec.itemsize)
+
+
+def _dense_after_scan(
+    spec: TensorSpec,
+    old: torch.Tensor,
+    cur: torch.Tensor,
+    digest: StateDigest,
+    parts: list[tuple[np.ndarray, np.ndarray]],
+    advance: bool,
+) -> TensorDelta:
+    """A tensor found to change too much for a sparse delta, part-way through the scan: the
+    dense delta, with the words the scan already advanced (equal now) filled in from the
+    entries it listed."""
+    o, c = old.numpy(), cur.numpy()
+    deltas = c - o  # numpy ints wrap
+    for positions, listed in parts:
+        deltas[positions] = listed.view(deltas.dtype)
+    if advance:
+        np.copyto(o, c)
+    digest.sums[spec.name] = tensor_sums(cur)
+    return TensorDelta(spec, None, torch.from_numpy(deltas))
 
 
 def require_contiguous(t: torch.Tensor, name: str) -> None:

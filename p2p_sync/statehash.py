@@ -207,6 +207,45 @@ def _sums_py(
     return a, b, _ZERO, _ZERO, 0
 
 
+def _diff_py(
+    old: np.ndarray,
+    new: np.ndarray,
+    old_elems: np.ndarray,
+    new_elems: np.ndarray,
+    start: int,
+    per_word: int,
+    positions: np.ndarray,
+    deltas: np.ndarray,
+    advance: bool,
+) -> tuple:
+    """DIFF (the host kernel of :func:`scan_diff`): from word ``start``, every word where
+    ``old`` and ``new`` differ has its terms summed before and after, its changed elements
+    listed (flat position, wrapping ``new - old``) and, with ``advance``, ``old``'s copy of it
+    overwritten by ``new``'s: one pass while the word is in cache. Stops at the end of the words
+    or before a word whose elements might not fit in the outputs. Returns (next word, entries
+    written, before0, before1, after0, after1)."""
+    a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
+    k, cap, w = 0, positions.size - per_word, start
+    while w < old.size:
+        u, v = old[w], new[w]
+        if u != v:
+            if k > cap:
+                break
+            j = np.uint64(w)
+            a += _lane0(u, j)
+            b += _lane1(u, j)
+            c += _lane0(v, j)
+            d += _lane1(v, j)
+            for e in range(w * per_word, (w + 1) * per_word):  # branch-free: write, then
+                positions[k] = e  # keep the entry only if the element changed
+                deltas[k] = new_elems[e] - old_elems[e]
+                k += old_elems[e] != new_elems[e]
+            if advance:
+                old[w] = v
+        w += 1
+    return w, k, a, b, c, d
+
+
 _KERNELS: dict[str, Callable] = {}
 
 
@@ -214,8 +253,8 @@ def _kernels() -> dict[str, Callable]:
     """The host scans, compiled by numba (cached on disk) on first use; without numba, the
     Python kernel (correct, and very slow)."""
     if not _KERNELS:
-        compiled = jit.compile_kernels({"sums": _sums_py})
-        _KERNELS.update(compiled or {"sums": _sums_py})
+        kernels = {"sums": _sums_py, "diff": _diff_py}
+        _KERNELS.update(jit.compile_kernels(kernels) or kernels)
     return _KERNELS
 
 
@@ -408,6 +447,41 @@ def _fused(
         elems[idx[k:]] += more.numpy()
         digest.replace(spec.name, before, position_sums(flat, rest, spec.itemsize))
     return True
+
+
+@dataclass
+class DiffScan:
+    """Where :func:`scan_diff` stopped: the next word, entries listed, and the sums of the
+    changed words before and after (the tensor's digest moves by ``after - before``)."""
+
+    word: int
+    count: int
+    before: Sums
+    after: Sums
+
+
+def scan_diff(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    start: int,
+    positions: np.ndarray,
+    deltas: np.ndarray,
+    advance: bool,
+) -> DiffScan | None:
+    """One call of the DIFF kernel over the whole words of host bit views ``old`` and ``new``
+    (same shape and dtype), from word ``start``; None when a tensor's words are not a view of
+    its memory (an unaligned view): the caller then diffs the two-pass way. Elements past the
+    last whole word are the caller's."""
+    wo, wn = _words(old), _words(new)
+    if any(w.body.numel() and w.body.data_ptr() != t.data_ptr() for w, t in ((wo, old), (wn, new))):
+        return None
+    size = old.element_size()
+    elems = np.dtype(f"u{size}")  # unsigned: the kernel's subtraction wraps, as the codec's does
+    w, k, a, b, c, d = _kernels()["diff"](
+        _host(wo.body), _host(wn.body), old.numpy().view(elems), new.numpy().view(elems),
+        start, 8 // size, positions, deltas, advance,
+    )  # fmt: skip
+    return DiffScan(int(w), int(k), (int(a), int(b)), (int(c), int(d)))
 
 
 def update(

@@ -240,14 +240,15 @@ def test_trainer_re_signs_manifests_before_they_expire(tmp_path: Path, tiny_vers
     assert accepted.digest != anchor.digest  # a newcomer after the old expiry can still join
 
 
-async def _publish_files(tmp_path: Path, versions: list) -> tuple:
+async def _publish_files(tmp_path: Path, versions: list, patch_format: int) -> tuple:
     from node import trainer as trainer_mod
     from p2p_sync.weights_io import WeightsFileError, save_weights
 
     key = SigningKey.generate()
     cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
     node = TrainerNode(cfg, SwarmPolicy("files", (key.public,)), Store.open(cfg.data_dir))
-    publisher = Publisher(node, key, PublishPolicy(anchor_every=100, catchup_spans=(2,)))
+    policy = PublishPolicy(anchor_every=100, catchup_spans=(2,), patch_format=patch_format)
+    publisher = Publisher(node, key, policy)
     files = []
     for v, weights in enumerate(versions[:3]):
         files.append(tmp_path / f"v{v}.safetensors")
@@ -288,10 +289,14 @@ async def _publish_files(tmp_path: Path, versions: list) -> tuple:
     return after_torn, manifests, publisher.prev, node.store
 
 
+@pytest.mark.parametrize("patch_format", [1, 2])
 def test_watched_files_publish_streaming_and_a_torn_file_changes_nothing(
-    tmp_path: Path, tiny_versions: list
+    tmp_path: Path, tiny_versions: list, patch_format: int
 ) -> None:
-    after_torn, manifests, prev, store = asyncio.run(_publish_files(tmp_path, tiny_versions))
+    """Each tensor is read into a reused buffer and ``prev`` moves in place: in the diff's
+    own pass (format 1) or after coding against the old bits (format 2)."""
+    run = _publish_files(tmp_path, tiny_versions, patch_format)
+    after_torn, manifests, prev, store = asyncio.run(run)
     assert after_torn and bit_equal(prev, tiny_versions[2])
     assert [[(m.kind, m.version, m.base_version) for m in ms] for ms in manifests] == [
         [("patch", 1, 0)],
@@ -306,3 +311,46 @@ def test_watched_files_publish_streaming_and_a_torn_file_changes_nothing(
     assert bit_equal(base, tiny_versions[2])
     restored = restore(Store.open(store.root))  # the published chain rebuilds the last file
     assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
+
+
+async def _publish_in_memory(tmp_path: Path, versions: list) -> tuple:
+    """v0 handed over with two names on one memory (tied weights), v1 and v2 read only; the
+    store fails while v2 is stored, after the diff moved ``prev`` to v2 in place."""
+    key = SigningKey.generate()
+    cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+    node = TrainerNode(cfg, SwarmPolicy("mem", (key.public,)), Store.open(cfg.data_dir))
+    policy = PublishPolicy(anchor_every=100, catchup_spans=(), patch_format=1)
+    publisher = Publisher(node, key, policy)
+    tie = next(iter(versions[0]))
+    tied = [{**v, "tied.copy": v[tie]} for v in versions[:3]]  # one memory, two names
+    await publisher.publish(tied[0], owned=True)
+    await publisher.publish({k: v.clone() for k, v in tied[1].items()})
+    real_record = node.store.record
+
+    def full_disk(*args) -> None:
+        raise OSError(28, "No space left on device")
+
+    node.store.record = full_disk
+    with pytest.raises(OSError, match="No space"):
+        await publisher.publish(tied[2])
+    node.store.record = real_record
+    after_failure = bit_equal(publisher.prev, tied[1]) and publisher.prev_hash == state_hash(
+        tied[1]
+    )
+    manifests = await publisher.publish(tied[2])
+    return after_failure, manifests, publisher, tied
+
+
+def test_an_in_memory_publish_moves_prev_in_its_diff_and_a_failure_moves_it_back(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    after_failure, manifests, publisher, tied = asyncio.run(
+        _publish_in_memory(tmp_path, tiny_versions)
+    )
+    assert after_failure  # rebuilt from the store: v1, not the half-published v2
+    assert bit_equal(publisher.prev, tied[2]) and publisher.prev_hash == state_hash(tied[2])
+    patch = codec.decode(bytes(publisher.node.store.payload(manifests[0]) or b""))
+    assert manifests[0].base_version == 1 and "tied.copy" in patch.deltas  # both names change
+    weights = {k: v.clone() for k, v in tied[1].items()}
+    apply(weights, patch)  # checks the signed target: the tie did not hide a change
+    assert bit_equal(weights, tied[2])

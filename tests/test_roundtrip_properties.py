@@ -8,8 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
+from p2p_sync import patch as patch_mod
 from p2p_sync.patch import apply, diff, merge
-from p2p_sync.tensors import bits_dtype, flat_bits
+from p2p_sync.statehash import StateDigest
+from p2p_sync.tensors import bits_dtype, flat_bits, layout_of
 from tests.helpers import bit_equal, clone_set, random_bits
 
 DTYPES = [
@@ -139,3 +141,38 @@ def test_positions_round_trip_with_escapes(positions: set[int], numel: int) -> N
     raw = head + b"".join(body)
     out = codec.decode_positions(memoryview(raw), pos.size, numel, "t")
     assert np.array_equal(out, pos)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(version_pairs(), st.sampled_from([8, 24, 1 << 20]), st.booleans(), st.booleans())
+def test_one_pass_host_diff_equals_diff_then_sums(
+    pair: tuple[dict, dict], entries: int, advance: bool, unaligned: bool
+) -> None:
+    """The diff kernel (changed elements, digest and, with ``advance``, the base moved to the
+    new version in one pass) gives what the two-pass way gives: the same delta, sparse or
+    dense, and the new version's sums; also when its output fills up many times over (small
+    ``entries``) and for views whose words are not their memory (then two-pass)."""
+    base, new = pair
+    if unaligned:  # each tensor a view one element into a larger buffer
+        base = {
+            k: torch.cat([v.reshape(-1)[:1], v.reshape(-1)])[1:].view(v.shape)
+            for k, v in base.items()
+        }
+    scratch = patch_mod.DiffScratch()
+    scratch.positions = np.empty(entries, np.int64)
+    scratch._deltas = np.empty(entries * 8, np.uint8)
+    digest, reference = StateDigest.of(base), StateDigest.of(new)
+    before = clone_set(base)
+    for spec in layout_of(base):
+        want = patch_mod.diff_tensor(spec, before[spec.name], new[spec.name])
+        got = patch_mod.diff_tracked(
+            spec, base[spec.name], new[spec.name], digest, scratch, advance
+        )
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert (got.positions is None) == (want.positions is None)
+            if got.positions is not None:
+                assert torch.equal(got.positions, want.positions)
+            assert got.deltas.dtype == want.deltas.dtype and torch.equal(got.deltas, want.deltas)
+    assert digest.hash() == reference.hash()
+    assert bit_equal(base, new if advance else before)
