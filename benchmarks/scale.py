@@ -14,6 +14,16 @@ AdamW-like step on them, so ~1-3% of the bf16 elements change bits), then:
 
 Dense baselines: the time to push the whole bf16 model over 1 and 10 Gbit/s links.
 
+**The disk between versions.** With ``--export`` every rollout writes the whole model per
+version (the engine reloads it from disk), and one local disk takes them all: 2 rollouts write
+3.8 GB per version of a 1B model, which a disk at ~420 MB/s takes ~9 s to write back. A run
+whose next file appears the instant the last export finished measures that disk, not the
+sync. By default the driver therefore lets the disk finish the previous version first
+(``sync``, timed and printed as "writeback") and reads the next file once, as a trainer that
+has just saved it has it in its page cache; a training step between versions gives the disk
+that time. ``--back-to-back`` drops both: each file appears as soon as the last rollout handed
+off the previous version, and the hand-off then includes the disk's backlog.
+
     python benchmarks/scale.py --size 1b --rollouts 2 --versions 4
     python benchmarks/scale.py --size 7b --device cuda     # on a GPU machine
 
@@ -69,6 +79,7 @@ def written(pid: int) -> int:
 class Row:
     version: int
     latency_s: float  # file appeared -> last rollout handed off (exported)
+    writeback_s: float  # before the file appeared: the disk writing the previous version back
     applied_s: float  # file appeared -> last rollout applied it in place
     patch_bytes: int
     publish: dict
@@ -109,6 +120,7 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
         ]
         procs = [trainer, *rollouts]
         for v, path in enumerate(files):
+            writeback = 0.0 if args.back_to_back else settle(path)
             before = {p.name: written(p.popen.pid) for p in procs}
             os.replace(path, swarm.watch / f"v{v:04d}.safetensors")
             t_file = time.time()
@@ -128,6 +140,7 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
             row = Row(
                 v,
                 max(u["at"] for u in ups) - t_file,
+                writeback,
                 max(u["applied_at"] for u in ups) - t_file,
                 pub.get("patch_bytes", 0),
                 pub,
@@ -144,6 +157,18 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
     finally:
         swarm.stop()
     return {"rows": rows, "peaks": peaks, "params": params}
+
+
+def settle(path: Path) -> float:
+    """Let the disk write back what the last version left dirty (timed), then read ``path``
+    once: a checkpoint a trainer has just saved sits in its page cache."""
+    t0 = time.perf_counter()
+    os.sync()
+    took = time.perf_counter() - t0
+    with open(path, "rb") as f:
+        while f.read(16 << 20):
+            pass
+    return took
 
 
 def catchups_built(trainer: Proc, v: int) -> dict:
@@ -220,11 +245,13 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
         "patch MB",
         "last applied s",
         "last hand-off s",
+        "writeback before s",
         "trainer: diff / encode / hash+sign / store s",
         "rollouts: fetch / apply / persist / export s",
         "written MB: trainer | rollouts",
         title=f"{args.size}: {params / 1e9:.2f}B "
-        f"params, {dense / 1e9:.2f} GB bf16, {args.rollouts} rollouts",
+        f"params, {dense / 1e9:.2f} GB bf16, {args.rollouts} rollouts, "
+        + ("files back to back" if args.back_to_back else "disk settled before each file"),
     )
     for r in res["rows"]:
         p = r.publish
@@ -241,6 +268,7 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
             f"{r.patch_bytes / 1e6:.1f}",
             f"{r.applied_s:.2f}",
             f"{r.latency_s:.2f}",
+            f"{r.writeback_s:.2f}",
             split,
             ups,
             f"{w[0] / 1e6:.0f} | " + ", ".join(f"{x / 1e6:.0f}" for x in w[1:]),
@@ -291,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-6)
     parser.add_argument("--device", default="cpu", help="where rollouts keep weights")
     parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2])
+    parser.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="each file as soon as the last version is handed off: no writeback, no warm file",
+    )
     parser.add_argument("--skip-api", action="store_true")
     parser.add_argument("--skip-processes", action="store_true")
     parser.add_argument("--dir", type=Path, help="work dir (default: a temp dir)")
