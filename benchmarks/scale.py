@@ -21,7 +21,8 @@ whose next file appears the instant the last export finished measures that disk,
 sync. By default the driver therefore lets the disk finish the previous version first
 (``sync``, timed and printed as "writeback") and reads the next file once, as a trainer that
 has just saved it has it in its page cache; a training step between versions gives the disk
-that time. ``--back-to-back`` drops both: each file appears as soon as the last rollout handed
+that time. A version's file is deleted once published (a trainer keeping only its newest
+checkpoint). ``--back-to-back`` drops the sync and the read: each file appears as soon as the last rollout handed
 off the previous version, and the hand-off then includes the disk's backlog.
 
     python benchmarks/scale.py --size 1b --rollouts 2 --versions 4
@@ -148,6 +149,9 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
                 {k: after[k] - before[k] for k in after},
             )
             rows.append(row)
+            # published: gone, as a trainer keeping only its newest checkpoint would have it
+            # (every version's file in the page cache would starve the exports of memory)
+            (swarm.watch / f"v{v:04d}.safetensors").unlink()
             console.print(
                 f"v{v}: every rollout applied it {row.applied_s:.2f} s and exported it "
                 f"{row.latency_s:.2f} s after the file appeared; patch "

@@ -11,7 +11,7 @@ checkpoint and the logged patches (``p2p_sync.restore``).
 Hand-off, best first: an engine in this process applies pending versions itself, between
 generation batches (``hold=True``: fetched versions wait in ``pending`` until
 ``apply_pending``); else the ``on_update`` callback; ``--export DIR`` (``model.safetensors``
-then ``version.json``, each swapped atomically: one full write per version, because a
+then ``version.json``, each a link swapped atomically: one full write per version, because a
 reloading engine needs the file; ``p2p_sync.export``) and the ``--on-update CMD`` hook.
 """
 
@@ -33,7 +33,6 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from node.fetch import fetch_payload
 from node.runtime import Node
-from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import DownloadStalledError, LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
@@ -197,9 +196,8 @@ class Follower:
             return
         weights, export = self.weights, self.export
         assert weights is not None
-        await asyncio.to_thread(write_export, export, weights)
-        doc = {"version": version, "state_hash": state}
-        atomic_write_bytes(export / "version.json", json.dumps(doc).encode(), durable=False)
+        info = json.dumps({"version": version, "state_hash": state}).encode()
+        await asyncio.to_thread(write_export, export, weights, info)
 
     def _export_stale(self) -> bool:
         """Whether ``--export`` is set and does not hold the logged head (a crash between the

@@ -80,7 +80,8 @@ class PublishTimings:
     encode_s: float = 0.0
     hash_sign_s: float = 0.0
     store_s: float = 0.0
-    snapshot_s: float = 0.0  # anchors only: writing the full weights as a pack (and hashing it)
+    snapshot_s: float = 0.0  # anchors: the full weights written as a pack and hashed (v1+:
+    # after the announcement, in the background)
     total_s: float = 0.0
     patch_bytes: int = 0
     stored_at: float = 0.0  # wall clock (time.time()): stored and signed, about to be announced
@@ -155,10 +156,8 @@ class Publisher:
         fd, name = tempfile.mkstemp(prefix=".snapshot-", suffix=".tmp", dir=self.node.store.root)
         with os.fdopen(fd, "wb") as f:
             write_to(f, new)
-        t0 = time.perf_counter()
         chunks = file_chunk_hashes(name, self.policy.chunk_size)
         m = self._manifest(version, SNAPSHOT, target, layout, None, chunks=chunks)
-        self.timings.hash_sign_s += time.perf_counter() - t0
         return m, sign(m, [self.key]), Path(name)
 
     def _build(self, new: TensorSet, owned: bool) -> tuple[int, str, Patch | None, list[Built]]:
@@ -268,13 +267,15 @@ class Publisher:
     def _artifacts(
         self, version: int, target: str, layout: Layout, weights: TensorSet, step: bytes | None
     ) -> list[Built]:
-        """Sign the head's artifacts (``versions.to_publish``): the anchor, the 1-step patch.
-        Merged catch-up spans follow the announcement (``_publish_spans``)."""
+        """Sign the head's artifacts: the 1-step patch, or the anchor of a version without
+        one (v0). An anchor due later, and merged catch-up spans, follow the announcement
+        (``_publish_behind``): they are for newcomers and laggards, and an anchor writes and
+        hashes the whole model (seconds at 1B, a minute at 70B)."""
         t, built = self.timings, []
         layout_hex = layout_fingerprint(layout).hex()
         for kind, base in to_publish(version, self.policy):
             t1 = time.perf_counter()
-            if kind == SNAPSHOT:
+            if kind == SNAPSHOT and step is None:
                 built.append(self._snapshot(version, weights, target, layout_hex))
                 t.snapshot_s = time.perf_counter() - t1
             elif base == version - 1 and step is not None and self.prev_hash is not None:
@@ -313,24 +314,40 @@ class Publisher:
             built.append(self._signed(version, base, base_state, target, layout, payload))
         return built
 
-    async def _publish_spans(
-        self, version: int, target: str, layout: str, jobs: list[tuple[int, list[bytes]]]
+    def _anchor_due(self, version: int) -> bool:
+        """Whether an anchor of ``version`` follows its announcement (v0's is the head)."""
+        return version > 0 and any(k == SNAPSHOT for k, _ in to_publish(version, self.policy))
+
+    async def _publish_behind(
+        self, version: int, target: str, layout: str, jobs: list, anchor: bool
     ) -> None:
-        """Build, store and announce the catch-up spans of ``version``, after its head: only
-        peers that fell behind need them, and merging 4-16 steps costs seconds."""
-        t0 = time.perf_counter()
+        """Build, store and announce the catch-up spans, then the anchor, of ``version`` after
+        its head, in a thread below the head's priority. ``prev`` holds ``version`` until this
+        ends: the next publish waits for it (``spans_done``)."""
+        t, t0 = self.timings, time.perf_counter()  # still this version's timings
         with background_pool() as pool:  # the head's delivery and the next step go first
             loop = asyncio.get_running_loop()
             built = await loop.run_in_executor(
                 pool, self._build_spans, version, target, layout, jobs
             )
+            await self._announce_behind(built)
+            t.catchup_s, t.catchup_bytes = time.perf_counter() - t0, sum(len(p) for *_, p in built)
+            if jobs:
+                log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, _sizes(built))
+            if anchor:
+                t1 = time.perf_counter()
+                snap = await loop.run_in_executor(
+                    pool, self._snapshot, version, self.prev, target, layout
+                )
+                await self._announce_behind([snap])
+                t.snapshot_s = time.perf_counter() - t1
+                log.info("v%d anchor in %.2fs", version, t.snapshot_s)
+        self.node.last_publish = dataclasses.asdict(t)
+
+    async def _announce_behind(self, built: list[Built]) -> None:
         await asyncio.to_thread(self._put, built)
         await self.node.learner.announce([m.digest for m, _, _ in built])
         self.node.learner.new_info.set()
-        t = self.timings  # still this version's: the next publish waits for this task
-        t.catchup_s, t.catchup_bytes = time.perf_counter() - t0, sum(len(p) for *_, p in built)
-        self.node.last_publish = dataclasses.asdict(t)
-        log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, _sizes(built))
 
     def _put(self, built: list[Built]) -> None:
         """Store each artifact's payload (bytes, or a pack file moved in) and its manifest."""
@@ -365,10 +382,11 @@ class Publisher:
         t0 = time.perf_counter()
         store = self.node.store
         self._put(built)
-        record = built[0][0]  # the anchor when there is one: a replay base, not a patch
+        record = built[0][0]  # v0's anchor, else the 1-step patch
         store.record(version, target, record.digest)
         self._advance(new, step, target, owned)
-        if store.checkpoint_due(self.checkpoint_every):
+        # an anchor on its way will be the replay base (``Store.replay_chain``): no full write
+        if not self._anchor_due(version) and store.checkpoint_due(self.checkpoint_every):
             assert self.prev is not None
             store.set_checkpoint(version, target, lambda p: save_weights(p, self.prev))
         self.timings.store_s = time.perf_counter() - t0
@@ -430,10 +448,10 @@ class Publisher:
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
         log.info("published v%d in %.2fs (%s): %s", version, t.total_s, _split(t), _sizes(built))
-        jobs = self._span_jobs(version)
-        if jobs:
+        jobs, anchor = self._span_jobs(version), self._anchor_due(version)
+        if jobs or anchor:
             self._spans = asyncio.create_task(
-                self._publish_spans(version, target, manifests[0].layout, jobs)
+                self._publish_behind(version, target, manifests[0].layout, jobs, anchor)
             )
         return manifests
 

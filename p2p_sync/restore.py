@@ -208,8 +208,10 @@ def _load_base(
         log.warning("cannot rebuild from v%d: %s", base.version, exc)
         if isinstance(base, Checkpoint):
             store.drop_checkpoint(f"failed verification on load ({exc})")
-        else:
+        elif any(r.manifest == base.digest for r in store.log):
             store.truncate_log(base.version, f"snapshot failed verification ({exc})")
+        else:  # an anchor beside the log: the logged patches still lead there
+            store.drop_artifact(base.digest, f"anchor failed verification ({exc})")
         return None
 
 

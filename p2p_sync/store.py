@@ -589,6 +589,12 @@ class Store:
         self.checkpoint = None
 
     @_locked
+    def drop_artifact(self, digest: str, why: str) -> None:
+        """Forget a manifest and its pack (an anchor that failed verification on load)."""
+        if digest in self._manifests:
+            self._drop_manifest(digest, why)
+
+    @_locked
     def truncate_log(self, version: int, why: str) -> None:
         """Drop the record of ``version`` and every later one (a logged artifact failed on
         replay): the node re-fetches from the last state it can rebuild."""
@@ -613,13 +619,22 @@ class Store:
 
     @_locked
     def replay_chain(self) -> tuple[Checkpoint | Manifest | None, list[Manifest]]:
-        """What rebuilds the accepted weights: a base (the checkpoint, or the newest logged
-        snapshot whose payload is held) and the logged patches after it, in order."""
+        """What rebuilds the accepted weights: a base (the checkpoint, or the newest snapshot
+        whose payload is held of a logged state: the logged artifact itself, or an anchor of
+        the same version and state stored after the record, as a trainer builds it behind its
+        head) and the logged patches after it, in order."""
         base: Checkpoint | Manifest | None = self.checkpoint
         start = 0
+        anchors = {
+            (m.version, m.target_state): m
+            for m, _ in self._manifests.values()
+            if m.kind == SNAPSHOT
+        }
         for i, rec in enumerate(self.log):
             m = self.manifest(rec.manifest) if rec.manifest else None
-            if m is not None and m.kind == SNAPSHOT and self.has_payload(m):
+            if m is None or m.kind != SNAPSHOT:
+                m = anchors.get((rec.version, rec.state_hash))
+            if m is not None and self.has_payload(m):
                 base, start = m, i + 1
         chain = []
         for rec in self.log[start:]:

@@ -101,3 +101,19 @@ def test_without_leases_every_version_is_a_fresh_file(
     write_export(tmp_path, weights(3))
     assert (tmp_path / BUFFERS[0]).stat().st_ino != ino
     assert bit_equal(exported(tmp_path), weights(3))
+
+
+def test_version_json_follows_the_weights_by_a_link_swap(tmp_path: Path) -> None:
+    """``version.json`` is a link to a small file beside the buffer just written, rewritten in
+    place (a temp file renamed over it waited up to 1.1 s behind the model's writeback)."""
+    (tmp_path / "version.json").write_text("{}")  # a regular file from an older node
+    inodes = []
+    for v in range(4):
+        info = f'{{"version": {v}}}'.encode() + b" " * (3 - v)  # a shorter one leaves no tail
+        written = write_export(tmp_path, weights(v), info)
+        assert (tmp_path / "version.json").read_bytes() == info
+        beside = written.with_suffix(".json")
+        assert os.readlink(tmp_path / "version.json") == str(beside.relative_to(tmp_path))
+        inodes.append(beside.stat().st_ino)
+    assert inodes[0] == inodes[2] and inodes[1] == inodes[3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".p2psync", LINK, "version.json"]

@@ -323,7 +323,8 @@ async def _publish_in_memory(tmp_path: Path, versions: list) -> tuple:
     publisher = Publisher(node, key, policy)
     tie = next(iter(versions[0]))
     tied = [{**v, "tied.copy": v[tie]} for v in versions[:3]]  # one memory, two names
-    await publisher.publish(tied[0], owned=True)
+    handed = {k: v.clone() for k, v in versions[0].items()}  # handed over: moved in place later
+    await publisher.publish({**handed, "tied.copy": handed[tie]}, owned=True)
     await publisher.publish({k: v.clone() for k, v in tied[1].items()})
     real_record = node.store.record
 
@@ -354,3 +355,63 @@ def test_an_in_memory_publish_moves_prev_in_its_diff_and_a_failure_moves_it_back
     weights = {k: v.clone() for k, v in tied[1].items()}
     apply(weights, patch)  # checks the signed target: the tie did not hide a change
     assert bit_equal(weights, tied[2])
+
+
+async def _anchor_behind(tmp_path: Path, versions: list) -> tuple:
+    """v2 is an anchor version: its head (the 1-step patch) is announced first, the anchor
+    follows; then the anchor is corrupted on disk and the store reopened."""
+    key = SigningKey.generate()
+    cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+    node = TrainerNode(cfg, SwarmPolicy("anchor", (key.public,)), Store.open(cfg.data_dir))
+    policy = PublishPolicy(anchor_every=2, catchup_spans=(), patch_format=1)
+    publisher = Publisher(node, key, policy, checkpoint_every=2)
+    heads = [await publisher.publish(v) for v in versions[:3]]
+    held_back = [m.kind for m in node.store.manifests() if m.version == 2]
+    await publisher.spans_done()
+    return heads, held_back, node.store
+
+
+def test_an_anchor_follows_its_head_and_is_the_replay_base_beside_the_log(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    heads, held_back, store = asyncio.run(_anchor_behind(tmp_path, tiny_versions))
+    assert [[m.kind for m in ms] for ms in heads] == [["snapshot"], ["patch"], ["patch"]]
+    assert held_back == ["patch"]  # publish() returned before the anchor was built
+    anchor = next(m for m in store.manifests() if m.version == 2 and m.kind == "snapshot")
+    assert store.log[-1].manifest == heads[2][0].digest  # the patch is what the log records
+    base, chain = store.replay_chain()
+    assert base == anchor and chain == []  # the anchor saves a full checkpoint write
+    assert store.checkpoint is None  # v2 was due one (every 2): the anchor stood in for it
+    restored = restore(Store.open(store.root))
+    assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
+    with open(store.pack_path(anchor.digest), "r+b") as f:  # the anchor rots on disk
+        f.seek(anchor.payload_size // 2)
+        f.write(b"rot")
+    reopened = Store.open(store.root)  # its self-check drops the torn slot: back to v0 + log
+    assert reopened.replay_chain() == (heads[0][0], [heads[1][0], heads[2][0]])
+    restored = restore(reopened)
+    assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
+
+
+def test_an_anchor_beside_the_log_that_fails_on_load_is_dropped_and_the_log_kept(
+    tmp_path: Path, tiny_versions: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from p2p_sync import restore as restore_mod
+    from p2p_sync.errors import TargetMismatchError
+
+    _, _, store = asyncio.run(_anchor_behind(tmp_path, tiny_versions))
+    anchor = store.replay_chain()[0]
+
+    real_load = restore_mod.load_snapshot
+
+    def wrong_state(store, m, *args):  # v2's chunks verify, its weights do not hash right
+        if m == anchor:
+            raise TargetMismatchError("snapshot weights hash to something else")
+        return real_load(store, m, *args)
+
+    monkeypatch.setattr(restore_mod, "load_snapshot", wrong_state)
+    reopened = Store.open(store.root)
+    restored = restore(reopened)
+    assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
+    assert not reopened.has_manifest(anchor.digest)  # dropped, never applied
+    assert [r.version for r in reopened.log] == [0, 1, 2]  # whole: v0 and its patches lead there
