@@ -22,8 +22,9 @@ sync. By default the driver therefore lets the disk finish the previous version 
 (``sync``, timed and printed as "writeback") and reads the next file once, as a trainer that
 has just saved it has it in its page cache; a training step between versions gives the disk
 that time. A version's file is deleted once published (a trainer keeping only its newest
-checkpoint). ``--back-to-back`` drops the sync and the read: each file appears as soon as the last rollout handed
-off the previous version, and the hand-off then includes the disk's backlog.
+checkpoint). ``--back-to-back`` drops the sync and the read: each file appears as soon as the
+last rollout handed off the previous version, and the hand-off then includes the disk's
+backlog.
 
     python benchmarks/scale.py --size 1b --rollouts 2 --versions 4
     python benchmarks/scale.py --size 7b --device cuda     # on a GPU machine
