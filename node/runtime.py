@@ -50,19 +50,27 @@ Transport = HttpTransport | MemoryTransport
 
 
 def warm_codec() -> None:
-    """Code and decode a tiny patch of each common float dtype, so the codec's compiled scans
-    (numba, cached on disk) are ready before the first version arrives: compiling them costs
-    about a second of CPU per process, which would otherwise land on the first version."""
+    """Diff, code and apply a tiny patch of each common float dtype, so the compiled scans of
+    the codec and the state hash (numba, cached on disk) are ready before the first version
+    arrives: compiling them costs about a second of CPU per process, loading them from the
+    cache a few tenths, which would otherwise land on the first version."""
     import torch
 
     from p2p_sync import codec
     from p2p_sync.patch import diff
+    from p2p_sync.restore import apply_frames
+    from p2p_sync.statehash import StateDigest
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         base = {"w": torch.linspace(-2, 2, 4096).to(dtype)}
         new = {"w": base["w"].clone()}
         new["w"][::7] = -new["w"][::7]
-        codec.decode(codec.encode(diff(base, new), base=base), base=base)
+        step = diff(base, new)
+        for data in (codec.encode(step, base=base), codec.encode(step)):  # formats 2 and 1
+            weights = {"w": base["w"].clone()}  # applied as a rollout does, sums tracked
+            apply_frames(
+                weights, memoryview(data), codec.read_header(data), StateDigest.of(weights)
+            )
 
 
 class Node:
