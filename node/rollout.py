@@ -187,17 +187,29 @@ class Follower:
         if store.checkpoint_due(self.checkpoint_every):
             self._checkpointing = asyncio.create_task(self._checkpoint(m.version, m.target_state))
 
-    async def _export(self, version: int, state: str) -> None:
+    async def _export(self, version: int, state: str) -> bool:
         """Write ``--export``: the weights (``p2p_sync.export``: double-buffered, swapped by
         atomic rename), then ``version.json``. Not fsynced: an fsync of a whole model costs
         twice the write on a slow disk, and the export is rebuilt from the store at start
-        whenever it does not match the state."""
+        whenever it does not match the state. False (logged) when the write failed: the
+        version is applied and logged, not handed off."""
         if self.export is None:
-            return
+            return True
         weights, export = self.weights, self.export
         assert weights is not None
         info = json.dumps({"version": version, "state_hash": state}).encode()
-        await asyncio.to_thread(write_export, export, weights, info)
+        try:
+            await asyncio.to_thread(write_export, export, weights, info)
+        except OSError as exc:  # a full disk, a read-only export dir: the node carries on
+            log.error(
+                "v%d applied but --export %s failed (%s): the engine keeps the last version "
+                "exported; the next version's export tries again",
+                version,
+                export,
+                exc.strerror or exc,
+            )
+            return False
+        return True
 
     def _export_stale(self) -> bool:
         """Whether ``--export`` is set and does not hold the logged head (a crash between the
@@ -214,7 +226,8 @@ class Follower:
     async def _export_if_stale(self) -> None:
         state = self.node.store.state
         if state is not None and self._export_stale():
-            await self._export(state.version, state.state_hash)
+            if not await self._export(state.version, state.state_hash):
+                return
         self.node.handed_off = state
 
     async def _advance(self, m: Manifest, fetch_s: float) -> Update:
@@ -231,8 +244,9 @@ class Follower:
         t1 = time.perf_counter()
         await self._persist(m)
         t2 = time.perf_counter()
-        await self._export(m.version, m.target_state)
-        self.node.handed_off = self.node.store.state
+        exported = await self._export(m.version, m.target_state)
+        if exported:
+            self.node.handed_off = self.node.store.state
         up.apply_s, up.persist_s, up.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         up.at = time.time()
         self.node.timeline.note(m.digest, "applied", up.applied_at)
@@ -243,7 +257,8 @@ class Follower:
         self.node.metrics.version.set(m.version)
         if self.callback is not None:
             self.callback(m.version, self.weights)
-        await self._hook(m)
+        if exported:
+            await self._hook(m)
         return up
 
     def _note(self, up: Update) -> None:

@@ -118,14 +118,36 @@ def test_status_reports_a_version_only_once_it_is_exported(
     writeback), but ``/status`` must not say ``v`` while the export still holds ``v - 1``."""
     real, seen = Follower._export, []
 
-    async def spy(self: Follower, version: int, state: str) -> None:
+    async def spy(self: Follower, version: int, state: str) -> bool:
         seen.append((self.node.status()["version"], self.node.store.state.version, version))
-        await real(self, version, state)
+        return await real(self, version, state)
 
     monkeypatch.setattr(Follower, "_export", spy)
     asyncio.run(_sync(tmp_path, tiny_versions[:3]))
     assert [(logged, v) for _, logged, v in seen] == [(0, 0), (1, 1), (2, 2)]
     assert [reported for reported, _, _ in seen] == [None, 0, 1]
+
+
+def test_a_failed_export_is_logged_and_the_rollout_carries_on(
+    tmp_path: Path, tiny_versions: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills up while v1 is exported: v1 is applied and logged but not handed off
+    (no hook, the engine keeps v0's files); v2 and v3 export and hand off as usual."""
+    from node import rollout as rollout_mod
+
+    real = rollout_mod.write_export
+
+    def full_at_v1(directory: Path, weights: dict, info: bytes) -> Path:
+        if json.loads(info)["version"] == 1:
+            raise OSError(28, "No space left on device")
+        return real(directory, weights, info)
+
+    monkeypatch.setattr(rollout_mod, "write_export", full_at_v1)
+    versions = tiny_versions[:4]
+    out = asyncio.run(_sync(tmp_path, versions))
+    assert [v for v, _ in out["seen"]] == [0, 1, 2, 3]  # applied in process all the same
+    assert [line.split()[0] for line in out["hook"].splitlines()] == ["0", "2", "3"]
+    assert out["export"] == {"version": 3, "state_hash": state_hash(versions[-1]).hex()}
 
 
 def test_an_export_behind_the_log_is_rewritten_at_start(
