@@ -327,12 +327,13 @@ class Publisher:
         t, t0 = self.timings, time.perf_counter()  # still this version's timings
         with background_pool() as pool:  # the head's delivery and the next step go first
             loop = asyncio.get_running_loop()
-            built = await loop.run_in_executor(
-                pool, self._build_spans, version, target, layout, jobs
-            )
-            await self._announce_behind(built)
-            t.catchup_s, t.catchup_bytes = time.perf_counter() - t0, sum(len(p) for *_, p in built)
             if jobs:
+                built = await loop.run_in_executor(
+                    pool, self._build_spans, version, target, layout, jobs
+                )
+                await self._announce_behind(built)
+                t.catchup_s = time.perf_counter() - t0
+                t.catchup_bytes = sum(len(p) for *_, p in built)
                 log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, _sizes(built))
             if anchor:
                 t1 = time.perf_counter()
