@@ -317,18 +317,12 @@ def _diff_scanned(
 ) -> TensorDelta | None | bool:
     """The one-pass host diff (``diff_tracked``); False when the kernel cannot see the
     tensors' memory as words (nothing done)."""
-    parts: list[tuple[np.ndarray, np.ndarray]] = []
-    moved: tuple[Sums, Sums] = ((0, 0), (0, 0))
-    whole, word, count = spec.numel * spec.itemsize // 8, 0, 0
-    out = scratch.deltas(spec.itemsize)
-    while word < whole and count <= DENSE_IN_MEMORY_FRACTION * spec.numel:
-        scan = scan_diff(old, cur, word, scratch.positions, out, advance)
-        if scan is None:
-            return False
-        moved = (add(moved[0], scan.before), add(moved[1], scan.after))
-        parts.append((scratch.positions[: scan.count].copy(), out[: scan.count].copy()))
-        word, count = scan.word, count + scan.count
-    tail = _diff_tail(spec, old, cur, whole * 8 // spec.itemsize) if word == whole else None
+    scanned = _scan_words(spec, old, cur, scratch, advance)
+    if scanned is None:
+        return False
+    parts, moved, whole = scanned
+    count = sum(p.size for p, _ in parts)
+    tail = _diff_tail(spec, old, cur, whole * 8 // spec.itemsize) if whole >= 0 else None
     if tail is None or count + tail[0].size > DENSE_IN_MEMORY_FRACTION * spec.numel:
         return _dense_after_scan(spec, old, cur, digest, parts, advance)  # from what is listed
     positions, deltas, before, after = tail
@@ -341,6 +335,26 @@ def _diff_scanned(
         return None
     deltas = np.concatenate([d for _, d in parts]).view(np.dtype(f"i{spec.itemsize}"))
     return TensorDelta(spec, torch.from_numpy(positions), torch.from_numpy(deltas))
+
+
+def _scan_words(
+    spec: TensorSpec, old: torch.Tensor, cur: torch.Tensor, scratch: DiffScratch, advance: bool
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[Sums, Sums], int] | None:
+    """Run the DIFF kernel over the whole words until they end or the changes grow past a
+    sparse delta: (listed entries, sums moved, whole words, or -1 when it stopped early).
+    None when the kernel cannot see the tensors' memory as words."""
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    moved: tuple[Sums, Sums] = ((0, 0), (0, 0))
+    whole, word, count = spec.numel * spec.itemsize // 8, 0, 0
+    out = scratch.deltas(spec.itemsize)
+    while word < whole and count <= DENSE_IN_MEMORY_FRACTION * spec.numel:
+        scan = scan_diff(old, cur, word, scratch.positions, out, advance)
+        if scan is None:
+            return None
+        moved = (add(moved[0], scan.before), add(moved[1], scan.after))
+        parts.append((scratch.positions[: scan.count].copy(), out[: scan.count].copy()))
+        word, count = scan.word, count + scan.count
+    return parts, moved, whole if word == whole else -1
 
 
 def _diff_tail(

@@ -207,6 +207,25 @@ def _sums_py(
     return a, b, _ZERO, _ZERO, 0
 
 
+@jit.step
+def _list_changed(
+    old: np.ndarray,
+    new: np.ndarray,
+    first: int,
+    n: int,
+    positions: np.ndarray,
+    deltas: np.ndarray,
+    k: int,
+) -> int:
+    """List the changed elements among ``n`` from ``first`` at entry ``k`` on; returns the next
+    entry. Branch-free: every element is written, and kept only if it changed."""
+    for e in range(first, first + n):
+        positions[k] = e
+        deltas[k] = new[e] - old[e]
+        k += old[e] != new[e]
+    return k
+
+
 def _diff_py(
     old: np.ndarray,
     new: np.ndarray,
@@ -218,12 +237,10 @@ def _diff_py(
     deltas: np.ndarray,
     advance: bool,
 ) -> tuple:
-    """DIFF (the host kernel of :func:`scan_diff`): from word ``start``, every word where
-    ``old`` and ``new`` differ has its terms summed before and after, its changed elements
-    listed (flat position, wrapping ``new - old``) and, with ``advance``, ``old``'s copy of it
-    overwritten by ``new``'s: one pass while the word is in cache. Stops at the end of the words
-    or before a word whose elements might not fit in the outputs. Returns (next word, entries
-    written, before0, before1, after0, after1)."""
+    """DIFF (kernel of :func:`scan_diff`): from word ``start``, each word where ``old`` and
+    ``new`` differ gets its terms summed before and after, its changed elements listed and,
+    with ``advance``, ``new``'s copy written over ``old``'s, while in cache. Stops at the end
+    or before a word that might not fit the outputs. Returns (next word, entries, sums x4)."""
     a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
     k, cap, w = 0, positions.size - per_word, start
     while w < old.size:
@@ -232,14 +249,9 @@ def _diff_py(
             if k > cap:
                 break
             j = np.uint64(w)
-            a += _lane0(u, j)
-            b += _lane1(u, j)
-            c += _lane0(v, j)
-            d += _lane1(v, j)
-            for e in range(w * per_word, (w + 1) * per_word):  # branch-free: write, then
-                positions[k] = e  # keep the entry only if the element changed
-                deltas[k] = new_elems[e] - old_elems[e]
-                k += old_elems[e] != new_elems[e]
+            a, b = a + _lane0(u, j), b + _lane1(u, j)
+            c, d = c + _lane0(v, j), d + _lane1(v, j)
+            k = _list_changed(old_elems, new_elems, w * per_word, per_word, positions, deltas, k)
             if advance:
                 old[w] = v
         w += 1
