@@ -161,9 +161,8 @@ class Publisher:
         return m, sign(m, [self.key]), Path(name)
 
     def _build(self, new: TensorSet, owned: bool) -> tuple[int, str, Patch | None, list[Built]]:
-        """CPU-heavy part (diff, encode, hash, sign) for tensors in memory, in a worker thread.
-        In format 1 the diff also moves ``prev`` to ``new`` in its pass (format 2 codes against
-        ``prev``'s old bits, so it moves after; tensors handed over replace ``prev``)."""
+        """CPU-heavy part (diff, encode, hash, sign) for tensors in memory, in a worker thread:
+        tensor by tensor on the host (``_frame_of``), as a whole patch on a device."""
         version = self.next_version
         t = self.timings = PublishTimings(version)
         t0 = time.perf_counter()
@@ -173,6 +172,33 @@ class Publisher:
             t.diff_s = time.perf_counter() - t0
             built = self._artifacts(version, target, layout_of(new), new, None)
             return version, target, None, built
+        if all(t.device.type == "cpu" for t in self.prev.values()):
+            return self._build_frames(version, new, t0)
+        return self._build_on_device(version, new, owned, t0)
+
+    def _build_frames(
+        self, version: int, new: TensorSet, t0: float
+    ) -> tuple[int, str, Patch | None, list[Built]]:
+        """Each tensor diffed and coded as one frame while ``prev`` moves to it in place, as
+        for a watched file: no whole ``Patch`` held (~0.3 GB of positions at 1B), no pass
+        left for ``_advance``."""
+        assert self.prev is not None and self.digest is not None
+        layout = layout_of(self.prev)
+        check_layout(layout, layout_of(new), "new version")
+        digest, scratch = self.digest.copy(), DiffScratch()
+        self._moved = True
+        done = map_workers(
+            lambda s: (s.name, *self._frame_of(s, new[s.name], digest, scratch)), layout, WORKERS
+        )
+        return self._assemble(version, layout, digest, done, t0)
+
+    def _build_on_device(
+        self, version: int, new: TensorSet, owned: bool, t0: float
+    ) -> tuple[int, str, Patch | None, list[Built]]:
+        """The whole patch, diffed on the weights' device (format 2's scans run there too);
+        in format 1 the diff moves ``prev`` in its pass, else ``_advance`` does."""
+        assert self.prev is not None and self.digest is not None
+        t = self.timings
         self._moved = self.policy.patch_format == 1 and not owned
         step = diff(self.prev, new, digest=self.digest, workers=WORKERS, advance=self._moved)
         self._target_digest = step.target_digest
@@ -193,7 +219,7 @@ class Publisher:
         store."""
         assert self.prev is not None and self.prev_hash is not None and self.digest is not None
         version = self.next_version
-        t = self.timings = PublishTimings(version)
+        self.timings = PublishTimings(version)
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             entries, start = read_index(f, path)
@@ -201,11 +227,21 @@ class Publisher:
             check_layout(layout_of(self.prev), layout, f"{path}")
             digest = self.digest.copy()
             self._moved = True
-            frames, history = self._stream_frames(f.fileno(), entries, start, path, digest)
-        t1 = time.perf_counter()
+            done = self._stream_frames(f.fileno(), entries, start, path, digest)
+        return self._assemble(version, layout, digest, done, t0)
+
+    def _assemble(
+        self, version: int, layout: Layout, digest: StateDigest, done: list, t0: float
+    ) -> tuple[int, str, Patch | None, list[Built]]:
+        """The patch file (and its format-1 history copy) from per-tensor frames ``done``
+        ((name, frame, history frame), None where unchanged), then the signed artifacts."""
+        assert self.prev is not None and self.prev_hash is not None
+        t, t1 = self.timings, time.perf_counter()
+        frames = {name: f for name, f, _ in done if f is not None}
         self._target_digest, target_hash = digest, digest.hash()
         payload = codec.assemble(layout, self.prev_hash, target_hash, frames)
         if self.history.maxlen:
+            history = {name: h for name, _, h in done if h is not None}
             self.history.append(codec.assemble(layout, self.prev_hash, target_hash, history))
         t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
         target = target_hash.hex()
@@ -213,7 +249,7 @@ class Publisher:
 
     def _stream_frames(
         self, fd: int, entries: list, start: int, path: Path, digest: StateDigest
-    ) -> tuple[dict, dict]:
+    ) -> list[tuple[str, tuple | None, tuple | None]]:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
         to the file's version tensor by tensor, in place (the digest by the words that
         changed). Each tensor is read into a buffer its worker thread reuses: a fresh tensor
@@ -231,10 +267,7 @@ class Publisher:
             spec = TensorSpec(name, shape, dtype)
             return name, *self._frame_of(spec, new, digest, scratch)
 
-        done = map_workers(one, entries, WORKERS)
-        frames = {name: f for name, f, _ in done if f is not None}
-        history = {name: h for name, _, h in done if h is not None}
-        return frames, history
+        return map_workers(one, entries, WORKERS)
 
     def _frame_of(
         self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: DiffScratch

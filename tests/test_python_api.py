@@ -335,13 +335,13 @@ def test_watched_files_publish_streaming_and_a_torn_file_changes_nothing(
     assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
 
 
-async def _publish_in_memory(tmp_path: Path, versions: list) -> tuple:
+async def _publish_in_memory(tmp_path: Path, versions: list, patch_format: int) -> tuple:
     """v0 handed over with two names on one memory (tied weights), v1 and v2 read only; the
     store fails while v2 is stored, after the diff moved ``prev`` to v2 in place."""
     key = SigningKey.generate()
     cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
     node = TrainerNode(cfg, SwarmPolicy("mem", (key.public,)), Store.open(cfg.data_dir))
-    policy = PublishPolicy(anchor_every=100, catchup_spans=(), patch_format=1)
+    policy = PublishPolicy(anchor_every=100, catchup_spans=(), patch_format=patch_format)
     publisher = Publisher(node, key, policy)
     tie = next(iter(versions[0]))
     tied = [{**v, "tied.copy": v[tie]} for v in versions[:3]]  # one memory, two names
@@ -364,17 +364,19 @@ async def _publish_in_memory(tmp_path: Path, versions: list) -> tuple:
     return after_failure, manifests, publisher, tied
 
 
+@pytest.mark.parametrize("patch_format", [1, 2])
 def test_an_in_memory_publish_moves_prev_in_its_diff_and_a_failure_moves_it_back(
-    tmp_path: Path, tiny_versions: list
+    tmp_path: Path, tiny_versions: list, patch_format: int
 ) -> None:
     after_failure, manifests, publisher, tied = asyncio.run(
-        _publish_in_memory(tmp_path, tiny_versions)
+        _publish_in_memory(tmp_path, tiny_versions, patch_format)
     )
     assert after_failure  # rebuilt from the store: v1, not the half-published v2
     assert bit_equal(publisher.prev, tied[2]) and publisher.prev_hash == state_hash(tied[2])
-    patch = codec.decode(bytes(publisher.node.store.payload(manifests[0]) or b""))
-    assert manifests[0].base_version == 1 and "tied.copy" in patch.deltas  # both names change
     weights = {k: v.clone() for k, v in tied[1].items()}
+    payload = bytes(publisher.node.store.payload(manifests[0]) or b"")
+    patch = codec.decode(payload, base=weights)  # format 2 decodes against its base
+    assert manifests[0].base_version == 1 and "tied.copy" in patch.deltas  # both names change
     apply(weights, patch)  # checks the signed target: the tie did not hide a change
     assert bit_equal(weights, tied[2])
 
