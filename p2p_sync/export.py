@@ -25,8 +25,10 @@ writes a model back, ext4 made that rename wait up to 1.1 s on this machine (it 
 renamed-over file's new data first), where a link swap waited 0.1 s and an in-place write 0.
 Not fsynced: the export is rebuilt from the store at start whenever ``version.json`` does not
 match the state.
-Disk: two copies of the model in the export directory. Engines glob ``*.safetensors`` in it;
-the buffers sit in a hidden subdirectory, out of that glob.
+The first export writes both buffers (the same version twice, after the link points at the first):
+a join is slow anyway (it downloads the model), where a fresh buffer at the next version cost that
+version 2-5 s at 1B. Disk: two copies of the model in the export directory. Engines glob
+``*.safetensors`` in it; the buffers sit in a hidden subdirectory, out of that glob.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ def write_export(
         finally:
             os.close(fd)
         _point(directory, INFO, beside)
+    spare = directory / spare_buffer(directory)
+    if not spare.exists():  # the first export: the other buffer now, so no version makes one
+        save_weights(spare, tensors, None, durable=False)
+        how += ", and the spare buffer created"
     log.info("export %s %s in %.2fs", target.name, how, time.perf_counter() - t0)
     return target
 

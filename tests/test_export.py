@@ -32,14 +32,18 @@ def exported(directory: Path) -> dict[str, torch.Tensor]:
 def test_versions_alternate_buffers_and_the_spare_is_rewritten_in_place(tmp_path: Path) -> None:
     versions = [weights(v) for v in range(4)]
     inodes = []
+    write_export(tmp_path, versions[0])  # the first export makes the spare too, holding v0
+    spare = tmp_path / BUFFERS[1]
+    made = spare.stat().st_ino
+    assert bit_equal(load_file(spare), versions[0])
     for v in versions:
         written = write_export(tmp_path, v)
         assert os.readlink(tmp_path / LINK) == str(written.relative_to(tmp_path))
         assert bit_equal(exported(tmp_path), v)
         inodes.append(written.stat().st_ino)
-    assert os.readlink(tmp_path / LINK) == BUFFERS[1]
-    assert spare_buffer(tmp_path) == BUFFERS[0]
-    assert inodes[0] == inodes[2] and inodes[1] == inodes[3]  # no new file after the first two
+    assert os.readlink(tmp_path / LINK) == BUFFERS[0]
+    assert spare_buffer(tmp_path) == BUFFERS[1]
+    assert inodes[0] == inodes[2] == made and inodes[1] == inodes[3]  # no new file after the first
     assert sorted(p.name for p in tmp_path.iterdir()) == [".p2psync", LINK]
 
 
