@@ -94,7 +94,8 @@ class Publisher:
     """Turns successive state dicts into published versions.
 
     It holds one copy of the last published weights (``prev``: a diff needs the old bits) and
-    keeps it current by applying each 1-step patch to it in place: O(patch) per version, no
+    keeps it current in place: on the host the diff's own pass moves each changed word to the
+    new version (``patch.diff_tracked``); on a device the 1-step patch is applied to it. No
     per-version copy. Durable state is the store's checkpoint and log (``p2p_sync.store``): the
     published artifacts are the log; anchors double as checkpoints, and full weights are
     written otherwise only every ``checkpoint_every`` versions and at ``close()``.
@@ -426,13 +427,16 @@ class Publisher:
         self.timings.store_s = time.perf_counter() - t0
 
     def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
-        """Bring ``prev`` to the new version: apply the step in place (O(patch)), or take the
-        caller's tensors when they are handed over (``owned``), or copy them once (v0)."""
-        if self.prev is not None and step is not None and not owned and not self._moved:
-            add_all(self.prev, step)  # its sums are the diff's target digest, adopted below
+        """Bring ``prev`` to the new version, unless the build already moved it in place: take
+        the caller's tensors when they are handed over (``owned``), apply the step (a device
+        diff, O(patch)), or copy them once (v0)."""
+        if self._moved:
+            pass
         elif owned:
             self.prev = _untied(new)
-        elif not self._moved:
+        elif self.prev is not None and step is not None:
+            add_all(self.prev, step)  # its sums are the diff's target digest, adopted below
+        else:
             self.prev = {k: v.detach().clone() for k, v in new.items()}
         self.prev_hash = bytes.fromhex(target)
         self.digest, self._target_digest = self._target_digest, None
