@@ -22,7 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # The emulated tier's NAT routers (tests/test_nat.py) need nftables' `nft`. As root with
 # apt-get (CI) this installs Debian's nftables when missing (apt-get update only if the install

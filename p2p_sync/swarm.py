@@ -267,6 +267,8 @@ class Scheduler:
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._chunk_bytes = 1.0  # mean size of the chunks verified so far
+        self._depths: dict[str, int] = {}  # PeerStats.depth, until its inputs move
+        self._open: set[str] = set()  # peers with fewer requests in flight than their depth
         self._samples = 0
         self._done_reported = False
         self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
@@ -330,6 +332,8 @@ class Scheduler:
         stats = self.stats.setdefault(peer, PeerStats())
         if rtt is not None:
             stats.rtt_sample(rtt)
+            self._depths.pop(peer, None)
+        self._recount(peer)
         known = self.peer_chunks.setdefault(peer, set())
         for i in indices:
             if i in self.holders and i not in known:
@@ -365,6 +369,7 @@ class Scheduler:
             self._drop_request(peer, i)
             cancelled.append(CancelRequest(peer, i))
         self.peer_inflight.pop(peer, None)
+        self._open.discard(peer)
         return cancelled
 
     def _drop_request(self, peer: str, index: int) -> float | None:
@@ -376,6 +381,7 @@ class Scheduler:
             del self.inflight[index]
         self.peer_inflight[peer].discard(index)
         self._n_inflight -= 1
+        self._recount(peer)
         return started
 
     def _verified(self, ev: ChunkVerified, now: float) -> list[Action]:
@@ -409,8 +415,16 @@ class Scheduler:
         stats.throughput = rate if not stats.verified else a * rate + (1 - a) * stats.throughput
         stats.last_delivery = now
         self._samples += 1
-        self._chunk_bytes += (ev.nbytes - self._chunk_bytes) / self._samples
         stats.rtt_sample(took)
+        self._depths.pop(ev.peer, None)
+        mean = self._chunk_bytes + (ev.nbytes - self._chunk_bytes) / self._samples
+        if mean == self._chunk_bytes:
+            self._recount(ev.peer)
+            return
+        self._chunk_bytes = mean  # every depth is counted in chunks of this size
+        self._depths.clear()
+        for peer in self.stats:
+            self._recount(peer)
 
     def _failed(self, peer: str, index: int) -> list[Action]:
         if self._drop_request(peer, index) is None:
@@ -496,9 +510,20 @@ class Scheduler:
 
     # ------------------------------------------------------------ scheduling
 
+    def _recount(self, peer: str) -> None:
+        """Whether ``peer`` has room for another request, kept in ``_open`` as its requests
+        and depth change: scheduling after every event then looks only at peers with room
+        (a busy download has few), not at every peer followed."""
+        depth = self._depths.get(peer)
+        if depth is None:
+            depth = self._depths[peer] = self.stats[peer].depth(self._chunk_bytes, self.config)
+        if len(self.peer_inflight.get(peer, ())) < depth:
+            self._open.add(peer)
+        else:
+            self._open.discard(peer)
+
     def _free(self, peer: str) -> bool:
-        depth = self.stats[peer].depth(self._chunk_bytes, self.config)
-        return len(self.peer_inflight.get(peer, ())) < depth
+        return peer in self._open
 
     def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:
         candidates = (self.holders.get(index, set()) & free).difference(exclude)
@@ -509,10 +534,11 @@ class Scheduler:
 
     def _free_peers(self, now: float) -> set[str]:
         busy = self.busy_until
-        return {  # the cheap tests first: _free weighs the peer's bandwidth-delay product
+        chunks = self.peer_chunks
+        return {
             p
-            for p, chunks in self.peer_chunks.items()
-            if chunks and busy.get(p, 0.0) <= now and p not in self.banned and self._free(p)
+            for p in self._open
+            if chunks.get(p) and busy.get(p, 0.0) <= now and p not in self.banned
         }
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
@@ -523,6 +549,7 @@ class Scheduler:
         self._last_start = now
         self.peer_inflight.setdefault(peer, set()).add(index)
         self._n_inflight += 1
+        self._recount(peer)
         return RequestChunk(peer, index)
 
     def _schedule(self, now: float) -> list[Action]:
@@ -570,6 +597,8 @@ class Scheduler:
 
     def _endgame(self, now: float, budget: int, free: set[str]) -> list[Action]:
         out: list[Action] = []
+        if budget <= 0 or not free:
+            return out  # asked after every event of the endgame: skip the sort when no room
         oldest_first = sorted(self.inflight, key=lambda i: min(self.inflight[i].values()))
         for i in oldest_first:
             if budget <= 0 or not free:

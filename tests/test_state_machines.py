@@ -117,7 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.feed(ChunkCorrupted(peer, index))
         else:
             self.verified.add(index)
-            self.feed(ChunkVerified(peer, index, 1000))
+            self.feed(ChunkVerified(peer, index, 1000 if index < self.n - 1 else 300))
 
     # ------------------------------------------------------------ rules: one per event
 
@@ -155,8 +155,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         peers = {**self.honest, **self.evil}
         peer = data.draw(st.sampled_from(sorted(peers)))
         held = sorted(peers[peer])
+        rtt = data.draw(st.none() | st.floats(0.001, 0.5))  # a timed have-map teaches a round trip
         if held:
-            self.feed(PeerHad(peer, frozenset(data.draw(st.sets(st.sampled_from(held))))))
+            self.feed(PeerHad(peer, frozenset(data.draw(st.sets(st.sampled_from(held)))), rtt))
 
     @rule(data=st.data())
     def peer_lost(self, data: st.DataObject) -> None:
@@ -200,6 +201,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             for peer, started in peers.items()
         )
         assert s._first_timeout() == brute
+
+    @invariant()
+    def peers_with_room_are_counted_afresh(self) -> None:
+        """The scheduler keeps the peers with room for a request as requests and depths
+        change: it must be the set a count from scratch gives, among peers it may ask."""
+        if not hasattr(self, "sched"):
+            return
+        s = self.sched
+        fresh = {
+            p
+            for p in s.peer_chunks
+            if p not in s.banned
+            and len(s.peer_inflight.get(p, ())) < s.stats[p].depth(s._chunk_bytes, s.config)
+        }
+        assert {p for p in s._open if p in s.peer_chunks and p not in s.banned} == fresh
 
     def teardown(self) -> None:
         """Liveness: the network now behaves (honest peers re-send their have-maps, as the

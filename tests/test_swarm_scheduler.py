@@ -236,3 +236,19 @@ def test_an_unmeasured_source_gets_the_initial_depth_within_the_bounds() -> None
     s = Scheduler(50, SwarmConfig(initial_requests_per_peer=5, max_requests_per_peer=3))
     actions = s.handle(PeerHad("p", frozenset(range(50))), 0.0)
     assert len(actions) == 3
+
+
+def test_a_shorter_round_trip_lowers_the_depth_at_once() -> None:
+    """A have-map answered faster than any chunk so far lowers the source's bandwidth-delay
+    product: the scheduler must not refill the old, deeper pipe when a request ends."""
+    s = Scheduler(50, SwarmConfig(initial_requests_per_peer=2, max_requests_per_peer=8))
+    first = s.handle(PeerHad("p", frozenset(range(50))), 0.0)
+    assert len(first) == 2 and all(isinstance(a, RequestChunk) for a in first)
+    # both arrive at once after 1 s: a fast pipe (1 ms between deliveries) at a 1 s round trip
+    got = [a for i in (0, 1) for a in s.handle(ChunkVerified("p", first[i].index, 1000), 1.0)]
+    deep = len(s.peer_inflight["p"])
+    assert deep == 8 and sum(isinstance(a, RequestChunk) for a in got) == 8
+    assert s.handle(PeerHad("p", frozenset(), rtt_s=1e-9), 1.0) == []  # near: depth 2 now
+    asked = s.handle(ChunkFailed("p", next(iter(s.peer_inflight["p"]))), 1.0)
+    assert not any(isinstance(a, RequestChunk) for a in asked)
+    assert len(s.peer_inflight["p"]) == 7
