@@ -23,6 +23,7 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
+from p2p_sync.transport.dataplane import PEER_HEADER as PEER
 from p2p_sync.transport.dataplane import HttpLimits
 from tests.helpers import rollout_config, trainer_config
 
@@ -393,3 +394,124 @@ def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> Non
         assert others[0] not in targets
         seen.update(targets[1:])
     assert len(seen) > 10  # rounds sample different peers
+
+
+async def _held(router, n: int) -> bool:
+    """Bounded wait until the server holds ``n`` have-map long polls."""
+    for _ in range(500):
+        if router.polls_held == n:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int, bool]:
+    """``k`` peers long-poll a 2-chunk have-map of which the node holds chunk 0; chunk 1
+    lands. Returns their answers and how many times the store listed the have-map for them."""
+    url = await node.start()
+    payload = b"a" * 16 * 1024 + b"b" * 16 * 1024
+    m = _snapshot(payload)
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    node.store.put_chunk(payload[: 16 * 1024])
+    listed, have_indices = [0], node.store.have_indices
+
+    def counted(manifest: Manifest) -> list[int]:
+        listed[0] += 1
+        return have_indices(manifest)
+
+    node.store.have_indices = counted  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(30), aiohttp.ClientSession() as s:
+            get = f"{url}/have/{m.digest}?known=1"
+            polls = [
+                asyncio.create_task(s.get(get, headers={PEER: f"http://127.0.0.1:{i + 1}"}))
+                for i in range(k)
+            ]
+            held = await _held(node.transport.server.router, k)
+            listed[0] = 0
+            node.store.put_chunk(payload[16 * 1024 :])
+            node.view.notify_have()
+            answers = []
+            for poll in polls:
+                async with await poll as resp:
+                    answers.append(await resp.json())
+    finally:
+        await node.stop()
+    return answers, listed[0], held
+
+
+def test_one_chunk_landing_lists_the_have_map_once_for_every_poll(tmp_path: Path) -> None:
+    """Every chunk that lands wakes every long poll held (a peer following this node each):
+    the have-map is listed once for all of them, not once per poll (O(followers x chunks)
+    per chunk), and each gets the news."""
+    node = make_node(tmp_path)
+    node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=600.0))
+    answers, listed, held = asyncio.run(_polls_woken_by_one_chunk(node, 6))
+    assert held and answers == [{"have": [0, 1]}] * 6
+    assert listed == 1
+
+
+async def _seed_polls(trainer, m: Manifest, payload: bytes) -> tuple[list, dict, list, bool]:
+    """Peers a and b each take the seed's first offer and long-poll it; a fetches one of its
+    chunks. Returns a's answer, the seeder's offer counts by requester while a was served,
+    b's answer once b fetched one of its own, and whether both polls were held."""
+    url = await trainer.start()
+    a, b = "http://127.0.0.1:1", "http://127.0.0.1:2"
+    offers: dict[str, int] = {a: 0, b: 0}
+    offer = trainer.view.seeder.offer
+
+    def counted(keys, requester, now):  # type: ignore[no-untyped-def]
+        offers[requester] += 1
+        return offer(keys, requester, now)
+
+    trainer.view.seeder.offer = counted  # type: ignore[method-assign]
+    try:
+        async with asyncio.timeout(30), aiohttp.ClientSession() as s:
+
+            async def ask(peer: str, known: str = "") -> list[int]:
+                async with s.get(f"{url}/have/{m.digest}{known}", headers={PEER: peer}) as r:
+                    return (await r.json())["have"]
+
+            async def fetch(peer: str, i: int) -> None:
+                async with s.get(f"{url}/chunk/{m.chunks[i]}", headers={PEER: peer}) as r:
+                    assert await r.read() == payload[i * 16 * 1024 : (i + 1) * 16 * 1024]
+
+            mine = {a: await ask(a), b: await ask(b)}
+            polls = {p: asyncio.create_task(ask(p, f"?known={len(mine[p])}")) for p in (a, b)}
+            held = await _held(trainer.transport.server.router, 2)
+            before = dict(offers)
+            await fetch(a, mine[a][0])
+            answer_a = await polls[a]
+            during = {p: offers[p] - before[p] for p in offers}
+            await fetch(b, mine[b][0])
+            answer_b = await polls[b]
+    finally:
+        await trainer.stop()
+    return [mine[a], answer_a], during, [mine[b], answer_b], held
+
+
+def test_a_chunk_served_by_the_seed_wakes_only_its_requesters_poll(tmp_path: Path) -> None:
+    """Serving a chunk changes the offer of the peer it was handed to, no one else's: only
+    that peer's long poll is woken and re-offered (waking every follower's cost a pass over
+    the manifest each, per chunk served). The other poll answers once its own turn comes."""
+    from node.trainer import TrainerNode
+    from p2p_sync.versions import PublishPolicy
+
+    key = SigningKey.generate()
+    policy = SwarmPolicy("t", (key.public,))
+    payload = b"".join(  # 8 distinct 16 KiB chunks
+        bytes([i]) * 16 * 1024 for i in range(8)
+    )
+    m = _snapshot(payload)
+    tcfg = trainer_config(tmp_path, p2p=False, publish=PublishPolicy(seed_outstanding=2))
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    trainer.cfg = replace(trainer.cfg, http=replace(trainer.cfg.http, have_wait_s=600.0))
+    trainer.store.put_payload(m, payload)
+    trainer.store.put_manifest(m, sign(m, [key]))
+    (a_first, a_next), during, (b_first, b_next), held = asyncio.run(
+        _seed_polls(trainer, m, payload)
+    )
+    assert held and len(a_first) == 2 and len(b_first) == 2 and not set(a_first) & set(b_first)
+    assert len(a_next) == 3 and set(a_first) < set(a_next)  # a's budget grew by the one served
+    assert during == {"http://127.0.0.1:1": 1, "http://127.0.0.1:2": 0}  # b's poll slept on
+    assert len(b_next) == 3 and set(b_first) < set(b_next)

@@ -102,7 +102,7 @@ class _Chunks:
     def __init__(self) -> None:
         self.uploaded = 0
 
-    def chunk(self, sha256: str) -> bytes | None:
+    def chunk(self, sha256: str, requester: str | None = None) -> bytes | None:
         return DATA if sha256 == SHA else None
 
     def count_upload(self, nbytes: int) -> None:

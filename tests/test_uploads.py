@@ -123,7 +123,7 @@ class _Chunks:
         self.chunks, self.uploaded = chunks, 0
         self.contacts: list[tuple[str, bool]] = []  # (requester, has uploads here) in order
 
-    def chunk(self, sha256: str) -> bytes | None:
+    def chunk(self, sha256: str, requester: str | None = None) -> bytes | None:
         return self.chunks.get(sha256)
 
     def count_upload(self, nbytes: int) -> None:

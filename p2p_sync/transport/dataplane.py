@@ -119,8 +119,8 @@ class NodeView(Protocol):
     def manifest_index(self) -> list[dict[str, Any]]: ...
     def manifest_bytes(self, digest: str) -> bytes | None: ...
     def have(self, digest: str, requester: str | None) -> list[int] | None: ...
-    def have_changed(self, timeout: float) -> Awaitable[None]: ...
-    def chunk(self, sha256: str) -> bytes | None: ...
+    def have_changed(self, timeout: float, requester: str | None = None) -> Awaitable[None]: ...
+    def chunk(self, sha256: str, requester: str | None = None) -> bytes | None: ...
     def peer_urls(self) -> list[str]: ...
     def status(self) -> dict[str, Any]: ...
     def metrics_text(self) -> bytes: ...
@@ -319,7 +319,7 @@ class DataRouter:
         _hex(sha, "sha")
         await self._upload_slot(req)
         try:
-            data = self.node.chunk(sha)  # inline: ~0.3 ms (read + re-hash), < a thread hop
+            data = self.node.chunk(sha, req.peer)  # inline: ~0.3 ms (read, re-hash) < a thread hop
             if data is None:
                 raise Refused(404, "no such chunk here")
             if self._bucket is not None:  # upload cap: wait our turn before sending
@@ -358,18 +358,18 @@ class DataRouter:
             left = deadline - time.monotonic()
             if left <= 0 or self._closing.is_set():
                 break
-            await self._news_or_close(left)
+            await self._news_or_close(left, req.peer)
             have = self.node.have(digest, req.peer)
         if have is None:
             raise Refused(404, "no such manifest here")
         return _json({"have": have})
 
-    async def _news_or_close(self, timeout: float) -> None:
+    async def _news_or_close(self, timeout: float, requester: str | None) -> None:
         """Wait for have-map news (or the node closing). ``have_changed`` takes its news
         event when called, with no await between the caller's check and here; a coroutine
         would take it only once scheduled, and news landing in between was lost (the poll
         then held for the full ``have_wait_s``)."""
-        news = asyncio.ensure_future(self.node.have_changed(timeout))
+        news = asyncio.ensure_future(self.node.have_changed(timeout, requester))
         closing = asyncio.ensure_future(self._closing.wait())
         self.polls_held += 1
         try:
