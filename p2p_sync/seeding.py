@@ -113,12 +113,6 @@ class SuperSeeder:
         limit = self.reseed_after_s if self.quiet_after_s is None else self.quiet_after_s
         return now - max(handed_at, self.idle_since.get(owner, handed_at)) > limit
 
-    def starved(self, key: Hashable, now: float) -> bool:
-        """Fetched from the seed ``starve_after_s`` ago or longer: shown to anyone asking."""
-        if not self.served[key]:
-            return False
-        return now - self.spread_since.setdefault(key, now) >= self.starve_after_s
-
     def note_served(self, key: Hashable) -> None:
         """The seed uploaded chunk ``key`` (to anyone)."""
         self.served[key] += 1
@@ -131,22 +125,29 @@ class SuperSeeder:
                 del self.owner[key]
 
     def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
-        """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones."""
-        budget, served = self.outstanding, self.served
-        for key in keys:
-            owner = self.owner.get(key)
-            if owner is not None and owner[0] == requester and not served[key]:
-                budget -= 1
+        """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones.
+        A seed asks this for every chunk it serves, over the whole manifest, so the loop is
+        kept tight (``served.get``: a Counter's missing key costs a Python call)."""
+        owners, served = self.owner, self.served
+        budget = self.outstanding - sum(
+            1
+            for key in keys
+            if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
+        )
         out = []
         for i, key in enumerate(keys):
-            owner = self.owner.get(key)
-            if (owner is not None and owner[0] == requester) or self.starved(key, now):
+            owner = owners.get(key)
+            if owner is not None and owner[0] == requester:
                 out.append(i)
-            elif not served[key] and (owner is None or self._lapsed(owner, now)) and budget > 0:
+            elif served.get(key):  # out in the swarm: shown to anyone once fetched from
+                # the seed ``starve_after_s`` ago (``spread_since``: first seen fetched)
+                if now - self.spread_since.setdefault(key, now) >= self.starve_after_s:
+                    out.append(i)
+            elif (owner is None or self._lapsed(owner, now)) and budget > 0:
                 # never fetched, and unclaimed or handed out long ago (its owner went quiet);
                 # a chunk fetched without an owner (one released while its requester still
                 # fetched it) is out in the swarm: shown only once it starves, like any other
-                self.owner[key], budget = (requester, now), budget - 1
+                owners[key], budget = (requester, now), budget - 1
                 out.append(i)
         return out
 
