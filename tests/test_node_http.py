@@ -454,7 +454,8 @@ def test_one_chunk_landing_lists_the_have_map_once_for_every_poll(tmp_path: Path
 async def _seed_polls(trainer, m: Manifest, payload: bytes) -> tuple[list, dict, list, bool]:
     """Peers a and b each take the seed's first offer and long-poll it; a fetches one of its
     chunks. Returns a's answer, the seeder's offer counts by requester while a was served,
-    b's answer once b fetched one of its own, and whether both polls were held."""
+    b's answer once b fetched one of its own, and whether both polls were held. Then b
+    fetches a chunk handed to a, and a's next answer's length ends a's list."""
     url = await trainer.start()
     a, b = "http://127.0.0.1:1", "http://127.0.0.1:2"
     offers: dict[str, int] = {a: 0, b: 0}
@@ -485,6 +486,11 @@ async def _seed_polls(trainer, m: Manifest, payload: bytes) -> tuple[list, dict,
             during = {p: offers[p] - before[p] for p in offers}
             await fetch(b, mine[b][0])
             answer_b = await polls[b]
+            again = asyncio.create_task(ask(a, f"?known={len(answer_a)}"))
+            held &= await _held(trainer.transport.server.router, 1)
+            handed_to_a = max(set(answer_a) - {mine[a][0]})  # and not fetched yet
+            await fetch(b, handed_to_a)  # b takes it: a's budget grows, a's poll wakes
+            answer_a.append(len(await again))
     finally:
         await trainer.stop()
     return [mine[a], answer_a], during, [mine[b], answer_b], held
@@ -512,6 +518,8 @@ def test_a_chunk_served_by_the_seed_wakes_only_its_requesters_poll(tmp_path: Pat
         _seed_polls(trainer, m, payload)
     )
     assert held and len(a_first) == 2 and len(b_first) == 2 and not set(a_first) & set(b_first)
+    *a_next, a_after = a_next
     assert len(a_next) == 3 and set(a_first) < set(a_next)  # a's budget grew by the one served
+    assert a_after == 4  # a chunk handed to a, served to b, wakes a's poll as well
     assert during == {"http://127.0.0.1:1": 1, "http://127.0.0.1:2": 0}  # b's poll slept on
     assert len(b_next) == 3 and set(b_first) < set(b_next)
