@@ -15,7 +15,10 @@ GET  /manifest/{digest}     the signed manifest bytes, as received from the trai
 GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]};
                             with ``?known=N`` a long poll: the answer waits (up to
                             ``have_wait_s``) until the list is no longer N long, so news
-                            of a chunk reaches peers one latency after it is verified
+                            of a chunk reaches peers one latency after it is verified (a
+                            seed's list is its offer to the requester named by the peer
+                            header: it grows when a chunk handed to that requester is
+                            served; what time alone frees shows at the next answer)
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...], and
                             optionally "offers": {digest: [chunk indices]}, what the sender's
