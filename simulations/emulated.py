@@ -169,7 +169,8 @@ class NodeReport:
     channel_uploaded: int  # of which over reverse channels it opened (behind NAT)
     streams_uploaded: int  # of which over libp2p streams (behind NAT: relayed, or no channel)
     downloaded: int
-    hole_punched: int = 0  # relayed connections it turned direct (DCUtR hole punches it started)
+    hole_punched: int = 0  # relayed connections it turned direct (DCUtR, either side)
+    hole_punches: int = 0  # DCUtR exchanges it started
 
     @classmethod
     def of(cls, proc: Proc, nat: int) -> NodeReport:
@@ -180,7 +181,8 @@ class NodeReport:
         streams, punched = p2p.get("streams_bytes_uploaded", 0), p2p.get("hole_punched", 0)
         channels = (doc.get("reverse") or {}).get("bytes_uploaded", 0)
         up, down = doc.get("bytes_uploaded", 0), doc.get("bytes_downloaded", 0)
-        return cls(proc.name, nat, verdict, up, channels, streams, down, punched)
+        tries = p2p.get("hole_punches", 0)
+        return cls(proc.name, nat, verdict, up, channels, streams, down, punched, tries)
 
 
 @dataclass
@@ -456,12 +458,15 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
             result.versions.append(vr)
             if cfg.punch_wait_s > 0 and result.punched_after is None and _punched(rollouts, cfg):
                 result.punched_after = v
-        if cfg.punch_wait_s > 0 and result.punched_after is None:
-            result.notes.append(f"no rollout punched a hole within {cfg.punch_wait_s:g} s")
         want = state_hash(versions[-1]).hex()
         result.converged = all((p.status() or {}).get("state_hash") == want for p in rollouts)
         result.trainer = NodeReport.of(trainer, cfg.trainer_nat)
         result.rollouts = [NodeReport.of(p, cfg.nat_of(i)) for i, p in enumerate(rollouts)]
+        if cfg.punch_wait_s > 0 and result.punched_after is None:
+            tries = ", ".join(f"{r.name} {r.hole_punches}" for r in result.rollouts)
+            result.notes.append(
+                f"no rollout punched a hole within {cfg.punch_wait_s:g} s (tries: {tries})"
+            )
     finally:
         swarm.stop()
     return result
@@ -527,12 +532,12 @@ def uploads(result: EmulationResult) -> list[str]:
     """Per rollout: public or behind which NAT, its verdict, what it uploaded; then the mean
     upload of NATed and of public rollouts and the trainer's upload over the payload."""
     head = ("rollout", "where", "verdict", "up MB", "HTTP MB", "channels MB", "streams MB")
-    lines = ["  ".join(f"{h:>12}" for h in (*head, "down MB", "punched"))]
+    lines = ["  ".join(f"{h:>12}" for h in (*head, "down MB", "punched/tries"))]
     for r in [result.trainer] * bool(result.trainer and result.trainer.nat) + result.rollouts:
         cells = (r.name, f"NAT {r.nat}" if r.nat else "public", r.verdict or "-")
         http = r.uploaded - r.channel_uploaded - r.streams_uploaded  # behind NAT: its LAN's
         cells += (_mb(r.uploaded), _mb(http), _mb(r.channel_uploaded), _mb(r.streams_uploaded))
-        cells += (_mb(r.downloaded), str(r.hole_punched))
+        cells += (_mb(r.downloaded), f"{r.hole_punched}/{r.hole_punches}")
         lines.append("  ".join(f"{x:>12}" for x in cells))
     nated, public = result.mean_upload(True), result.mean_upload(False)
     share = f" ({nated / public:.2f}x)" if nated is not None and public else ""

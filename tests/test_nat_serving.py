@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from libp2p.peer.id import ID
 
 from node.config import ConfigError, load
 from p2p_sync import Rollout, Trainer
@@ -96,6 +97,115 @@ def test_the_stream_pool_hands_out_only_young_usable_streams_and_keeps_a_few() -
     trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+LOW, HIGH = ID(b"\x00\x24" + b"\x01" * 34), ID(b"\x00\x24" + b"\x02" * 34)  # two peer IDs
+
+
+@given(st.binary(min_size=1, max_size=40), st.binary(min_size=1, max_size=40))
+def test_exactly_one_side_of_a_pair_drives_the_hole_punch(a: bytes, b: bytes) -> None:
+    from p2p_sync.transport.relay import drives
+
+    if a != b:
+        assert drives(ID(a), ID(b)) != drives(ID(b), ID(a))
+    else:
+        assert not drives(ID(a), ID(b))  # nobody punches a hole to itself
+
+
+class _Link:
+    """A connection to the peer as py-libp2p shows it: relayed, or direct."""
+
+    def __init__(self, relayed: bool) -> None:
+        self.relayed = relayed
+
+    def get_connection_type(self) -> object:
+        from libp2p.connection_types import ConnectionType
+
+        return ConnectionType.RELAYED if self.relayed else ConnectionType.DIRECT
+
+    def get_transport_addresses(self) -> list:
+        return []
+
+
+class _Host:
+    """A host whose connections to its one peer are ``links``."""
+
+    def __init__(self, own: ID) -> None:
+        self.own, self.links = own, [_Link(relayed=True)]
+
+    def get_id(self) -> ID:
+        return self.own
+
+    def get_network(self) -> _Host:
+        return self
+
+    def get_connections(self, peer: object) -> list:
+        return self.links
+
+
+def _trying(monkeypatch: pytest.MonkeyPatch) -> list[tuple[ID, float]]:
+    """py-libp2p's tries (and answers) made no-ops that record which host tried, when."""
+    import trio
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+
+    tried: list[tuple[ID, float]] = []
+
+    async def attempt(self: DCUtRProtocol, peer_id: ID) -> bool:
+        tried.append((self.host.get_id(), trio.current_time()))
+        return False
+
+    async def answer(self: DCUtRProtocol, stream: object) -> None:
+        self.host.links.append(_Link(relayed=False))  # the peer's session punched through
+
+    monkeypatch.setattr(DCUtRProtocol, "initiate_hole_punch", attempt)
+    monkeypatch.setattr(DCUtRProtocol, "_handle_dcutr_stream", answer)
+    return tried
+
+
+def test_the_peer_with_the_higher_id_answers_and_starts_only_if_the_other_never_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two py-libp2p peers started together both drive, every 2 s from the same moment: two
+    sessions at once, and each side's two dials from its one listen port collide. Ours: the
+    lower ID drives; the higher one answers, counts the punch, and drives itself only after
+    ``YIELD_S`` without a session from a peer that never drives."""
+    import trio.testing
+
+    from p2p_sync.transport import relay
+
+    tried = _trying(monkeypatch)
+
+    async def loop(puncher: relay.HolePuncher, seconds: float) -> None:
+        for _ in range(int(seconds / 2)):  # py-libp2p's loop: every 2 s while relayed
+            await puncher.initiate_hole_punch(LOW if puncher.host.get_id() == HIGH else HIGH)
+            await trio.sleep(2.0)
+
+    async def scenario() -> tuple[float, int]:
+        low, high = relay.HolePuncher(_Host(LOW), 3.0), relay.HolePuncher(_Host(HIGH), 3.0)
+        async with trio.open_nursery() as nursery:
+            low._nursery = high._nursery = nursery
+            nursery.start_soon(loop, low, 6.0)
+            nursery.start_soon(loop, high, 30.0)
+            await trio.sleep(5.0)
+            assert [who for who, _ in tried] == [LOW] * 3  # at once, and every 2 s
+            assert high.tried == 0  # the higher ID waits for the session
+            stream = type("S", (), {"muxed_conn": type("C", (), {"peer_id": LOW})})()
+            await high._handle_dcutr_stream(stream)  # LOW's session: a direct connection
+            assert high.punched == 1
+            high.host.links = [_Link(relayed=True)]  # the direct one drops: relayed again
+            await trio.sleep(30.0)
+            assert high.tried == 0  # LOW drives this pair: HIGH never starts
+            passive = relay.HolePuncher(_Host(HIGH), 3.0)  # a peer that never drives
+            passive._nursery = nursery
+            start = trio.current_time()
+            tried.clear()
+            await loop(passive, 30.0)
+            return start, passive.tried
+
+    start, n = trio.run(scenario, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert n == len(tried) > 0 and {who for who, _ in tried} == {HIGH}
+    first = tried[0][1] - start  # then every 2 s, as py-libp2p's loop asks
+    assert relay.YIELD_S <= first <= relay.YIELD_S + 2.0, first
+
+
 def test_a_peer_whose_hole_punch_tries_ran_out_gets_fresh_ones_later(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -114,6 +224,9 @@ def test_a_peer_whose_hole_punch_tries_ran_out_gets_fresh_ones_later(
         def get_connections(self, peer: object) -> list:
             return []
 
+        def get_id(self) -> ID:
+            return LOW  # this side drives
+
     async def missed(self: DCUtRProtocol, peer_id: object) -> bool:  # py-libp2p's budget
         n = self._hole_punch_attempts.get(peer_id, 0)  # type: ignore[call-overload]
         if n < MAX_HOLE_PUNCH_ATTEMPTS:
@@ -128,8 +241,8 @@ def test_a_peer_whose_hole_punch_tries_ran_out_gets_fresh_ones_later(
         async with trio.open_nursery() as nursery:
             puncher._nursery = nursery
             for _ in range(100):  # py-libp2p's loop: every 2 s, skipping a peer out of tries
-                if puncher._hole_punch_attempts.get("p", 0) < MAX_HOLE_PUNCH_ATTEMPTS:
-                    await puncher.initiate_hole_punch("p")  # type: ignore[arg-type]
+                if puncher._hole_punch_attempts.get(HIGH, 0) < MAX_HOLE_PUNCH_ATTEMPTS:
+                    await puncher.initiate_hole_punch(HIGH)
                     tries.append(trio.current_time())
                 await trio.sleep(2.0)
             nursery.cancel_scope.cancel()

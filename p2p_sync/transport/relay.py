@@ -90,29 +90,51 @@ class BoundedRelay(CircuitV2Protocol):
 RELAYED_GRACE_S = 3.0  # after a punch, the relayed connection lives on this long
 REARM_S = 5.0  # a peer whose tries all failed gets fresh ones this long after (doubling)
 REARM_ROUNDS = 4  # fresh rounds of tries per peer, then the relay stays for good
-MAX_REARMED = 1024  # peers whose rounds are remembered (the oldest forgotten)
+MAX_REARMED = 1024  # peers whose rounds (and whether they drive) are remembered
+YIELD_S = 12.0  # the side that leaves the drive to its peer starts itself after this long
+# without a session from it (py-libp2p's loop ticks every 2 s, and its first dial, straight
+# to the peer's advertised addresses, can take the whole 5 s dial timeout)
+
+
+def drives(own: ID, peer: ID) -> bool:
+    """Whether this side of a relayed pair starts the DCUtR exchange: the one with the lower
+    peer ID. The spec has one side drive; py-libp2p drives from both, every 2 s from the
+    host's start, so two peers started together open two sessions at the same moment, each
+    side dials twice from its one listen port to the same address, and the dials collide
+    (seen in netns runs: a whole round lost). Once both sides' tries fail together, their
+    fresh rounds start together too."""
+    return own.to_bytes() < peer.to_bytes()
 
 
 class HolePuncher(DCUtRProtocol):
-    """py-libp2p's DCUtR, counting the hole punches this node started while it had only a
-    relayed connection to the peer (tries, and tries that left a direct connection).
+    """py-libp2p's DCUtR, counting the hole punches this node tried while it had only a
+    relayed connection to the peer, and the exchanges (its own or the peer's) that left a
+    direct connection.
 
     py-libp2p tries a peer 3 times, 2 s apart, then never again while the relayed connection
     lasts. A try is a timed simultaneous open: on a loaded CPU all three can miss their moment
     as surely as behind a symmetric NAT (seen in CI: no punch within 30 s). So a peer whose
     tries ran out gets fresh ones ``REARM_S`` later, doubling, ``REARM_ROUNDS`` times (~75 s
     in all): a few dials more where the NAT defeats them, the relay's hops and cap left
-    behind where only the timing did."""
+    behind where only the timing did.
+
+    Only one side of a pair drives (:func:`drives`); the other answers, and starts itself
+    only if no session came from the peer within ``YIELD_S`` (a peer that never drives: the
+    spec lets the side that dialed through the relay wait)."""
 
     def __init__(self, host: Any, dial_timeout_s: float) -> None:
         super().__init__(host, dial_timeout=int(max(dial_timeout_s, 1)))
         self.tried = self.punched = 0
         self._rounds: dict[ID, int] = {}  # fresh rounds of tries given to each peer
         self._rearming: set[ID] = set()
+        self._drivers: dict[ID, bool] = {}  # peers that opened a DCUtR session to us
+        self._yielded: dict[ID, float] = {}  # peers we left the drive to, since when
 
     async def initiate_hole_punch(self, peer_id: ID) -> bool:
         if direct_connection(self.host, peer_id) is not None:
             return True  # nothing to punch (py-libp2p says True here too)
+        if self._leaves_it_to(peer_id):
+            return False  # no try spent: py-libp2p's loop asks again in 2 s
         self.tried += 1
         ok = await super().initiate_hole_punch(peer_id)
         if ok and direct_connection(self.host, peer_id) is not None:
@@ -123,6 +145,28 @@ class HolePuncher(DCUtRProtocol):
         elif self._hole_punch_attempts.get(peer_id, 0) >= MAX_HOLE_PUNCH_ATTEMPTS:
             self._rearm(peer_id)
         return ok
+
+    async def _handle_dcutr_stream(self, stream: Any) -> None:
+        """The peer drives: answer (py-libp2p), and count a punch that left a direct
+        connection where there was only a relayed one."""
+        peer_id = stream.muxed_conn.peer_id
+        remember(self._drivers, peer_id, True, MAX_REARMED)
+        relayed_only = direct_connection(self.host, peer_id) is None
+        await super()._handle_dcutr_stream(stream)
+        if relayed_only and direct_connection(self.host, peer_id) is not None:
+            self.punched += 1
+            log.info("hole punched (answering): direct connection to %s", peer_id)
+            self._retire_relayed(peer_id)
+
+    def _leaves_it_to(self, peer_id: ID) -> bool:
+        """Whether to wait for the peer to drive, as :func:`drives` and ``YIELD_S`` say."""
+        if drives(self.host.get_id(), peer_id):
+            return False
+        if peer_id in self._drivers:
+            return True
+        if peer_id not in self._yielded:
+            remember(self._yielded, peer_id, trio.current_time(), MAX_REARMED)
+        return trio.current_time() - self._yielded[peer_id] < YIELD_S
 
     def _rearm(self, peer_id: ID) -> None:
         rounds = self._rounds.get(peer_id, 0)
