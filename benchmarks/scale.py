@@ -9,8 +9,10 @@ AdamW-like step on them, so ~1-3% of the bf16 elements change bits), then:
    Per version it prints the trainer's publish split (diff, encode, hash+sign, store), each
    rollout's fetch / apply / persist / export time, and the bytes each process wrote to disk.
    At the end: peak RSS per process against the model size.
-2. **In-process API** (``p2p_sync.Trainer`` / ``p2p_sync.Rollout(model=...)``): one process,
-   the clock runs from ``publish()`` to the end of ``apply_updates()`` into a live state dict.
+2. **In-process API** (``p2p_sync.Trainer`` / ``p2p_sync.Rollout(model=...)``): the engine's
+   process applies each version into a live state dict; the trainer's side runs in a process of
+   its own, as a training loop does (``--api-same-process``: both in one process, sharing one
+   GIL). The clock runs from ``publish()`` to the end of ``apply_updates()``.
 
 Dense baselines: the time to push the whole bf16 model over 1 and 10 Gbit/s links.
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import resource
 import statistics
@@ -54,9 +57,10 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.models import SIZES, Model  # noqa: E402
+from benchmarks.models import SIZES, Model, llama_shapes  # noqa: E402
 from node.localswarm import Proc, Swarm, wait_for  # noqa: E402
 from p2p_sync.keys import SigningKey, write_keypair  # noqa: E402
+from p2p_sync.statehash import state_hash  # noqa: E402
 from p2p_sync.versions import PublishPolicy, to_publish  # noqa: E402
 from p2p_sync.weights_io import save_weights  # noqa: E402
 
@@ -194,35 +198,110 @@ def catchups_built(trainer: Proc, v: int) -> dict:
     return figures()
 
 
-def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
-    from p2p_sync import Rollout, Trainer
+class _SameProcess:
+    """The trainer's side in this very process: it shares the engine's GIL and cores, as no
+    deployment does (the figures of earlier sessions; ``--api-same-process``)."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        from p2p_sync import Trainer
+
+        self.model = Model(args.size, args.lr, "cpu")
+        self.trainer = Trainer(
+            key=root / "api.key", data_dir=root / "api-t", publish=_publish(args)
+        ).open()
+        self.url = self.trainer.url
+        self.times = (0.0, 0.0)
+
+    def start(self, v: int) -> str:
+        if v:
+            self.model.step()
+        want = state_hash(self.model.bf16).hex()
+        t0 = time.monotonic()
+        self.trainer.publish(self.model.bf16)
+        self.times = (t0, time.monotonic())
+        return want
+
+    def published(self) -> tuple[float, float]:
+        return self.times
+
+    def close(self) -> None:
+        self.trainer.close()
+
+    def __enter__(self) -> _SameProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _OwnProcess:
+    """The trainer's side in a process of its own, as a training loop is deployed: it steps
+    and hashes the model (untimed), then publishes while the engine waits. Both clocks are
+    ``time.monotonic`` (CLOCK_MONOTONIC: one clock for every process on the machine)."""
+
+    def __init__(self, args: argparse.Namespace, root: Path) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process holding threads
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_trainer_side, args=(args, root, theirs), daemon=True)
+        self.proc.start()
+        self.url = self._recv(600)
+
+    def _recv(self, timeout: float):  # noqa: ANN202 (whatever the other side sent)
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"the trainer's process sent nothing for {timeout:g} s")
+        return self.conn.recv()
+
+    def start(self, v: int) -> str:
+        self.conn.send(v)
+        return self._recv(600)  # the hash of the version it is now publishing
+
+    def published(self) -> tuple[float, float]:
+        return self._recv(600)
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(600)
+
+
+def _trainer_side(args: argparse.Namespace, root: Path, conn) -> None:  # noqa: ANN001
+    with _SameProcess(args, root) as side:
+        conn.send(side.url)
+        while (v := conn.recv()) is not None:
+            conn.send(side.start(v))
+            conn.send(side.published())
+
+
+def _publish(args: argparse.Namespace) -> dict:
+    return {"anchor_every": 1000, "patch_format": args.patch_format}
+
+
+def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
+    """Publish ``args.versions`` versions through ``p2p_sync.Trainer`` and apply each into a
+    live state dict through ``p2p_sync.Rollout(model=...)`` in this process; the clock runs
+    from ``publish()`` to the end of ``apply_updates()``."""
+    from p2p_sync import Rollout
 
     key = SigningKey.generate()
     pub = write_keypair(key, root / "api.key")
-    engine = {k: torch.empty_like(v) for k, v in model.bf16.items()}  # the engine's live tensors
+    engine = {k: torch.empty(s, dtype=torch.bfloat16) for k, s in llama_shapes(args.size).items()}
+    side = (_SameProcess if args.api_same_process else _OwnProcess)(args, root)
     out = []
-    with Trainer(
-        key=root / "api.key",
-        data_dir=root / "api-t",
-        publish={"anchor_every": 1000, "patch_format": args.patch_format},
-    ) as trainer:
+    try:
         with Rollout(
             trust=[str(pub)],
-            peers=[trainer.url],
+            peers=[side.url],
             data_dir=root / "api-r",
             model=engine,
             download={"have_poll_s": 0.05},
         ) as rollout:
             for v in range(args.versions):
-                if v:
-                    model.step()
-                t0 = time.perf_counter()
-                trainer.publish(model.bf16)
-                t1 = time.perf_counter()
+                want = side.start(v)
                 while rollout.version != v:
                     rollout.wait_for_update(timeout=600)
                     hand = rollout.apply_updates()
-                t2 = time.perf_counter()
+                t2 = time.monotonic()
+                t0, t1 = side.published()
+                assert state_hash(engine).hex() == want, f"v{v}: the engine differs"
                 out.append(
                     {
                         "version": v,
@@ -231,7 +310,8 @@ def run_api(args: argparse.Namespace, model: Model, root: Path) -> list[dict]:
                         "pause_s": hand.pause_s,
                     }
                 )
-                assert all(torch.equal(engine[k], model.bf16[k]) for k in engine)
+    finally:
+        side.close()
     return out
 
 
@@ -330,6 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         help="each file as soon as the last version is handed off: no writeback, no warm file",
     )
     parser.add_argument("--skip-api", action="store_true")
+    parser.add_argument(
+        "--api-same-process",
+        action="store_true",
+        help="the API path's trainer in the engine's process (sharing its GIL and cores)",
+    )
     parser.add_argument("--skip-processes", action="store_true")
     parser.add_argument("--dir", type=Path, help="work dir (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
@@ -344,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             report(args, res["params"], res, [], console)
         gc.collect()
         if not args.skip_api:
-            api = run_api(args, Model(args.size, args.lr, "cpu"), work)
+            api = run_api(args, work)
             report(args, None, res, api, console)
     if args.json:
         doc = {"rows": [r.__dict__ for r in res["rows"]], "peaks": res["peaks"], "api": api}
