@@ -299,10 +299,12 @@ def test_a_swarm_with_volunteers_behind_nat_converges(
 
 
 # trainer and bootstrap public, r2 and r3 each behind its own router: they can reach each other
-# only through a relay, until DCUtR punches a hole. Each side tries every 2 s while a relayed
-# connection is up, at most 3 times (py-libp2p), and a try is a timed simultaneous open: on an
-# idle 2-core VM the first one wins (punched after v0), on a loaded CI runner it took until
-# after v2. The version after the punch shows whether the relay is left alone.
+# only through a relay, until DCUtR punches a hole. The peer with the lower id tries every 2 s
+# while a relayed connection is up, 3 times, then in fresh rounds (``relay.HolePuncher``); a try
+# is a timed simultaneous open. Both sides used to drive at once (py-libp2p) and their dials
+# could collide (seen locally: a round lost; the likeliest cause of a CI run with no punch in
+# 144 s). One side driving: the first try won in every local run, idle or loaded. The version
+# after the punch shows whether the relay is left alone.
 PUNCH = replace(NAT_SWARM, hosts=4, versions=4, nat=(1, 2), punch_wait_s=30.0)
 
 
