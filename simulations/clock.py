@@ -6,9 +6,27 @@ Nothing here sleeps: time jumps from one event to the next, so a simulated minut
 
 from __future__ import annotations
 
+import gc
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+# A run allocates millions of short-lived objects (events, request keys, sets) and hardly any
+# cycles; Python's default thresholds (a young collection every 700 allocations, the older
+# generations every 10 of the one below) spent ~12% of the CI scenario in the collector
+# (103 s against 91 s, the same result). Raised while events run, then restored.
+RUN_GC_THRESHOLDS = (100_000, 50, 100)
+
+
+@contextmanager
+def fewer_collections() -> Iterator[None]:
+    old = gc.get_threshold()
+    gc.set_threshold(*RUN_GC_THRESHOLDS)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 class Clock:
@@ -38,6 +56,16 @@ class Clock:
 
         ``every`` is called every 20,000 events (progress display).
         """
+        with fewer_collections():
+            return self._events(until, deadline, max_events, every)
+
+    def _events(
+        self,
+        until: Callable[[], bool],
+        deadline: float,
+        max_events: int,
+        every: Callable[[], None] | None,
+    ) -> bool:
         heap, pop = self._heap, heapq.heappop
         ran = 0
         try:

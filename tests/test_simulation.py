@@ -3,6 +3,7 @@ adversaries, scenario errors, the CLI's report, and the CI scenario's acceptance
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import re
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_sync.swarm import Scheduler, SwarmConfig
-from simulations.clock import Clock
+from simulations.clock import RUN_GC_THRESHOLDS, Clock
 from simulations.network import Network
 from simulations.pushtree import TreeLayout
 from simulations.run import simulate
@@ -324,6 +325,24 @@ def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 1
     assert res.stderr.strip() == "p2psync: error: scenario: peers: must be >= 1"
+
+
+def test_the_clock_raises_the_gc_thresholds_only_while_events_run() -> None:
+    """A run collects garbage less often (it makes little), and leaves the process as it was,
+    an event that raises included."""
+    before, seen = gc.get_threshold(), []
+    clock = Clock()
+    clock.at(1.0, lambda: seen.append(gc.get_threshold()))
+    assert clock.run(lambda: bool(seen), 10.0, 10)
+    assert seen == [RUN_GC_THRESHOLDS] != before and gc.get_threshold() == before
+
+    def fails() -> None:
+        raise RuntimeError("an event failed")
+
+    clock.at(2.0, fails)
+    with pytest.raises(RuntimeError, match="an event failed"):
+        clock.run(lambda: False, 10.0, 10)
+    assert gc.get_threshold() == before
 
 
 def test_ci_scenario() -> None:
