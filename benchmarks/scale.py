@@ -48,7 +48,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -246,7 +248,7 @@ class _OwnProcess:
         self.proc.start()
         self.url = self._recv(600)
 
-    def _recv(self, timeout: float):  # noqa: ANN202 (whatever the other side sent)
+    def _recv(self, timeout: float) -> Any:
         if not self.conn.poll(timeout):
             raise RuntimeError(f"the trainer's process sent nothing for {timeout:g} s")
         return self.conn.recv()
@@ -259,11 +261,14 @@ class _OwnProcess:
         return self._recv(600)
 
     def close(self) -> None:
-        self.conn.send(None)
+        try:
+            self.conn.send(None)
+        except OSError:  # it died: its error went to stderr; the caller's own error matters
+            pass
         self.proc.join(600)
 
 
-def _trainer_side(args: argparse.Namespace, root: Path, conn) -> None:  # noqa: ANN001
+def _trainer_side(args: argparse.Namespace, root: Path, conn: Connection) -> None:
     with _SameProcess(args, root) as side:
         conn.send(side.url)
         while (v := conn.recv()) is not None:
