@@ -6,7 +6,7 @@ Every wait is a bounded poll of a condition with a deadline, never a bare sleep.
 
 It lives here, not in ``node/``, so the dependency runs one way: ``node`` (the demo, the
 ``simulate`` command) imports ``simulations``, and nothing in ``simulations`` imports ``node``
-(the nodes it starts are separate processes, ``python -m node.cli``).
+(the nodes it starts are separate processes, ``python -m node``).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Swarm:
                 *at.prefix,
                 sys.executable,
                 "-m",
-                "node.cli",
+                "node",  # the p2psync command (node.entry: its imports made faster)
                 "node",
                 "--data-dir",
                 str(data_dir),

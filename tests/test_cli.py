@@ -151,3 +151,30 @@ def test_bad_flags_are_usage_errors(capsys):
         main(["patch", "create", "--base", "x"])
     assert exc.value.code == 2
     assert "required" in capsys.readouterr().err
+
+
+def test_the_command_freezes_what_its_imports_made_and_collects_again_after() -> None:
+    """``p2psync`` / ``python -m node`` (``node.entry``): the CLI's imports run with the
+    collector off, what they made is frozen out of later collections, and the collector is
+    on again for the node's own work. In a fresh interpreter: this one has imported it all."""
+    import subprocess
+    import sys
+
+    snippet = (
+        "import gc, sys\n"
+        "from node.entry import main\n"
+        "assert 'torch' not in sys.modules\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit as exc:\n"
+        "    frozen = gc.get_freeze_count() > 100_000\n"
+        "    print(exc.code, gc.isenabled(), frozen, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split()[-4:] == ["0", "True", "True", "True"], done.stdout
+    module = subprocess.run(
+        [sys.executable, "-m", "node", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert module.returncode == 0 and "usage:" in module.stdout

@@ -214,7 +214,7 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
     try:
         assert started.wait(10)
         out = subprocess.run(
-            [sys.executable, "-m", "node.cli", "status", urls[0]],
+            [sys.executable, "-m", "node", "status", urls[0]],
             cwd=ROOT,
             capture_output=True,
             text=True,

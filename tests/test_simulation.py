@@ -295,7 +295,7 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
         "peers = 12\npayload_mb = 1.0\nchunk_kb = 64\nversions = 2\ncorrupt_fraction = 0.1\n"
     )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "node.cli", "simulate", str(scen), "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "node", "simulate", str(scen), "--out", str(out), "--quiet"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "report.json").read_text())
@@ -321,7 +321,7 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
 def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
     scen = tmp_path / "s.toml"
     scen.write_text("peers = -3\n")
-    cmd = [sys.executable, "-m", "node.cli", "simulate", str(scen), "--out", str(tmp_path / "o")]
+    cmd = [sys.executable, "-m", "node", "simulate", str(scen), "--out", str(tmp_path / "o")]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 1
     assert res.stderr.strip() == "p2psync: error: scenario: peers: must be >= 1"
