@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from p2p_sync.bounded import remember
+from p2p_sync.bounded import remember, trim
 from p2p_sync.seeding import SuperSeeder
 from p2p_sync.transport.dataplane import Pushed
 
@@ -184,8 +184,8 @@ class SeedingView(DataView):
         news = self._news_for.get(requester)
         if news is None:
             news = self._news_for[requester] = asyncio.Event()
-            while len(self._news_for) > MAX_FOLLOWERS:  # claimed names: bounded; the
-                self._news_for.pop(next(iter(self._news_for))).set()  # oldest ask again
+            for forgotten in trim(self._news_for, MAX_FOLLOWERS):  # claimed names: bounded
+                forgotten.set()  # the oldest ask again
         return _wait(news, timeout)
 
     def have(self, digest: str, requester: str | None) -> list[int] | None:

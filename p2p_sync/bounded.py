@@ -11,10 +11,13 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
-def trim(entries: dict[K, V], limit: int) -> None:
-    """Forget the oldest entries of ``entries`` beyond ``limit``."""
+def trim(entries: dict[K, V], limit: int) -> list[V]:
+    """Forget the oldest entries of ``entries`` beyond ``limit``; returns their values, oldest
+    first (a forgotten waiter may need waking)."""
+    forgotten = []
     while len(entries) > limit:
-        del entries[next(iter(entries))]
+        forgotten.append(entries.pop(next(iter(entries))))
+    return forgotten
 
 
 def remember(entries: dict[K, V], key: K, value: V, limit: int) -> None:

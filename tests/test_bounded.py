@@ -24,3 +24,9 @@ def test_trim_forgets_the_oldest_first() -> None:
     assert entries == {"b": 2, "c": 3}
     trim(entries, 5)
     assert entries == {"b": 2, "c": 3}
+
+
+def test_trim_returns_what_it_forgot_oldest_first() -> None:
+    entries = {"a": 1, "b": 2, "c": 3}
+    assert trim(entries, 1) == [1, 2] and entries == {"c": 3}
+    assert trim(entries, 1) == []
