@@ -39,7 +39,7 @@ from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.statehash import StateDigest, state_hash
 from p2p_sync.versions import Artifact, PeerState, plan
-from p2p_sync.weights_io import save_weights
+from p2p_sync.weights_io import write_to
 
 log = logging.getLogger("p2psync.rollout")
 
@@ -176,7 +176,7 @@ class Follower:
         weights = self.weights
         assert weights is not None
         await asyncio.to_thread(
-            self.node.store.set_checkpoint, version, target, lambda p: save_weights(p, weights)
+            self.node.store.set_checkpoint, version, target, lambda f: write_to(f, weights)
         )
 
     async def _persist(self, m: Manifest) -> None:

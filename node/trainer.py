@@ -56,7 +56,7 @@ from p2p_sync.tensors import (
 )
 from p2p_sync.threads import background_pool, map_workers
 from p2p_sync.versions import PublishPolicy, to_publish
-from p2p_sync.weights_io import load_weights, pread_into, read_index, save_weights, write_to
+from p2p_sync.weights_io import load_weights, pread_into, read_index, write_to
 
 log = logging.getLogger("p2psync.trainer")
 
@@ -423,7 +423,7 @@ class Publisher:
         # an anchor on its way will be the replay base (``Store.replay_chain``): no full write
         if not self._anchor_due(version) and store.checkpoint_due(self.checkpoint_every):
             assert self.prev is not None
-            store.set_checkpoint(version, target, lambda p: save_weights(p, self.prev))
+            store.set_checkpoint(version, target, lambda f: write_to(f, self.prev))
         self.timings.store_s = time.perf_counter() - t0
 
     def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
@@ -502,9 +502,7 @@ class Publisher:
         """Checkpoint the head at clean shutdown, so a restart replays nothing."""
         state, store = self.node.store.state, self.node.store
         if state is not None and self.prev is not None and store.checkpoint_due(1):
-            store.set_checkpoint(
-                state.version, state.state_hash, lambda p: save_weights(p, self.prev)
-            )
+            store.set_checkpoint(state.version, state.state_hash, lambda f: write_to(f, self.prev))
 
     def refresh(self, now: int) -> list[Manifest]:
         """Re-sign the newest manifest of each (version, kind, base) once half its lifetime has

@@ -68,7 +68,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import BinaryIO, Concatenate, ParamSpec, TypeVar
 
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with, fsync_dir
 from p2p_sync.chunks import chunk_hash
@@ -558,11 +558,14 @@ class Store:
             os.fsync(f.fileno())
         self.log.append(rec)
 
-    def set_checkpoint(self, version: int, state_hash: str, write: Callable[[Path], None]) -> None:
-        """Make the weights of ``version`` the checkpoint, atomically; ``write(path)`` writes the
-        safetensors file. The new file is written under its own name first, then
-        ``checkpoint.json`` is replaced to point at it, then the old file and the log records it
-        covers go: a crash at any instant leaves the old checkpoint or the new one."""
+    def set_checkpoint(
+        self, version: int, state_hash: str, write: Callable[[BinaryIO], None]
+    ) -> None:
+        """Make the weights of ``version`` the checkpoint, atomically; ``write(f)`` writes the
+        safetensors file into the open file ``f`` (``weights_io.write_to``). The new file is
+        written under its own name first, then ``checkpoint.json`` is replaced to point at it,
+        then the old file and the log records it covers go: a crash at any instant leaves the
+        old checkpoint or the new one."""
         if self.checkpoint is not None and version < self.checkpoint.version:
             raise StoreError(
                 f"refusing to replace checkpoint v{self.checkpoint.version} with older v{version}"

@@ -21,7 +21,6 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from pathlib import Path
 from typing import BinaryIO
 
 import torch
@@ -108,12 +107,7 @@ def save_weights(
     durable: bool = True,
 ) -> None:
     """Write ``tensors`` to ``path`` atomically (old file or new, never a mix), streaming."""
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            write_to(f, tensors, metadata)
-
-    atomic_write_with(path, write, durable)
+    atomic_write_with(path, lambda f: write_to(f, tensors, metadata), durable)
 
 
 def _parse_entry(name: str, info: object, data_size: int) -> Entry:

@@ -28,7 +28,7 @@ from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store
 from p2p_sync.tensors import layout_fingerprint, layout_of
-from p2p_sync.weights_io import save_weights
+from p2p_sync.weights_io import write_to
 
 
 def manifest(key: SigningKey, swarm: str, version: int, payload: bytes) -> Manifest:
@@ -121,7 +121,7 @@ def run(root: str, seed: int, max_versions: int, report: Callable[[int], None]) 
         m = publish(store, key, swarm, version, prev, new)
         store.record(version, m.target_state, m.digest)
         if version % 3 == 0:  # checkpoints now and then, as a node does every K versions
-            store.set_checkpoint(version, m.target_state, lambda p, w=new: save_weights(p, w))
+            store.set_checkpoint(version, m.target_state, lambda f, w=new: write_to(f, w))
         prev = new
         report(version)
 

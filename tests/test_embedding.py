@@ -210,9 +210,7 @@ def test_a_checkpoint_that_fails_its_hash_is_dropped_and_the_state_refetched(
         restored = restore(store)
         assert restored is not None
         state = store.state
-        store.set_checkpoint(
-            state.version, state.state_hash, lambda p: p.write_bytes(b"not the weights")
-        )
+        store.set_checkpoint(state.version, state.state_hash, lambda f: f.write(b"not the weights"))
 
     follower, store = asyncio.run(_recover(tmp_path, corrupt_checkpoint))
     assert any("failed verification" in d for d in store.dropped), store.dropped

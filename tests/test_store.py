@@ -31,14 +31,14 @@ def put_version(store: Store, version: int, size: int = 40_000):
 def test_checkpoint_and_log_survive_reopen(tmp_path: Path) -> None:
     store = Store.open(tmp_path)
     m, payload = put_version(store, 0)
-    store.set_checkpoint(0, "11" * 16, lambda p: p.write_bytes(b"weights-0"))
+    store.set_checkpoint(0, "11" * 16, lambda f: f.write(b"weights-0"))
     store.record(1, "22" * 16, m.digest)
     again = Store.open(tmp_path)
     assert again.payload(m) == payload and again.manifests() == [m]
     assert again.state == AcceptedState(1, "22" * 16, m.digest)
     assert again.checkpoint is not None and again.checkpoint.weights.read_bytes() == b"weights-0"
     assert len(list(again.weights_dir.iterdir())) == 1 and again.dropped == []
-    again.set_checkpoint(1, "22" * 16, lambda p: p.write_bytes(b"weights-1"))
+    again.set_checkpoint(1, "22" * 16, lambda f: f.write(b"weights-1"))
     third = Store.open(tmp_path)
     assert third.log == [] and third.state == AcceptedState(1, "22" * 16, None)
     assert [p.read_bytes() for p in third.weights_dir.iterdir()] == [b"weights-1"]
