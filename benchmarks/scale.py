@@ -113,7 +113,7 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
     root.mkdir(parents=True, exist_ok=True)
     files, params = write_versions(args, root)
     gc.collect()
-    swarm = Swarm(root, chunk_size=256 * 1024)
+    swarm = Swarm(root, chunk_size=args.chunk_kb * 1024)
     procs: list[Proc] = []
     rows: list[Row] = []
     try:
@@ -212,7 +212,7 @@ class _SameProcess:
             key=root / "api.key", data_dir=root / "api-t", publish=_publish(args)
         ).open()
         self.url = self.trainer.url
-        self.times = (0.0, 0.0)
+        self.times: tuple[float, float, dict] = (0.0, 0.0, {})
 
     def start(self, v: int) -> str:
         if v:
@@ -220,10 +220,10 @@ class _SameProcess:
         want = state_hash(self.model.bf16).hex()
         t0 = time.monotonic()
         self.trainer.publish(self.model.bf16)
-        self.times = (t0, time.monotonic())
+        self.times = (t0, time.monotonic(), dict(self.trainer.last_publish or {}))
         return want
 
-    def published(self) -> tuple[float, float]:
+    def published(self) -> tuple[float, float, dict]:
         return self.times
 
     def close(self) -> None:
@@ -257,7 +257,7 @@ class _OwnProcess:
         self.conn.send(v)
         return self._recv(600)  # the hash of the version it is now publishing
 
-    def published(self) -> tuple[float, float]:
+    def published(self) -> tuple[float, float, dict]:
         return self._recv(600)
 
     def close(self) -> None:
@@ -277,7 +277,19 @@ def _trainer_side(args: argparse.Namespace, root: Path, conn: Connection) -> Non
 
 
 def _publish(args: argparse.Namespace) -> dict:
-    return {"anchor_every": 1000, "patch_format": args.patch_format}
+    return {
+        "anchor_every": 1000,
+        "patch_format": args.patch_format,
+        "chunk_size": args.chunk_kb * 1024,
+    }
+
+
+def _steps(pub: dict, timeline: dict[str, float]) -> dict[str, float]:
+    """The engine's steps, in seconds after the trainer announced (both wall clocks: one
+    machine): heard, first chunk, fetched, applied."""
+    at = pub.get("finished_at", 0.0)
+    keys = ("heard", "first_chunk", "fetched", "applied")
+    return {k: timeline[k] - at for k in keys if k in timeline and at}
 
 
 def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
@@ -305,7 +317,7 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
                     rollout.wait_for_update(timeout=600)
                     hand = rollout.apply_updates()
                 t2 = time.monotonic()
-                t0, t1 = side.published()
+                t0, t1, pub = side.published()
                 assert state_hash(engine).hex() == want, f"v{v}: the engine differs"
                 out.append(
                     {
@@ -313,6 +325,10 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
                         "publish_s": t1 - t0,
                         "total_s": t2 - t0,
                         "pause_s": hand.pause_s,
+                        "publish": pub,
+                        "steps": _steps(pub, hand.updates[-1].timeline if hand.updates else {}),
+                        "apply_s": sum(u.apply_s for u in hand.updates),
+                        "persist_s": sum(u.persist_s for u in hand.updates),
                     }
                 )
     finally:
@@ -323,10 +339,17 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
 def report(args, params: int | None, res: dict, api: list[dict], console: Console) -> None:
     if params is None:
         for a in api:
+            p = a["publish"]
+            split = " / ".join(
+                f"{p.get(k, 0):.2f}" for k in ("diff_s", "encode_s", "hash_sign_s", "store_s")
+            )
+            steps = ", ".join(f"{k} +{t:.2f}" for k, t in a["steps"].items())
             console.print(
-                f"API v{a['version']}: publish() {a['publish_s']:.2f} s, publish -> "
-                f"applied in the engine {a['total_s']:.2f} s, engine pause "
-                f"{a['pause_s']:.3f} s"
+                f"API v{a['version']}: publish() {a['publish_s']:.2f} s (diff / encode / "
+                f"hash+sign / store {split}), publish -> applied in the engine "
+                f"{a['total_s']:.2f} s, engine pause {a['pause_s']:.3f} s (apply "
+                f"{a['apply_s']:.3f}, persist {a['persist_s']:.3f}); after the "
+                f"announcement: {steps}"
             )
         return
     dense = params * 2
@@ -414,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each file as soon as the last version is handed off: no writeback, no warm file",
     )
+    parser.add_argument(
+        "--chunk-kb",
+        type=int,
+        default=0,
+        help="the trainer's chunk size, KiB (0, the default: picked from each payload's size)",
+    )
     parser.add_argument("--skip-api", action="store_true")
     parser.add_argument(
         "--api-same-process",
@@ -429,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     api: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="p2psync-scale-") as tmp:
         work = args.dir or Path(tmp)  # --dir keeps the nodes' logs and data
+        work.mkdir(parents=True, exist_ok=True)
         if not args.skip_processes:
             res = run_processes(args, work / "processes", console)
             report(args, res["params"], res, [], console)
