@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -181,6 +182,20 @@ def test_a_request_with_another_holder_moves_at_the_adaptive_timeout() -> None:
     actions = s.handle(TimerFired(), 0.5)
     assert actions[0] == CancelRequest("seed", 1)  # then asked again where it scores best
     assert [a.index for a in actions[1:] if isinstance(a, RequestChunk)] == [1]
+
+
+def test_a_cancelled_request_counts_as_a_chunk_time_of_at_least_its_age() -> None:
+    """Only chunks that beat the timeout used to be measured, so every request waiting at a
+    crowded uploader was cancelled in turn (a congestion collapse). The request cancelled at
+    age 0.4 s moves the typical chunk time from 0.1 s to 0.3 x 0.4 + 0.7 x 0.1 = 0.19 s: the
+    request asked next may run 4 x 0.19 s, not 4 x 0.1 s."""
+    s = _measured({"seed": frozenset({0, 1}), "other": frozenset({1})})
+    assert CancelRequest("seed", 1) in s.handle(TimerFired(), 0.5)
+    assert len(s.inflight[1]) == 1  # asked again at 0.5 s
+    assert s.next_timer(0.6) == pytest.approx(0.5 + 4 * 0.19)
+    assert s.handle(TimerFired(), 0.9) == []  # the old limit (0.5 + 0.4): nothing cancelled
+    s.handle(ChunkVerified(next(iter(s.inflight[1])), 1, 1000), 1.0)
+    assert s.complete
 
 
 def test_endgame_duplicates_then_cancels_the_loser() -> None:
