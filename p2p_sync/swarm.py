@@ -36,10 +36,12 @@ Policy:
 * a request is cancelled and re-requested elsewhere once it is ``timeout_factor`` times older
   than this download's typical chunk time (an EWMA over verified chunks, queueing at the
   uploader included, and over cancelled requests, each a sample of at least its age: the
-  back-off that keeps crowded uploaders from being asked everything twice), within
-  [``min_request_timeout_s``, ``request_timeout_s``]; a peer that crashed silently thus holds
-  a chunk for a fraction of a second, not ``request_timeout_s``.
-  Only if there is an elsewhere: a request to a chunk's only holder waits ``request_timeout_s``,
+  back-off that keeps crowded uploaders from being asked everything twice), at least
+  ``min_request_timeout_s`` and with no fixed ceiling (a large chunk on a slow, shared uplink
+  may take a minute); a peer that crashed silently thus holds a chunk for a few typical chunk
+  times, a fraction of a second on a fast swarm, not ``request_timeout_s``.
+  Only if there is an elsewhere: a request to a chunk's only holder waits at least
+  ``request_timeout_s``,
   since asking the same peer again can only make it upload the chunk twice (a TCP request is
   not lost; a late reply is on its way, or queued behind others; a starved CPU wakes to both
   the reply and the timer at once). Measured before this rule: a super-seeded trainer, whose
@@ -86,7 +88,7 @@ class SwarmConfig:
     min_requests_per_peer: int = 1
     initial_requests_per_peer: int = 2
     max_requests_total: int = 256
-    request_timeout_s: float = 10.0
+    request_timeout_s: float = 10.0  # before any chunk time is measured; a sole holder's floor
     min_request_timeout_s: float = 0.25  # the floor of the adaptive timeout (round trips too)
     timeout_factor: float = 4.0
     endgame_sources: int = 2
@@ -444,12 +446,16 @@ class Scheduler:
         return [*self._forget_peer(peer), PeerBanned(peer, reason)]
 
     def _timeout_limit(self) -> float:
-        """How old a request may grow: ``timeout_factor`` typical chunk times, bounded."""
+        """How old a request may grow: ``timeout_factor`` typical chunk times, at least
+        ``min_request_timeout_s``; ``request_timeout_s`` before anything was measured. Not
+        capped above: a 4 MiB chunk shared 16 ways on a 10 Mbit/s uplink takes ~54 s, and a
+        fixed cap cancelled every such transfer near its end (simulated, 16 peers on 10
+        Mbit/s, 200 MB in 1 MiB chunks: never converged, 14 GB sent for nothing). The
+        transports cut only transfers that stop moving (``HttpLimits.request_timeout_s``)."""
         c = self.config
         if self._chunk_time is None:
             return c.request_timeout_s
-        typical = c.timeout_factor * self._chunk_time
-        return min(c.request_timeout_s, max(c.min_request_timeout_s, typical))
+        return max(c.min_request_timeout_s, c.timeout_factor * self._chunk_time)
 
     def _first_timeout(self) -> float:
         """The earliest ``started + _patience`` over the requests in flight (``_timeouts``

@@ -8,7 +8,9 @@ GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 
                             more wait their turn (a freed slot goes to the requester with
                             the fewest uploads in progress: ``p2p_sync.uploads``), beyond
                             that (or after waiting ``request_timeout_s``) 503; a reader
-                            slower than ``request_timeout_s`` is cut off
+                            that takes no bytes for ``request_timeout_s`` is cut off (a slow
+                            one that keeps reading is not: a large chunk on a shared home
+                            uplink may take a minute)
 GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
                             ``?version=N`` lists only that version's manifests
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
@@ -100,6 +102,8 @@ class HttpLimits:
     max_request_bytes: int = 256 * 1024
     max_json_bytes: int = 16 * 2**20
     max_chunk_bytes: int = 64 * 2**20
+    # a request waits this long for an upload slot (then 503); a transfer that moves no byte
+    # this long is cut, one that keeps moving is not (a large chunk on a slow, shared uplink)
     request_timeout_s: float = 10.0
     connect_timeout_s: float = 3.0
     max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)

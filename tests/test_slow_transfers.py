@@ -1,0 +1,161 @@
+"""Chunks on slow links: a transfer that keeps moving is never cut, one that stops is.
+
+A 4 MiB chunk shared 16 ways on a 10 Mbit/s home uplink takes ~54 s. The data plane used to
+give a whole chunk ``request_timeout_s`` (10 s) on both ends, so every such transfer died near
+its end and was asked again elsewhere. Now both ends time each piece instead: real aiohttp on
+loopback, with ``request_timeout_s`` shrunk to a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from node.config import NodeConfig
+from node.runtime import Node
+from p2p_sync.chunks import manifest_for
+from p2p_sync.errors import PeerError
+from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.peers import PeerLimits
+from p2p_sync.store import Store
+from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.http import DataClient
+
+LIMITS = HttpLimits(request_timeout_s=0.3, connect_timeout_s=2.0)
+# The server side: a socket is writable again only once a third or so of its send buffer has
+# drained (loopback grows it to ~4 MB), so a piece may wait that long for a steady reader.
+SERVER_LIMITS = HttpLimits(request_timeout_s=1.0, connect_timeout_s=2.0)
+BIG = 16 * 2**20  # several times what loopback's socket buffers hold: the reader sets the pace
+
+
+def _node(tmp_path: Path) -> tuple[Node, str]:
+    """A node holding one signed snapshot of a single ``BIG`` chunk; its chunk's hash."""
+    key = SigningKey.generate()
+    cfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path,
+        trust=(key.public.text(),),
+        directory=PeerLimits(poll_interval_s=60),
+        http=SERVER_LIMITS,
+    )
+    node = Node(cfg, SwarmPolicy("t", (key.public,)), Store.open(tmp_path))
+    payload = bytes(range(256)) * (BIG // 256)
+    m = manifest_for(
+        payload,
+        swarm="t",
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=BIG,
+    )
+    node.store.put_payload(m, payload)
+    node.store.put_manifest(m, sign(m, [key]))
+    return node, m.chunks[0]
+
+
+def _read(port: int, sha: str, pace_s: float, stop_after: int | None) -> int:
+    """GET the chunk over a raw socket with a small receive buffer, 256 KiB every ``pace_s``;
+    with ``stop_after``, stop reading that many bytes in for 2.5 s, then read what is left.
+    Returns the bytes received until the server closed the connection."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
+        s.sendall(f"GET /chunk/{sha} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n".encode())
+        got, paused = 0, False
+        while True:
+            try:
+                data = s.recv(256 * 1024)
+            except ConnectionResetError:
+                return got
+            if not data:
+                return got
+            got += len(data)
+            if stop_after is not None and got >= stop_after and not paused:
+                time.sleep(2.5)
+                paused = True
+            time.sleep(pace_s)
+
+
+async def _serve_to_reader(tmp_path: Path, pace_s: float, stop_after: int | None) -> int:
+    node, sha = _node(tmp_path)
+    url = await node.start()
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        return await asyncio.to_thread(_read, port, sha, pace_s, stop_after)
+    finally:
+        await node.stop()
+
+
+def test_a_slow_reader_that_keeps_reading_gets_the_whole_chunk(tmp_path: Path) -> None:
+    started = time.monotonic()
+    got = asyncio.run(_serve_to_reader(tmp_path, 0.02, None))
+    assert got > BIG  # the headers, then every byte of the body
+    assert time.monotonic() - started > 2 * SERVER_LIMITS.request_timeout_s  # it took a while
+
+
+def test_a_reader_that_stops_is_cut_off(tmp_path: Path) -> None:
+    got = asyncio.run(_serve_to_reader(tmp_path, 0.0, 2**20))
+    assert got < BIG  # the server gave up while it paused: the body never came whole
+
+
+async def _trickle(
+    pieces: int, gap_s: float, silent_after: int | None
+) -> tuple[bytes | Exception, float]:
+    """Fetch a body an aiohttp server writes in ``pieces`` of 32 KiB, ``gap_s`` apart (going
+    silent for 2 s after ``silent_after`` pieces), through the data plane's client: what it
+    got (or its error), and how long that took."""
+    piece = b"p" * 32 * 1024
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.content_length = pieces * len(piece)
+        await response.prepare(request)
+        try:
+            for n in range(pieces):
+                if n == silent_after:
+                    await asyncio.sleep(2)
+                await response.write(piece)
+                await asyncio.sleep(gap_s)
+        except ConnectionError:  # the client gave up
+            pass
+        return response
+
+    app = web.Application()
+    app.router.add_get("/chunk/x", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = DataClient(None, LIMITS)
+    started = time.monotonic()
+    try:
+        return await client.get_bytes(
+            f"http://127.0.0.1:{port}/chunk/x"
+        ), time.monotonic() - started
+    except PeerError as exc:
+        return exc, time.monotonic() - started
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+def test_the_client_waits_for_a_chunk_whose_bytes_keep_coming() -> None:
+    body, took = asyncio.run(_trickle(10, 0.1, None))
+    assert body == b"p" * 32 * 1024 * 10
+    assert took > 3 * LIMITS.request_timeout_s  # ~1 s: the old whole-request limit cut it
+
+
+def test_the_client_gives_up_on_a_chunk_that_stops_coming() -> None:
+    outcome, took = asyncio.run(_trickle(10, 0.0, 3))
+    assert isinstance(outcome, PeerError)
+    assert took == pytest.approx(2 * LIMITS.request_timeout_s, abs=0.4)  # not the 2 s of silence
