@@ -41,11 +41,11 @@ Policy:
   may take a minute); a peer that crashed silently thus holds a chunk for a few typical chunk
   times, a fraction of a second on a fast swarm, not ``request_timeout_s``.
   Only if there is an elsewhere: a request to a chunk's only holder waits at least
-  ``request_timeout_s``,
-  since asking the same peer again can only make it upload the chunk twice (a TCP request is
-  not lost; a late reply is on its way, or queued behind others; a starved CPU wakes to both
-  the reply and the timer at once). Measured before this rule: a super-seeded trainer, whose
-  handed-out chunks have no other holder, uploaded 2.2x the payload on a loaded CI runner;
+  ``request_timeout_s``, since asking the same peer again can only make it upload the chunk
+  twice (a TCP request is not lost; a late reply is on its way, or queued behind others; a
+  starved CPU wakes to both the reply and the timer at once). Measured before this rule: a
+  super-seeded trainer, whose handed-out chunks have no other holder, uploaded 2.2x the
+  payload on a loaded CI runner;
 * endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
   ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
 * per-peer score: an EWMA of measured throughput, divided by (1 + failures);
