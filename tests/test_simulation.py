@@ -183,23 +183,17 @@ def test_churn_every_honest_peer_still_converges() -> None:
     assert rep["honest_converged_fraction"] == 1.0
 
 
+# The node's own download and overlay settings (SMALL trims them), internet latency, and time
+# for a slow version to finish: the two runs below did not converge before their fixes.
+LARGE_CHUNKS = dict(max_requests_per_peer=32, max_peers=64, latency_ms=20.0, time_limit_factor=10.0)
+
+
 def test_large_chunks_on_slow_links_converge_without_a_retry_storm() -> None:
     """20 chunks of 1 MiB for 32 peers on 100 Mbit/s: a chunk shared 16 ways at an uploader
     takes ~1.3 s, ten times one sent alone. Before timeouts learned from cancelled requests
     (``Scheduler._censored``) this never converged: the trainer uploaded 41x the payload."""
-    sc = scenario(
-        peers=32,
-        payload_mb=20.0,
-        chunk_kb=1024,
-        uplink_mbps=100.0,
-        downlink_mbps=100.0,
-        trainer_uplink_mbps=100.0,
-        latency_ms=20.0,
-        max_requests_per_peer=32,
-        seed_outstanding=8,
-        max_peers=64,
-        time_limit_factor=10.0,
-    )
+    net = dict(uplink_mbps=100.0, downlink_mbps=100.0, trainer_uplink_mbps=100.0)
+    sc = scenario(**LARGE_CHUNKS, **net, peers=32, payload_mb=20.0, chunk_kb=1024)
     _, rep = simulate(sc)
     assert rep["honest_converged_fraction"] == 1.0
     assert rep["trainer_upload_ratio"] <= 1.1
@@ -211,18 +205,8 @@ def test_large_chunks_on_slow_uplinks_are_not_cut_short() -> None:
     adaptive timeout has no fixed ceiling any more. With a 10 s one every such transfer was
     cancelled near its end and asked again: x2.90 of the bound, 2.6 GB sent for nothing, the
     trainer 17x the payload (now x1.61, 0.45 GB, 9.4x: its uplink is ten times theirs)."""
-    sc = scenario(
-        peers=16,
-        payload_mb=100.0,
-        chunk_kb=2048,
-        uplink_mbps=10.0,
-        downlink_mbps=100.0,
-        trainer_uplink_mbps=100.0,
-        latency_ms=20.0,
-        max_requests_per_peer=32,
-        max_peers=64,
-        time_limit_factor=10.0,
-    )
+    net = dict(uplink_mbps=10.0, downlink_mbps=100.0, trainer_uplink_mbps=100.0)
+    sc = scenario(**LARGE_CHUNKS, **net, peers=16, payload_mb=100.0, chunk_kb=2048)
     _, rep = simulate(sc)
     assert rep["honest_converged_fraction"] == 1.0
     assert rep["ratio_to_bound"]["worst"] <= 2.0
