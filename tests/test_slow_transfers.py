@@ -108,7 +108,7 @@ def test_a_reader_that_stops_is_cut_off(tmp_path: Path) -> None:
 
 
 async def _trickle(
-    pieces: int, gap_s: float, silent_after: int | None
+    pieces: int, gap_s: float, silent_after: int | None, path: str = "/chunk/x"
 ) -> tuple[bytes | Exception, float]:
     """Fetch a body an aiohttp server writes in ``pieces`` of 32 KiB, ``gap_s`` apart (going
     silent for 2 s after ``silent_after`` pieces), through the data plane's client: what it
@@ -130,7 +130,7 @@ async def _trickle(
         return response
 
     app = web.Application()
-    app.router.add_get("/chunk/x", handler)
+    app.router.add_get(path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -138,15 +138,16 @@ async def _trickle(
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     client = DataClient(None, LIMITS)
     started = time.monotonic()
+    outcome: bytes | Exception
     try:
-        return await client.get_bytes(
-            f"http://127.0.0.1:{port}/chunk/x"
-        ), time.monotonic() - started
+        outcome = await client.get_bytes(f"http://127.0.0.1:{port}{path}")
     except PeerError as exc:
-        return exc, time.monotonic() - started
+        outcome = exc
     finally:
+        took = time.monotonic() - started
         await client.close()
         await runner.cleanup()
+    return outcome, took
 
 
 def test_the_client_waits_for_a_chunk_whose_bytes_keep_coming() -> None:
@@ -159,3 +160,11 @@ def test_the_client_gives_up_on_a_chunk_that_stops_coming() -> None:
     outcome, took = asyncio.run(_trickle(10, 0.0, 3))
     assert isinstance(outcome, PeerError)
     assert took == pytest.approx(2 * LIMITS.request_timeout_s, abs=0.4)  # not the 2 s of silence
+
+
+def test_a_trickled_manifest_still_gets_the_whole_request_limit() -> None:
+    """Nothing but the client's clock stops a peer that trickles a manifest: only chunks,
+    which the scheduler's own timeout bounds, are timed by progress."""
+    outcome, took = asyncio.run(_trickle(10, 0.1, None, "/manifest/x"))
+    assert isinstance(outcome, PeerError)
+    assert took == pytest.approx(LIMITS.request_timeout_s, abs=0.2)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -150,8 +151,11 @@ class DataClient:
         return parse_json(url, await self._get(url, self.limits.max_json_bytes))
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
-        """A chunk or a signed manifest: cut only when no byte arrives for a while."""
-        return await self._get(url, limit or self.limits.max_chunk_bytes, bulk=True)
+        """A chunk (cut only when no byte arrives for a while: the scheduler's adaptive
+        timeout bounds a slow one) or a signed manifest (the whole-request limit: nothing
+        else would stop a peer that trickles one byte at a time)."""
+        bulk = urlsplit(url).path.startswith("/chunk/")
+        return await self._get(url, limit or self.limits.max_chunk_bytes, bulk)
 
     async def post_json(self, url: str, doc: Any) -> Any:
         return parse_json(url, await self._post(url, doc, 200))
