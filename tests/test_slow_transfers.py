@@ -3,7 +3,8 @@
 A 4 MiB chunk shared 16 ways on a 10 Mbit/s home uplink takes ~54 s. The data plane used to
 give a whole chunk ``request_timeout_s`` (10 s) on both ends, so every such transfer died near
 its end and was asked again elsewhere. Now both ends time each piece instead: real aiohttp on
-loopback, with ``request_timeout_s`` shrunk to a fraction of a second.
+loopback, and the libp2p stream transport's framing over trio streams, with
+``request_timeout_s`` shrunk to a fraction of a second.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import asyncio
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 from aiohttp import web
 
 from node.config import NodeConfig
@@ -24,8 +28,9 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
-from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.dataplane import PIECE, HttpLimits, Reply
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.streams import read_exactly, write_reply
 
 LIMITS = HttpLimits(request_timeout_s=0.3, connect_timeout_s=2.0)
 # The server side: a socket is writable again only once a third or so of its send buffer has
@@ -168,3 +173,86 @@ def test_a_trickled_manifest_still_gets_the_whole_request_limit() -> None:
     outcome, took = asyncio.run(_trickle(10, 0.1, None, "/manifest/x"))
     assert isinstance(outcome, PeerError)
     assert took == pytest.approx(LIMITS.request_timeout_s, abs=0.2)
+
+
+# ---------------------------------------------------------------- over libp2p streams
+
+
+class _TrioStream:
+    """A trio lockstep stream (a write returns once the other end has read it) with the
+    three calls the stream transport makes of a libp2p stream."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.was_reset = stream, False
+
+    async def write(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def read(self, n: int) -> bytes:
+        return await self.stream.receive_some(n)
+
+    async def reset(self) -> None:
+        self.was_reset = True
+        await self.stream.aclose()
+
+
+async def _reply_to_reader(stop_after: int | None) -> tuple[bool, int, bool]:
+    """``write_reply`` of a 2 MiB chunk to a reader taking 64 KiB every 10 ms (stopping once
+    ``stop_after`` bytes are in); (sent, bytes read, stream reset)."""
+    a, b = trio.testing.lockstep_stream_pair()
+    writer, reader = _TrioStream(a), _TrioStream(b)
+    reply = Reply(200, b"c" * 2 * 2**20, "application/octet-stream", upload=True)
+    got, sent = 0, False
+
+    async def read_slowly() -> None:
+        nonlocal got
+        while stop_after is None or got < stop_after:
+            data = await reader.read(64 * 1024)
+            if not data:
+                return
+            got += len(data)
+            await trio.sleep(0.01)
+
+    async def write() -> None:
+        nonlocal sent
+        sent = await write_reply(writer, reply, 0.1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_slowly)
+        with trio.fail_after(10):
+            await write()
+        nursery.cancel_scope.cancel()
+    return sent, got, writer.was_reset
+
+
+def test_a_slow_reader_gets_a_whole_reply_over_a_stream() -> None:
+    start = time.monotonic()
+    sent, got, was_reset = trio.run(_reply_to_reader, None)
+    assert sent and not was_reset
+    assert got > 2 * 2**20  # the reply header, then the whole body
+    assert time.monotonic() - start > 2 * 0.1  # longer than one piece's timeout
+
+
+def test_a_reader_that_stops_has_its_stream_reset() -> None:
+    sent, got, was_reset = trio.run(_reply_to_reader, 2**20)
+    assert not sent and was_reset
+    assert got < 2 * 2**20
+
+
+def test_a_streamed_chunk_body_reports_progress_before_every_piece() -> None:
+    async def read_body() -> tuple[bytes, int]:
+        a, b = trio.testing.lockstep_stream_pair()
+        calls = 0
+
+        def moving() -> None:
+            nonlocal calls
+            calls += 1
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.send_all, b"x" * (PIECE * 3 + 5))
+            body = await read_exactly(_TrioStream(b), PIECE * 3 + 5, moving)
+        return body, calls
+
+    body, calls = trio.run(read_body)
+    assert body == b"x" * (PIECE * 3 + 5)
+    assert calls >= 4  # at least one call per piece: the caller's deadline moves with them

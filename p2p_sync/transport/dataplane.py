@@ -92,6 +92,9 @@ PEER_HEADER = "X-P2PSync-Peer"
 JSON = "application/json"
 
 
+PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much at a time
+
+
 @dataclass(frozen=True)
 class HttpLimits:
     """Bounds of the data plane, on both sides."""

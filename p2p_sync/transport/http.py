@@ -26,6 +26,7 @@ from aiohttp import web
 from p2p_sync.errors import PeerBusyError, PeerError, PeerUnreachableError
 from p2p_sync.transport.dataplane import (
     PEER_HEADER,
+    PIECE,
     DataRouter,
     HttpLimits,
     NodeView,
@@ -39,8 +40,6 @@ from p2p_sync.transport.reverse import PATH as REVERSE
 from p2p_sync.transport.reverse import ReverseHub
 
 __all__ = ["DataClient", "DataServer", "HttpLimits", "PeerBusyError", "PeerError"]
-
-PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much at a time
 
 
 class DataServer:

@@ -29,8 +29,10 @@ chunk, and most of the CPU of a small request. The requester keeps a few idle st
 a stream idle for ``2 * IDLE_S``. The requester's peer id is authenticated by the connection
 (Noise): a ``p2p://`` name it claims must be its own. Bounds: a request (header and body) is at
 most ``max_request_bytes``, a reply header at most ``MAX_REPLY_HEADER``, a reply body at
-most what the caller expects (checked before it is read); a request is answered within
-``request_timeout_s`` or its stream is reset.
+most what the caller expects (checked before it is read). Time: a reply starts within
+``request_timeout_s``, and a chunk's body is then timed by progress, as over HTTP
+(``transport.http``): each ``PIECE`` written within ``request_timeout_s`` (else the stream is
+reset), each read within twice that; a slow transfer that keeps moving is never cut.
 
 Only the asyncio classes at the bottom touch the event loop; the trio functions run in the
 libp2p host's thread (``transport.p2p``) and only move bytes.
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 from p2p_sync.errors import PeerError, PeerUnreachableError
 from p2p_sync.transport.dataplane import (
     PEER_ID,
+    PIECE,
     DataRouter,
     HttpLimits,
     PeerClient,
@@ -152,11 +155,14 @@ def reply_fields(doc: Any) -> tuple[int, str, int]:
 # ---------------------------------------------------------------- stream I/O (trio thread)
 
 
-async def read_exactly(stream: Any, n: int) -> bytes:
-    """``n`` bytes from the stream; EOFError if it ends first."""
+async def read_exactly(stream: Any, n: int, progress: Callable[[], None] | None = None) -> bytes:
+    """``n`` bytes from the stream; EOFError if it ends first. ``progress`` is called before
+    each read (a caller that times by progress moves its deadline there)."""
     parts, got = [], 0
     while got < n:
-        piece = await stream.read(n - got)
+        if progress is not None:
+            progress()
+        piece = await stream.read(min(n - got, PIECE))
         if not piece:
             raise EOFError(f"stream ended after {got} of {n} bytes")
         parts.append(piece)
@@ -213,15 +219,24 @@ async def read_request(
 
 
 async def write_reply(stream: Any, reply: Reply, timeout: float) -> bool:
-    """Send ``reply`` (the stream stays open for the next request); False when the requester
-    did not take it within ``timeout`` (the stream is reset, so its upload slot frees now)."""
+    """Send ``reply`` (the stream stays open for the next request), ``PIECE`` by ``PIECE``;
+    False when the requester took no piece within ``timeout`` (the stream is reset, so its
+    upload slot frees now). A slow requester that keeps reading gets it all."""
+    data = encode_reply_header(reply) + reply.body
+    for at in range(0, len(data), PIECE):
+        if not await _write_within(stream, data[at : at + PIECE], timeout):
+            await reset(stream)
+            return False
+    return True
+
+
+async def _write_within(stream: Any, piece: bytes, timeout: float) -> bool:
     with trio.move_on_after(timeout):
         try:
-            await stream.write(encode_reply_header(reply) + reply.body)
+            await stream.write(piece)
             return True
         except Exception:  # reset or broken by the requester: it gave up
             pass
-    await reset(stream)
     return False
 
 
@@ -253,17 +268,31 @@ class StreamPool:
 
 
 async def exchange(
-    p2p: Any, peer_id: str, request: bytes, limit: int, expect: int, limits: HttpLimits
+    p2p: Any,
+    peer_id: str,
+    request: bytes,
+    limit: int,
+    expect: int,
+    limits: HttpLimits,
+    bulk: bool = False,
 ) -> bytes:
     """One request to ``peer_id`` on an idle stream or a new one (over a live connection, or
     one dialed directly or through a relay: ``P2PHost.reach``); the reply's body if its status
-    is ``expect``. PeerError (or PeerBusyError) otherwise."""
+    is ``expect``. PeerError (or PeerBusyError) otherwise. With ``bulk`` (a chunk), the body
+    may take as long as it keeps coming: each read gets twice ``request_timeout_s``."""
     from libp2p.peer.id import ID  # the host's thread already imported libp2p
 
     with trio.move_on_after(limits.request_timeout_s) as scope:
+        patience = 2 * limits.request_timeout_s
+
+        def moving() -> None:
+            scope.deadline = trio.current_time() + patience
+
         try:
             peer = ID.from_base58(peer_id)
-            return await _exchange(p2p, peer, request, (limit, expect), limits)
+            return await _exchange(
+                p2p, peer, request, (limit, expect), limits, moving if bulk else None
+            )
         except PeerError:
             raise
         except Exception as exc:  # libp2p raises many kinds: all mean "no answer"
@@ -273,7 +302,12 @@ async def exchange(
 
 
 async def _exchange(
-    p2p: Any, peer: Any, request: bytes, bounds: tuple[int, int], limits: HttpLimits
+    p2p: Any,
+    peer: Any,
+    request: bytes,
+    bounds: tuple[int, int],
+    limits: HttpLimits,
+    progress: Callable[[], None] | None,
 ) -> bytes:
     """An idle stream may have died meanwhile: if it fails before any reply, once more on a
     new one. An idle stream through a relay is not reused once a hole is punched to the peer
@@ -284,14 +318,14 @@ async def _exchange(
     stream = p2p.streams.take(peer, lambda s: direct is None or s.muxed_conn is direct.muxed_conn)
     if stream is not None:
         try:
-            return await _on_stream(p2p, peer, stream, request, bounds)
+            return await _on_stream(p2p, peer, stream, request, bounds, progress)
         except _Unanswered:
             pass
     await p2p.reach(peer, limits.connect_timeout_s)
     with trio.fail_after(limits.connect_timeout_s):
         stream = await p2p.libp2p.new_stream(peer, [PROTOCOL])
     try:
-        return await _on_stream(p2p, peer, stream, request, bounds)
+        return await _on_stream(p2p, peer, stream, request, bounds, progress)
     except _Unanswered as exc:
         raise PeerError(f"{peer_url(str(peer))}: {exc.__cause__!r}") from None
 
@@ -313,7 +347,12 @@ class _Unanswered(Exception):
 
 
 async def _on_stream(
-    p2p: Any, peer: Any, stream: Any, request: bytes, bounds: tuple[int, int]
+    p2p: Any,
+    peer: Any,
+    stream: Any,
+    request: bytes,
+    bounds: tuple[int, int],
+    progress: Callable[[], None] | None,
 ) -> bytes:
     try:
         try:
@@ -325,7 +364,7 @@ async def _on_stream(
             raise _Unanswered() from exc
         status, _, length = parse_reply_header(await read_framed(stream, MAX_REPLY_HEADER, first))
         check_reply(peer_url(str(peer)), status, length, *bounds)
-        body = await read_exactly(stream, length)
+        body = await read_exactly(stream, length, progress)
     except BaseException:
         await reset(stream)
         raise
@@ -412,8 +451,9 @@ class StreamClient(FramedClient):
     ) -> bytes:
         peer_id, path, query = split_url(url)
         request = encode_request(method, path, query, self.self_url, body)
+        bulk = path.startswith("/chunk/")  # timed by progress; the rest by the whole request
         return await self.host.call(
-            exchange, self.host, peer_id, request, limit, expect, self.limits
+            exchange, self.host, peer_id, request, limit, expect, self.limits, bulk
         )
 
 
