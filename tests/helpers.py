@@ -1,9 +1,10 @@
-"""Shared test helpers: building tensor sets with chosen changes, rebuilding patch bytes, and
-the configs of a trainer and a rollout run in one test process."""
+"""Shared test helpers: building tensor sets with chosen changes, rebuilding patch bytes, the
+configs of a trainer and a rollout run in one test process, and a snapshot's manifest."""
 
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,26 @@ import torch
 
 from node.config import NodeConfig
 from p2p_sync import codec
+from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
+from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.peers import PeerLimits
 from p2p_sync.swarm import SwarmConfig
 from p2p_sync.tensors import flat_bits
+
+
+def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024) -> Manifest:
+    """Version 0 of swarm "t" carrying ``payload`` (unsigned; no tensors behind it)."""
+    return manifest_for(
+        payload,
+        swarm="t",
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=chunk_size,
+    )
 
 
 def trainer_config(tmp_path: Path, **overrides: Any) -> NodeConfig:

@@ -25,7 +25,7 @@ from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PEER_HEADER as PEER
 from p2p_sync.transport.dataplane import HttpLimits
-from tests.helpers import rollout_config, trainer_config
+from tests.helpers import rollout_config, snapshot_manifest, trainer_config
 
 HEX = "ab" * 32
 
@@ -38,23 +38,9 @@ def make_node(tmp_path: Path) -> Node:
     return Node(cfg, policy, Store.open(tmp_path))
 
 
-def _snapshot(payload: bytes) -> Manifest:
-    """Version 0 of swarm "t" carrying ``payload`` in 16 KiB chunks."""
-    return manifest_for(
-        payload,
-        swarm="t",
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
-
-
 def _store_snapshot(node: Node, key: SigningKey) -> Manifest:
     """A signed 100-byte snapshot and its payload, in ``node``'s store."""
-    m = _snapshot(b"z" * 100)
+    m = snapshot_manifest(b"z" * 100)
     node.store.put_payload(m, b"z" * 100)
     node.store.put_manifest(m, sign(m, [key]))
     return m
@@ -147,7 +133,7 @@ async def _poll_woken_before_it_waits(node: Node) -> dict:
     its wait: the answer must come at once, not after ``have_wait_s``."""
     url = await node.start()
     payload = b"a" * 16 * 1024 + b"b" * 16 * 1024  # two distinct 16 KiB chunks
-    m = _snapshot(payload)
+    m = snapshot_manifest(payload)
     node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
     node.store.put_chunk(payload[: 16 * 1024])
     view, have, loop = node.view, node.view.have, asyncio.get_running_loop()
@@ -410,7 +396,7 @@ async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int
     lands. Returns their answers and how many times the store listed the have-map for them."""
     url = await node.start()
     payload = b"a" * 16 * 1024 + b"b" * 16 * 1024
-    m = _snapshot(payload)
+    m = snapshot_manifest(payload)
     node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
     node.store.put_chunk(payload[: 16 * 1024])
     listed, have_indices = [0], node.store.have_indices
@@ -508,7 +494,7 @@ def test_a_chunk_served_by_the_seed_wakes_only_its_requesters_poll(tmp_path: Pat
     payload = b"".join(  # 8 distinct 16 KiB chunks
         bytes([i]) * 16 * 1024 for i in range(8)
     )
-    m = _snapshot(payload)
+    m = snapshot_manifest(payload)
     tcfg = trainer_config(tmp_path, p2p=False, publish=PublishPolicy(seed_outstanding=2))
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     trainer.cfg = replace(trainer.cfg, http=replace(trainer.cfg.http, have_wait_s=600.0))

@@ -22,15 +22,15 @@ from aiohttp import web
 
 from node.config import NodeConfig
 from node.runtime import Node
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import PeerError
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.manifest import SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PIECE, HttpLimits, Reply
 from p2p_sync.transport.http import DataClient
 from p2p_sync.transport.streams import read_exactly, write_reply
+from tests.helpers import snapshot_manifest
 
 LIMITS = HttpLimits(request_timeout_s=0.3, connect_timeout_s=2.0)
 # The server side: a socket is writable again only once a third or so of its send buffer has
@@ -51,16 +51,7 @@ def _node(tmp_path: Path) -> tuple[Node, str]:
     )
     node = Node(cfg, SwarmPolicy("t", (key.public,)), Store.open(tmp_path))
     payload = bytes(range(256)) * (BIG // 256)
-    m = manifest_for(
-        payload,
-        swarm="t",
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=BIG,
-    )
+    m = snapshot_manifest(payload, chunk_size=BIG)
     node.store.put_payload(m, payload)
     node.store.put_manifest(m, sign(m, [key]))
     return node, m.chunks[0]
