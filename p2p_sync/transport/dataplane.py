@@ -93,6 +93,12 @@ JSON = "application/json"
 
 
 PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much at a time
+CHUNK_ROUTE = "/chunk/"  # GET CHUNK_ROUTE + sha256: the only replies timed by progress
+
+
+def chunk_path(path: str) -> bool:
+    """Whether a request path (or URL) asks for a chunk."""
+    return urlsplit(path).path.startswith(CHUNK_ROUTE)
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,12 @@ class HttpLimits:
     max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
+
+    @property
+    def read_patience_s(self) -> float:
+        """How long a requester waits for the next byte of a chunk: twice the server's wait
+        for an upload slot, so the server's 503 for a slot not granted in time comes first."""
+        return 2 * self.request_timeout_s
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.transport.dataplane import CHUNK_ROUTE, PeerClient
 
 
 class ChunkSource(Protocol):
@@ -111,7 +111,7 @@ class DataPlaneSource:
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
         return await self.client.get_bytes(
-            f"{peer}/chunk/{m.chunks[index]}", m.chunk_length(index) + 1
+            f"{peer}{CHUNK_ROUTE}{m.chunks[index]}", m.chunk_length(index) + 1
         )
 
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:

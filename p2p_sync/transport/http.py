@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -34,6 +33,7 @@ from p2p_sync.transport.dataplane import (
     Request,
     announce_doc,
     check_reply,
+    chunk_path,
     parse_json,
 )
 from p2p_sync.transport.reverse import PATH as REVERSE
@@ -120,7 +120,7 @@ class DataClient:
         self._bulk = aiohttp.ClientTimeout(  # chunks: cut only when no byte moves
             total=None,
             sock_connect=limits.connect_timeout_s,
-            sock_read=2 * limits.request_timeout_s,
+            sock_read=limits.read_patience_s,
         )
 
     @property
@@ -153,8 +153,7 @@ class DataClient:
         """A chunk (cut only when no byte arrives for a while: the scheduler's adaptive
         timeout bounds a slow one) or a signed manifest (the whole-request limit: nothing
         else would stop a peer that trickles one byte at a time)."""
-        bulk = urlsplit(url).path.startswith("/chunk/")
-        return await self._get(url, limit or self.limits.max_chunk_bytes, bulk)
+        return await self._get(url, limit or self.limits.max_chunk_bytes, chunk_path(url))
 
     async def post_json(self, url: str, doc: Any) -> Any:
         return parse_json(url, await self._post(url, doc, 200))

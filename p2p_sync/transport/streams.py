@@ -63,6 +63,7 @@ from p2p_sync.transport.dataplane import (
     Request,
     announce_doc,
     check_reply,
+    chunk_path,
     parse_json,
 )
 
@@ -283,10 +284,9 @@ async def exchange(
     from libp2p.peer.id import ID  # the host's thread already imported libp2p
 
     with trio.move_on_after(limits.request_timeout_s) as scope:
-        patience = 2 * limits.request_timeout_s
 
         def moving() -> None:
-            scope.deadline = trio.current_time() + patience
+            scope.deadline = trio.current_time() + limits.read_patience_s
 
         try:
             peer = ID.from_base58(peer_id)
@@ -451,9 +451,8 @@ class StreamClient(FramedClient):
     ) -> bytes:
         peer_id, path, query = split_url(url)
         request = encode_request(method, path, query, self.self_url, body)
-        bulk = path.startswith("/chunk/")  # timed by progress; the rest by the whole request
         return await self.host.call(
-            exchange, self.host, peer_id, request, limit, expect, self.limits, bulk
+            exchange, self.host, peer_id, request, limit, expect, self.limits, chunk_path(path)
         )
 
 
@@ -516,7 +515,7 @@ class RoutedClient:
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         data, shortcut = await self._routed(url, lambda c, u: c.get_bytes(u, limit))
-        if shortcut and self.lan is not None and "/chunk/" in url:  # chunks, as uploads count
+        if shortcut and self.lan is not None and chunk_path(url):  # chunks, as uploads count
             self.lan.bytes_downloaded += len(data)
         return data
 
