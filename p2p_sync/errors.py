@@ -204,6 +204,11 @@ class PeerBusyError(PeerError):
     """The peer refused for lack of upload slots (HTTP 503): not a failure, try elsewhere."""
 
 
+class PeerLacksError(PeerError):
+    """The peer does not hold what was asked (HTTP 404): of a run of chunks, it lacks the
+    first (``/chunks`` serves up to the first chunk it lacks)."""
+
+
 class ImpersonationError(PeerError):
     """A reverse channel's handshake does not prove the peer id it claims: a node posing as
     another, or a channel passed on by a peer it was opened to (``transport.reverse``)."""

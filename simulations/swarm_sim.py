@@ -17,11 +17,16 @@ and the node's messaging, as follows.
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
-* Requests: a request arrives after one latency. The serving node answers "not found" for a
-  chunk it lacks (``ChunkFailed``); else its :class:`p2p_sync.uploads.UploadSlots` (the data
-  plane's own) serve it, queue it for a slot, or refuse it as busy (``PeerBusy``); a served
-  chunk streams over the network model and the receiver checks it (``ChunkVerified`` or, from
-  a corrupt peer, ``ChunkCorrupted``).
+* Requests: the chunks one scheduler step asks of one peer go in one request (a run:
+  ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
+  serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the
+  requester asks for the rest again, a round trip later); its
+  :class:`p2p_sync.uploads.UploadSlots` (the data plane's own) serve the run, queue it for a
+  slot, or refuse it as busy (``PeerBusy``). Its chunks stream over the network model one
+  after another on one slot, and the receiver checks each as it lands (``ChunkVerified`` or,
+  from a corrupt peer, ``ChunkCorrupted``). A chunk cancelled while its bytes flow still flows
+  (the node's connection carries the rest of the run); the run ends once nothing in it is
+  wanted.
 * Churn, adversaries: see ``scenario.py``.
 * Push trees (``push_tree``, a dissemination the node does not run yet): see ``pushtree.py``.
   Each rollout subscribes to its parent of every stripe (one latency), which then streams it
@@ -96,13 +101,26 @@ MBPS = 1e6 / 8  # bytes/s in one Mbit/s
 V = TypeVar("V")
 
 
+@dataclass(eq=False)
+class Run:
+    """Chunks one request asks of one peer, served one after another on one upload slot (the
+    node's ``/chunks``; a run of one is ``/chunk``)."""
+
+    requester: int
+    source: int
+    indices: list[int]  # not served yet, in the order asked
+    gen: int  # the requester's download generation
+    current: int | None = None  # the chunk whose bytes flow now
+    transfer: Transfer | None = None  # and its transfer
+
+
 @dataclass
 class Peer:
     idx: int
     role: str
     uplink: float
     downlink: float
-    slots: UploadSlots[tuple[int, int, int]]  # its uploads: (requester, chunk, generation)
+    slots: UploadSlots[Run]  # its uploads
     neighbors: set[int] = field(default_factory=set)
     nat: bool = False  # behind NAT: reachable only over connections it opened itself
     punchable: bool = False  # behind NAT, and hole punching gets through it
@@ -114,6 +132,7 @@ class Peer:
     sched: Scheduler | None = None
     artifact: Artifact | None = None
     requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
+    runs: dict[tuple[int, int], Run] = field(default_factory=dict)  # each request's run
     subscribers: set[int] = field(default_factory=set)
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
@@ -471,7 +490,8 @@ class SwarmSim:
         p.generation += 1
         have = p.have.setdefault(art.ident, set())
         seed = self.sc.seed * 1_000_003 + p.idx * 1009 + art.version
-        p.sched = Scheduler(self._n_chunks(art), self.sc.swarm_config(seed), have)
+        config = self.sc.swarm_config(seed)
+        p.sched = Scheduler(self._n_chunks(art), config, have, self.sc.chunk_bytes)
         p.timer_at = None
         self._feed(p, TimerFired())
         if self.tree is not None:
@@ -498,9 +518,10 @@ class SwarmSim:
         sched = p.sched
         if sched is None:
             return
+        runs: dict[int, list[int]] = {}  # a peer's chunks asked at once: one request
         for action in sched.handle(event, self.clock.now):
             if isinstance(action, RequestChunk):
-                self._request(p, action.peer, action.index)
+                runs.setdefault(action.peer, []).append(action.index)
             elif isinstance(action, CancelRequest):
                 self._cancel(p, action.peer, action.index)
             elif isinstance(action, PeerBanned):
@@ -512,6 +533,8 @@ class SwarmSim:
             elif isinstance(action, DownloadCompleted):
                 self._completed(p)
                 return
+        for q_idx, indices in runs.items():
+            self._request(p, q_idx, indices)
         self._arm(p)
 
     def _completed(self, p: Peer) -> None:
@@ -529,6 +552,7 @@ class SwarmSim:
         for q, i in list(p.requests):
             self._cancel(p, q, i)
         p.requests.clear()
+        p.runs.clear()
         p.sched, p.artifact = None, None
         p.generation += 1
 
@@ -609,17 +633,28 @@ class SwarmSim:
 
     # ------------------------------------------------------------ requests
 
-    def _request(self, p: Peer, q_idx: int, index: int) -> None:
-        p.requests[(q_idx, index)] = None
-        self.clock.after(self.lat, self._arrive, p, q_idx, index, p.generation)
+    def _request(self, p: Peer, q_idx: int, indices: list[int]) -> None:
+        run = Run(p.idx, q_idx, indices, p.generation)
+        for i in indices:
+            p.requests[(q_idx, i)] = None
+            p.runs[(q_idx, i)] = run
+        self.clock.after(self.lat, self._arrive, p, run)
+
+    def _wanted(self, p: Peer, run: Run) -> list[int]:
+        """The chunks of ``run`` its requester still wants (not cancelled, not served)."""
+        return [i for i in run.indices if p.runs.get((run.source, i)) is run]
 
     def _cancel(self, p: Peer, q_idx: int, index: int) -> None:
         t = p.requests.pop((q_idx, index), None)
+        run = p.runs.pop((q_idx, index), None)
+        if run is None or self._wanted(p, run) or p.runs.get((q_idx, run.current)) is run:  # type: ignore[arg-type]
+            return  # the rest of its run is still wanted: the bytes keep flowing
         q = self.peers[q_idx]
-        if t is not None:
-            if self.net.cancel(t):  # not if it died with its uploader already
+        if run.transfer is not None:
+            if self.net.cancel(run.transfer):  # not if it died with its uploader already
+                run.transfer = None
                 self._upload_ended(q, p.idx)
-        elif q.slots.withdraw((p.idx, index, p.generation)):  # else still on its way
+        elif t is None and q.slots.withdraw(run):  # else still on its way
             self._seed_contact(q, p.idx)
 
     def _seed_contact(self, q: Peer, requester: int) -> None:
@@ -638,31 +673,66 @@ class SwarmSim:
         key = (event.peer, event.index)  # type: ignore[union-attr]
         if p.generation == gen and p.online and key in p.requests:
             del p.requests[key]
+            p.runs.pop(key, None)
             self._feed(p, event)
 
-    def _arrive(self, p: Peer, q_idx: int, index: int, gen: int) -> None:
-        if p.generation != gen or (q_idx, index) not in p.requests:
+    def _fail(self, p: Peer, q_idx: int, indices: list[int], event: type[Event]) -> None:
+        for i in indices:
+            self._reply(p, p.generation, event(q_idx, i))  # type: ignore[call-arg]
+
+    def _arrive(self, p: Peer, run: Run) -> None:
+        if p.generation != run.gen:
+            return
+        run.indices = self._wanted(p, run)
+        if not run.indices:
             return  # cancelled on the way
-        q, art = self.peers[q_idx], p.artifact
+        q, art = self.peers[run.source], p.artifact
         assert art is not None
         if not q.online:
-            if not q.silent_crash:
-                self._reply(p, gen, ChunkFailed(q_idx, index))  # connection refused
-            return  # a silent host: the request times out
+            if not q.silent_crash:  # connection refused; a silent host: the request times out
+                self._fail(p, q.idx, run.indices, ChunkFailed)
+            return
         if q.role == STALL:
             return
-        if q.role == LIAR or (q.role != CORRUPT and index not in q.have.get(art.ident, ())):
-            self._reply(p, gen, ChunkFailed(q_idx, index))
+        if q.role == LIAR:
+            self._fail(p, q.idx, run.indices, ChunkFailed)
             return
-        admission = q.slots.request(p.idx, (p.idx, index, gen))
+        if q.role != CORRUPT:
+            self._cut_at_missing(p, q, run, q.have.get(art.ident, set()))
+            if not run.indices:
+                return
+        admission = q.slots.request(p.idx, run)
         self._seed_contact(q, p.idx)
         if admission is Admission.SERVE:
-            self._serve(q, p, index, gen)
+            self._serve(q, p, run)
         elif admission is Admission.BUSY:
-            self._reply(p, gen, PeerBusy(q_idx, index))
+            self._fail(p, q.idx, run.indices, PeerBusy)
 
-    def _serve(self, q: Peer, p: Peer, index: int, gen: int) -> None:
+    def _cut_at_missing(self, p: Peer, q: Peer, run: Run, held: Collection[int]) -> None:
+        """``q`` serves ``run`` up to the first chunk it lacks: that one fails, and the
+        requester asks for those after it again once the short reply is in."""
+        for at, i in enumerate(run.indices):
+            if i not in held:
+                rest = run.indices[at + 1 :]
+                run.indices = run.indices[:at]
+                self._fail(p, q.idx, [i], ChunkFailed)
+                if rest:
+                    self.clock.after(self.lat, self._ask_again, p, run, rest)
+                return
+
+    def _ask_again(self, p: Peer, run: Run, rest: list[int]) -> None:
+        wanted = [i for i in rest if p.runs.get((run.source, i)) is run]
+        if p.generation == run.gen and wanted:
+            self._request(p, run.source, wanted)
+
+    def _serve(self, q: Peer, p: Peer, run: Run) -> bool:
+        """Start the next wanted chunk of ``run``; False if none is left (the upload ends)."""
         art = p.artifact
+        wanted = self._wanted(p, run) if p.generation == run.gen and art is not None else []
+        if not wanted:
+            return False
+        index = wanted[0]
+        run.indices = wanted[1:]
         assert art is not None
         q_idx = q.idx
         if q_idx == TRAINER:  # the node notes it as it reads the chunk, and offers more
@@ -673,9 +743,11 @@ class SwarmSim:
         self.served[pair] = self.served.get(pair, 0) + 1
         size = self._chunk_size(art, index)
         transfer = self.net.start(
-            q_idx, p.idx, size, lambda: self._delivered(p, q, art, index, gen)
+            q_idx, p.idx, size, lambda: self._delivered(p, q, art, run, index)
         )
-        p.requests[(q_idx, index)] = transfer
+        p.requests[(q_idx, index)] = run.transfer = transfer
+        run.current = index
+        return True
 
     def _upload_ended(self, q: Peer, requester: int) -> None:
         """An upload of ``q`` ended: its slots start what they pick from the line (a request
@@ -685,16 +757,15 @@ class SwarmSim:
             done = ended.pop()
             started = q.slots.finished(done)
             self._seed_contact(q, done)
-            for r_idx, (_, index, gen) in started:
-                r = self.peers[r_idx]
-                if r.generation == gen and (q.idx, index) in r.requests:
-                    self._serve(q, r, index, gen)
-                else:
+            for r_idx, run in started:
+                if not self._serve(q, self.peers[r_idx], run):
                     ended.append(r_idx)
 
-    def _delivered(self, p: Peer, q: Peer, art: Artifact, index: int, gen: int) -> None:
-        self._upload_ended(q, p.idx)
-        self.clock.after(self.lat, self._received, p, art, gen, self._checked(q, art, index))
+    def _delivered(self, p: Peer, q: Peer, art: Artifact, run: Run, index: int) -> None:
+        run.current, run.transfer = None, None
+        self.clock.after(self.lat, self._received, p, art, run.gen, self._checked(q, art, index))
+        if not self._serve(q, p, run):  # the run's next chunk follows at once
+            self._upload_ended(q, p.idx)
 
     def _checked(self, q: Peer, art: Artifact, index: int) -> Event:
         """What the receiver's hash check makes of chunk ``index`` from ``q``."""
@@ -707,6 +778,7 @@ class SwarmSim:
         if p.generation != gen or not p.online or key not in p.requests:
             return
         del p.requests[key]
+        p.runs.pop(key, None)
         self._accept(p, art, event)
 
     def _accept(self, p: Peer, art: Artifact, event: Event) -> bool:
@@ -842,10 +914,10 @@ class SwarmSim:
             return
         p.online, p.silent_crash = False, silent
         self._drop_download(p)
-        for r_idx, (_, index, gen) in p.slots.clear():  # queued requests die with it
+        for r_idx, run in p.slots.clear():  # queued requests die with it
             r = self.peers[r_idx]
-            if not silent and r.generation == gen:  # reset, or silence
-                self._reply(r, gen, ChunkFailed(p.idx, index))
+            if not silent and r.generation == run.gen:  # reset, or silence
+                self._fail(r, p.idx, self._wanted(r, run), ChunkFailed)
         for t in list(self.net.out[p.idx]):  # uploads in progress die with the node
             self.net.cancel(t)
             if not silent:
@@ -860,10 +932,13 @@ class SwarmSim:
         self.clock.after(downtime, self._rejoin, p, p.generation)
 
     def _reply_failed_transfer(self, r: Peer, q_idx: int, t: Transfer) -> None:
+        """An upload from ``q_idx`` died: the chunk on the wire fails, and the rest of its run."""
         for (q, i), tr in r.requests.items():
             if tr is t and q == q_idx:
                 r.requests[(q, i)] = None
-                self._reply(r, r.generation, ChunkFailed(q, i))
+                run = r.runs.get((q, i))
+                rest = self._wanted(r, run) if run is not None else []
+                self._fail(r, q, [i, *(j for j in rest if j != i)], ChunkFailed)
                 return
 
     def _lost(self, r: Peer, q_idx: int, gen: int) -> None:

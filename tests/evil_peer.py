@@ -31,6 +31,10 @@ async def main(trainer: str) -> None:
         served["served"] += 1
         return web.Response(body=b"\0" * 16384)  # wrong bytes (length right for full chunks)
 
+    async def chunks(request: web.Request) -> web.Response:  # a run: as many wrong chunks
+        served["served"] += 1
+        return web.Response(body=b"\0" * 16384 * (len(request.match_info["shas"]) // 64))
+
     app = web.Application()
     app.add_routes(
         [
@@ -39,6 +43,7 @@ async def main(trainer: str) -> None:
             web.get("/peers", proxy),
             web.get("/have/{d}", have),
             web.get("/chunk/{sha}", chunk),
+            web.get("/chunks/{shas}", chunks),
             web.get("/stats", lambda r: web.json_response(served)),
             web.post("/announce", lambda r: web.json_response({}, status=202)),
         ]

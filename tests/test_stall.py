@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,13 @@ class _Source:
         if index in self.lost:
             raise PeerError(f"{peer}: 404")
         return self.payload[index * CHUNK : (index + 1) * CHUNK]
+
+    async def chunks(self, peer: str, m: Manifest, indices: list[int]) -> AsyncIterator[bytes]:
+        for index in indices:  # a run stops at the first chunk its peer lacks
+            if index in self.lost:
+                self.requests.append((peer, index))
+                return
+            yield await self.chunk(peer, m, index)
 
     def pushed(self, peer: str, m: Manifest) -> list[int] | None:
         return self.push.pop(peer, None)

@@ -11,6 +11,12 @@ GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 
                             that takes no bytes for ``request_timeout_s`` is cut off (a slow
                             one that keeps reading is not: a large chunk on a shared home
                             uplink may take a minute)
+GET  /chunks/{sha256...}     several chunks in one request: their digests concatenated (at
+                            most ``MAX_RUN``), their bytes back to back in that order, as
+                            ``/chunk`` serves one (one upload slot for the run); it stops
+                            before the first chunk not held here (404 if that is the first),
+                            or once ``max_chunk_bytes`` are in: the requester, who knows each
+                            chunk's length from the signed manifest, takes what came
 GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
                             ``?version=N`` lists only that version's manifests
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
@@ -78,7 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from p2p_sync.errors import PeerBusyError, PeerError
+from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.uploads import Admission, UploadSlots
 
@@ -93,12 +99,20 @@ JSON = "application/json"
 
 
 PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much at a time
-CHUNK_ROUTE = "/chunk/"  # GET CHUNK_ROUTE + sha256: the only replies timed by progress
+CHUNK_ROUTE = "/chunk/"  # GET CHUNK_ROUTE + sha256: the replies timed by progress, with...
+CHUNKS_ROUTE = "/chunks/"  # GET CHUNKS_ROUTE + sha256 + sha256...: a run of chunks
+MAX_RUN = 64  # chunks one /chunks request may name
 
 
 def chunk_path(path: str) -> bool:
-    """Whether a request path (or URL) asks for a chunk."""
-    return urlsplit(path).path.startswith(CHUNK_ROUTE)
+    """Whether a request path (or URL) asks for chunks."""
+    route = urlsplit(path).path
+    return route.startswith(CHUNK_ROUTE) or route.startswith(CHUNKS_ROUTE)
+
+
+def chunks_url(shas: list[str]) -> str:
+    """The path asking for these chunks in one request (``/chunks``)."""
+    return CHUNKS_ROUTE + "".join(shas)
 
 
 @dataclass(frozen=True)
@@ -220,7 +234,7 @@ def _hex(value: str, name: str) -> str:
 
 # the routes, and how many path segments each takes (its name, then a digest for some)
 _ARITY = {n: (1,) for n in ("manifests", "peers", "announce", "whoami", "status", "metrics")} | {
-    n: (2,) for n in ("chunk", "manifest", "have")
+    n: (2,) for n in ("chunk", "chunks", "manifest", "have")
 }
 _ARITY["dialback"] = (1, 2)
 
@@ -289,6 +303,8 @@ class DataRouter:
             raise Refused(404, "no such route")
         if (req.method, name) == ("GET", "chunk"):
             return await self._chunk(arg, req), lambda: self._release(req)
+        if (req.method, name) == ("GET", "chunks"):
+            return await self._run(arg, req), lambda: self._release(req)
         handler = self._routes.get((req.method, name))
         if handler is None:
             raise Refused(405, f"{req.method} is not allowed on /{name}")
@@ -338,18 +354,41 @@ class DataRouter:
 
     async def _chunk(self, sha: str, req: Request) -> Reply:
         """The chunk's bytes, holding an upload slot (the caller releases it)."""
-        _hex(sha, "sha")
+        return await self._serve_chunks([_hex(sha, "sha")], req)
+
+    async def _run(self, joined: str, req: Request) -> Reply:
+        """A run of chunks (``/chunks``), holding one upload slot (the caller releases it)."""
+        shas = [joined[at : at + 64] for at in range(0, len(joined), 64)]
+        if not 0 < len(shas) <= MAX_RUN:
+            raise Refused(400, f"name 1 to {MAX_RUN} chunks")
+        for sha in shas:
+            _hex(sha, "each sha")
+        return await self._serve_chunks(shas, req)
+
+    async def _serve_chunks(self, shas: list[str], req: Request) -> Reply:
+        """The chunks' bytes back to back, up to the first one not held here (and within
+        ``max_chunk_bytes``), after the wait for an upload slot and the upload cap."""
         await self._upload_slot(req)
         try:
-            data = self.node.chunk(sha, req.peer)  # inline: ~0.3 ms (read, re-hash) < a thread hop
-            if data is None:
+            parts: list[bytes] = []
+            size = 0
+            for sha in shas:
+                if size >= self.limits.max_chunk_bytes:
+                    break
+                data = self.node.chunk(sha, req.peer)  # inline: ~0.3 ms (read, re-hash)
+                if data is None:
+                    break
+                parts.append(data)
+                size += len(data)
+            if not parts:
                 raise Refused(404, "no such chunk here")
             if self._bucket is not None:  # upload cap: wait our turn before sending
-                await asyncio.sleep(self._bucket.reserve(len(data), time.monotonic()))
+                await asyncio.sleep(self._bucket.reserve(size, time.monotonic()))
         except BaseException:
             self._release(req)
             raise
-        return Reply(200, data, "application/octet-stream", upload=True)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        return Reply(200, body, "application/octet-stream", upload=True)
 
     # ------------------------------------------------------------ the control plane
 
@@ -503,6 +542,11 @@ class PeerClient(Protocol):
 
     async def get_json(self, url: str) -> Any: ...
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes: ...
+    def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+        """A ``/chunks`` reply as its parts of ``sizes`` bytes, each as soon as it is in;
+        fewer if the body ends early, a ``PeerError`` if it ends within a part or runs over."""
+        ...
+
     async def post_json(self, url: str, doc: Any) -> Any: ...
     async def announce(
         self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
@@ -517,10 +561,32 @@ def check_reply(url: str, status: int, length: int, limit: int, expect: int = 20
     """A reply's status and announced length, judged before its body is read."""
     if status == 503:
         raise PeerBusyError(f"{url}: busy")
+    if status == 404 and expect != 404:
+        raise PeerLacksError(f"{url}: not found")
     if status != expect:
         raise PeerError(f"{url}: HTTP {status}")
     if length > limit:
         raise PeerError(f"{url}: response of {length} bytes over limit")
+
+
+async def split_parts(body: Awaitable[bytes], url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+    """``get_parts`` over a client that has the reply only whole (``body``: its request).
+    The parts come before any verdict on the length: a peer sending too many bytes still
+    has its first parts checked against their hashes (and is banned if they fail)."""
+    try:
+        data, at = await body, 0
+    except PeerLacksError:  # it lacks the first
+        return
+    view = memoryview(data)
+    for size in sizes:
+        if at == len(data):
+            return
+        if at + size > len(data):
+            raise PeerError(f"{url}: reply ends within a chunk")
+        yield bytes(view[at : at + size])
+        at += size
+    if at != len(data):
+        raise PeerError(f"{url}: reply over the chunks' length")
 
 
 def parse_json(url: str, body: bytes) -> Any:

@@ -16,13 +16,13 @@ shared 16 ways on a 10 Mbit/s uplink takes ~54 s, and only the scheduler's adapt
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from p2p_sync.errors import PeerBusyError, PeerError, PeerUnreachableError
+from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError, PeerUnreachableError
 from p2p_sync.transport.dataplane import (
     PEER_HEADER,
     PIECE,
@@ -154,6 +154,28 @@ class DataClient:
         timeout bounds a slow one) or a signed manifest (the whole-request limit: nothing
         else would stop a peer that trickles one byte at a time)."""
         return await self._get(url, limit or self.limits.max_chunk_bytes, chunk_path(url))
+
+    async def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+        """A run of chunks (``/chunks``), each handed on as soon as its bytes are in (a relay
+        can offer it while the rest is on its way), timed as one chunk is. Its length is
+        judged after the parts (as ``split_parts`` does): bytes failing their hash get the
+        peer banned even when it sends too many."""
+        try:
+            async with self.session.get(url, headers=self._headers, timeout=self._bulk) as resp:
+                check_reply(url, resp.status, resp.content_length or 0, self.limits.max_chunk_bytes)
+                for size in sizes:
+                    first = await resp.content.read(1)
+                    if not first:  # the peer stopped before this chunk: it lacks it
+                        return
+                    yield first + await resp.content.readexactly(size - 1)
+                if await resp.content.read(1):
+                    raise PeerError(f"{url}: reply over the chunks' length")
+        except PeerLacksError:  # it lacks the first
+            return
+        except asyncio.IncompleteReadError:
+            raise PeerError(f"{url}: reply ends within a chunk") from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _peer_error(url, exc) from None
 
     async def post_json(self, url: str, doc: Any) -> Any:
         return parse_json(url, await self._post(url, doc, 200))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -29,6 +29,7 @@ from p2p_sync.transport.dataplane import (
     announce_doc,
     check_reply,
     parse_json,
+    split_parts,
 )
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
 
@@ -109,6 +110,9 @@ class MemoryClient:
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         return await self._request("GET", url, limit or self.limits.max_chunk_bytes)
+
+    def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+        return split_parts(self.get_bytes(url), url, sizes)
 
     async def post_json(self, url: str, doc: Any) -> Any:
         body = json.dumps(doc).encode()

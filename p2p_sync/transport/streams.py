@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
@@ -65,6 +65,7 @@ from p2p_sync.transport.dataplane import (
     check_reply,
     chunk_path,
     parse_json,
+    split_parts,
 )
 
 PROTOCOL = "/p2psync/data/1.0.0"
@@ -426,6 +427,10 @@ class FramedClient:
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         return await self._request(url, limit or self.limits.max_chunk_bytes)
 
+    def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+        """A reply frame comes whole: its parts once it is in."""
+        return split_parts(self.get_bytes(url), url, sizes)
+
     async def post_json(self, url: str, doc: Any) -> Any:
         body = json.dumps(doc).encode()
         return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
@@ -518,6 +523,19 @@ class RoutedClient:
         if shortcut and self.lan is not None and chunk_path(url):  # chunks, as uploads count
             self.lan.bytes_downloaded += len(data)
         return data
+
+    async def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+        client, target = self._for(url)
+        shortcut = target != url and self.lan is not None
+        try:
+            async for part in client.get_parts(target, sizes):
+                if shortcut and self.lan is not None:
+                    self.lan.bytes_downloaded += len(part)
+                yield part
+        except PeerUnreachableError:
+            if shortcut and self.lan is not None:
+                self.lan.drop(url)
+            raise
 
     async def post_json(self, url: str, doc: Any) -> Any:
         return (await self._routed(url, lambda c, u: c.post_json(u, doc)))[0]
