@@ -21,7 +21,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from p2p_sync.errors import ImpersonationError, PeerError
-from p2p_sync.transport.dataplane import DataRouter, HttpLimits
+from p2p_sync.transport.dataplane import PIECE, DataRouter, HttpLimits, Reply
 from p2p_sync.transport.reverse import (
     PATH,
     REFUSED,
@@ -285,8 +285,11 @@ async def _hostile_requests() -> dict[str, Any]:
         else:
             rid = 41
             await ws.send_bytes(encode_request("GET", f"/chunk/{SHA}", {}, None, b"", id=rid))
-            msg = await ws.receive()
-            head, body = split_message(msg.data, 4096)
+            head, body = split_message((await ws.receive()).data, 4096)
+            while len(body) < head["length"]:  # the rest comes in pieces
+                more, piece = split_message((await ws.receive()).data, 4096)
+                assert more == {"id": rid, "at": len(body)} and 0 < len(piece) <= PIECE
+                body += piece
             accepted.append(len(body) if head["id"] == rid else -1)
         await ws.receive()  # until the NATed end closes
         return ws
@@ -305,3 +308,59 @@ async def _hostile_requests() -> dict[str, Any]:
 def test_a_malformed_request_closes_the_channel_and_the_node_opens_a_new_one() -> None:
     out = asyncio.run(_hostile_requests())
     assert out["accepted"][:3] == [1, 1, len(DATA)] and out["uploaded"] == len(DATA)
+
+
+# ---------------------------------------------------------------- slow links
+
+
+async def _trickled_reply(gap_s: float, silent_after: int | None) -> tuple[bytes | str, float]:
+    """A NATed end that sends a 6-piece chunk reply one piece every ``gap_s`` (going silent
+    after ``silent_after`` pieces) to a public peer whose ``request_timeout_s`` is 0.3 s;
+    what the request ends in, and when."""
+    limits = HttpLimits(request_timeout_s=0.3, connect_timeout_s=2.0)
+    pair, peer = _identity()
+    hub = ReverseHub(limits, 4, lambda: None, lambda url: None)
+    body = bytes(range(256)) * (6 * PIECE // 256)
+    async with _server(hub.accept) as url, aiohttp.ClientSession() as s:
+        async with s.ws_connect(url + PATH) as ws:
+            await ws.send_json(prove(pair, peer, url, (await ws.receive_json())["challenge"]))
+            await ws.receive_json()
+
+            async def answer() -> None:
+                async for msg in ws:
+                    rid = split_message(msg.data, 1 << 16)[0]["id"]
+                    head = encode_reply_header(Reply(200, body, "application/octet-stream"), id=rid)
+                    await ws.send_bytes(head + body[:PIECE])
+                    for n, at in enumerate(range(PIECE, len(body), PIECE), 1):
+                        await asyncio.sleep(gap_s if n != silent_after else 5.0)
+                        more = json.dumps({"id": rid, "at": at}).encode()
+                        await ws.send_bytes(
+                            len(more).to_bytes(4, "big") + more + body[at : at + PIECE]
+                        )
+
+            task = asyncio.create_task(answer())
+            started = asyncio.get_running_loop().time()
+            try:
+                got: bytes | str = await ReverseClient(hub, None).get_bytes(
+                    f"p2p://{peer}/chunk/{SHA}"
+                )
+                assert got == body
+            except PeerError as exc:
+                got = str(exc)
+            finally:
+                took = asyncio.get_running_loop().time() - started
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    return got, took
+
+
+def test_a_chunk_whose_pieces_keep_coming_over_a_channel_is_never_cut() -> None:
+    got, took = asyncio.run(_trickled_reply(0.2, None))
+    assert isinstance(got, bytes) and len(got) == 6 * PIECE
+    assert took > 3 * 0.3  # ~1 s: a whole-reply limit of request_timeout_s cut it
+
+
+def test_a_chunk_whose_pieces_stop_coming_over_a_channel_fails() -> None:
+    got, took = asyncio.run(_trickled_reply(0.0, 2))
+    assert isinstance(got, str) and "TimeoutError" in got
+    assert took == pytest.approx(2 * 0.3, abs=0.3)  # read_patience_s, not the 5 s of silence

@@ -562,7 +562,7 @@ def check_reply(url: str, status: int, length: int, limit: int, expect: int = 20
     if status == 503:
         raise PeerBusyError(f"{url}: busy")
     if status == 404 and expect != 404:
-        raise PeerLacksError(f"{url}: not found")
+        raise PeerLacksError(f"{url}: HTTP 404")
     if status != expect:
         raise PeerError(f"{url}: HTTP {status}")
     if length > limit:

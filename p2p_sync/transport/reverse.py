@@ -19,7 +19,10 @@ Wire (a WebSocket on the public peer P's data-plane port, opened by the NATed no
     P -> N  text   {"ok": true}, or P closes with code 4403 and the reason
     then, any number of times and interleaved:
     P -> N  binary a request frame of ``transport.streams`` with "id": int in its header
-    N -> P  binary a reply frame of ``transport.streams`` with the same "id" in its header
+    N -> P  binary a reply frame of ``transport.streams`` with the same "id" in its header,
+            carrying the first ``PIECE`` bytes of the body at most; then, while the body is
+            not whole, binary {"id": the same, "at": bytes of the body sent so far} framed
+            the same way, followed by the next ``PIECE`` bytes at most
 
 P accepts when the key hashes to the claimed peer id, the signature verifies and the signed URL
 is P's own (its advertised URL, or the address the connection arrived at): so no node can
@@ -30,9 +33,12 @@ then blame N for whatever that peer served in its name. N answers with its own d
 Bounds: P keeps at most ``max_channels`` channels (a newer one from the same peer replaces the
 older); a message is at most a chunk plus its header one way, a request the other; N serves at
 most ``upload_queue + max_concurrent_uploads`` requests of a channel at once (more get a 503);
-a reply not sent within ``request_timeout_s`` closes the channel (as a slow HTTP reader is cut
-off); a request not answered within ``request_timeout_s`` fails (PeerError); both ends ping
-every ``HEARTBEAT_S`` and drop a silent channel.
+a piece of a reply not sent within ``request_timeout_s`` closes the channel (as a slow HTTP
+reader is cut off: a slow one that keeps reading is not, so a 4 MiB chunk may take a minute
+on a shared home uplink); a request fails (PeerError) when no piece of its reply came for
+``read_patience_s`` (chunks, as over HTTP) or its reply is not whole within
+``request_timeout_s`` (anything else); both ends ping every ``HEARTBEAT_S`` and drop a silent
+channel.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import logging
 import secrets
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -55,11 +62,13 @@ from p2p_sync.errors import ImpersonationError, PeerError
 from p2p_sync.transport.dataplane import (
     HEX32,
     PEER_ID,
+    PIECE,
     DataRouter,
     HttpLimits,
     Reply,
     Request,
     check_reply,
+    chunk_path,
 )
 from p2p_sync.transport.streams import (
     MAX_REPLY_HEADER,
@@ -155,36 +164,68 @@ def split_message(data: bytes, limit: int) -> tuple[dict[str, Any], bytes]:
 # ---------------------------------------------------------------- the public peer's end
 
 
+@dataclass(eq=False)
+class _Reply:
+    """A reply coming in over a channel, piece by piece."""
+
+    done: asyncio.Future[bytes]
+    limit: int
+    progress: Callable[[], None]  # a piece came: the requester's clock starts again
+    length: int | None = None  # from the first piece's header
+    body: bytearray = field(default_factory=bytearray)
+
+    def add(self, url: str, head: dict[str, Any], piece: bytes, expect: int) -> None:
+        """Take one message of the reply; PeerError if it breaks the wire's rules."""
+        if self.length is None:
+            try:
+                status, _, self.length = reply_fields(head)
+            except ValueError as exc:
+                raise PeerError(f"{url}: {exc}") from None
+            check_reply(url, status, self.length, self.limit, expect)
+        elif head.get("at") != len(self.body):
+            raise PeerError(f"{url}: reverse channel: a piece out of order")
+        self.body += piece
+        if len(self.body) > self.length:
+            raise PeerError(f"{url}: reply of {len(self.body)} bytes, header says {self.length}")
+        if len(self.body) == self.length:
+            self.done.set_result(bytes(self.body))
+        else:
+            self.progress()
+
+
 class Channel:
-    """P's end of one channel: requests out, replies matched to them by id."""
+    """P's end of one channel: requests out, replies (in pieces) matched to them by id."""
 
     def __init__(self, ws: web.WebSocketResponse, peer_id: str, limits: HttpLimits) -> None:
         self.ws, self.peer_id, self.limits = ws, peer_id, limits
         self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._waiting: dict[int, tuple[_Reply, int]] = {}  # id -> the reply, its status
 
-    async def request(self, frame: Callable[[int], bytes], limit: int, expect: int) -> bytes:
+    async def request(
+        self, frame: Callable[[int], bytes], limit: int, expect: int, bulk: bool = False
+    ) -> bytes:
         """Send the request ``frame(id)``; the body of its reply if the status is
-        ``expect`` and it fits ``limit``. PeerError (or PeerBusyError) otherwise."""
+        ``expect`` and it fits ``limit``. PeerError (or PeerBusyError) otherwise. ``bulk``
+        (chunks): timed by progress, ``read_patience_s`` for each piece, else the whole
+        reply within ``request_timeout_s``."""
         rid, url = next(self._ids), peer_url(self.peer_id)
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = waiter
+        loop = asyncio.get_running_loop()
+        patience = self.limits.read_patience_s if bulk else self.limits.request_timeout_s
         try:
-            async with asyncio.timeout(self.limits.request_timeout_s):
+            async with asyncio.timeout(patience) as clock:
+
+                def progress() -> None:
+                    if bulk:
+                        clock.reschedule(loop.time() + patience)
+
+                reply = _Reply(loop.create_future(), limit, progress)
+                self._waiting[rid] = (reply, expect)
                 await self.ws.send_bytes(frame(rid))
-                head, body = await waiter
+                return await reply.done
         except (TimeoutError, ConnectionError) as exc:
             raise PeerError(f"{url}: reverse channel: {type(exc).__name__} {exc}") from None
         finally:
             self._waiting.pop(rid, None)
-        try:
-            status, _, length = reply_fields(head)
-        except ValueError as exc:
-            raise PeerError(f"{url}: {exc}") from None
-        check_reply(url, status, length, limit, expect)
-        if length != len(body):
-            raise PeerError(f"{url}: reply of {len(body)} bytes, header says {length}")
-        return body
 
     async def pump(self) -> None:
         """Hand replies to their requests until the channel closes or misbehaves; then fail
@@ -194,16 +235,25 @@ class Channel:
                 if msg.type is not aiohttp.WSMsgType.BINARY:
                     break
                 head, body = split_message(msg.data, MAX_REPLY_HEADER)
-                waiter = self._waiting.get(head["id"])
-                if waiter is not None and not waiter.done():
-                    waiter.set_result((head, body))
+                self._deliver(head, body)
         except (ValueError, UnicodeDecodeError) as exc:
             log.info("closing reverse channel of %s: %s", self.peer_id, exc)
         finally:
             await self.ws.close()
-            for waiter in self._waiting.values():
-                if not waiter.done():
-                    waiter.set_exception(ConnectionError("channel closed"))
+            for reply, _ in self._waiting.values():
+                if not reply.done.done():
+                    reply.done.set_exception(ConnectionError("channel closed"))
+
+    def _deliver(self, head: dict[str, Any], piece: bytes) -> None:
+        """One message to the request it answers (none: a late answer to one given up)."""
+        waiting = self._waiting.get(head["id"])
+        if waiting is None or waiting[0].done.done():
+            return
+        reply, expect = waiting
+        try:
+            reply.add(peer_url(self.peer_id), head, piece, expect)
+        except PeerError as exc:
+            reply.done.set_exception(exc)
 
 
 class ReverseHub:
@@ -289,7 +339,7 @@ class ReverseClient(FramedClient):
         def frame(rid: int) -> bytes:
             return encode_request(method, path, query, self.self_url, body, id=rid)
 
-        return await channel.request(frame, limit, expect)
+        return await channel.request(frame, limit, expect, chunk_path(path))
 
 
 # ---------------------------------------------------------------- the NATed node's end
@@ -415,8 +465,7 @@ class ReverseLinks:
     async def _answer(self, ws: aiohttp.ClientWebSocketResponse, rid: int, req: Request) -> None:
         """Route ``req`` and send the reply while its upload slot is held, as HTTP does."""
         async with self.router.serve(req) as reply:
-            frame = encode_reply_header(reply, id=rid) + reply.body
-            if not await _send(ws, frame, self.limits.request_timeout_s):
+            if not await _send_reply(ws, rid, reply, self.limits.request_timeout_s):
                 return
         self.router.sent(reply)
         self.answered += 1
@@ -441,6 +490,26 @@ def _request(head: dict[str, Any], body: bytes, url: str, remote: str | None) ->
     if head["body"] != len(body):
         raise ValueError(f"body of {len(body)} bytes, header says {head['body']}")
     return Request(head["method"], head["path"], head["query"], url, body, remote, True)
+
+
+async def _send_reply(
+    ws: aiohttp.ClientWebSocketResponse, rid: int, reply: Reply, timeout: float
+) -> bool:
+    """``reply`` in messages of at most ``PIECE`` body bytes, each sent within ``timeout``:
+    a slow reader that keeps taking pieces gets a large chunk whole, as over HTTP."""
+    body = memoryview(reply.body)
+    frame = encode_reply_header(reply, id=rid) + body[:PIECE]
+    for at in range(PIECE, len(body), PIECE):
+        if not await _send(ws, frame, timeout):
+            return False
+        frame = _piece_header(rid, at) + body[at : at + PIECE]
+    return await _send(ws, frame, timeout)
+
+
+def _piece_header(rid: int, at: int) -> bytes:
+    """The header of a reply's next piece: which reply, and where in its body it goes."""
+    raw = json.dumps({"id": rid, "at": at}, separators=(",", ":")).encode()
+    return _U32.pack(len(raw)) + raw
 
 
 async def _send(ws: aiohttp.ClientWebSocketResponse, frame: bytes, timeout: float) -> bool:
