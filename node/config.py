@@ -109,6 +109,7 @@ _PATHS = {"data_dir", "key", "watch", "export"}
 _TUPLES = {"trust", "peers", "bootstrap", "publish.catchup_spans"}
 _ZERO_OK = {
     "download.seed",
+    "download.request_bytes",  # 0: one chunk a request
     "publish.chunk_size",  # 0: picked from each payload's size
     "http.max_upload_mbps",
     "manifest.clock_skew_s",

@@ -30,6 +30,12 @@ Policy:
   enough to cover the round trip, so its link never idles between chunks. The round trip comes
   from the first have-map answer (``PeerHad.rtt_s``) and from chunk replies (at least one);
   the delivery rate is measured between deliveries, so pipelining does not hide it;
+* runs: the requests one step makes of one peer leave as one request (the driver's
+  ``/chunks``) of up to ``request_bytes`` (``run`` chunks): a peer keeps its bandwidth-delay
+  product plus one run in flight, and opens for more once a whole run has room, then is asked
+  until full; so per-request costs are paid once a run, while each chunk is still verified
+  and relayed on its own (given ``chunk_bytes``, the manifest's chunk size; without it, one
+  chunk a request);
 * a chunk goes to the free holder with the best score per request we already have in flight
   there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
   peer that timed out or crawls is not chosen just because it is idle);
