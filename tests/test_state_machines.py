@@ -50,6 +50,7 @@ def swarms(draw: st.DrawFn) -> tuple[int, dict[str, set[int]], dict[str, set[int
         max_requests_total=draw(st.integers(1, 10)),
         endgame_sources=draw(st.integers(1, 3)),
         request_timeout_s=1.0,
+        request_bytes=draw(st.sampled_from([0, 1000, 3000])),  # runs of 1 or 3 chunks
         min_request_timeout_s=0.2,
         stall_timeout_s=draw(st.sampled_from([0.5, 5.0])),
         seed=draw(st.integers(0, 9)),
@@ -66,7 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(swarm=swarms())
     def start(self, swarm) -> None:
         self.n, self.honest, self.evil, config = swarm
-        self.sched = Scheduler(self.n, config)
+        self.sched = Scheduler(self.n, config, (), 1000)  # chunks of 1000 bytes
         self.now = 0.0
         self.pending: list[tuple[str, int]] = []
         self.cancelled: list[tuple[str, int]] = []
@@ -204,17 +205,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @invariant()
     def peers_with_room_are_counted_afresh(self) -> None:
-        """The scheduler keeps the peers with room for a request as requests and depths
-        change: it must be the set a count from scratch gives, among peers it may ask."""
+        """The scheduler keeps the peers with room for a run of requests as requests and
+        depths change: it must be the set a count from scratch gives, among peers it may ask."""
         if not hasattr(self, "sched"):
             return
         s = self.sched
-        fresh = {
-            p
-            for p in s.peer_chunks
-            if p not in s.banned
-            and len(s.peer_inflight.get(p, ())) < s.stats[p].depth(s._chunk_bytes, s.config)
-        }
+
+        def room(p: str) -> int:
+            depth = s.stats[p].depth(s._chunk_bytes, s.config, s.run)
+            return depth - len(s.peer_inflight.get(p, ())) - min(s.run, depth)
+
+        fresh = {p for p in s.peer_chunks if p not in s.banned and room(p) >= 0}
         assert {p for p in s._open if p in s.peer_chunks and p not in s.banned} == fresh
 
     def teardown(self) -> None:

@@ -31,7 +31,7 @@ class Harness:
     def __init__(
         self, n: int, honest: dict[str, set[int]], evil: dict[str, set[int]], config: SwarmConfig
     ) -> None:
-        self.sched = Scheduler(n, config)
+        self.sched = Scheduler(n, config, (), 1000)  # chunks of 1000 bytes
         self.honest, self.evil = honest, evil
         self.now = 0.0
         self.pending: list[tuple[str, int]] = []
@@ -84,6 +84,7 @@ def swarms(draw: st.DrawFn):
         max_requests_per_peer=draw(st.integers(1, 4)),
         max_requests_total=draw(st.integers(1, 12)),
         request_timeout_s=1.0,
+        request_bytes=draw(st.sampled_from([0, 1000, 3000])),  # runs of 1 or 3 chunks
         seed=draw(st.integers(0, 9)),
     )
     return n, honest, evil, config
