@@ -120,10 +120,9 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
         trainer = swarm.start_trainer(
             anchor_every=1000, extra=("--no-p2p", "--patch-format", str(args.patch_format))
         )
+        extra = ("--no-p2p", "--device", args.device, *_download_config(args, root))
         rollouts = [
-            swarm.start_rollout(
-                f"rollout-{i}", [trainer.url], extra=("--no-p2p", "--device", args.device)
-            )
+            swarm.start_rollout(f"rollout-{i}", [trainer.url], extra=extra)
             for i in range(args.rollouts)
         ]
         procs = [trainer, *rollouts]
@@ -276,6 +275,21 @@ def _trainer_side(args: argparse.Namespace, root: Path, conn: Connection) -> Non
             conn.send(side.published())
 
 
+def _download(args: argparse.Namespace) -> dict:
+    """The rollouts' ``[download]`` settings the command line changes."""
+    return {} if args.request_kb is None else {"request_bytes": args.request_kb * 1024}
+
+
+def _download_config(args: argparse.Namespace, root: Path) -> tuple[str, ...]:
+    """``--config`` for rollout processes with ``_download``'s settings (none: no flag)."""
+    table = _download(args)
+    if not table:
+        return ()
+    path = root / "rollout.toml"
+    path.write_text("[download]\n" + "".join(f"{k} = {v}\n" for k, v in table.items()))
+    return ("--config", str(path))
+
+
 def _publish(args: argparse.Namespace) -> dict:
     return {
         "anchor_every": 1000,
@@ -309,7 +323,7 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
             peers=[side.url],
             data_dir=root / "api-r",
             model=engine,
-            download={"have_poll_s": 0.05},
+            download={"have_poll_s": 0.05, **_download(args)},
         ) as rollout:
             for v in range(args.versions):
                 want = side.start(v)
@@ -442,6 +456,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="the trainer's chunk size, KiB (0, the default: picked from each payload's size)",
+    )
+    parser.add_argument(
+        "--request-kb",
+        type=int,
+        help="the rollouts' [download] request_bytes, KiB (default: the shipped one; 0: one "
+        "chunk a request)",
     )
     parser.add_argument("--skip-api", action="store_true")
     parser.add_argument(

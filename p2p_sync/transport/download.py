@@ -44,7 +44,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.dataplane import CHUNK_ROUTE, PeerClient, chunks_url
+from p2p_sync.transport.dataplane import CHUNK_ROUTE, MAX_RUN, PeerClient, chunks_url
 
 
 class ChunkSource(Protocol):
@@ -258,7 +258,8 @@ class Download:
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
         for peer, indices in runs.items():
-            self._start(peer, indices)
+            for at in range(0, len(indices), MAX_RUN):  # what one /chunks request may name
+                self._start(peer, indices[at : at + MAX_RUN])
 
     def _start(self, peer: str, indices: list[int]) -> None:
         if len(indices) == 1:
