@@ -31,11 +31,14 @@ Policy:
   from the first have-map answer (``PeerHad.rtt_s``) and from chunk replies (at least one);
   the delivery rate is measured between deliveries, so pipelining does not hide it;
 * runs: the requests one step makes of one peer leave as one request (the driver's
-  ``/chunks``) of up to ``request_bytes`` (``run`` chunks): a peer keeps its bandwidth-delay
-  product plus one run in flight, and opens for more once a whole run has room, then is asked
-  until full; so per-request costs are paid once a run, while each chunk is still verified
-  and relayed on its own (given ``chunk_bytes``, the manifest's chunk size; without it, one
-  chunk a request);
+  ``/chunks``). A run is as many chunks as the peer delivers in ``request_s`` at its measured
+  rate (at most ``request_bytes``; one until measured): a fast source (loopback, a data
+  centre) gets several 64 KiB chunks per request, so the per-request cost is paid once a
+  run, while a source slower than a chunk per ``request_s`` (any shared internet uplink) is
+  asked one chunk at a time as before. A peer keeps its bandwidth-delay product plus one run
+  in flight, opens for more once a whole run has room, and is then asked until full; each
+  chunk is still verified and relayed on its own (given ``chunk_bytes``, the manifest's chunk
+  size; without it, one chunk a request);
 * a chunk goes to the free holder with the best score per request we already have in flight
   there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
   peer that timed out or crawls is not chosen just because it is idle);
@@ -94,12 +97,14 @@ class SwarmConfig:
     min_requests_per_peer: int = 1
     initial_requests_per_peer: int = 2
     max_requests_total: int = 256
-    # One request asks a peer for up to this many bytes: several chunks at once when chunks
-    # are smaller (the per-request cost, ~0.7 ms of CPU at both ends over HTTP, is paid once
-    # per run; each chunk is still verified and relayed as soon as its bytes are in). A peer
-    # then keeps its bandwidth-delay product plus one such run in flight and is asked again
-    # once a whole run has room. 0: one chunk a request.
-    request_bytes: int = 256 * 1024
+    # One request asks a peer for what it delivers in ``request_s`` at its measured rate,
+    # several chunks when it delivers one faster (a request costs ~0.7 ms of CPU at both
+    # ends over HTTP: 5 ms of transfer keeps that under ~15%; each chunk is still verified
+    # and relayed as soon as its bytes are in), at most ``request_bytes`` (0: one chunk a
+    # request). A peer keeps its bandwidth-delay product plus one such run in flight and is
+    # asked again once a whole run has room.
+    request_s: float = 0.005
+    request_bytes: int = 1 << 20
     request_timeout_s: float = 10.0  # before any chunk time is measured; a sole holder's floor
     min_request_timeout_s: float = 0.25  # the floor of the adaptive timeout (round trips too)
     timeout_factor: float = 4.0
@@ -247,6 +252,14 @@ class PeerStats:
     def rtt_sample(self, rtt: float) -> None:
         self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
 
+    def run(self, chunk_bytes: float, config: SwarmConfig) -> int:
+        """Chunks to ask for in one request: what it delivers in ``request_s``, at most
+        ``request_bytes`` (one until its rate is measured)."""
+        most = int(config.request_bytes // chunk_bytes)
+        if most <= 1 or not self.throughput:
+            return 1
+        return max(1, min(most, math.ceil(self.throughput * config.request_s / chunk_bytes)))
+
     def depth(self, chunk_bytes: float, config: SwarmConfig, run: int = 1) -> int:
         """Requests to keep in flight: its bandwidth-delay product in chunks, plus one run
         (``run`` chunks asked at once), so the next request is already there when a chunk
@@ -285,9 +298,7 @@ class Scheduler:
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._chunk_bytes = float(self.chunk_bytes or 1)  # mean size of those verified
-        # chunks one request asks for at most (SwarmConfig.request_bytes)
-        self.run = max(1, self.config.request_bytes // self.chunk_bytes) if self.chunk_bytes else 1
-        self._depths: dict[str, int] = {}  # PeerStats.depth, until its inputs move
+        self._depths: dict[str, tuple[int, int]] = {}  # (depth, run), until inputs move
         self._open: set[str] = set()  # peers with fewer requests in flight than their depth
         self._samples = 0
         self._done_reported = False
@@ -550,27 +561,28 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
 
     def _recount(self, peer: str) -> None:
-        """Whether ``peer`` has room for another request, kept in ``_open`` as its requests
-        and depth change: scheduling after every event then looks only at peers with room
-        (a busy download has few), not at every peer followed."""
-        depth = self._depth(peer)
-        if len(self.peer_inflight.get(peer, ())) + min(self.run, depth) <= depth:
+        """Whether ``peer`` has room for another run of requests, kept in ``_open`` as its
+        requests and depth change: scheduling after every event then looks only at peers
+        with room (a busy download has few), not at every peer followed."""
+        depth, run = self._depth_run(peer)
+        if len(self.peer_inflight.get(peer, ())) + min(run, depth) <= depth:
             self._open.add(peer)
         else:
             self._open.discard(peer)
 
-    def _depth(self, peer: str) -> int:
-        depth = self._depths.get(peer)
-        if depth is None:
-            depth = self._depths[peer] = self.stats[peer].depth(
-                self._chunk_bytes, self.config, self.run
-            )
-        return depth
+    def _depth_run(self, peer: str) -> tuple[int, int]:
+        """``peer``'s depth and run (``PeerStats.depth``, ``PeerStats.run``)."""
+        cached = self._depths.get(peer)
+        if cached is None:
+            stats, size = self.stats[peer], self._chunk_bytes
+            run = stats.run(size, self.config) if self.chunk_bytes else 1
+            cached = self._depths[peer] = (stats.depth(size, self.config, run), run)
+        return cached
 
     def _full(self, peer: str) -> bool:
         """No room left at ``peer``: a peer opens once a whole run has room (``_recount``)
         and is then asked until it is full, so its requests leave together (one request)."""
-        return len(self.peer_inflight.get(peer, ())) >= self._depth(peer)
+        return len(self.peer_inflight.get(peer, ())) >= self._depth_run(peer)[0]
 
     def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:
         candidates = (self.holders.get(index, set()) & free).difference(exclude)

@@ -38,34 +38,49 @@ def _requests(actions: list) -> list[int]:
     return [a.index for a in actions if isinstance(a, RequestChunk)]
 
 
-def test_requests_leave_in_runs_of_request_bytes() -> None:
-    config = SwarmConfig(request_bytes=4 * CHUNK, initial_requests_per_peer=2)
-    s = Scheduler(100, config, (), CHUNK)
-    assert s.run == 4
-    first = _requests(s.handle(PeerHad("p", frozenset(range(100))), 0.0))
-    assert len(first) == 5  # the initial depth, plus the rest of one run
-    # one chunk back: room for one, not for a run, so nothing is asked yet
-    assert _requests(s.handle(ChunkVerified("p", first[0], CHUNK), 0.01)) == []
-    got = [
-        s.handle(ChunkVerified("p", i, CHUNK), 0.01 + 0.001 * n) for n, i in enumerate(first[1:4])
-    ]
-    asked = [_requests(g) for g in got]
-    assert [len(a) for a in asked if a] == [len(s.peer_inflight["p"]) - 1]  # one run at once
-    assert sum(map(len, asked)) >= 4
+def _measured(config: SwarmConfig, n: int = 400) -> tuple[Scheduler, list[list[int]]]:
+    """A scheduler whose one source delivered its first two chunks 1 ms apart (16 MB/s, a
+    fast, near source); what it asked of it after each."""
+    s = Scheduler(n, config, (), CHUNK)
+    first = _requests(s.handle(PeerHad("p", frozenset(range(n)), rtt_s=0.001), 0.0))
+    assert len(first) == config.initial_requests_per_peer  # one chunk a request until measured
+    steps = [s.handle(ChunkVerified("p", first[i], CHUNK), 0.001 * (i + 1)) for i in (0, 1)]
+    return s, [_requests(step) for step in steps]
+
+
+def test_a_fast_source_is_asked_for_runs_of_what_it_delivers_in_request_s() -> None:
+    s, asked = _measured(SwarmConfig(request_s=0.005))
+    run = s._depth_run("p")[1]
+    assert run == 5  # 16 MB/s x 5 ms = 80 KB: five 16 KiB chunks a request
+    assert max(map(len, asked)) >= run  # the pipe refilled in one step: one request
+    # one more chunk back: room for one, not for a run, so nothing is asked yet
+    inflight = sorted(s.peer_inflight["p"])
+    assert _requests(s.handle(ChunkVerified("p", inflight[0], CHUNK), 0.003)) == []
+
+
+def test_a_run_stays_within_request_bytes_and_the_per_peer_cap() -> None:
+    s, _ = _measured(SwarmConfig(request_s=1.0, request_bytes=3 * CHUNK))
+    assert s._depth_run("p")[1] == 3
+    s, _ = _measured(SwarmConfig(request_s=1.0, max_requests_per_peer=6))
+    assert len(s.peer_inflight["p"]) <= 6
 
 
 def test_one_chunk_a_request_without_a_chunk_size_or_with_request_bytes_zero() -> None:
-    for s in (Scheduler(10, SwarmConfig()), Scheduler(10, SwarmConfig(request_bytes=0), (), CHUNK)):
-        assert s.run == 1
-        first = _requests(s.handle(PeerHad("p", frozenset(range(10))), 0.0))
-        assert len(first) == SwarmConfig().initial_requests_per_peer
-        assert len(_requests(s.handle(ChunkVerified("p", first[0], CHUNK), 0.1))) == 1
+    for config, size in ((SwarmConfig(request_s=1.0), 0), (SwarmConfig(request_bytes=0), CHUNK)):
+        s = Scheduler(50, config, (), size)
+        first = _requests(s.handle(PeerHad("p", frozenset(range(50)), rtt_s=0.001), 0.0))
+        s.handle(ChunkVerified("p", first[0], CHUNK), 0.001)
+        s.handle(ChunkVerified("p", first[1], CHUNK), 0.002)
+        assert s._depth_run("p")[1] == 1
 
 
-def test_a_run_never_exceeds_the_per_peer_cap() -> None:
-    config = SwarmConfig(request_bytes=64 * CHUNK, max_requests_per_peer=6)
-    s = Scheduler(200, config, (), CHUNK)
-    assert len(_requests(s.handle(PeerHad("p", frozenset(range(200))), 0.0))) == 6
+def test_a_slow_source_is_asked_one_chunk_at_a_time() -> None:
+    """1 MB/s (a share of a home uplink): a 16 KiB chunk takes 16 ms, over ``request_s``."""
+    s = Scheduler(50, SwarmConfig(), (), CHUNK)
+    first = _requests(s.handle(PeerHad("p", frozenset(range(50)), rtt_s=0.04), 0.0))
+    s.handle(ChunkVerified("p", first[0], CHUNK), 0.06)
+    s.handle(ChunkVerified("p", first[1], CHUNK), 0.076)
+    assert s._depth_run("p")[1] == 1
 
 
 # ---------------------------------------------------------------- the router, over HTTP

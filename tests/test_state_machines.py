@@ -50,7 +50,8 @@ def swarms(draw: st.DrawFn) -> tuple[int, dict[str, set[int]], dict[str, set[int
         max_requests_total=draw(st.integers(1, 10)),
         endgame_sources=draw(st.integers(1, 3)),
         request_timeout_s=1.0,
-        request_bytes=draw(st.sampled_from([0, 1000, 3000])),  # runs of 1 or 3 chunks
+        request_bytes=draw(st.sampled_from([0, 1000, 3000])),  # runs of 1 to 3 chunks
+        request_s=draw(st.sampled_from([0.005, 1.0])),  # a second: runs once measured
         min_request_timeout_s=0.2,
         stall_timeout_s=draw(st.sampled_from([0.5, 5.0])),
         seed=draw(st.integers(0, 9)),
@@ -212,8 +213,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.sched
 
         def room(p: str) -> int:
-            depth = s.stats[p].depth(s._chunk_bytes, s.config, s.run)
-            return depth - len(s.peer_inflight.get(p, ())) - min(s.run, depth)
+            run = s.stats[p].run(s._chunk_bytes, s.config)
+            depth = s.stats[p].depth(s._chunk_bytes, s.config, run)
+            return depth - len(s.peer_inflight.get(p, ())) - min(run, depth)
 
         fresh = {p for p in s.peer_chunks if p not in s.banned and room(p) >= 0}
         assert {p for p in s._open if p in s.peer_chunks and p not in s.banned} == fresh

@@ -84,7 +84,8 @@ def swarms(draw: st.DrawFn):
         max_requests_per_peer=draw(st.integers(1, 4)),
         max_requests_total=draw(st.integers(1, 12)),
         request_timeout_s=1.0,
-        request_bytes=draw(st.sampled_from([0, 1000, 3000])),  # runs of 1 or 3 chunks
+        request_bytes=draw(st.sampled_from([0, 1000, 3000])),  # runs of 1 to 3 chunks
+        request_s=draw(st.sampled_from([0.005, 1.0])),  # a second: runs once measured
         seed=draw(st.integers(0, 9)),
     )
     return n, honest, evil, config
