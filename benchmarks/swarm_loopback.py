@@ -60,7 +60,7 @@ async def worker(args: argparse.Namespace) -> None:
         trust=(args.pubkey,),
         peers=(args.trainer,),
         directory=PeerLimits(poll_interval_s=0.5),
-        download=SwarmConfig(have_poll_s=0.2),
+        download=SwarmConfig(have_poll_s=0.2, **_requests(args)),
         http=HttpLimits(max_upload_mbps=float(args.upload_mbps)),
     )
     node = Node(cfg, policy, Store.open(cfg.data_dir))
@@ -85,6 +85,24 @@ async def worker(args: argparse.Namespace) -> None:
     cpu = [usage.ru_utime - cpu0[0], usage.ru_stime - cpu0[1], usage.ru_nvcsw + usage.ru_nivcsw]
     print(json.dumps({"up": node.metrics.bytes_uploaded, "cpu": cpu}), flush=True)
     await node.stop()
+
+
+def _requests(args: argparse.Namespace) -> dict[str, float]:
+    """The ``[download]`` request settings given on the command line (else the shipped ones)."""
+    out: dict[str, float] = {}
+    if args.request_kb is not None:
+        out["request_bytes"] = int(args.request_kb) * 1024
+    if args.request_ms is not None:
+        out["request_s"] = float(args.request_ms) / 1e3
+    return out
+
+
+def _request_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
+    for name in ("request_kb", "request_ms"):
+        if getattr(args, name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return flags
 
 
 async def start_trainer(
@@ -118,7 +136,9 @@ async def start_trainer(
     return node, url, m.digest
 
 
-async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.0) -> dict:
+async def run(
+    n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.0, flags: tuple = ()
+) -> dict:
     trainer, url, digest = await start_trainer(root, size, chunk, upload_mbps)
     pub = trainer.policy.keys[0].text()
     procs = []
@@ -138,6 +158,7 @@ async def run(n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.
                 str(root / f"r{i}"),
                 "--upload-mbps",
                 str(upload_mbps),
+                *flags,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
@@ -181,6 +202,10 @@ def main() -> int:
     parser.add_argument(
         "--upload-mbps", type=float, default=0.0, help="per-node upload cap, Mbit/s (0: none)"
     )
+    parser.add_argument(
+        "--request-kb", type=int, help="rollouts' [download] request_bytes, KiB (0: a chunk each)"
+    )
+    parser.add_argument("--request-ms", type=float, help="rollouts' [download] request_s, ms")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--trainer", "--digest", "--pubkey", "--data-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -201,6 +226,7 @@ def main() -> int:
                             args.chunk_kb * 1024,
                             Path(tmp),
                             args.upload_mbps,
+                            tuple(_request_flags(args)),
                         )
                     )
                 )
