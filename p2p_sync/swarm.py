@@ -102,8 +102,8 @@ class SwarmConfig:
     # ends over HTTP; each chunk is still verified and relayed as soon as its bytes are in),
     # at most ``request_bytes`` (0: one chunk a request). A peer keeps its bandwidth-delay
     # product plus one such run in flight and is asked again once a whole run has room.
-    # 34 MB in 64 KiB chunks to 2 rollouts on loopback (2 cores): 5 ms 0.82 s, 10 ms 0.76,
-    # 20 ms 0.81, a chunk a request 1.06; simulated, 1,000 peers at 1 Gbit/s and 20 ms:
+    # 34 MB in 64 KiB chunks to 2 rollouts on loopback (2 cores, medians): 5 ms 0.82 s, 10 ms 0.78,
+    # 20 ms 0.85, a chunk a request 1.07; simulated, 1,000 peers at 1 Gbit/s and 20 ms:
     # 5 ms x1.549, 20 ms x1.565, a chunk a request x1.568.
     request_s: float = 0.01
     request_bytes: int = 1 << 20
