@@ -104,7 +104,7 @@ class SwarmConfig:
     # product plus one such run in flight and is asked again once a whole run has room.
     # 34 MB in 64 KiB chunks to 2 rollouts on loopback (2 cores, medians): 5 ms 0.82 s, 10 ms 0.78,
     # 20 ms 0.85, a chunk a request 1.07; simulated, 1,000 peers at 1 Gbit/s and 20 ms:
-    # 5 ms x1.549, 20 ms x1.565, a chunk a request x1.568.
+    # 5 ms x1.549, 10 ms x1.578, 20 ms x1.565, a chunk a request x1.568 (within run-to-run noise).
     request_s: float = 0.01
     request_bytes: int = 1 << 20
     request_timeout_s: float = 10.0  # before any chunk time is measured; a sole holder's floor
