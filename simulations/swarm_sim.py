@@ -187,6 +187,8 @@ class SwarmSim:
         self.artifacts: list[Artifact] = []
         self.pending_have: dict[tuple[int, int], set[int]] = {}
         self.served: dict[tuple[int, int], int] = {}  # (uploader, requester): chunks started
+        self.requests_sent = 0  # requests (runs of chunks) sent by every rollout
+        self.chunks_requested = 0  # the chunks they named
         self.bans: list[Ban] = []
         self.results: list[VersionResult] = []
         self.progress = progress
@@ -635,6 +637,8 @@ class SwarmSim:
 
     def _request(self, p: Peer, q_idx: int, indices: list[int]) -> None:
         run = Run(p.idx, q_idx, indices, p.generation)
+        self.requests_sent += 1
+        self.chunks_requested += len(indices)
         for i in indices:
             p.requests[(q_idx, i)] = None
             p.runs[(q_idx, i)] = run

@@ -183,6 +183,31 @@ def test_churn_every_honest_peer_still_converges() -> None:
     assert rep["honest_converged_fraction"] == 1.0
 
 
+def test_runs_of_chunks_survive_adversaries_and_churn() -> None:
+    """Every request a run of up to 8 chunks (``request_s`` of a second: any measured source
+    gets ``request_bytes``): runs cut short by a peer lacking a chunk, queued behind others,
+    cancelled in part or lost with a leaving uploader still leave every honest peer with the
+    payload, and only corrupt peers banned."""
+    sc = scenario(
+        peers=30,
+        payload_mb=2.0,
+        chunk_kb=16,
+        max_requests_per_peer=8,
+        request_s=1.0,
+        request_bytes=128 * 1024,
+        corrupt_fraction=0.1,
+        stall_fraction=0.1,
+        liar_fraction=0.1,
+        churn_fraction=0.2,
+        request_timeout_s=0.5,
+        versions=2,
+    )
+    sim, rep = simulate(sc)
+    assert rep["honest_converged_fraction"] == 1.0
+    assert rep["false_bans"] == 0 and {b.role for b in sim.bans} == {"corrupt"}
+    assert sim.requests_sent < 0.8 * sim.chunks_requested  # runs: fewer requests than chunks
+
+
 # The node's own download and overlay settings (SMALL trims them), internet latency, and time
 # for a slow version to finish: the two runs below did not converge before their fixes.
 LARGE_CHUNKS = dict(max_requests_per_peer=32, max_peers=64, latency_ms=20.0, time_limit_factor=10.0)
