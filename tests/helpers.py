@@ -13,13 +13,16 @@ import numpy as np
 import torch
 
 from node.config import NodeConfig
+from node.runtime import Node
 from p2p_sync import codec
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest
+from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
+from p2p_sync.store import Store
 from p2p_sync.swarm import SwarmConfig
 from p2p_sync.tensors import flat_bits
+from p2p_sync.transport.dataplane import HttpLimits
 
 
 def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024) -> Manifest:
@@ -34,6 +37,25 @@ def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024) -> Manifest:
         now=int(time.time()),
         chunk_size=chunk_size,
     )
+
+
+def node_holding(
+    tmp_path: Path, payload: bytes, chunk_size: int, http: HttpLimits
+) -> tuple[Node, Manifest]:
+    """A rollout node (not started) whose store holds ``payload`` as a signed snapshot."""
+    key = SigningKey.generate()
+    cfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path,
+        trust=(key.public.text(),),
+        directory=PeerLimits(poll_interval_s=60),
+        http=http,
+    )
+    node = Node(cfg, SwarmPolicy("t", (key.public,)), Store.open(tmp_path))
+    m = snapshot_manifest(payload, chunk_size=chunk_size)
+    node.store.put_payload(m, payload)
+    node.store.put_manifest(m, sign(m, [key]))
+    return node, m
 
 
 def trainer_config(tmp_path: Path, **overrides: Any) -> NodeConfig:

@@ -16,17 +16,13 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from node.config import NodeConfig
 from node.runtime import Node
 from p2p_sync.errors import PeerError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import Manifest, SwarmPolicy, sign
-from p2p_sync.peers import PeerLimits
-from p2p_sync.store import Store
+from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import ChunkVerified, PeerHad, RequestChunk, Scheduler, SwarmConfig
 from p2p_sync.transport.dataplane import MAX_RUN, HttpLimits, chunks_url
 from p2p_sync.transport.http import DataClient
-from tests.helpers import snapshot_manifest
+from tests.helpers import node_holding
 
 CHUNK = 16 * 1024
 LIMITS = HttpLimits(request_timeout_s=2.0, connect_timeout_s=2.0)
@@ -87,20 +83,8 @@ def test_a_slow_source_is_asked_one_chunk_at_a_time() -> None:
 
 
 def _node(tmp_path: Path, chunks: int = 6) -> tuple[Node, Manifest, bytes]:
-    key = SigningKey.generate()
-    cfg = NodeConfig(
-        role="rollout",
-        data_dir=tmp_path,
-        trust=(key.public.text(),),
-        directory=PeerLimits(poll_interval_s=60),
-        http=LIMITS,
-    )
-    node = Node(cfg, SwarmPolicy("t", (key.public,)), Store.open(tmp_path))
     payload = bytes((i * 7 + i // 251) % 256 for i in range(chunks * CHUNK - 100))
-    m = snapshot_manifest(payload, chunk_size=CHUNK)
-    node.store.put_payload(m, payload)
-    node.store.put_manifest(m, sign(m, [key]))
-    return node, m, payload
+    return (*node_holding(tmp_path, payload, CHUNK, LIMITS), payload)
 
 
 async def _parts(url: str, sizes: list[int]) -> list[bytes] | PeerError:

@@ -20,17 +20,12 @@ import trio
 import trio.testing
 from aiohttp import web
 
-from node.config import NodeConfig
 from node.runtime import Node
 from p2p_sync.errors import PeerError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy, sign
-from p2p_sync.peers import PeerLimits
-from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PIECE, HttpLimits, Reply
 from p2p_sync.transport.http import DataClient
 from p2p_sync.transport.streams import read_exactly, write_reply
-from tests.helpers import snapshot_manifest
+from tests.helpers import node_holding
 
 LIMITS = HttpLimits(request_timeout_s=0.3, connect_timeout_s=2.0)
 # The server side: a socket is writable again only once a third or so of its send buffer has
@@ -41,19 +36,7 @@ BIG = 16 * 2**20  # several times what loopback's socket buffers hold: the reade
 
 def _node(tmp_path: Path) -> tuple[Node, str]:
     """A node holding one signed snapshot of a single ``BIG`` chunk; its chunk's hash."""
-    key = SigningKey.generate()
-    cfg = NodeConfig(
-        role="rollout",
-        data_dir=tmp_path,
-        trust=(key.public.text(),),
-        directory=PeerLimits(poll_interval_s=60),
-        http=SERVER_LIMITS,
-    )
-    node = Node(cfg, SwarmPolicy("t", (key.public,)), Store.open(tmp_path))
-    payload = bytes(range(256)) * (BIG // 256)
-    m = snapshot_manifest(payload, chunk_size=BIG)
-    node.store.put_payload(m, payload)
-    node.store.put_manifest(m, sign(m, [key]))
+    node, m = node_holding(tmp_path, bytes(range(256)) * (BIG // 256), BIG, SERVER_LIMITS)
     return node, m.chunks[0]
 
 
