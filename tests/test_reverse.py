@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -211,31 +211,45 @@ def test_a_hub_refuses_forged_passed_on_and_replayed_proofs_and_keeps_its_bound(
     assert out["full_status"] == 503
 
 
-async def _hostile_replies(reply: Callable[[int], bytes | None]) -> str:
-    """A NATed end that proves itself, then answers each request with ``reply(id)``
-    (None: never answers); what a public peer's request over it ends in."""
+async def _over_a_proven_end(
+    limits: HttpLimits, answer: Callable[[Any], Awaitable[None]]
+) -> tuple[bytes | str, float]:
+    """A NATed end that proves itself, then runs ``answer(ws)`` on its WebSocket; what a
+    public peer's chunk request over it ends in (the body, or the error), and when."""
     pair, peer = _identity()
-    hub = ReverseHub(LIMITS, 4, lambda: None, lambda url: None)
+    hub = ReverseHub(limits, 4, lambda: None, lambda url: None)
     async with _server(hub.accept) as url, aiohttp.ClientSession() as s:
         async with s.ws_connect(url + PATH) as ws:
             await ws.send_json(prove(pair, peer, url, (await ws.receive_json())["challenge"]))
             await ws.receive_json()
-
-            async def answer() -> None:
-                async for msg in ws:
-                    frame = reply(split_message(msg.data, 1 << 16)[0]["id"])
-                    if frame is not None:
-                        await ws.send_bytes(frame)
-
-            task = asyncio.create_task(answer())
+            task = asyncio.create_task(answer(ws))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             try:
-                await ReverseClient(hub, None).get_bytes(f"p2p://{peer}/chunk/{SHA}")
-                return "accepted"
+                got: bytes | str = await ReverseClient(hub, None).get_bytes(
+                    f"p2p://{peer}/chunk/{SHA}"
+                )
             except PeerError as exc:
-                return str(exc)
+                got = str(exc)
             finally:
+                took = loop.time() - started
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+    return got, took
+
+
+async def _hostile_replies(reply: Callable[[int], bytes | None]) -> str:
+    """Each request answered with ``reply(id)`` (None: never answered); what the public
+    peer's request ends in."""
+
+    async def answer(ws: Any) -> None:
+        async for msg in ws:
+            frame = reply(split_message(msg.data, 1 << 16)[0]["id"])
+            if frame is not None:
+                await ws.send_bytes(frame)
+
+    got, _ = await _over_a_proven_end(LIMITS, answer)
+    return "accepted" if isinstance(got, bytes) else got
 
 
 def _reply(status: int, body: bytes, length: int | None = None, rid_shift: int = 0) -> Callable:
@@ -317,40 +331,20 @@ async def _trickled_reply(gap_s: float, silent_after: int | None) -> tuple[bytes
     """A NATed end that sends a 6-piece chunk reply one piece every ``gap_s`` (going silent
     after ``silent_after`` pieces) to a public peer whose ``request_timeout_s`` is 0.3 s;
     what the request ends in, and when."""
-    limits = HttpLimits(request_timeout_s=0.3, connect_timeout_s=2.0)
-    pair, peer = _identity()
-    hub = ReverseHub(limits, 4, lambda: None, lambda url: None)
     body = bytes(range(256)) * (6 * PIECE // 256)
-    async with _server(hub.accept) as url, aiohttp.ClientSession() as s:
-        async with s.ws_connect(url + PATH) as ws:
-            await ws.send_json(prove(pair, peer, url, (await ws.receive_json())["challenge"]))
-            await ws.receive_json()
 
-            async def answer() -> None:
-                async for msg in ws:
-                    rid = split_message(msg.data, 1 << 16)[0]["id"]
-                    head = encode_reply_header(Reply(200, body, "application/octet-stream"), id=rid)
-                    await ws.send_bytes(head + body[:PIECE])
-                    for n, at in enumerate(range(PIECE, len(body), PIECE), 1):
-                        await asyncio.sleep(gap_s if n != silent_after else 5.0)
-                        more = json.dumps({"id": rid, "at": at}).encode()
-                        await ws.send_bytes(
-                            len(more).to_bytes(4, "big") + more + body[at : at + PIECE]
-                        )
+    async def answer(ws: Any) -> None:
+        async for msg in ws:
+            rid = split_message(msg.data, 1 << 16)[0]["id"]
+            head = encode_reply_header(Reply(200, body, "application/octet-stream"), id=rid)
+            await ws.send_bytes(head + body[:PIECE])
+            for n, at in enumerate(range(PIECE, len(body), PIECE), 1):
+                await asyncio.sleep(gap_s if n != silent_after else 5.0)
+                more = json.dumps({"id": rid, "at": at}).encode()
+                await ws.send_bytes(len(more).to_bytes(4, "big") + more + body[at : at + PIECE])
 
-            task = asyncio.create_task(answer())
-            started = asyncio.get_running_loop().time()
-            try:
-                got: bytes | str = await ReverseClient(hub, None).get_bytes(
-                    f"p2p://{peer}/chunk/{SHA}"
-                )
-                assert got == body
-            except PeerError as exc:
-                got = str(exc)
-            finally:
-                took = asyncio.get_running_loop().time() - started
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+    got, took = await _over_a_proven_end(HttpLimits(request_timeout_s=0.3), answer)
+    assert not isinstance(got, bytes) or got == body
     return got, took
 
 
