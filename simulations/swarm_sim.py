@@ -17,7 +17,7 @@ and the node's messaging, as follows.
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
-* Requests: the chunks one scheduler step asks of one peer go in one request (a run:
+* Requests: the chunks one scheduler step asks of one public peer go in one request (a run:
   ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
   serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the
   requester asks for the rest again, a round trip later); its
@@ -536,7 +536,11 @@ class SwarmSim:
                 self._completed(p)
                 return
         for q_idx, indices in runs.items():
-            self._request(p, q_idx, indices)
+            if self.peers[q_idx].nat:  # named p2p://, asked over libp2p: a chunk a request
+                for i in indices:
+                    self._request(p, q_idx, [i])
+            else:
+                self._request(p, q_idx, indices)
         self._arm(p)
 
     def _completed(self, p: Peer) -> None:

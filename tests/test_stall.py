@@ -132,6 +132,9 @@ class _Source:
                 return
             yield await self.chunk(peer, m, index)
 
+    def runs(self, peer: str) -> bool:
+        return True
+
     def pushed(self, peer: str, m: Manifest) -> list[int] | None:
         return self.push.pop(peer, None)
 

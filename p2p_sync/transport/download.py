@@ -69,6 +69,10 @@ class ChunkSource(Protocol):
         are in, in that order; fewer if the peer stops early (it lacks the next one)."""
         ...
 
+    def runs(self, peer: str) -> bool:
+        """Whether several chunks go to ``peer`` in one request (else one request each)."""
+        ...
+
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
         """The chunks ``peer`` holds; with ``known >= 0``, once it holds other than ``known``."""
         ...
@@ -122,6 +126,13 @@ class DataPlaneSource:
     def chunks(self, peer: str, m: Manifest, indices: list[int]) -> AsyncIterator[bytes]:
         url = peer + chunks_url([m.chunks[i] for i in indices])
         return self.client.get_parts(url, [m.chunk_length(i) for i in indices])
+
+    def runs(self, peer: str) -> bool:
+        """Over HTTP only. A ``p2p://`` peer is reached over libp2p, often through a relay
+        whose connection also times the hole punch (DCUtR measures its round trip there): a
+        long reply queued on it skewed that timing, and the per-request cost that runs save
+        is small next to libp2p's per-byte cost."""
+        return not peer.startswith("p2p://")
 
     async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
         query = "" if known < 0 else f"?known={known}"  # the first answer comes at once
@@ -258,8 +269,9 @@ class Download:
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
         for peer, indices in runs.items():
-            for at in range(0, len(indices), MAX_RUN):  # what one /chunks request may name
-                self._start(peer, indices[at : at + MAX_RUN])
+            size = MAX_RUN if self.source.runs(peer) else 1  # what one request may name
+            for at in range(0, len(indices), size):
+                self._start(peer, indices[at : at + size])
 
     def _start(self, peer: str, indices: list[int]) -> None:
         if len(indices) == 1:
