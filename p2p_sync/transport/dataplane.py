@@ -99,8 +99,9 @@ JSON = "application/json"
 
 
 PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much at a time
-CHUNK_ROUTE = "/chunk/"  # GET CHUNK_ROUTE + sha256: the replies timed by progress, with...
-CHUNKS_ROUTE = "/chunks/"  # GET CHUNKS_ROUTE + sha256 + sha256...: a run of chunks
+# the replies timed by progress: GET CHUNK_ROUTE + sha256, and CHUNKS_ROUTE + sha256... (a run)
+CHUNK_ROUTE = "/chunk/"
+CHUNKS_ROUTE = "/chunks/"
 MAX_RUN = 64  # chunks one /chunks request may name
 
 

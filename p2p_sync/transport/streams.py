@@ -524,18 +524,11 @@ class RoutedClient:
             self.lan.bytes_downloaded += len(data)
         return data
 
-    async def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+    def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
+        """Runs go to ``http://`` peers only (``download.DataPlaneSource.runs``), so this is
+        the HTTP client's; a ``p2p://`` URL gets its own client's whole-reply split."""
         client, target = self._for(url)
-        shortcut = target != url and self.lan is not None
-        try:
-            async for part in client.get_parts(target, sizes):
-                if shortcut and self.lan is not None:
-                    self.lan.bytes_downloaded += len(part)
-                yield part
-        except PeerUnreachableError:
-            if shortcut and self.lan is not None:
-                self.lan.drop(url)
-            raise
+        return client.get_parts(target, sizes)
 
     async def post_json(self, url: str, doc: Any) -> Any:
         return (await self._routed(url, lambda c, u: c.post_json(u, doc)))[0]
