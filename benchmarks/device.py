@@ -92,6 +92,22 @@ def one_version(args: argparse.Namespace, model: Model, prev: dict, digest: Stat
     return row
 
 
+def profiled(path: Path, fn: Callable[[], dict]) -> dict:
+    """``fn()`` under cProfile; the stats (by own and by cumulative time) go to ``path``: where
+    a version's seconds go on a machine one rarely holds, for reading after it is gone."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+    path.write_text(text.getvalue())
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1b", choices=sorted(SIZES))
@@ -99,6 +115,9 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--workers", type=int, default=2, help="threads for host-side work")
+    parser.add_argument(
+        "--profile", type=Path, help="write a cProfile of the last version's steps here (text)"
+    )
     args = parser.parse_args()
     dev = args.device
     model = Model(args.size, args.lr, dev)
@@ -122,7 +141,10 @@ def main() -> None:
     )
     print(head)
     for v in range(1, args.versions + 1):
-        r = one_version(args, model, prev, digest)  # type: ignore[arg-type]
+        if args.profile and v == args.versions:
+            r = profiled(args.profile, lambda: one_version(args, model, prev, digest))
+        else:
+            r = one_version(args, model, prev, digest)  # type: ignore[arg-type]
         print(
             f"{v:>2} {r['changed']:>8.2%} {r['diff']:>6.3f} {r['encode1']:>7.3f} "
             f"{r['encode2']:>7.3f} {r['bytes1'] / 1e6:>7.1f} {r['bytes2'] / 1e6:>7.1f} "

@@ -30,6 +30,7 @@ backlog.
 
     python benchmarks/scale.py --size 1b --rollouts 2 --versions 4
     python benchmarks/scale.py --size 7b --device cuda     # on a GPU machine
+    python benchmarks/scale.py --size 7b --device cuda --trainer-device cuda --skip-processes
 
 v0 is the full snapshot every newcomer starts from (a join, not a per-version cost); it is
 printed but kept out of the per-version summary.
@@ -206,7 +207,7 @@ class _SameProcess:
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
         from p2p_sync import Trainer
 
-        self.model = Model(args.size, args.lr, "cpu")
+        self.model = Model(args.size, args.lr, args.trainer_device)
         self.trainer = Trainer(
             key=root / "api.key", data_dir=root / "api-t", publish=_publish(args)
         ).open()
@@ -314,7 +315,8 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
 
     key = SigningKey.generate()
     pub = write_keypair(key, root / "api.key")
-    engine = {k: torch.empty(s, dtype=torch.bfloat16) for k, s in llama_shapes(args.size).items()}
+    shapes = llama_shapes(args.size).items()
+    engine = {k: torch.empty(s, dtype=torch.bfloat16, device=args.device) for k, s in shapes}
     side = (_SameProcess if args.api_same_process else _OwnProcess)(args, root)
     out = []
     try:
@@ -444,7 +446,14 @@ def main(argv: list[str] | None = None) -> int:
         "--versions", type=int, default=5, help="5 (v0-v4) reaches the first catch-up patch"
     )
     parser.add_argument("--lr", type=float, default=2e-6)
-    parser.add_argument("--device", default="cpu", help="where rollouts keep weights")
+    parser.add_argument(
+        "--device", default="cpu", help="where rollouts and the API's engine keep weights"
+    )
+    parser.add_argument(
+        "--trainer-device",
+        default="cpu",
+        help="where the API's trainer keeps its model (the process tier's trainer reads files)",
+    )
     parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2])
     parser.add_argument(
         "--back-to-back",

@@ -105,7 +105,9 @@ class Swarm:
         export: Path | None,
         at: Placement = LOOPBACK,
     ) -> Proc:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # ROOT first, then whatever the caller's path held (a machine's packages may live there)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
         log = open(self.root / f"{name}.log", "ab")
         popen = subprocess.Popen(
             [

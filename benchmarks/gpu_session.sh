@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine should check, in one call (device time is scarce: ~15 min a
+# session, a fresh start costs 1-2 min). Run from the repository root there:
+#
+#     bash benchmarks/gpu_session.sh [OUT_DIR]
+#
+# 1. the CUDA tests (GPU diff/encode/apply/hash parity, the HF engine on the GPU);
+# 2. benchmarks/device.py at 7B: diff + encode, decode + apply in place, the state hash;
+# 3. benchmarks/scale.py's API tier at 7B with the trainer's model and the engine both on the GPU
+#    (publish() -> applied in a live GPU state dict, trainer in a process of its own);
+# 4. the node tests with CUDA present (nodes' ``device = "auto"`` then keeps weights on the GPU).
+#
+# Each step has its own time limit and log under OUT_DIR, so a slow step costs only itself.
+# Python packages the machine lacks travel as wheels in .whl/ (see the device README); the
+# machine has torch, numpy, numba, aiohttp, safetensors, transformers and pytest of its own.
+set -u
+OUT=${1:-${OUT:-/tmp/gpu_out}}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+step() {  # step NAME LIMIT_S CMD...: one timed, logged step
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" \
+    | tee -a "$OUT/summary.txt"
+want() { [[ " ${STEPS:-cuda_tests device_7b api_7b node_tests} " == *" $1 "* ]]; }
+want cuda_tests && step cuda_tests "${CUDA_TESTS_S:-120}" python3 -m pytest -q -x \
+    -p no:cacheprovider tests/test_cuda.py tests/test_embedding.py tests/test_statehash.py \
+    tests/test_codec_v2.py
+want device_7b && step device_7b "${DEVICE_S:-170}" python3 benchmarks/device.py --size 7b \
+    --versions 3 --workers 8
+want api_7b && step api_7b "${API_S:-230}" python3 benchmarks/scale.py --size 7b --device cuda \
+    --trainer-device cuda --skip-processes --versions 3
+want node_tests && step node_tests "${NODE_S:-120}" python3 -m pytest -q -p no:cacheprovider \
+    -n 8 tests/test_python_api.py tests/test_export.py tests/test_node_http.py \
+    tests/test_cli.py tests/test_swarm_integration.py tests/test_catchup.py tests/test_examples.py
+# where a 7B version's seconds go, serially (one worker: cProfile sees the main thread only)
+want profile_7b && step profile_7b "${PROFILE_S:-120}" python3 benchmarks/device.py --size 7b \
+    --versions 1 --workers 1 --profile "$OUT/profile_7b.txt"
+# the process tier: a trainer reading files, rollouts keeping their weights on the GPU
+want nodes_1b && step nodes_1b "${NODES_S:-160}" python3 benchmarks/scale.py --size 1b \
+    --device cuda --skip-api --versions 3
+for f in cuda_tests device_7b api_7b node_tests profile_7b nodes_1b; do
+    [ -f "$OUT/$f.log" ] || continue
+    echo "---- $f"
+    tail -n 25 "$OUT/$f.log"
+done
