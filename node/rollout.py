@@ -38,13 +38,14 @@ from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.statehash import StateDigest, state_hash
+from p2p_sync.threads import usable_cores
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import write_to
 
 log = logging.getLogger("p2psync.rollout")
 
 UpdateCallback = Callable[[int, dict[str, torch.Tensor]], None]
-WORKERS = os.cpu_count() or 1
+WORKERS = usable_cores()  # threads for per-tensor work
 
 
 def artifact(m: Manifest) -> Artifact:

@@ -37,6 +37,7 @@ from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import (
     DiffScratch,
     Patch,
+    TensorDelta,
     add_all,
     aliases,
     check_layout,
@@ -54,14 +55,14 @@ from p2p_sync.tensors import (
     layout_of,
     layout_of_specs,
 )
-from p2p_sync.threads import background_pool, map_workers
+from p2p_sync.threads import background_pool, map_workers, usable_cores
 from p2p_sync.versions import PublishPolicy, to_publish
 from p2p_sync.weights_io import load_weights, pread_into, read_index, write_to
 
 log = logging.getLogger("p2psync.trainer")
 
 # Frames are independent, and zstd and numpy release the GIL: encode on every core.
-WORKERS = os.cpu_count() or 1
+WORKERS = usable_cores()  # threads for per-tensor work
 Built = tuple[Manifest, bytes, bytes | Path]  # manifest, its signed bytes, payload (or its file)
 
 
@@ -122,8 +123,10 @@ class Publisher:
         self.timings = PublishTimings()
         # Recent 1-step patches for merged catch-up patches, kept encoded (format 1, fast to
         # decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of
-        # positions; encoded they hold ~16 patch payloads.
-        self.history: collections.deque[bytes] = collections.deque(
+        # positions; encoded they hold ~16 patch payloads. With format 2 on the wire the
+        # newest step waits decoded (a ``Patch``) until ``_encode_history`` codes it after the
+        # announcement: that coding is not on the way to the rollouts.
+        self.history: collections.deque[bytes | Patch] = collections.deque(
             maxlen=max(self.policy.catchup_spans, default=0)
         )
         self._spans: asyncio.Task[None] | None = None  # catch-ups of the last version
@@ -206,8 +209,8 @@ class Publisher:
         t1 = time.perf_counter()
         base = self.prev if self.policy.patch_format == 2 else None
         payload = codec.encode(step, workers=WORKERS, base=base, base_hash=self.prev_hash)
-        if self.history.maxlen:  # kept in format 1: merging it needs no base
-            self.history.append(payload if base is None else codec.encode(step, workers=WORKERS))
+        if self.history.maxlen:  # kept in format 1: merging it needs no base (coded later)
+            self.history.append(payload if base is None else step)
         t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
         target = step.target_hash.hex()
         return version, target, step, self._artifacts(version, target, step.layout, new, payload)
@@ -234,8 +237,9 @@ class Publisher:
     def _assemble(
         self, version: int, layout: Layout, digest: StateDigest, done: list, t0: float
     ) -> tuple[int, str, Patch | None, list[Built]]:
-        """The patch file (and its format-1 history copy) from per-tensor frames ``done``
-        ((name, frame, history frame), None where unchanged), then the signed artifacts."""
+        """The patch file (and its history entry) from per-tensor ``done``: (name, frame,
+        format-1 frame or, for format 2, the delta to code later), None where unchanged; then
+        the signed artifacts."""
         assert self.prev is not None and self.prev_hash is not None
         t, t1 = self.timings, time.perf_counter()
         frames = {name: f for name, f, _ in done if f is not None}
@@ -243,7 +247,10 @@ class Publisher:
         payload = codec.assemble(layout, self.prev_hash, target_hash, frames)
         if self.history.maxlen:
             history = {name: h for name, _, h in done if h is not None}
-            self.history.append(codec.assemble(layout, self.prev_hash, target_hash, history))
+            if self.policy.patch_format == 1:
+                self.history.append(codec.assemble(layout, self.prev_hash, target_hash, history))
+            else:
+                self.history.append(Patch(layout, self.prev_hash, target_hash, history))
         t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
         target = target_hash.hex()
         return version, target, None, self._artifacts(version, target, layout, self.prev, payload)
@@ -254,15 +261,17 @@ class Publisher:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
         to the file's version tensor by tensor, in place (the digest by the words that
         changed). Each tensor is read into a buffer its worker thread reuses: a fresh tensor
-        per read would page-fault the whole model in again every version."""
+        per read would page-fault the whole model in again every version. A buffer grows to
+        the largest tensor its thread has read, not to the model's largest: with 16 threads
+        the latter held 16 embedding-sized buffers (1.1x a 1B model)."""
         assert self.prev is not None
         local, scratch = threading.local(), DiffScratch()
-        biggest = max((e[4] - e[3] for e in entries), default=0)
 
         def one(entry: tuple) -> tuple[str, tuple | None, tuple | None]:
             name, dtype, shape, begin, end = entry
-            if not hasattr(local, "buffer"):
-                local.buffer = torch.empty(biggest, dtype=torch.uint8)
+            if getattr(local, "buffer", None) is None or local.buffer.numel() < end - begin:
+                local.buffer = None  # the smaller one goes before the larger one comes
+                local.buffer = torch.empty(end - begin, dtype=torch.uint8)
             new = local.buffer[: end - begin].view(dtype).view(shape)
             pread_into(fd, new, start + begin, path, name)
             spec = TensorSpec(name, shape, dtype)
@@ -272,10 +281,11 @@ class Publisher:
 
     def _frame_of(
         self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: DiffScratch
-    ) -> tuple[tuple | None, tuple | None]:
-        """One tensor's frame and history frame (None, None if unchanged); ``prev``'s tensor
-        and the digest move to ``new`` in place. Format 1 moves it in the diff's own pass;
-        format 2 codes against the old bits first, then copies."""
+    ) -> tuple[tuple | None, tuple | TensorDelta | None]:
+        """One tensor's frame and history entry (None, None if unchanged): its format-1 frame,
+        or in format 2 the delta, coded after the announcement. ``prev``'s tensor and the
+        digest move to ``new`` in place. Format 1 moves it in the diff's own pass; format 2
+        codes against the old bits first, then copies."""
         assert self.prev is not None
         old = self.prev[spec.name]
         fmt2 = self.policy.patch_format == 2
@@ -287,7 +297,7 @@ class Publisher:
         if not fmt2:
             return frame, frame
         old.copy_(new)
-        return frame, codec.encode_frame(delta, codec.DEFAULT_LEVEL)
+        return frame, delta
 
     def _rebuild_prev(self) -> None:
         """``prev`` from the store: checkpoint + logged patches (at start, or after a publish
@@ -327,7 +337,14 @@ class Publisher:
         )
         return m, sign(m, [self.key]), payload
 
-    def _span_jobs(self, version: int) -> list[tuple[int, list[bytes]]]:
+    def _encode_history(self) -> None:
+        """Code the history's pending steps in format 1 (a background thread's work, after
+        the head's announcement; the history does not move before ``spans_done``)."""
+        for i, step in enumerate(self.history):
+            if isinstance(step, Patch):
+                self.history[i] = codec.encode(step, workers=WORKERS)
+
+    def _span_jobs(self, version: int) -> list[tuple[int, list[bytes | Patch]]]:
         """(base, encoded steps) of each merged catch-up span due at ``version`` that the
         history reaches back to; taken at once, as the history moves on with the next step."""
         steps = list(self.history)
@@ -337,13 +354,14 @@ class Publisher:
             if kind == PATCH and base is not None and 1 < version - base <= len(steps)
         ]
 
-    def _build_spans(
-        self, version: int, target: str, layout: str, jobs: list[tuple[int, list[bytes]]]
-    ) -> list[Built]:
+    def _build_spans(self, version: int, target: str, layout: str) -> list[Built]:
         """Merged catch-up patches, merged and coded one tensor at a time, then signed."""
+        self._encode_history()
         built = []
-        for base, steps in jobs:
-            payload = merge_steps(steps, workers=WORKERS)
+        for base, steps in self._span_jobs(version):
+            coded = [s for s in steps if isinstance(s, bytes)]
+            assert len(coded) == len(steps), "the history's steps are coded first"
+            payload = merge_steps(coded, workers=WORKERS)
             base_state = codec.read_header(payload).base_hash.hex()
             built.append(self._signed(version, base, base_state, target, layout, payload))
         return built
@@ -352,19 +370,18 @@ class Publisher:
         """Whether an anchor of ``version`` follows its announcement (v0's is the head)."""
         return version > 0 and any(k == SNAPSHOT for k, _ in to_publish(version, self.policy))
 
-    async def _publish_behind(
-        self, version: int, target: str, layout: str, jobs: list, anchor: bool
-    ) -> None:
-        """Build, store and announce the catch-up spans, then the anchor, of ``version`` after
-        its head, in a thread below the head's priority. ``prev`` holds ``version`` until this
-        ends: the next publish waits for it (``spans_done``)."""
+    async def _publish_behind(self, version: int, target: str, layout: str, anchor: bool) -> None:
+        """Code the history's newest step, then build, store and announce the catch-up spans
+        and the anchor of ``version``, after its head, in a thread below the head's priority.
+        ``prev`` and the history hold ``version`` until this ends: the next publish waits for
+        it (``spans_done``)."""
         t, t0 = self.timings, time.perf_counter()  # still this version's timings
         with background_pool() as pool:  # the head's delivery and the next step go first
             loop = asyncio.get_running_loop()
-            if jobs:
-                built = await loop.run_in_executor(
-                    pool, self._build_spans, version, target, layout, jobs
-                )
+            if not self._span_jobs(version):
+                await loop.run_in_executor(pool, self._encode_history)
+            else:
+                built = await loop.run_in_executor(pool, self._build_spans, version, target, layout)
                 await self._announce_behind(built)
                 t.catchup_s = time.perf_counter() - t0
                 t.catchup_bytes = sum(len(p) for *_, p in built)
@@ -486,10 +503,11 @@ class Publisher:
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
         log.info("published v%d in %.2fs (%s): %s", version, t.total_s, _split(t), _sizes(built))
-        jobs, anchor = self._span_jobs(version), self._anchor_due(version)
-        if jobs or anchor:
+        pending = any(isinstance(s, Patch) for s in self.history)
+        anchor = self._anchor_due(version)
+        if pending or anchor or self._span_jobs(version):
             self._spans = asyncio.create_task(
-                self._publish_behind(version, target, manifests[0].layout, jobs, anchor)
+                self._publish_behind(version, target, manifests[0].layout, anchor)
             )
         return manifests
 

@@ -439,3 +439,47 @@ def test_an_anchor_beside_the_log_that_fails_on_load_is_dropped_and_the_log_kept
     assert restored is not None and bit_equal(restored.weights, tiny_versions[2])
     assert not reopened.has_manifest(anchor.digest)  # dropped, never applied
     assert [r.version for r in reopened.log] == [0, 1, 2]  # whole: v0 and its patches lead there
+
+
+def test_a_format2_step_is_coded_for_the_history_after_its_announcement(
+    tmp_path: Path, tiny_versions: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The format-1 copy that catch-ups merge is not on the head's way to the rollouts: the
+    step waits decoded until the announcement, then is coded below the head's priority, to
+    the very bytes a direct format-1 encode gives; the v0->v2 catch-up merged from it is
+    exact."""
+    from p2p_sync.patch import Patch, diff
+
+    real_encode, niced = codec.encode, []
+
+    def spy_encode(patch: Patch, *args, **kwargs) -> bytes:
+        if kwargs.get("base") is None:  # a format-1 coding: the history's
+            niced.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real_encode(patch, *args, **kwargs)
+
+    async def run() -> tuple:
+        key = SigningKey.generate()
+        cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
+        node = TrainerNode(cfg, SwarmPolicy("hist", (key.public,)), Store.open(cfg.data_dir))
+        policy = PublishPolicy(anchor_every=100, catchup_spans=(2,), patch_format=2)
+        publisher = Publisher(node, key, policy)
+        for weights in tiny_versions[:2]:
+            await publisher.publish(weights)
+        pending = publisher.history[-1]
+        await publisher.spans_done()
+        coded = publisher.history[-1]
+        await publisher.publish(tiny_versions[2])
+        await publisher.spans_done()
+        return pending, coded, node.store
+
+    monkeypatch.setattr(codec, "encode", spy_encode)
+    pending, coded, store = asyncio.run(run())
+    assert isinstance(pending, Patch) and pending.base_hash == state_hash(tiny_versions[0])
+    assert coded == real_encode(diff(tiny_versions[0], tiny_versions[1]))
+    assert niced and set(niced) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)}
+    span = [m for m in store.manifests() if (m.version, m.base_version) == (2, 0)]
+    payload = store.payload(span[0])
+    assert payload is not None
+    base = {k: v.clone() for k, v in tiny_versions[0].items()}
+    apply(base, codec.decode(payload))
+    assert bit_equal(base, tiny_versions[2])
