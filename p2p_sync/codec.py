@@ -686,22 +686,37 @@ def _complement(ranks: np.ndarray, members: int) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+def _rice_candidates(sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per used class (``sums`` of its gaps, ``counts`` of them), the 5 Rice parameters
+    searched: within 2 of log2 of the mean gap (the optimum for a geometric gap lies there)."""
+    guess = np.log2(sums / counts + 1).astype(np.int64)
+    return np.clip(guess[:, None] + np.arange(-2, 3), 0, _MAX_RICE)
+
+
+def _rice_pick(candidates: np.ndarray, shifted: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Per used class, the column of the candidate that minimises its bits (ties to the
+    smaller parameter); ``shifted[c, o]``: the sum of its gaps shifted by ``candidates[c, o]``."""
+    cost = shifted + counts[:, None] * (1 + candidates)
+    return np.argmin(cost, axis=1)
+
+
 def _rice_params(gaps: np.ndarray, coded: np.ndarray) -> np.ndarray:
-    """Per class, the Rice parameter that minimises its bits (ties to the smaller), searched
-    within 2 of log2 of the class's mean gap (the optimum for a geometric gap lies there).
+    """Per class, the Rice parameter that minimises its bits among :func:`_rice_candidates`.
     ``gaps`` holds the classes' gaps back to back, ``coded`` how many each has."""
     best = np.zeros(N_CLASSES, np.int64)
     used = np.flatnonzero(coded)
     if used.size == 0:
         return best
     starts, counts = (np.cumsum(coded) - coded)[used], coded[used]
-    guess = np.log2(np.add.reduceat(gaps, starts) / counts + 1).astype(np.int64)
-    best_cost = np.full(used.size, np.iinfo(np.int64).max)
-    for offset in range(-2, 3):
-        k = np.clip(guess + offset, 0, _MAX_RICE)
-        cost = np.add.reduceat(gaps >> np.repeat(k, counts), starts) + counts * (1 + k)
-        better = cost < best_cost
-        best[used[better]], best_cost[better] = k[better], cost[better]
+    candidates = _rice_candidates(np.add.reduceat(gaps, starts), counts)
+    shifted = np.stack(
+        [
+            np.add.reduceat(gaps >> np.repeat(candidates[:, o], counts), starts)
+            for o in range(candidates.shape[1])
+        ],
+        axis=1,
+    )
+    best[used] = candidates[np.arange(used.size), _rice_pick(candidates, shifted, counts)]
     return best
 
 
@@ -731,28 +746,27 @@ def _remainder_planes(rem: np.ndarray, k_of: np.ndarray) -> bytes:
 @dataclass(frozen=True)
 class _ClassCodes:
     """The position part of a coding-3 frame: per class the number of coded ranks, the Rice
-    parameter and the mode; per code (class after class) its quotient and remainder."""
+    parameter and the mode; per code (class after class) its gap, and the sum of the gaps'
+    quotients (the unary stream's zeros)."""
 
     coded: np.ndarray
     k: np.ndarray
     mode: np.ndarray
-    quotients: np.ndarray
-    remainders: np.ndarray
+    gaps: np.ndarray
+    zeros: int
 
     def streams(self) -> tuple[bytes, bytes]:
         """(unary stream, remainder planes)."""
         kernels = _kernels()
         if kernels["fast"]:
             sizes = [(m + 7) // 8 for m in _plane_sizes(self.k, self.coded)]
-            unary = np.zeros((int(self.quotients.sum()) + self.quotients.size + 7) // 8, np.uint8)
+            unary = np.zeros((self.zeros + self.gaps.size + 7) // 8, np.uint8)
             planes = np.zeros(sum(sizes), np.uint8)
             plane_start = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-            kernels["rice_encode"](
-                self.quotients, self.remainders, self.coded, self.k, unary, planes, plane_start
-            )
+            kernels["rice_encode"](self.gaps, self.coded, self.k, unary, planes, plane_start)
             return unary.tobytes(), planes.tobytes()
         k_of = np.repeat(self.k, self.coded)
-        return _unary(self.quotients), _remainder_planes(self.remainders, k_of)
+        return _unary(self.gaps >> k_of), _remainder_planes(self.gaps & ((1 << k_of) - 1), k_of)
 
 
 def _code_classes(rank: np.ndarray, bounds: np.ndarray, members: np.ndarray) -> _ClassCodes:
@@ -773,9 +787,84 @@ def _code_classes(rank: np.ndarray, bounds: np.ndarray, members: np.ndarray) -> 
     prev[starts[coded > 0]] = -1
     gaps = ranks - prev - 1
     k = _rice_params(gaps, coded)
-    k_of = np.repeat(k, coded)
     mode = complement * _COMPLEMENT + group * _GROUP
-    return _ClassCodes(coded, k, mode, gaps >> k_of, gaps & ((1 << k_of) - 1))
+    return _ClassCodes(coded, k, mode, gaps, int((gaps >> np.repeat(k, coded)).sum()))
+
+
+def _class_codes(
+    cls: np.ndarray, rank: np.ndarray, d: np.ndarray, members: np.ndarray
+) -> tuple[_ClassCodes, np.ndarray, np.ndarray]:
+    """The changes (in position order: class ``cls``, class rank ``rank``, delta ``d``) coded
+    class by class: (codes, each class's changed count, the deltas in class order). Compiled:
+    a tally, then one gather (a stable counting sort) that also sums each gap's shifts by the
+    Rice candidates; the numpy way is a stable sort by class, then per-class arrays."""
+    kernels = _kernels()
+    if kernels["fast"]:
+        return _gathered_codes(kernels, cls, rank, d, members)
+    order = np.argsort(cls, kind="stable")
+    cls, rank, d = cls[order], rank[order], d[order]
+    bounds = np.searchsorted(cls, np.arange(N_CLASSES + 1))
+    return _code_classes(rank, bounds, members), np.diff(bounds), d
+
+
+def _gathered_codes(
+    kernels: dict[str, Callable],
+    cls: np.ndarray,
+    rank: np.ndarray,
+    d: np.ndarray,
+    members: np.ndarray,
+) -> tuple[_ClassCodes, np.ndarray, np.ndarray]:
+    """:func:`_class_codes` by the compiled kernels. A class's changed gaps sum to its last
+    rank + 1 - its count, which fixes its Rice candidates before the gather pass; a class that
+    codes its complement (small classes of tiny weights, where most members change) is
+    re-coded from its gathered gaps after it."""
+    counts, last = np.zeros(N_CLASSES, np.int64), np.full(N_CLASSES, -1, np.int64)
+    kernels["class_tally"](cls, rank, counts, last)
+    complement = 2 * counts > members
+    plain = np.flatnonzero((counts > 0) & ~complement)
+    candidates = np.zeros((N_CLASSES, 5), np.int64)
+    if plain.size:
+        candidates[plain] = _rice_candidates(last[plain] + 1 - counts[plain], counts[plain])
+    starts = np.cumsum(counts) - counts
+    gaps, d_out = np.empty(rank.size, np.int64), np.empty_like(d)
+    shifted = np.zeros((N_CLASSES, 5), np.int64)
+    kernels["class_gather"](cls, rank, d, starts, candidates, gaps, d_out, shifted)
+    coded = counts.copy()
+    if complement.any():
+        gaps = _complement_gaps(gaps, starts, counts, members, complement, coded)
+        for c in np.flatnonzero(complement & (coded > 0)):
+            seg = gaps[int(coded[:c].sum()) :][: coded[c]]
+            candidates[c] = _rice_candidates(seg.sum(keepdims=True), coded[c : c + 1])[0]
+            shifted[c] = [int((seg >> int(k)).sum()) for k in candidates[c]]
+    k, zeros, used = np.zeros(N_CLASSES, np.int64), 0, np.flatnonzero(coded)
+    if used.size:
+        pick = _rice_pick(candidates[used], shifted[used], coded[used])
+        k[used] = candidates[used, pick]
+        zeros = int(shifted[used, pick].sum())
+    group = (counts > 0) & (counts >= GROUP1_FRACTION * members)
+    mode = complement * _COMPLEMENT + group * _GROUP
+    return _ClassCodes(coded, k, mode, gaps, zeros), counts, d_out
+
+
+def _complement_gaps(
+    gaps: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+    members: np.ndarray,
+    complement: np.ndarray,
+    coded: np.ndarray,
+) -> np.ndarray:
+    """The classes' gaps back to back, with each complement class's changed gaps replaced by
+    the gaps of its members that did not change (``coded`` updated to their counts)."""
+    parts = []
+    for c in range(N_CLASSES):
+        seg = gaps[starts[c] : starts[c] + counts[c]]
+        if complement[c]:
+            unchanged = _complement(np.cumsum(seg + 1) - 1, int(members[c]))
+            seg = np.diff(unchanged, prepend=-1) - 1
+            coded[c] = seg.size
+        parts.append(seg)
+    return np.concatenate(parts)
 
 
 # ---------------------------------------------------------------- class scans (one pass)
@@ -962,6 +1051,8 @@ def _kernels() -> dict[str, Callable]:
                 "select": _select_scan_py,
                 "rice": _rice_decode_py,
                 "rice_encode": _rice_encode_py,
+                "class_tally": _class_tally_py,
+                "class_gather": _class_gather_py,
                 "gather": _gather_py,
             }
         )
@@ -1070,11 +1161,9 @@ def _classed_streams(delta: TensorDelta, base_bits: Bits) -> list[bytes]:
         order = np.argsort(pos)
         pos, d = pos[order], d[order]
     cls, rank, members = scan_ranks(base_bits, delta.spec.dtype, pos)
-    order = np.argsort(cls, kind="stable")
-    cls, rank, d = cls[order], rank[order], d[order]
-    codes = _code_classes(rank, np.searchsorted(cls, np.arange(N_CLASSES + 1)), members)
+    codes, changed, d = _class_codes(cls, rank, d, members)
     unary, planes = codes.streams()
-    in_group1 = ((codes.mode & _GROUP) != 0)[cls]
+    in_group1 = np.repeat((codes.mode & _GROUP) != 0, changed)
     values = [encode_values(d[g], CLASSED_VALUE_BITS) for g in (~in_group1, in_group1)]
     head = b"".join(
         _CLASS_ROW.pack(*row)
@@ -1145,24 +1234,61 @@ def _gather_py(
         out[i] = values[first[cls[i]] + within[i]]
 
 
+def _class_tally_py(
+    cls: np.ndarray, rank: np.ndarray, counts: np.ndarray, last: np.ndarray
+) -> None:
+    """Kernel: each class's changed count and last rank (ranks ascend within a class)."""
+    for i in range(cls.size):
+        c = cls[i]
+        counts[c] += 1
+        last[c] = rank[i]
+
+
+def _class_gather_py(
+    cls: np.ndarray,
+    rank: np.ndarray,
+    d: np.ndarray,
+    starts: np.ndarray,
+    candidates: np.ndarray,
+    gaps: np.ndarray,
+    d_out: np.ndarray,
+    shifted: np.ndarray,
+) -> None:
+    """Kernel: the changes in class order, position order within a class (a stable counting
+    sort from ``starts``): each rank's gap after its class's previous rank (the first after
+    -1), its delta, and per class the sum of its gaps shifted by each candidate parameter."""
+    cursor = starts.copy()
+    prev = np.full(16, -1, np.int64)
+    for i in range(cls.size):
+        c = cls[i]
+        j = cursor[c]
+        cursor[c] = j + 1
+        g = rank[i] - prev[c] - 1
+        prev[c] = rank[i]
+        gaps[j] = g
+        d_out[j] = d[i]
+        for o in range(candidates.shape[1]):
+            shifted[c, o] += g >> candidates[c, o]
+
+
 def _rice_encode_py(
-    quotients: np.ndarray,
-    remainders: np.ndarray,
+    gaps: np.ndarray,
     coded: np.ndarray,
     k: np.ndarray,
     unary: np.ndarray,
     planes: np.ndarray,
     plane_start: np.ndarray,
 ) -> None:
-    """Kernel: set the unary and remainder-plane bits of every code (buffers zeroed, sized)."""
+    """Kernel: set the unary and remainder-plane bits of every code (buffers zeroed, sized):
+    quotient ``gap >> k`` in unary, the ``k`` low bits across the planes."""
     bit, i = 0, 0
     plane_pos = np.zeros(64, np.int64)
     for c in range(16):
         for _ in range(coded[c]):
-            bit += quotients[i]
+            bit += gaps[i] >> k[c]
             unary[bit >> 3] |= np.uint8(1 << (bit & 7))
             bit += 1
-            rem = remainders[i]
+            rem = gaps[i]
             for j in range(k[c]):
                 p = plane_pos[j]
                 if (rem >> j) & 1:
