@@ -371,16 +371,17 @@ class Publisher:
         return version > 0 and any(k == SNAPSHOT for k, _ in to_publish(version, self.policy))
 
     async def _publish_behind(self, version: int, target: str, layout: str, anchor: bool) -> None:
-        """Code the history's newest step, then build, store and announce the catch-up spans
-        and the anchor of ``version``, after its head, in a thread below the head's priority.
+        """Build, store and announce the catch-up spans (coding the history's pending steps
+        first) and the anchor of ``version``, then code what the history still holds decoded,
+        after its head, in a thread below the head's priority. The anchor goes before that
+        coding: a rollout that has applied ``version`` declines its anchor as not newer, and
+        without the newest anchor its store protects every older artifact from eviction.
         ``prev`` and the history hold ``version`` until this ends: the next publish waits for
         it (``spans_done``)."""
         t, t0 = self.timings, time.perf_counter()  # still this version's timings
         with background_pool() as pool:  # the head's delivery and the next step go first
             loop = asyncio.get_running_loop()
-            if not self._span_jobs(version):
-                await loop.run_in_executor(pool, self._encode_history)
-            else:
+            if self._span_jobs(version):
                 built = await loop.run_in_executor(pool, self._build_spans, version, target, layout)
                 await self._announce_behind(built)
                 t.catchup_s = time.perf_counter() - t0
@@ -394,6 +395,7 @@ class Publisher:
                 await self._announce_behind([snap])
                 t.snapshot_s = time.perf_counter() - t1
                 log.info("v%d anchor in %.2fs", version, t.snapshot_s)
+            await loop.run_in_executor(pool, self._encode_history)
         self.node.last_publish = dataclasses.asdict(t)
 
     async def _announce_behind(self, built: list[Built]) -> None:
