@@ -261,9 +261,8 @@ class Publisher:
         """Frames (and history frames) of every changed tensor; ``prev`` and ``digest`` move
         to the file's version tensor by tensor, in place (the digest by the words that
         changed). Each tensor is read into a buffer its worker thread reuses: a fresh tensor
-        per read would page-fault the whole model in again every version. A buffer grows to
-        the largest tensor its thread has read, not to the model's largest: with 16 threads
-        the latter held 16 embedding-sized buffers (1.1x a 1B model)."""
+        per read would page-fault the whole model in again every version. A buffer is sized
+        to the largest tensor its thread has read so far, not to the model's largest."""
         assert self.prev is not None
         local, scratch = threading.local(), DiffScratch()
 
@@ -340,13 +339,14 @@ class Publisher:
     def _encode_history(self) -> None:
         """Code the history's pending steps in format 1 (a background thread's work, after
         the head's announcement; the history does not move before ``spans_done``)."""
-        for i, step in enumerate(self.history):
+        for i in range(len(self.history)):
+            step = self.history[i]
             if isinstance(step, Patch):
                 self.history[i] = codec.encode(step, workers=WORKERS)
 
     def _span_jobs(self, version: int) -> list[tuple[int, list[bytes | Patch]]]:
-        """(base, encoded steps) of each merged catch-up span due at ``version`` that the
-        history reaches back to; taken at once, as the history moves on with the next step."""
+        """(base, steps) of each merged catch-up span due at ``version`` that the history
+        reaches back to (``_encode_history`` codes any step still pending before a merge)."""
         steps = list(self.history)
         return [
             (base, steps[len(steps) - (version - base) :])
