@@ -11,8 +11,16 @@
 # 4. the node tests with CUDA present (nodes' ``device = "auto"`` then keeps weights on the GPU).
 #
 # Each step has its own time limit and log under OUT_DIR, so a slow step costs only itself.
-# Python packages the machine lacks travel as wheels in .whl/ (see the device README); the
-# machine has torch, numpy, numba, aiohttp, safetensors, transformers and pytest of its own.
+# Python packages the machine lacks travel as wheels in .whl/ (git-ignored via .git/info/exclude;
+# ~28 MB); the machine has torch, numpy, numba, aiohttp, safetensors, transformers, pytest and
+# pytest-xdist of its own (Python 3.12, x86-64). Built here from .venv's freeze, in a minute:
+#   .venv/bin/pip freeze | grep -v -e p2psync -e '^-e' > /tmp/freeze.txt   # then drop what the
+#   # machine has (its package list: the device README's KINDS.md), and for each NAME==VER:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux2014_x86_64 --platform any -d .whl NAME==VER
+# Three have no such wheel: fastecdsa 2.3.2 (take fastecdsa==3.0.1's), python-baseconv and
+# varint (pure Python: `.venv/bin/pip wheel --no-deps -w .whl NAME==VER`).
 set -u
 OUT=${1:-${OUT:-/tmp/gpu_out}}
 mkdir -p "$OUT"
