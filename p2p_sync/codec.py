@@ -829,11 +829,12 @@ def _gathered_codes(
     gaps, d_out = np.empty(rank.size, np.int64), np.empty_like(d)
     shifted = np.zeros((N_CLASSES, 5), np.int64)
     kernels["class_gather"](cls, rank, d, starts, candidates, gaps, d_out, shifted)
-    coded = counts.copy()
+    coded = counts
     if complement.any():
-        gaps = _complement_gaps(gaps, starts, counts, members, complement, coded)
+        gaps, coded = _complement_gaps(gaps, starts, counts, members, complement)
+        at = np.cumsum(coded) - coded
         for c in np.flatnonzero(complement & (coded > 0)):
-            seg = gaps[int(coded[:c].sum()) :][: coded[c]]
+            seg = gaps[at[c] : at[c] + coded[c]]
             candidates[c] = _rice_candidates(seg.sum(keepdims=True), coded[c : c + 1])[0]
             shifted[c] = [int((seg >> int(k)).sum()) for k in candidates[c]]
     k, zeros, used = np.zeros(N_CLASSES, np.int64), 0, np.flatnonzero(coded)
@@ -852,19 +853,17 @@ def _complement_gaps(
     counts: np.ndarray,
     members: np.ndarray,
     complement: np.ndarray,
-    coded: np.ndarray,
-) -> np.ndarray:
-    """The classes' gaps back to back, with each complement class's changed gaps replaced by
-    the gaps of its members that did not change (``coded`` updated to their counts)."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """The classes' gaps back to back, each complement class's changed gaps replaced by the
+    gaps of its members that did not change; and how many gaps each class now codes."""
     parts = []
     for c in range(N_CLASSES):
         seg = gaps[starts[c] : starts[c] + counts[c]]
         if complement[c]:
             unchanged = _complement(np.cumsum(seg + 1) - 1, int(members[c]))
             seg = np.diff(unchanged, prepend=-1) - 1
-            coded[c] = seg.size
         parts.append(seg)
-    return np.concatenate(parts)
+    return np.concatenate(parts), np.array([p.size for p in parts], np.int64)
 
 
 # ---------------------------------------------------------------- class scans (one pass)
