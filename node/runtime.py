@@ -98,7 +98,11 @@ class Node:
         directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))
         self.peering = Peering(directory, self.metrics)
         self.trusted = TrustedSet(
-            policy, lambda: self.accepted_version, cfg.trust_limits, self._accepted_layout
+            policy,
+            lambda: self.accepted_version,
+            cfg.trust_limits,
+            self._accepted_layout,
+            store.state_at,
         )
         self.url: str | None = None  # its HTTP data plane (its name among peers: peer_url)
         self.client: PeerClient | None = None

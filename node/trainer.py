@@ -374,8 +374,8 @@ class Publisher:
         """Build, store and announce the catch-up spans (coding the history's pending steps
         first) and the anchor of ``version``, then code what the history still holds decoded,
         after its head, in a thread below the head's priority. The anchor goes before that
-        coding: a rollout that has applied ``version`` declines its anchor as not newer, and
-        without the newest anchor its store protects every older artifact from eviction.
+        coding: newcomers start from it, and rollouts evict behind it (one that has applied
+        ``version`` keeps its anchor as a record of that state: ``TrustedSet.is_record``).
         ``prev`` and the history hold ``version`` until this ends: the next publish waits for
         it (``spans_done``)."""
         t, t0 = self.timings, time.perf_counter()  # still this version's timings

@@ -84,6 +84,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 # The state hash definition the recorded hashes follow (p2p_sync.statehash; 1 was XXH3).
 STATE_HASH_FORMAT = 2
+MAX_DROPS_NOTED = 256  # entries of Store.dropped kept
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,8 @@ class Store:
         self._own: dict[str, tuple[Manifest, bytes]] = {}  # own payloads, newest version only
         self.checkpoint: Checkpoint | None = None
         self.log: list[AcceptedState] = []  # records past the checkpoint, oldest first
-        self.dropped: list[str] = []  # what the last self-check removed, for logs and tests
+        # what was removed and why (self-checks, eviction), the newest few, for logs and tests
+        self.dropped: list[str] = []
         self._lock = threading.RLock()  # the one owner of everything above (module docstring)
 
     @classmethod
@@ -200,7 +202,11 @@ class Store:
         path.unlink(missing_ok=True)
         if path.parent == self.pack_dir:
             self._forget_pack(path.name)
-        self.dropped.append(f"{path.relative_to(self.root)}: {why}")
+        self._note_drop(f"{path.relative_to(self.root)}: {why}")
+
+    def _note_drop(self, what: str) -> None:
+        self.dropped.append(what)
+        del self.dropped[:-MAX_DROPS_NOTED]  # a long run evicts every version
 
     def _check(self) -> None:
         for d in (self.root, self.pack_dir, self.manifest_dir, self.weights_dir):
@@ -249,7 +255,7 @@ class Store:
     def _invalidate(self, mdigest: str, index: int, why: str) -> None:
         """Slot ``index`` of a pack no longer counts as held (its bytes failed their hash)."""
         self._valid.get(mdigest, set()).discard(index)
-        self.dropped.append(f"packs/{mdigest} chunk {index}: {why}")
+        self._note_drop(f"packs/{mdigest} chunk {index}: {why}")
 
     @staticmethod
     def _slot(m: Manifest, index: int) -> slice:
@@ -542,6 +548,15 @@ class Store:
         return AcceptedState(c.version, c.state_hash, None) if c else None
 
     @_locked
+    def state_at(self, version: int) -> str | None:
+        """The state hash this node accepted at ``version``, while the checkpoint or the log
+        still records it (the trust gate admits an anchor of that very state as a record)."""
+        c = self.checkpoint
+        if c is not None and c.version == version:
+            return c.state_hash
+        return next((r.state_hash for r in self.log if r.version == version), None)
+
+    @_locked
     def record(self, version: int, state_hash: str, manifest_digest: str) -> None:
         """Append (version, state, artifact) to the log, durably: the weights now hold
         ``version``, reached by applying that verified artifact to the previous state. One small
@@ -603,7 +618,7 @@ class Store:
         replay): the node re-fetches from the last state it can rebuild."""
         kept = [r for r in self.log if r.version < version]
         if len(kept) != len(self.log):
-            self.dropped.append(f"log from v{version}: {why}")
+            self._note_drop(f"log from v{version}: {why}")
             self._rewrite_log(kept)
 
     def _rewrite_log(self, records: list[AcceptedState]) -> None:
@@ -675,7 +690,7 @@ class Store:
         for line in complete:
             rec = self._parse_record(line)
             if rec is None or (records and rec.version <= records[-1].version):
-                self.dropped.append(f"log: unreadable record after {len(records)}")
+                self._note_drop(f"log: unreadable record after {len(records)}")
                 clean = False
                 break
             if rec.version > floor:
@@ -708,11 +723,24 @@ class Store:
     @_locked
     def evict(self) -> list[str]:
         """Drop whole packs of unprotected artifacts, oldest version first, until the chunks
-        held are under ``max_chunk_bytes``. Returns the digests of the manifests dropped."""
+        held are under ``max_chunk_bytes``; then forget the unprotected manifests this node is
+        past and holds no chunk of (evicted, or never fetched: catch-ups it did not need).
+        Those serve no peer and rebuild nothing, and a rollout hears a few per version: kept,
+        its index, its ``/manifests`` list and this method's own scan would grow with every
+        version of a run. Returns the digests of the manifests whose packs were dropped."""
+        protected = self.protected()
+        dropped = self._evict_packs(protected)
+        head = self._head()
+        for m in self.manifests() if head is not None else []:
+            if m.version <= head.version and m.digest not in protected:
+                if not self._valid.get(m.digest):
+                    self._drop_manifest(m.digest, "past and not held")
+        return dropped
+
+    def _evict_packs(self, protected: set[str]) -> list[str]:
         budget, used = self.limits.max_chunk_bytes, self.chunk_bytes()
         if used <= budget:
             return []
-        protected = self.protected()
         dropped = []
         for m in self.manifests():
             if used <= budget:

@@ -16,6 +16,7 @@ limits                    EndlessDataAttackError                        everythi
 expiry                    FreezeAttackError                             news (not the store)
 offered digest            SubstitutedManifestError                      fetched by digest
 newer than accepted       RollbackAttackError                           news (not the store)
+  (or a record)
 layout of accepted state  LayoutSwapAttackError                         news (not the store)
 ========================  ============================================  =====================
 
@@ -28,6 +29,15 @@ made for other tensors than the ones this node holds (weights are applied in pla
 node can never switch layouts), is not news for this node, but the peer that relayed it did
 nothing wrong (the trainer signed it). So gossip validation (:meth:`judge`) forwards it, and
 a node does not ban the peer that offered it; it only declines it, before downloading a byte.
+
+One kind of genuine manifest that is not newer is still kept: a *record*, an anchor (snapshot)
+of a state this node has already accepted, the same version and the same signed state hash
+(``recorded``: the node's store). The trainer builds anchors behind its head, so a rollout
+following patches has usually applied a version before its anchor is out. Declining that
+anchor as stale would leave the rollout's newest known anchor at the one it joined from, and
+its store protects everything from there on (``Store.protected``): it would never evict. A
+record is never planned from (it moves the weights nowhere: ``newer`` excludes it), so it
+cannot roll the node back; it only says where a newcomer may start.
 
 The gate holds no copy of the accepted state: it reads the version and layout through
 ``accepted`` and ``layout`` (the node's store), so it can never disagree with what the
@@ -49,6 +59,7 @@ from p2p_sync.errors import (
     WrongSwarmError,
 )
 from p2p_sync.manifest import (
+    SNAPSHOT,
     Manifest,
     ManifestLimits,
     SwarmPolicy,
@@ -77,9 +88,10 @@ class TrustedSet:
         accepted: Callable[[], int | None] = lambda: None,
         limits: TrustLimits = TrustLimits(),
         layout: Callable[[], str | None] = lambda: None,
+        recorded: Callable[[int], str | None] = lambda version: None,
     ) -> None:
         self.policy, self.limits = policy, limits
-        self._accepted, self._layout = accepted, layout
+        self._accepted, self._layout, self._recorded = accepted, layout, recorded
 
     @property
     def accepted_version(self) -> int | None:
@@ -104,9 +116,20 @@ class TrustedSet:
         held = self._layout()
         return held is None or m.layout == held
 
+    def is_record(self, m: Manifest) -> bool:
+        """Whether ``m`` is an anchor of a state this node accepted (see the module's
+        docstring): a snapshot of a version it records, to the state hash it records there."""
+        return m.kind == SNAPSHOT and self._recorded(m.version) == m.target_state
+
+    def is_news(self, m: Manifest) -> bool:
+        """Whether ``m`` is worth keeping: news (newer) or a record, for this node's tensors."""
+        return (self.is_newer(m.version) or self.is_record(m)) and self.fits_layout(m)
+
     def check_news(self, m: Manifest) -> None:
-        """Whether an authentic manifest is news for this node: newer, and for its tensors."""
-        self.check_newer(m)
+        """Whether an authentic manifest is news for this node: newer (or a record), and for
+        its tensors."""
+        if not self.is_record(m):
+            self.check_newer(m)
         if not self.fits_layout(m):
             raise LayoutSwapAttackError(
                 f"manifest layout {m.layout[:16]} is not this node's {self._layout()}"
@@ -164,15 +187,12 @@ class TrustedSet:
 
     def fresh_inline(self, decision: announce.Decision) -> list[tuple[Manifest, bytes]]:
         """The inline manifests of an accepted announcement that are news to this node."""
-        return [
-            (m, raw)
-            for m, raw in decision.manifests
-            if self.is_newer(m.version) and self.fits_layout(m)
-        ]
+        return [(m, raw) for m, raw in decision.manifests if self.is_news(m)]
 
     def wanted(self, index: Any, known: Callable[[str], bool]) -> list[str]:
         """Digests in a peer's (untrusted) ``/manifests`` index worth fetching: well-formed,
-        newer than accepted, not already held. The fetched bytes then pass :meth:`admit`."""
+        newer than accepted or an anchor of a version this node records, not already held. The
+        fetched bytes then pass :meth:`admit` (which compares the anchor's state)."""
         if not isinstance(index, list):
             return []
         out = []
@@ -181,6 +201,7 @@ class TrustedSet:
                 continue
             version = entry.get("version")
             if isinstance(version, int) and not isinstance(version, bool):
-                if self.is_newer(version) and not known(entry["digest"]):
+                record = entry.get("kind") == SNAPSHOT and self._recorded(version) is not None
+                if (self.is_newer(version) or record) and not known(entry["digest"]):
                     out.append(entry["digest"])
         return out

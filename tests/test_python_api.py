@@ -196,6 +196,7 @@ def test_stores_evict_old_artifacts_but_keep_the_newest_anchor_chain(
     for store in out["stores"]:
         kept = {m.version for m in store.manifests() if store.has_payload(m)}
         assert kept and min(kept) == 3  # anchor v3 and what follows it: all a newcomer needs
+        assert min(m.version for m in store.manifests()) == 3  # nor manifests before it
         assert not list(store.pack_dir.glob("*")) or all(
             store.pack_path(m.digest).exists() == store.has_payload(m) for m in store.manifests()
         )

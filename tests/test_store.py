@@ -189,6 +189,28 @@ def test_eviction_keeps_the_newest_anchor_and_its_chain(tmp_path: Path) -> None:
     assert not store.has_payload(manifests[0])
 
 
+def test_eviction_forgets_manifests_the_node_is_past_and_holds_nothing_of(
+    tmp_path: Path,
+) -> None:
+    """A rollout hears a few manifests per version it never fetches (catch-ups it did not
+    need); once past them, and once their packs are evicted, it forgets them, so its index does
+    not grow with the run. What it is not past, what it logged and what it holds stay."""
+    store = Store.open(tmp_path, StoreLimits(max_gb=1.0))
+    held = [put_version(store, v)[0] for v in range(4)]  # v0-v3 fetched (v0 the anchor)
+    heard = {}
+    for v in (2, 3, 5):  # announced, never fetched
+        m = store_writer.manifest(KEY, SWARM, v, random.Random(-v).randbytes(30_000))
+        store.put_manifest(m, sign(m, [KEY]))
+        heard[v] = m
+    store.record(3, "33" * 16, held[3].digest)
+    store.record(4, "44" * 16, held[2].digest)  # the head: v4 (the record names any artifact)
+    assert store.evict() == []  # within budget: no pack dropped
+    kept = {m.digest for m in store.manifests()}
+    assert kept == {m.digest for m in held} | {heard[5].digest}
+    assert any(d.endswith("past and not held") for d in store.dropped)
+    assert {m.digest for m in Store.open(tmp_path).manifests()} == kept  # gone from disk too
+
+
 def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path) -> None:
     rnd = random.Random(1234)
     ctx = multiprocessing.get_context("forkserver")  # a clean process, torch imported once

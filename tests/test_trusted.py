@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from node.config import NodeConfig
 from node.runtime import Node
@@ -28,7 +30,15 @@ from p2p_sync.errors import (
     WrongSwarmError,
 )
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import ManifestLimits, SwarmPolicy, canonical, parse, sign
+from p2p_sync.manifest import (
+    PATCH,
+    SNAPSHOT,
+    ManifestLimits,
+    SwarmPolicy,
+    canonical,
+    parse,
+    sign,
+)
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 from p2p_sync.trusted import TrustedSet, TrustLimits
@@ -46,17 +56,21 @@ def signed(
     swarm: str = POLICY.swarm_id,
     layout: str = LAYOUT,
     size: int = 40_000,
+    kind: str = SNAPSHOT,
+    state: str = "ab" * 16,
 ) -> bytes:
+    patch = {"base_version": version - 1, "base_state": "99" * 16} if kind == PATCH else {}
     m = manifest_for(
         bytes([version % 256]) * size,
         swarm=swarm,
         version=version,
-        kind="snapshot",
-        target_state="ab" * 16,
+        kind=kind,
+        target_state=state,
         layout=layout,
         now=NOW,
         lifetime_s=3600,
         chunk_size=16 * 1024,
+        **patch,
     )
     return sign(m, [key])
 
@@ -141,6 +155,73 @@ def test_the_floor_follows_the_accepted_state() -> None:
     accepted[0] = 3
     with pytest.raises(RollbackAttackError):
         g.admit(signed(3), NOW)
+
+
+S5, S4, OTHER = "ab" * 16, "a4" * 16, "ee" * 16
+RECORDED = {5: S5, 4: S4}  # what the node's checkpoint and log say it accepted
+
+
+def test_an_anchor_of_an_accepted_state_is_kept_as_a_record() -> None:
+    """The trainer builds anchors behind its head: a rollout that applied v5 through its patch
+    keeps v5's anchor when it comes (its store evicts behind the newest anchor it knows), on
+    every path; the same version to another state, a patch, or other tensors it declines."""
+    g = gate(accepted=5, layout=lambda: LAYOUT, recorded=RECORDED.get)
+    record, older = signed(5, state=S5), signed(4, state=S4)
+    assert g.admit(record, NOW).target_state == S5
+    assert g.admit(older, NOW).version == 4  # a late anchor of an older state it records
+    assert [m.version for m, _ in g.fresh_inline(_judge(g, record))] == [5]
+    assert g.newer([parse(record)[0], parse(older)[0]], 5) == []  # never planned from
+    for stale in (signed(5, state=OTHER), signed(5, kind=PATCH, state=S5), signed(3)):
+        with pytest.raises(RollbackAttackError, match="not newer"):
+            g.admit(stale, NOW)
+        assert g.fresh_inline(_judge(g, stale)) == []
+    with pytest.raises(LayoutSwapAttackError):
+        g.admit(signed(5, state=S5, layout="ef" * 16), NOW)
+    index = [
+        {"digest": "aa" * 32, "version": 5, "kind": SNAPSHOT},
+        {"digest": "bb" * 32, "version": 5, "kind": PATCH},
+        {"digest": "cc" * 32, "version": 3, "kind": SNAPSHOT},  # not recorded any more
+    ]
+    assert g.wanted(index, lambda d: False) == ["aa" * 32]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    accepted=st.none() | st.integers(0, 4),
+    recorded=st.dictionaries(st.integers(0, 4), st.sampled_from([S5, OTHER]), max_size=4),
+    version=st.integers(1, 6),
+    kind=st.sampled_from([SNAPSHOT, PATCH]),
+    state=st.sampled_from([S5, OTHER]),
+    layout=st.sampled_from([LAYOUT, "ef" * 16]),
+)
+def test_the_gate_never_keeps_a_manifest_that_moves_the_weights_back(
+    accepted, recorded, version, kind, state, layout
+) -> None:
+    """Whatever the node accepted, a manifest kept is either newer (and may be planned from)
+    or a snapshot of exactly a state it records (and never planned from); every path (push,
+    gossip, index) gives the same answer."""
+    recorded = {v: h for v, h in recorded.items() if accepted is not None and v <= accepted}
+    g = gate(accepted=accepted, layout=lambda: LAYOUT, recorded=recorded.get)
+    data = signed(version, kind=kind, state=state, layout=layout, size=1000)
+    m = parse(data)[0]
+    try:
+        g.admit(data, NOW)
+        kept = True
+    except (RollbackAttackError, LayoutSwapAttackError):
+        kept = False
+    assert [x.digest for x, _ in g.fresh_inline(_judge(g, data))] == ([m.digest] if kept else [])
+    if kept:
+        assert layout == LAYOUT
+        assert g.wanted([{"digest": m.digest, "version": version, "kind": kind}], lambda d: False) == [
+            m.digest
+        ]
+        if accepted is not None and version <= accepted:
+            assert kind == SNAPSHOT and recorded.get(version) == state
+            assert g.newer([m], accepted) == []
+    else:
+        assert layout != LAYOUT or (
+            accepted is not None and version <= accepted and recorded.get(version) != state
+        ) or (accepted is not None and version <= accepted and kind == PATCH)
 
 
 def test_expired_news_is_refused_but_a_stored_manifest_stays() -> None:
@@ -244,3 +325,31 @@ def test_gossip_stores_only_inline_manifests_that_are_news(tmp_path: Path) -> No
 
     assert asyncio.run(hear(stale)) is False
     assert asyncio.run(hear(new)) is True
+
+
+def test_a_late_anchor_of_the_head_lets_the_store_evict_behind_it(tmp_path: Path) -> None:
+    """A rollout at v2 through patches hears v2's anchor by gossip after applying v2: it keeps
+    the anchor, so v0's anchor is no longer protected (before, the join anchor stayed the
+    newest one known and the store kept everything from it on)."""
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), p2p=False)
+    node = Node(cfg, POLICY, Store.open(tmp_path))
+    join = signed(0, state=OTHER)
+    steps = [signed(v, kind=PATCH, state=f"{v:02x}" * 16) for v in (1, 2)]
+    for raw in (join, *steps):
+        node.store.put_manifest(parse(raw)[0], raw)
+    for v, raw in zip((1, 2), steps):
+        node.store.record(v, parse(raw)[0].target_state, parse(raw)[0].digest)
+    assert parse(join)[0].digest in node.store.protected()
+    anchor = signed(2, state="02" * 16)
+    m = parse(anchor)[0]
+    a = Announcement(POLICY.swarm_id, 2, (m.digest,), int(time.time() * 1000))
+
+    async def hear() -> None:
+        data = announce.encode(a, [TRAINER], [anchor])
+        node.learner.on_gossip(node.learner.judge(data, lambda d: False), None, a.issued_ms)
+        await node.stop()  # settles the relay task it spawned
+
+    asyncio.run(hear())
+    assert node.store.has_manifest(m.digest)
+    assert parse(join)[0].digest not in node.store.protected()
+    assert m.digest in node.store.protected()
