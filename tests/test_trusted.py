@@ -212,16 +212,18 @@ def test_the_gate_never_keeps_a_manifest_that_moves_the_weights_back(
     assert [x.digest for x, _ in g.fresh_inline(_judge(g, data))] == ([m.digest] if kept else [])
     if kept:
         assert layout == LAYOUT
-        assert g.wanted([{"digest": m.digest, "version": version, "kind": kind}], lambda d: False) == [
-            m.digest
-        ]
+        assert g.wanted(
+            [{"digest": m.digest, "version": version, "kind": kind}], lambda d: False
+        ) == [m.digest]
         if accepted is not None and version <= accepted:
             assert kind == SNAPSHOT and recorded.get(version) == state
             assert g.newer([m], accepted) == []
     else:
-        assert layout != LAYOUT or (
-            accepted is not None and version <= accepted and recorded.get(version) != state
-        ) or (accepted is not None and version <= accepted and kind == PATCH)
+        assert (
+            layout != LAYOUT
+            or (accepted is not None and version <= accepted and recorded.get(version) != state)
+            or (accepted is not None and version <= accepted and kind == PATCH)
+        )
 
 
 def test_expired_news_is_refused_but_a_stored_manifest_stays() -> None:
