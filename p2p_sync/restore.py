@@ -188,13 +188,17 @@ def _apply_frame(
     digest: StateDigest,
     written: list[str],
 ) -> None:
-    """Decode one frame (coding 3 against the tensor itself) and add it in place."""
+    """Decode one frame (coding 3 against the tensor itself) and add it in place, a block of
+    positions at a time (``codec.decode_frame_blocks``: a worker holds one block's positions,
+    not a whole embedding's). The tensor counts as written from its first block on."""
     flat = flat_bits(weights[row.spec.name])
     bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
-    delta = codec.decode_frame(row, data[row.offset : row.offset + row.size], bits)
-    delta.validate()
-    add_delta(flat, delta, +1, digest)
-    written.append(row.spec.name)
+    frame = data[row.offset : row.offset + row.size]
+    for i, delta in enumerate(codec.decode_frame_blocks(row, frame, bits)):
+        delta.validate()
+        if i == 0:
+            written.append(row.spec.name)
+        add_delta(flat, delta, +1, digest)
 
 
 def _load_base(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,6 +25,8 @@ from p2p_sync.errors import (
     UnsupportedFormatError,
 )
 from p2p_sync.patch import apply, diff
+from p2p_sync.restore import apply_frames
+from p2p_sync.statehash import StateDigest
 from tests.helpers import bit_equal, clone_set, frame_from_streams, rebuild
 
 
@@ -132,3 +135,53 @@ def test_any_single_byte_change_is_caught_and_loses_nothing(versions, data, draw
         assert bit_equal(weights, versions[0])
     else:
         assert bit_equal(weights, versions[1])
+
+
+def _frame_with_positions(positions: list[int], escapes: int | None = None):
+    """Row 0's frame made to change ``positions`` (by +1 each); ``escapes``: what its header
+    claims of 16-bit gap escapes (the truth when None)."""
+
+    def mutate(rows: list, frames: dict) -> None:
+        row = rows[0]
+        pos = np.array(positions, dtype=np.int64)
+        pos_head, pos_body = codec.encode_positions(pos, row.spec.numel)
+        if escapes is not None:
+            pos_head = codec._SPARSE_HEAD.pack(escapes)
+            pos_body[2] = pos_body[2] + b"\0" * 4 * max(0, escapes - len(pos_body[2]) // 4)
+        val_head, val_body = codec.encode_values(np.ones(len(positions), dtype=np.int16))
+        frames[row.spec.name] = frame_from_streams([pos_head + val_head, *pos_body, *val_body])
+        rows[0] = dataclasses.replace(row, count=len(positions))
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("positions", "escapes", "error", "message"),
+    [
+        ([1, 2, 3, 64 * 64], None, IndexOutOfRangeError, "outside"),
+        ([0, 1, 2, 3], 1, CountMismatchError, "escape markers"),
+    ],
+    ids=["last position out of range", "escape count"],
+)
+def test_a_frame_applied_in_blocks_fails_before_its_first_block(
+    versions: list, data: bytes, positions, escapes, error, message
+) -> None:
+    """A rollout applies a sparse frame a block of positions at a time; what is wrong at the
+    frame's end is found before the first block is written: the weights stay untouched and the
+    error is the frame's (not a torn apply)."""
+    bad = rebuild(data, _frame_with_positions(positions, escapes))
+    info = codec.read_header(bad)
+    row = info.rows[0]
+    blocks = codec.decode_frame_blocks(
+        row, memoryview(bad)[row.offset : row.offset + row.size], block=1
+    )
+    with pytest.raises(error, match=message):
+        next(blocks)
+    weights = clone_set(versions[0])
+    old, codec.BLOCK = codec.BLOCK, 1
+    try:
+        with pytest.raises(error, match=message):
+            apply_frames(weights, memoryview(bad), info, StateDigest.of(weights))
+    finally:
+        codec.BLOCK = old
+    assert bit_equal(weights, versions[0])

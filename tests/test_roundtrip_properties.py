@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from p2p_sync import codec
 from p2p_sync import patch as patch_mod
 from p2p_sync.patch import apply, diff, merge
+from p2p_sync.restore import apply_frames
 from p2p_sync.statehash import StateDigest
 from p2p_sync.tensors import bits_dtype, flat_bits, layout_of
 from tests.helpers import bit_equal, clone_set, random_bits
@@ -101,6 +102,43 @@ def test_encode_decode_apply_is_bit_exact(pair: tuple[dict, dict]) -> None:
     apply(weights, decoded)
     assert bit_equal(weights, new)
     assert codec.encode(decoded) == data  # the encoding is canonical
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(version_pairs(), st.integers(1, 9), st.integers(0, 2))
+def test_a_frame_decoded_in_blocks_is_the_frame_decoded_whole(
+    pair: tuple[dict, dict], block: int, gaps: int
+) -> None:
+    """Blocks of positions (what a rollout applies, one at a time) put together are the
+    frame's positions and deltas, and applying them block by block gives the target exactly,
+    its hash tracked. ``gaps`` > 0 adds a tensor with gaps past the 16-bit escape."""
+    base, new = pair
+    if gaps:
+        t = random_bits((300_000,), torch.bfloat16, gaps)
+        base["far"], new["far"] = t, t.clone()
+        flat_bits(new["far"])[[5, 70_000, 70_001, 299_999][: gaps + 2]] += 1
+    data = codec.encode(diff(base, new))
+    info = codec.read_header(data)
+    for row in info.rows:
+        if row.coding == codec.UNCHANGED:
+            continue
+        frame = memoryview(data)[row.offset : row.offset + row.size]
+        whole = codec.decode_frame(row, frame)
+        parts = list(codec.decode_frame_blocks(row, frame, block=block))
+        if row.coding == codec.SPARSE and row.count > block:
+            assert len(parts) == -(-row.count // block)
+            assert max(p.positions.numel() for p in parts) <= block
+            assert torch.equal(torch.cat([p.positions for p in parts]), whole.positions)
+            assert torch.equal(torch.cat([p.deltas for p in parts]), whole.deltas)
+        else:
+            assert len(parts) == 1 and parts[0].same_change(whole)
+    weights, digest = clone_set(base), StateDigest.of(base)
+    old, codec.BLOCK = codec.BLOCK, block
+    try:
+        apply_frames(weights, memoryview(data), info, digest)
+    finally:
+        codec.BLOCK = old
+    assert bit_equal(weights, new) and digest.hash() == info.target_hash
 
 
 @settings(max_examples=60, deadline=None)
