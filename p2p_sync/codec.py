@@ -487,25 +487,10 @@ def _position_body_size(n: int, numel: int, n_esc: int) -> int:
 def _decode_position_body(
     body: memoryview, n: int, numel: int, n_esc: int, name: str
 ) -> np.ndarray:
-    raw = np.frombuffer(body, np.uint8, 2 * n)
-    gaps = np.empty(n, np.int64)  # built in place: the positions are its only full-size array
-    gaps[:] = raw[n:]
-    gaps <<= 8
-    gaps |= raw[:n]
-    marks = np.flatnonzero(gaps == _GAP_ESCAPE)
-    if marks.size != n_esc:
-        raise CountMismatchError(f"{name}: {marks.size} gap escape markers, header says {n_esc}")
-    big = np.frombuffer(body, f"<u{_escape_width(numel)}", n_esc, 2 * n)
-    if n_esc and int(big.max()) >= numel:
-        raise IndexOutOfRangeError(f"{name}: a position gap exceeds the tensor's {numel} elements")
-    gaps[marks] = big.astype(np.int64)
-    gaps += 1
-    pos = np.cumsum(gaps, out=gaps)
-    pos -= 1
-    if n and int(pos[-1]) >= numel:
-        raise IndexOutOfRangeError(
-            f"{name}: position {int(pos[-1])} outside a tensor of {numel} elements"
-        )
+    _check_position_body(body, n, numel, n_esc, name)
+    if not n:
+        return np.empty(0, np.int64)
+    _, pos = next(_position_blocks(body, n, numel, n_esc, n))
     return pos
 
 
