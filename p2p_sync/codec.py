@@ -1592,10 +1592,10 @@ def decode_frame_blocks(
 ) -> Iterator[TensorDelta]:
     """:func:`decode_frame` as consecutive deltas of at most ``block`` positions each, for a
     caller that applies them one by one: a sparse frame's positions take 8 bytes per changed
-    element (140 MB for the embedding of a 70B model at 3%, per worker), a block's 8 MB. The
-    whole frame is checked before the first block is given (counts, escapes, the last
-    position in range), so a frame that fails to decode fails before anything is applied.
-    Other codings come whole. ``block``: :data:`BLOCK` when None."""
+    element (250 MB for the 1.05B-element embedding of a 70B model at 3%, per worker), a
+    block's 2 MiB. The whole frame is checked before the first block is given (counts,
+    escapes, the last position in range), so a frame that fails to decode fails before
+    anything is applied. Other codings come whole. ``block``: :data:`BLOCK` when None."""
     block = block or BLOCK
     if row.coding != SPARSE or row.count <= block:
         yield decode_frame(row, frame, base_bits)
