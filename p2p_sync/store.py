@@ -724,7 +724,8 @@ class Store:
     def evict(self) -> list[str]:
         """Drop whole packs of unprotected artifacts, oldest version first, until the chunks
         held are under ``max_chunk_bytes``; then forget the unprotected manifests this node is
-        past and holds no chunk of (evicted, or never fetched: catch-ups it did not need).
+        past and holds no chunk of (evicted, or never fetched: catch-ups it did not need; no
+        download is in flight for a version below the head).
         Those serve no peer and rebuild nothing, and a rollout hears a few per version: kept,
         its index, its ``/manifests`` list and this method's own scan would grow with every
         version of a run. Returns the digests of the manifests whose packs were dropped."""
@@ -732,7 +733,7 @@ class Store:
         dropped = self._evict_packs(protected)
         head = self._head()
         for m in self.manifests() if head is not None else []:
-            if m.version <= head.version and m.digest not in protected:
+            if m.version < head.version and m.digest not in protected:
                 if not self._valid.get(m.digest):
                     self._drop_manifest(m.digest, "past and not held")
         return dropped

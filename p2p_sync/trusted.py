@@ -191,8 +191,10 @@ class TrustedSet:
 
     def wanted(self, index: Any, known: Callable[[str], bool]) -> list[str]:
         """Digests in a peer's (untrusted) ``/manifests`` index worth fetching: well-formed,
-        newer than accepted or an anchor of a version this node records, not already held. The
-        fetched bytes then pass :meth:`admit` (which compares the anchor's state)."""
+        newer than accepted or an anchor of the accepted version, not already held. The
+        fetched bytes then pass :meth:`admit` (which compares the anchor's state). Older
+        records come only with announcements: asked for at every poll, an anchor the store
+        has forgotten since (it is past it) would be fetched again and again."""
         if not isinstance(index, list):
             return []
         out = []
@@ -201,7 +203,8 @@ class TrustedSet:
                 continue
             version = entry.get("version")
             if isinstance(version, int) and not isinstance(version, bool):
-                record = entry.get("kind") == SNAPSHOT and self._recorded(version) is not None
+                head = version == self.accepted_version
+                record = head and entry.get("kind") == SNAPSHOT and self._recorded(version)
                 if (self.is_newer(version) or record) and not known(entry["digest"]):
                     out.append(entry["digest"])
         return out
