@@ -732,10 +732,10 @@ class Store:
         protected = self.protected()
         dropped = self._evict_packs(protected)
         head = self._head()
-        for m in self.manifests() if head is not None else []:
-            if m.version < head.version and m.digest not in protected:
-                if not self._valid.get(m.digest):
-                    self._drop_manifest(m.digest, "past and not held")
+        past = [m for m in self.manifests() if head is not None and m.version < head.version]
+        for m in past:
+            if m.digest not in protected and not self._valid.get(m.digest):
+                self._drop_manifest(m.digest, "past and not held")
         return dropped
 
     def _evict_packs(self, protected: set[str]) -> list[str]:

@@ -203,8 +203,11 @@ class TrustedSet:
                 continue
             version = entry.get("version")
             if isinstance(version, int) and not isinstance(version, bool):
-                head = version == self.accepted_version
-                record = head and entry.get("kind") == SNAPSHOT and self._recorded(version)
+                record = (
+                    version == self.accepted_version
+                    and entry.get("kind") == SNAPSHOT
+                    and self._recorded(version) is not None
+                )
                 if (self.is_newer(version) or record) and not known(entry["digest"]):
                     out.append(entry["digest"])
         return out
