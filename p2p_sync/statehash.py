@@ -106,6 +106,9 @@ def _terms_torch(u: torch.Tensor, j: torch.Tensor) -> Sums:
 
 
 ALL, WORDS, ELEMENTS, APPLY = 0, 1, 2, 3  # what the host kernel does with ``idx``
+# Words (DIFF) or positions (APPLY) a host kernel takes at a time: listed branch-free, then
+# visited while in cache (32 KiB of temporaries).
+SCAN_BLOCK = 1024
 
 _K0, _K1 = np.uint64(K0), np.uint64(K1)
 _F1, _F2, _S1, _S2 = np.uint64(F1), np.uint64(F2), np.uint64(S1), np.uint64(S2)
@@ -163,23 +166,43 @@ def _sum_listed(
 
 
 @jit.step
+def _sum_words(body: np.ndarray, words: np.ndarray, m: int) -> tuple[np.uint64, np.uint64]:
+    """Both lanes' sums over the first ``m`` word indices of ``words``."""
+    a, b = _ZERO, _ZERO
+    for i in range(m):
+        w = words[i]
+        a += _lane0(body[w], np.uint64(w))
+        b += _lane1(body[w], np.uint64(w))
+    return a, b
+
+
+@jit.step
 def _sum_apply(
     body: np.ndarray, idx: np.ndarray, shift: int, elems: np.ndarray, deltas: np.ndarray
 ) -> tuple:
-    """APPLY: each touched whole word summed, patched and summed again while in cache (see
-    :func:`_sums_py`); (before0, before1, after0, after1, positions consumed)."""
+    """APPLY (see :func:`_sums_py`), ``SCAN_BLOCK`` positions at a time: their distinct words
+    listed branch-free, summed, patched, summed again, all in cache. A word whose elements
+    straddle two blocks is summed in both; the digest moves by after - before, so its middle
+    terms cancel. (before0, before1, after0, after1, positions consumed)."""
     a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
-    k = 0
-    while k < idx.size and idx[k] >> shift < body.size:
-        w = idx[k] >> shift
-        a += _lane0(body[w], np.uint64(w))
-        b += _lane1(body[w], np.uint64(w))
-        while k < idx.size and idx[k] >> shift == w:
+    n = idx.size
+    while n > 0 and idx[n - 1] >> shift >= body.size:  # the tail word's: the caller's
+        n -= 1
+    words = np.empty(SCAN_BLOCK, np.int64)
+    for start in range(0, n, SCAN_BLOCK):
+        end = min(start + SCAN_BLOCK, n)
+        m, last = 0, -1
+        for k in range(start, end):  # sorted positions: a word's elements are neighbours
+            w = idx[k] >> shift
+            words[m] = w
+            m += w != last
+            last = w
+        u0, u1 = _sum_words(body, words, m)
+        for k in range(start, end):
             elems[idx[k]] += deltas[k]
-            k += 1
-        c += _lane0(body[w], np.uint64(w))
-        d += _lane1(body[w], np.uint64(w))
-    return a, b, c, d, k
+        v0, v1 = _sum_words(body, words, m)
+        a, b, c, d = a + u0, b + u1, c + v0, d + v1
+    return a, b, c, d, n
 
 
 def _sums_py(
@@ -208,29 +231,62 @@ def _sums_py(
 
 
 @jit.step
-def _list_changed(
+def _changed_words(
     old: np.ndarray,
     new: np.ndarray,
+    start: int,
+    end: int,
+    us: np.ndarray,
+    vs: np.ndarray,
+    at: np.ndarray,
+) -> int:
+    """Copy the words from ``start`` to ``end`` where ``old`` and ``new`` differ into ``us``,
+    ``vs`` (their old and new values) and ``at`` (their indices); returns how many. Branch-free:
+    every word is written, and kept only if it changed (a branch per word mispredicts on every
+    changed one)."""
+    m = 0
+    for w in range(start, end):
+        u, v = old[w], new[w]
+        us[m], vs[m], at[m] = u, v, w
+        m += u != v
+    return m
+
+
+@jit.step
+def _list_word(
+    u: np.uint64,
+    v: np.uint64,
     first: int,
-    n: int,
+    per_word: int,
     positions: np.ndarray,
     deltas: np.ndarray,
     k: int,
 ) -> int:
-    """List the changed elements among ``n`` from ``first`` at entry ``k`` on; returns the next
-    entry. Branch-free: every element is written, and kept only if it changed."""
-    for e in range(first, first + n):
-        positions[k] = e
-        deltas[k] = new[e] - old[e]
-        k += old[e] != new[e]
+    """List the changed elements of word ``u`` -> ``v`` (element e holds bits e*b to (e+1)*b,
+    little-endian; its first element is ``first``) at entry ``k`` on, from the words in
+    registers; returns the next entry. Branch-free, and unrolled for 16-bit elements."""
+    x = u ^ v
+    if per_word == 4:  # bf16 / fp16: the common case, unrolled
+        m = np.uint64(0xFFFF)
+        for e in range(4):
+            s = np.uint64(16 * e)
+            positions[k] = first + e
+            deltas[k] = ((v >> s) - (u >> s)) & m
+            k += (x >> s) & m != 0
+        return k
+    bits = 64 // per_word
+    m = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
+    for e in range(per_word):
+        s = np.uint64(e * bits)
+        positions[k] = first + e
+        deltas[k] = ((v >> s) - (u >> s)) & m  # the low bits of a wrapping difference
+        k += (x >> s) & m != 0
     return k
 
 
 def _diff_py(
     old: np.ndarray,
     new: np.ndarray,
-    old_elems: np.ndarray,
-    new_elems: np.ndarray,
     start: int,
     per_word: int,
     positions: np.ndarray,
@@ -239,22 +295,29 @@ def _diff_py(
 ) -> tuple:
     """DIFF (kernel of :func:`scan_diff`): from word ``start``, each word where ``old`` and
     ``new`` differ gets its terms summed before and after, its changed elements listed and,
-    with ``advance``, ``new``'s copy written over ``old``'s, while in cache. Stops at the end
-    or before a word that might not fit the outputs. Returns (next word, entries, sums x4)."""
+    with ``advance``, ``new``'s copy written over ``old``'s. ``SCAN_BLOCK`` words at a time:
+    the changed ones gathered branch-free, then visited while in cache (twice as fast as a
+    branch per word at ~13% of bf16 words changed). Stops at the end or before a block that
+    might not fit the outputs (the block shrinks to what fits, at least a word). Returns
+    (next word, entries, sums x4)."""
     a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
-    k, cap, w = 0, positions.size - per_word, start
+    us, vs = np.empty(SCAN_BLOCK, np.uint64), np.empty(SCAN_BLOCK, np.uint64)
+    at = np.empty(SCAN_BLOCK, np.int64)
+    k, w = 0, start
     while w < old.size:
-        u, v = old[w], new[w]
-        if u != v:
-            if k > cap:
-                break
-            j = np.uint64(w)
-            a, b = a + _lane0(u, j), b + _lane1(u, j)
-            c, d = c + _lane0(v, j), d + _lane1(v, j)
-            k = _list_changed(old_elems, new_elems, w * per_word, per_word, positions, deltas, k)
+        end = min(w + SCAN_BLOCK, old.size, w + (positions.size - k) // per_word)
+        if end <= w:
+            break
+        m = _changed_words(old, new, w, end, us, vs, at)
+        for i in range(m):
+            j = np.uint64(at[i])
+            a, b = a + _lane0(us[i], j), b + _lane1(us[i], j)
+            c, d = c + _lane0(vs[i], j), d + _lane1(vs[i], j)
+        for i in range(m):
+            k = _list_word(us[i], vs[i], at[i] * per_word, per_word, positions, deltas, k)
             if advance:
-                old[w] = v
-        w += 1
+                old[at[i]] = vs[i]
+        w = end
     return w, k, a, b, c, d
 
 
@@ -490,9 +553,8 @@ def scan_diff(
     size = old.element_size()
     elems = np.dtype(f"u{size}")  # unsigned: the kernel's subtraction wraps, as the codec's does
     w, k, a, b, c, d = _kernels()["diff"](
-        _host(wo.body), _host(wn.body), old.numpy().view(elems), new.numpy().view(elems),
-        start, 8 // size, positions, deltas, advance,
-    )  # fmt: skip
+        _host(wo.body), _host(wn.body), start, 8 // size, positions, deltas.view(elems), advance
+    )
     return DiffScan(int(w), int(k), (int(a), int(b)), (int(c), int(d)))
 
 

@@ -4,7 +4,10 @@ every single-word change; tied weights and unaligned views are covered."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Callable, Iterator
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_sync import codec, statehash
+from p2p_sync import codec, jit, statehash
 from p2p_sync.errors import TargetMismatchError
 from p2p_sync.patch import Patch, apply, diff
 from p2p_sync.restore import apply_frames
@@ -189,3 +192,80 @@ def test_state_hash_follows_its_spec_and_is_pinned() -> None:
         h.update(spec_record(spec) + struct.pack("<QQ", *reference_sums(t[name])))
     assert state_hash(t) == h.digest()
     assert state_hash(t).hex() == "13871271fee689405ad6364a4dad9804"
+
+
+@contextlib.contextmanager
+def plain_python_kernels() -> Iterator[None]:
+    """The kernels' steps as plain Python (what runs where numba is missing); numpy's scalar
+    arithmetic wraps as numba's does, warning about it."""
+    statehash._kernels()  # compiled first: the compiled steps are what gets swapped out
+    steps = [f for f in jit._STEPS if f.__module__ == statehash.__name__]
+    with contextlib.ExitStack() as stack, np.errstate(over="ignore"):
+        for f in steps:
+            stack.enter_context(mock.patch.object(statehash, f.__name__, f))
+        yield
+
+
+def run_diff(kernel: Callable, old: torch.Tensor, new: torch.Tensor, entries: int) -> tuple:
+    """``kernel`` (DIFF) called until it has scanned every whole word of ``old`` (advanced in
+    place) with room for ``entries`` entries a call: (positions, deltas, the four sums)."""
+    size = old.element_size()
+    positions, deltas = np.empty(entries, np.int64), np.empty(entries, f"u{size}")
+    words = (statehash._host(statehash._words(t).body) for t in (old, new))
+    o, n = next(words), next(words)
+    start, listed, moved = 0, [(positions[:0], deltas[:0])], (0, 0, 0, 0)
+    while start < o.size:
+        w, k, *sums = kernel(o, n, start, 8 // size, positions, deltas, True)
+        assert w > start  # every call makes progress
+        listed.append((positions[:k].copy(), deltas[:k].copy()))
+        moved = tuple((x + int(y)) & statehash.MASK for x, y in zip(moved, sums))
+        start = int(w)
+    return np.concatenate([p for p, _ in listed]), np.concatenate([d for _, d in listed]), moved
+
+
+def run_apply(kernel: Callable, flat: torch.Tensor, positions: np.ndarray, deltas: np.ndarray):
+    size = flat.element_size()
+    return kernel(
+        statehash._host(statehash._words(flat).body), positions, statehash.APPLY,
+        statehash._SHIFT[size], statehash._ZERO, flat.numpy().view(f"u{size}"), deltas,
+    )  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from([torch.bfloat16, torch.float32, torch.float64, torch.int8]),
+    st.integers(1, 9000),
+    st.sampled_from([0.001, 0.05, 0.5, 1.0]),
+    st.integers(0, 2**32 - 1),
+    st.sampled_from([8, 100, 1 << 14]),
+)
+def test_blocked_host_kernels_equal_plain_python_and_the_definition(
+    dtype: torch.dtype, numel: int, density: float, seed: int, entries: int
+) -> None:
+    """The DIFF and APPLY kernels take ``SCAN_BLOCK`` words or positions at a time (a word's
+    elements can straddle two APPLY blocks; a DIFF block shrinks to the room left in its
+    output). Compiled and as plain Python they list the same entries and move the sums by the
+    same amount: the changed words' terms, before and after, as the definition has them."""
+    old = flat_bits(random_bits((numel,), dtype, seed))
+    new = flat_bits(change(old, density, "random", seed + 1))
+    whole = statehash._words(old).body.numel() * 8 // dtype.itemsize  # the tail is the caller's
+    changed = np.flatnonzero(old.numpy()[:whole] != new.numpy()[:whole])
+    words = torch.from_numpy(np.unique(changed // (8 // dtype.itemsize)))
+    want = (*statehash.word_sums(old, words), *statehash.word_sums(new, words))
+    compiled = statehash._kernels()
+    runs = {}
+    for name in ("numba", "python"):
+        advanced, flat = old.clone(), old.clone()
+        with plain_python_kernels() if name == "python" else contextlib.nullcontext():
+            diff_kernel = statehash._diff_py if name == "python" else compiled["diff"]
+            positions, deltas, moved = run_diff(diff_kernel, advanced, new, entries)
+            apply_kernel = statehash._sums_py if name == "python" else compiled["sums"]
+            a, b, c, d, used = run_apply(apply_kernel, flat, positions, deltas)
+        assert np.array_equal(positions, changed) and moved == want
+        assert torch.equal(advanced[:whole], new[:whole])
+        assert used == positions.size and torch.equal(flat[:whole], new[:whole])
+        sums = statehash.tensor_sums(old)
+        applied = statehash.add(statehash.sub(sums, (int(a), int(b))), (int(c), int(d)))
+        assert applied == statehash.tensor_sums(flat)
+        runs[name] = deltas
+    assert np.array_equal(runs["numba"], runs["python"])
