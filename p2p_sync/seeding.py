@@ -29,6 +29,15 @@ least ``quiet_floor_s``; ``reseed_after_s`` before ``MIN_GAPS`` were seen) is ta
 its unfetched chunks go to the next requester. Taking a live but idle owner for gone costs at
 most one more upload of its chunk.
 
+How many: ``outstanding`` at first, per requester and payload, doubled (up to ``GROWTH``
+times) each time the requester asks again holding none of its hand-outs unfetched after it was
+handed some: it drained them, so the seed, not the swarm, was what it waited for. A fixed 8
+made a small swarm's fetch a loop of have-map round trips (one rollout: a poll and a run of 8
+chunks, 66 times for a 530-chunk patch; at 20 ms a trickle of ~8 MB/s per requester however
+fast the seed's uplink). In a large swarm the payload is handed out before anyone drains, so
+nothing grows there. A top-up waits until no more than half of the allowance is left
+unfetched, so a requester's polls are answered once per half-allowance, not per chunk.
+
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
 same method, so what it shows of seeding is true of the node.
 """
@@ -46,6 +55,7 @@ from p2p_sync.bounded import remember
 MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
 GAPS = 64  # recent idle gaps the quiet threshold follows
 MIN_GAPS = 8  # gaps seen before the threshold is trusted (``reseed_after_s`` until then)
+GROWTH = 32  # a requester's allowance grows to at most this many times ``outstanding``
 
 
 class SeedSettings(Protocol):
@@ -75,6 +85,9 @@ class SuperSeeder:
     idle_since: dict[Hashable, float] = field(default_factory=dict)  # their last one ended
     gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=GAPS))
     quiet_after_s: float | None = None  # from ``gaps``; None before ``MIN_GAPS`` were seen
+    # (requester, payload's first key) -> (chunks it may hold unfetched, handed any since
+    # the allowance last grew)
+    allowance: dict[tuple[Hashable, Hashable], tuple[int, bool]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, settings: SeedSettings) -> SuperSeeder:
@@ -125,15 +138,22 @@ class SuperSeeder:
                 del self.owner[key]
 
     def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
-        """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones.
-        A seed asks this for every chunk it serves, over the whole manifest, so the loop is
-        kept tight (``served.get``: a Counter's missing key costs a Python call)."""
+        """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones
+        (up to its allowance, once half of it is fetched: see the module docstring). A seed
+        asks this for every chunk it serves, over the whole manifest, so the loop is kept
+        tight (``served.get``: a Counter's missing key costs a Python call)."""
         owners, served = self.owner, self.served
-        budget = self.outstanding - sum(
+        held = sum(
             1
             for key in keys
             if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
         )
+        grant = (requester, keys[0] if keys else None)
+        allowed, handed = self.allowance.get(grant, (self.outstanding, False))
+        if held == 0 and handed:  # it fetched all it was handed: the seed held it back
+            allowed, handed = min(2 * allowed, GROWTH * self.outstanding), False
+        budget = allowed - held if 2 * held <= allowed else 0
+        full = budget
         out = []
         for i, key in enumerate(keys):
             owner = owners.get(key)
@@ -149,6 +169,7 @@ class SuperSeeder:
                 # fetched it) is out in the swarm: shown only once it starves, like any other
                 owners[key], budget = (requester, now), budget - 1
                 out.append(i)
+        remember(self.allowance, grant, (allowed, handed or budget < full), MAX_IDLE)
         return out
 
     def _lapsed(self, owner: tuple[Hashable, float], now: float) -> bool:

@@ -257,10 +257,27 @@ class SeederMachine(RuleBasedStateMachine):
         self.handed_at: dict[str, tuple[str, float]] = {}  # key -> (owner, when) as seen
         self.pending: set[str] = set()  # requesters with a chunk request at the seed now
         self.heard: dict[str, float] = {}  # requester -> when the seed last heard of it
+        self.handed: dict[str, bool] = {}  # requester -> handed chunks since it last grew
 
     def offer(self, requester: str) -> list[str]:
         before = dict(self.seeder.owner)
+        held = sum(
+            1 for k, (who, _) in before.items() if who == requester and not self.seeder.served[k]
+        )
+        grant = (requester, self.keys[0])
+        allowed = self.seeder.allowance.get(grant, (self.seeder.outstanding, False))[0]
         shown = [self.keys[i] for i in self.seeder.offer(self.keys, requester, self.now)]
+        owners = self.seeder.owner
+        fresh = [k for k in shown if owners.get(k) == (requester, self.now) != before.get(k)]
+        grown = self.seeder.allowance[grant][0]
+        if grown != allowed:  # only for a requester that fetched all it was handed
+            assert held == 0 and self.handed.get(requester), "allowance grew too soon"
+            assert grown == min(2 * allowed, seeding.GROWTH * self.seeder.outstanding)
+            self.handed[requester] = False
+        if 2 * held > grown:  # topped up only once half were fetched
+            assert not fresh, "topped up a requester holding over half its hand-outs"
+        assert len(fresh) <= grown - held
+        self.handed[requester] = self.handed.get(requester, False) or bool(fresh)
         for key in shown:
             owner = self.seeder.owner.get(key, (None, 0.0))[0]
             if owner != requester:  # only a chunk long in the swarm is shown to anyone
@@ -302,14 +319,15 @@ class SeederMachine(RuleBasedStateMachine):
             self.seeder.note_served(data.draw(st.sampled_from(shown)))
 
     @invariant()
-    def no_requester_holds_more_than_outstanding_unfetched(self) -> None:
+    def no_requester_holds_more_than_its_largest_allowance_unfetched(self) -> None:
         if not hasattr(self, "seeder"):
             return
         unfetched: dict[str, int] = {}
         for key, (owner, _) in self.seeder.owner.items():
             if not self.seeder.served[key]:
                 unfetched[owner] = unfetched.get(owner, 0) + 1
-        assert all(v <= self.seeder.outstanding for v in unfetched.values()), unfetched
+        most = seeding.GROWTH * self.seeder.outstanding
+        assert all(v <= most for v in unfetched.values()), unfetched
 
     def teardown(self) -> None:
         """Liveness: requesters that fetch everything they are shown get every chunk out of
