@@ -65,7 +65,7 @@ class Scenario:
     max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
     trainer_max_concurrent_uploads: int = 16  # the trainer node's own limit
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
-    seed_outstanding: int = 8  # super-seeding: chunks handed to one requester at a time
+    seed_outstanding: int = 8  # super-seeding: hand-outs per requester at first (then grown)
     reseed_after_s: float = 2.0
     seed_quiet_factor: float = 2.0  # a quiet owner loses its hand-outs (0: never)
     download: SwarmConfig = field(default_factory=SwarmConfig)  # the node's [download] table
