@@ -269,14 +269,17 @@ class SeederMachine(RuleBasedStateMachine):
         shown = [self.keys[i] for i in self.seeder.offer(self.keys, requester, self.now)]
         owners = self.seeder.owner
         fresh = [k for k in shown if owners.get(k) == (requester, self.now) != before.get(k)]
-        grown = self.seeder.allowance[grant][0]
-        if grown != allowed:  # only for a requester that fetched all it was handed
+        grown, base = self.seeder.allowance[grant][0], self.seeder.outstanding
+        share = len(self.keys) // (2 * self.seeder.askers[self.keys[0]])
+        assert base <= grown <= max(base, min(seeding.GROWTH * base, share)), "over its share"
+        if grown > allowed:  # only for a requester that fetched all it was handed
             assert held == 0 and self.handed.get(requester), "allowance grew too soon"
-            assert grown == min(2 * allowed, seeding.GROWTH * self.seeder.outstanding)
+            assert grown <= 2 * allowed
+        if held == 0 and self.handed.get(requester):
             self.handed[requester] = False
-        if 2 * held > grown:  # topped up only once half were fetched
+        if grown > base and 2 * held > grown:  # topped up only once half were fetched
             assert not fresh, "topped up a requester holding over half its hand-outs"
-        assert len(fresh) <= grown - held
+        assert len(fresh) <= max(0, grown - held)  # a share shrinks as requesters come
         self.handed[requester] = self.handed.get(requester, False) or bool(fresh)
         for key in shown:
             owner = self.seeder.owner.get(key, (None, 0.0))[0]
