@@ -1614,7 +1614,8 @@ def _position_blocks(
     """The positions of a checked body (:func:`_check_position_body`), ``block`` at a time:
     (index of the first, positions)."""
     big = np.frombuffer(body, f"<u{_escape_width(numel)}", n_esc, 2 * n)
-    kernel = _kernels()["gaps"] if _kernels()["fast"] else None
+    kernels = _kernels()
+    kernel = kernels["gaps"] if kernels["fast"] else None
     used, last = 0, -1
     for i in range(0, n, block):
         j = min(n, i + block)

@@ -153,17 +153,9 @@ class SuperSeeder:
             for key in keys
             if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
         )
-        payload = keys[0] if keys else None
-        grant = (requester, payload)
-        if grant not in self.allowance:
-            remember(self.askers, payload, self.askers.get(payload, 0) + 1, MAX_PAYLOADS)
-        allowed, handed = self.allowance.get(grant, (self.outstanding, False))
-        if held == 0 and handed:  # it fetched all it was handed: the seed held it back
-            allowed, handed = 2 * allowed, False
-        share = len(keys) // (2 * self.askers.get(payload, 1))  # half its fair share at most
-        allowed = max(self.outstanding, min(allowed, share, GROWTH * self.outstanding))
-        topped = allowed == self.outstanding or 2 * held <= allowed
-        budget = allowed - held if topped else 0
+        grant = (requester, keys[0] if keys else None)
+        allowed, handed = self._allowed(grant, len(keys), held)
+        budget = allowed - held if allowed == self.outstanding or 2 * held <= allowed else 0
         full = budget
         out = []
         for i, key in enumerate(keys):
@@ -182,6 +174,21 @@ class SuperSeeder:
                 out.append(i)
         remember(self.allowance, grant, (allowed, handed or budget < full), MAX_IDLE)
         return out
+
+    def _allowed(
+        self, grant: tuple[Hashable, Hashable], chunks: int, held: int
+    ) -> tuple[int, bool]:
+        """(what requester ``grant[0]`` may hold unfetched of payload ``grant[1]`` now, whether
+        it was handed any since its allowance last grew): doubled once it drained what it was
+        handed, within ``GROWTH`` and half a fair share of the payload's ``chunks``."""
+        payload = grant[1]
+        if grant not in self.allowance:  # a new asker for this payload
+            remember(self.askers, payload, self.askers.get(payload, 0) + 1, MAX_PAYLOADS)
+        allowed, handed = self.allowance.get(grant, (self.outstanding, False))
+        if held == 0 and handed:  # it fetched all it was handed: the seed held it back
+            allowed, handed = 2 * allowed, False
+        share = chunks // (2 * self.askers.get(payload, 1))  # 1: an old count forgotten
+        return max(self.outstanding, min(allowed, share, GROWTH * self.outstanding)), handed
 
     def _lapsed(self, owner: tuple[Hashable, float], now: float) -> bool:
         """A hand-out not fetched in time: ``reseed_after_s`` ago, or its owner went quiet."""
