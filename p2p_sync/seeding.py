@@ -32,14 +32,14 @@ most one more upload of its chunk.
 How many: ``outstanding`` at first, per requester and payload. A fixed 8 made a small swarm's
 fetch a loop of have-map round trips (one rollout: a poll, then a run of 8 chunks, 66 times for
 a 530-chunk patch; at 20 ms a trickle of ~8 MB/s per requester however fast the seed's uplink).
-So a requester that asks again holding none of its hand-outs unfetched, after it was handed
-some, has its allowance doubled (it drained them: the seed, not the swarm, was what it waited
-for), and above ``outstanding`` it is topped up once half is fetched, so its polls are answered
-once per half-allowance, not per chunk. Growth stops at ``GROWTH`` times ``outstanding`` and at
-half a fair share of the payload (its chunks over twice the requesters that asked for it):
-where many peers ask, nothing grows. A greedy or corrupt requester that drains everything it is
-handed would otherwise hoard chunks the others can then get only from it (simulated, 100 peers
-at 20 ms with 10% corrupt and 20% churn: the median peer at 1.75x the bound against 1.46x).
+So where half a fair share of the payload (its chunks over twice the requesters that asked for
+it) exceeds ``outstanding``, a requester is topped up once half of its allowance is fetched,
+and each time it fetched half of what it was handed its allowance doubles (it keeps up: the
+seed, not the swarm, is what it waits for), up to ``GROWTH`` times ``outstanding`` and half a
+fair share. Where many peers ask, nothing changes: ``outstanding``, topped up chunk by chunk.
+Without the fair-share bound a greedy or corrupt requester, which fetches everything it is
+handed at once, hoarded chunks the others could then get only from it (simulated, 100 peers at
+20 ms with 10% corrupt and 20% churn: the median peer at 1.75x the bound against 1.46x).
 
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
 same method, so what it shows of seeding is true of the node.
@@ -154,8 +154,7 @@ class SuperSeeder:
             if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
         )
         grant = (requester, keys[0] if keys else None)
-        allowed, handed = self._allowed(grant, len(keys), held)
-        budget = allowed - held if allowed == self.outstanding or 2 * held <= allowed else 0
+        budget = max(0, self._allowed(grant, len(keys), held) - held)
         full = budget
         out = []
         for i, key in enumerate(keys):
@@ -172,23 +171,29 @@ class SuperSeeder:
                 # fetched it) is out in the swarm: shown only once it starves, like any other
                 owners[key], budget = (requester, now), budget - 1
                 out.append(i)
-        remember(self.allowance, grant, (allowed, handed or budget < full), MAX_IDLE)
+        if budget < full:  # handed some: the next half fetched doubles its allowance
+            self.allowance[grant] = (self.allowance[grant][0], True)
         return out
 
-    def _allowed(
-        self, grant: tuple[Hashable, Hashable], chunks: int, held: int
-    ) -> tuple[int, bool]:
-        """(what requester ``grant[0]`` may hold unfetched of payload ``grant[1]`` now, whether
-        it was handed any since its allowance last grew): doubled once it drained what it was
-        handed, within ``GROWTH`` and half a fair share of the payload's ``chunks``."""
+    def _allowed(self, grant: tuple[Hashable, Hashable], chunks: int, held: int) -> int:
+        """What requester ``grant[0]`` may hold unfetched of payload ``grant[1]`` (of
+        ``chunks`` chunks) now. Where half a fair share is no more than ``outstanding``, that;
+        else doubled each time it fetched half of what it was handed, within ``GROWTH`` and
+        half a fair share. 0 while it holds more than half of a grown allowance (it is
+        topped up once half is fetched)."""
         payload = grant[1]
         if grant not in self.allowance:  # a new asker for this payload
             remember(self.askers, payload, self.askers.get(payload, 0) + 1, MAX_PAYLOADS)
-        allowed, handed = self.allowance.get(grant, (self.outstanding, False))
-        if held == 0 and handed:  # it fetched all it was handed: the seed held it back
-            allowed, handed = 2 * allowed, False
         share = chunks // (2 * self.askers.get(payload, 1))  # 1: an old count forgotten
-        return max(self.outstanding, min(allowed, share, GROWTH * self.outstanding)), handed
+        cap = max(self.outstanding, min(share, GROWTH * self.outstanding))
+        allowed, handed = self.allowance.get(grant, (self.outstanding, False))
+        allowed = min(allowed, cap)
+        if cap > self.outstanding and 2 * held <= allowed and handed:
+            allowed, handed = min(2 * allowed, cap), False  # half fetched: the seed held it back
+        remember(self.allowance, grant, (allowed, handed), MAX_IDLE)
+        if cap > self.outstanding and 2 * held > allowed:
+            return 0  # topped up once half is fetched
+        return allowed  # where many ask (cap: outstanding), topped up chunk by chunk
 
     def _lapsed(self, owner: tuple[Hashable, float], now: float) -> bool:
         """A hand-out not fetched in time: ``reseed_after_s`` ago, or its owner went quiet."""

@@ -271,13 +271,15 @@ class SeederMachine(RuleBasedStateMachine):
         fresh = [k for k in shown if owners.get(k) == (requester, self.now) != before.get(k)]
         grown, base = self.seeder.allowance[grant][0], self.seeder.outstanding
         share = len(self.keys) // (2 * self.seeder.askers[self.keys[0]])
-        assert base <= grown <= max(base, min(seeding.GROWTH * base, share)), "over its share"
-        if grown > allowed:  # only for a requester that fetched all it was handed
-            assert held == 0 and self.handed.get(requester), "allowance grew too soon"
+        cap = max(base, min(seeding.GROWTH * base, share))
+        assert base <= grown <= cap, "over its share"
+        allowed = min(allowed, cap)
+        if grown > allowed:  # only for a requester that fetched half of what it was handed
+            assert 2 * held <= allowed and self.handed.get(requester), "allowance grew too soon"
             assert grown <= 2 * allowed
-        if held == 0 and self.handed.get(requester):
+        if cap > base and 2 * held <= allowed:
             self.handed[requester] = False
-        if grown > base and 2 * held > grown:  # topped up only once half were fetched
+        if cap > base and 2 * held > grown:  # topped up only once half is fetched
             assert not fresh, "topped up a requester holding over half its hand-outs"
         assert len(fresh) <= max(0, grown - held)  # a share shrinks as requesters come
         self.handed[requester] = self.handed.get(requester, False) or bool(fresh)
