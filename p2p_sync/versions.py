@@ -42,8 +42,8 @@ class PublishPolicy:
     patch_format: int = 2  # 2 codes positions by the base's exponents (smaller); 1 is faster
     # to encode and decode on a CPU (see README: what a version costs)
     lifetime_s: int = 7 * 86400  # manifests expire (and are re-signed) after this
-    # super-seeding: chunks handed to one requester at a time at first (doubled, up to 32x,
-    # each time it drains them: p2p_sync.seeding)
+    # super-seeding: chunks handed to one requester at a time at first (in a small swarm
+    # doubled each time it fetched half, up to half a fair share: p2p_sync.seeding)
     seed_outstanding: int = 8
     reseed_after_s: float = 2.0  # a chunk handed out but not fetched is offered again after
     # a requester with no chunk request at the seed for this many times the 90th percentile of
