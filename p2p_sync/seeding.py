@@ -187,11 +187,11 @@ class SuperSeeder:
         share = chunks // (2 * self.askers.get(payload, 1))  # 1: an old count forgotten
         cap = max(self.outstanding, min(share, GROWTH * self.outstanding))
         allowed, handed = self.allowance.get(grant, (self.outstanding, False))
-        allowed = min(allowed, cap)
-        if cap > self.outstanding and 2 * held <= allowed and handed:
+        allowed, grows = min(allowed, cap), cap > self.outstanding
+        if grows and 2 * held <= allowed and handed:
             allowed, handed = min(2 * allowed, cap), False  # half fetched: the seed held it back
         remember(self.allowance, grant, (allowed, handed), MAX_IDLE)
-        if cap > self.outstanding and 2 * held > allowed:
+        if grows and 2 * held > allowed:
             return 0  # topped up once half is fetched
         return allowed  # where many ask (cap: outstanding), topped up chunk by chunk
 

@@ -211,8 +211,7 @@ def run_diff(kernel: Callable, old: torch.Tensor, new: torch.Tensor, entries: in
     place) with room for ``entries`` entries a call: (positions, deltas, the four sums)."""
     size = old.element_size()
     positions, deltas = np.empty(entries, np.int64), np.empty(entries, f"u{size}")
-    words = (statehash._host(statehash._words(t).body) for t in (old, new))
-    o, n = next(words), next(words)
+    o, n = (statehash._host(statehash._words(t).body) for t in (old, new))
     start, listed, moved = 0, [(positions[:0], deltas[:0])], (0, 0, 0, 0)
     while start < o.size:
         w, k, *sums = kernel(o, n, start, 8 // size, positions, deltas, True)
