@@ -7,7 +7,8 @@
 # 1. the CUDA tests (GPU diff/encode/apply/hash parity, the HF engine on the GPU);
 # 2. benchmarks/device.py at 7B: diff + encode, decode + apply in place, the state hash;
 # 3. benchmarks/scale.py's API tier at 7B with the trainer's model and the engine both on the GPU
-#    (publish() -> applied in a live GPU state dict, trainer in a process of its own);
+#    (publish() -> applied in a live GPU state dict, trainer in a process of its own;
+#    API_FORMAT=1 codes the wire in format 1, the default is the node's, 2);
 # 4. the node tests with CUDA present (nodes' ``device = "auto"`` then keeps weights on the GPU).
 #
 # Each step has its own time limit and log under OUT_DIR, so a slow step costs only itself.
@@ -50,7 +51,7 @@ want cuda_tests && step cuda_tests "${CUDA_TESTS_S:-120}" python3 -m pytest -q -
 want device_7b && step device_7b "${DEVICE_S:-170}" python3 benchmarks/device.py --size 7b \
     --versions 3 --workers 8
 want api_7b && step api_7b "${API_S:-230}" python3 benchmarks/scale.py --size 7b --device cuda \
-    --trainer-device cuda --skip-processes --versions 3
+    --trainer-device cuda --skip-processes --versions 3 --patch-format "${API_FORMAT:-2}"
 want node_tests && step node_tests "${NODE_S:-120}" python3 -m pytest -q -p no:cacheprovider \
     -n 8 tests/test_python_api.py tests/test_export.py tests/test_node_http.py \
     tests/test_cli.py tests/test_swarm_integration.py tests/test_catchup.py tests/test_examples.py
