@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from p2p_sync import jit
 from p2p_sync.errors import (
     BaseMismatchError,
     ChainBrokenError,
@@ -539,14 +540,115 @@ def merge_tensor(spec: TensorSpec, parts: list[TensorDelta]) -> TensorDelta | No
                 acc[p.positions] += p.deltas
         pos = torch.nonzero(acc).reshape(-1)
         return canonical_delta(spec, pos, acc[pos]) if pos.numel() else None
+    merged = _merge_sorted(parts) if _merge_kernel() is not None else None
+    pos, sums = merged if merged is not None else _merge_unsorted(spec, parts)
+    return canonical_delta(spec, pos, sums) if pos.numel() else None
+
+
+def _merge_unsorted(
+    spec: TensorSpec, parts: list[TensorDelta]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in any order: sort them all together (``torch.unique``; 6 s of a 1B model's
+    4-step catch-up where the sorted merge takes a fraction of a second)."""
     pos = torch.cat([p.positions for p in parts if p.positions is not None])
     uniq, inverse = torch.unique(pos, return_inverse=True)
     sums = torch.zeros(uniq.numel(), dtype=bits_dtype(spec.dtype))
     sums.index_add_(0, inverse, torch.cat([p.deltas for p in parts]))
     keep = sums != 0  # changes that cancel out are no change at all
-    if not bool(keep.any()):
+    return uniq[keep], sums[keep]
+
+
+def _merge_sorted(parts: list[TensorDelta]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Sum sparse parts whose positions each increase strictly (as every decoded frame's and
+    diff's do) in one compiled pass (:func:`_merge_windows_py`); None if a part's positions do
+    not increase (the caller sorts them instead)."""
+    sparse = [p for p in parts if p.positions is not None]
+    pos = np.concatenate([p.positions.numpy() for p in sparse])
+    dels = np.concatenate([p.deltas.numpy() for p in sparse])
+    starts = np.zeros(len(sparse) + 1, np.int64)
+    starts[1:] = np.cumsum([p.positions.numel() for p in sparse])
+    out_pos, out_del = np.empty_like(pos), np.empty_like(dels)
+    n = _merge_kernel()(pos, dels, starts, out_pos, out_del, _DE_BRUIJN)
+    if n < 0:
         return None
-    return canonical_delta(spec, uniq[keep], sums[keep])
+    return torch.from_numpy(out_pos[:n]), torch.from_numpy(out_del[:n])
+
+
+# The index of a 64-bit word's lowest set bit, by multiplying that bit with a de Bruijn
+# sequence: the top 6 bits of the product differ for each of the 64 bits.
+_DE_BRUIJN_MUL = 0x03F79D71B4CB0A89
+_DE_BRUIJN = np.zeros(64, np.int64)
+_DE_BRUIJN[[((_DE_BRUIJN_MUL << b) & (2**64 - 1)) >> 58 for b in range(64)]] = np.arange(64)
+MERGE_WINDOW = 4096  # elements summed at once: its deltas stay in L1 (8 KB for bf16)
+
+
+def _merge_windows_py(
+    pos: np.ndarray,
+    dels: np.ndarray,
+    starts: np.ndarray,
+    out_pos: np.ndarray,
+    out_del: np.ndarray,
+    de_bruijn: np.ndarray,
+) -> int:
+    """Sum the parts ``pos[starts[i]:starts[i+1]]`` (with ``dels``; each part's positions
+    strictly increasing) into sorted ``out``, dropping sums of zero (changes that cancel).
+    Returns the entries written, or -1 as soon as a part's positions do not increase.
+
+    Why windows and not a merge: a merge picks its next entry by a comparison that goes either
+    way at random (positions of different steps interleave), so it stalls on mispredicted
+    branches and on a chain of dependent loads (~8 ns an entry here). Here each window of
+    ``MERGE_WINDOW`` elements takes every part's entries in it (sequential reads, adds into
+    an L1-resident array and a bitmap of touched elements), then lists the touched ones in
+    order from the bitmap, a set bit at a time (~3 ns an entry, 4 steps of a 262M-element
+    tensor: 0.34 s against 0.6-1.3 s pairwise and ~2.5 s sorting with ``torch.unique``)."""
+    window = MERGE_WINDOW
+    parts = len(starts) - 1
+    acc = np.zeros(window, dels.dtype)
+    touched = np.zeros(window // 64, np.uint64)
+    cur = starts[:-1].copy()
+    last = np.full(max(parts, 1), -(1 << 62), np.int64)
+    k = 0
+    while True:
+        head = 1 << 62
+        for p in range(parts):
+            if cur[p] < starts[p + 1]:
+                head = min(head, pos[cur[p]])
+        if head == 1 << 62:
+            return k
+        lo = head - head % window
+        for p in range(parts):
+            c, end, prev = cur[p], starts[p + 1], last[p]
+            while c < end and pos[c] < lo + window:
+                if pos[c] <= prev:
+                    return -1
+                prev = pos[c]
+                x = prev - lo
+                acc[x] += dels[c]  # the store wraps to the deltas' width
+                touched[x >> 6] |= np.uint64(1) << np.uint64(x & 63)
+                c += 1
+            cur[p], last[p] = c, prev
+        for w in range(window // 64):
+            bits = touched[w]
+            touched[w] = 0
+            while bits:
+                low = bits & (~bits + np.uint64(1))
+                x = w * 64 + de_bruijn[(low * np.uint64(_DE_BRUIJN_MUL)) >> np.uint64(58)]
+                out_pos[k], out_del[k] = lo + x, acc[x]
+                k += acc[x] != 0
+                acc[x] = 0
+                bits ^= low
+
+
+_MERGE: dict[str, object] = {}
+
+
+def _merge_kernel():  # noqa: ANN202 - a numba dispatcher, or None without numba
+    """The windowed merge compiled by numba on first use; None without numba (a Python loop
+    per element would take minutes: then ``torch.unique`` sorts instead)."""
+    if "windows" not in _MERGE:
+        compiled = jit.compile_kernels({"windows": _merge_windows_py})
+        _MERGE["windows"] = compiled["windows"] if compiled else None
+    return _MERGE["windows"]
 
 
 def merge(patches: Sequence[Patch]) -> Patch:

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from p2p_sync import codec
 from p2p_sync import patch as patch_mod
-from p2p_sync.patch import apply, diff, merge
+from p2p_sync.patch import TensorDelta, apply, diff, merge, merge_tensor
 from p2p_sync.restore import apply_frames
 from p2p_sync.statehash import StateDigest
-from p2p_sync.tensors import bits_dtype, flat_bits, layout_of
+from p2p_sync.tensors import TensorSpec, bits_dtype, flat_bits, layout_of
 from tests.helpers import bit_equal, clone_set, random_bits
 
 DTYPES = [
@@ -225,3 +225,66 @@ def test_one_pass_host_diff_equals_diff_then_sums(
             assert got.deltas.dtype == want.deltas.dtype and torch.equal(got.deltas, want.deltas)
     assert digest.hash() == reference.hash()
     assert bit_equal(base, new if advance else before)
+
+
+@st.composite
+def sorted_parts(draw: st.DrawFn) -> tuple[torch.dtype, int, list[tuple[np.ndarray, np.ndarray]]]:
+    """A tensor's dtype, its size (crossing merge windows) and 1-6 parts, each with strictly
+    increasing positions; deltas are drawn from a few values so sums often cancel and wrap."""
+    dtype = draw(st.sampled_from([torch.int8, torch.bfloat16, torch.float32, torch.float64]))
+    numel = draw(st.sampled_from([1, 63, 64, 4095, 4097, 20_000]))
+    width = dtype.itemsize
+    top = (1 << (8 * width - 1)) - 1
+    values = np.array([1, -1, 2, -2, top, -top - 1], dtype=f"<i{width}")
+    parts = []
+    for _ in range(draw(st.integers(1, 6))):
+        seed, density = draw(st.integers(0, 2**16)), draw(st.sampled_from([0.0, 0.01, 0.3, 1.0]))
+        rng = np.random.default_rng(seed)
+        pos = np.flatnonzero(rng.random(numel) < density).astype(np.int64)
+        parts.append((pos, values[rng.integers(0, len(values), pos.size)]))
+    return dtype, numel, parts
+
+
+def _merged_by_definition(numel: int, dtype: torch.dtype, parts: list) -> dict[int, int]:
+    acc = np.zeros(numel, dtype=f"<i{dtype.itemsize}")
+    for pos, dels in parts:
+        acc[pos] += dels  # positions within a part are distinct: no lost updates
+    return {int(i): int(acc[i]) for i in np.flatnonzero(acc)}
+
+
+@settings(max_examples=120, deadline=None)
+@given(sorted_parts(), st.booleans())
+def test_windowed_merge_sums_parts_exactly(case: tuple, shuffle: bool) -> None:
+    """The compiled windowed merge, the same kernel as plain Python and the sort-based
+    fallback all give the definition's sums (wrapping, cancelled sums dropped, positions
+    ascending); a part whose positions do not increase is refused by the kernel and merged
+    by the fallback instead."""
+    dtype, numel, parts = case
+    if shuffle:  # one part out of order: the kernel must notice, not write out of bounds
+        pos, dels = parts[0]
+        parts[0] = (pos[::-1].copy(), dels[::-1].copy())
+    spec = TensorSpec("w", (numel,), dtype)
+    deltas = [TensorDelta(spec, torch.from_numpy(p), torch.from_numpy(d)) for p, d in parts]
+    want = _merged_by_definition(numel, dtype, parts)
+    got = merge_tensor(spec, deltas) if len(deltas) > 1 else None
+    if got is not None:
+        dense = got.positions is None
+        pos = torch.nonzero(got.deltas).reshape(-1) if dense else got.positions
+        vals = got.deltas[pos] if dense else got.deltas
+        assert {int(p): int(v) for p, v in zip(pos, vals)} == want
+        assert dense or bool((pos[1:] > pos[:-1]).all())
+    elif len(deltas) > 1:
+        assert want == {}
+    cat_pos = np.concatenate([p for p, _ in parts])
+    cat_del = np.concatenate([d for _, d in parts])
+    starts = np.cumsum([0] + [p.size for p, _ in parts]).astype(np.int64)
+    unordered = shuffle and parts[0][0].size > 1
+    for kernel in (patch_mod._merge_kernel(), patch_mod._merge_windows_py):
+        out_pos, out_del = np.empty_like(cat_pos), np.empty_like(cat_del)
+        with np.errstate(over="ignore"):  # the de Bruijn product wraps by design
+            n = kernel(cat_pos, cat_del, starts, out_pos, out_del, patch_mod._DE_BRUIJN)
+        if unordered:
+            assert n == -1
+        else:
+            assert dict(zip(out_pos[:n].tolist(), out_del[:n].tolist())) == want
+            assert list(out_pos[:n]) == sorted(want)
