@@ -505,6 +505,16 @@ def _gap_planes_py(pos: np.ndarray, planes: np.ndarray, escapes: np.ndarray) -> 
     return e
 
 
+def _gap_stats_py(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int]:
+    """Kernel: (escape markers, sum of the 16-bit gaps) of the gap planes ``lo``/``hi``."""
+    marks = total = 0
+    for i in range(lo.size):
+        g = np.int64(hi[i]) << 8 | lo[i]
+        marks += g == _GAP_ESCAPE
+        total += g
+    return marks, total
+
+
 def _positions_from_gaps_py(
     lo: np.ndarray, hi: np.ndarray, big: np.ndarray, used: int, last: int, out: np.ndarray
 ) -> int:
@@ -1086,6 +1096,7 @@ def _kernels() -> dict[str, Callable]:
                 "gather": _gather_py,
                 "gap_planes": _gap_planes_py,
                 "gaps": _positions_from_gaps_py,
+                "gap_stats": _gap_stats_py,
             }
         )
         _KERNELS.update(compiled or {}, fast=compiled is not None)
@@ -1596,13 +1607,17 @@ def _check_position_body(body: memoryview, n: int, numel: int, n_esc: int, name:
     (the gaps' sum) inside the tensor."""
     lo = np.frombuffer(body, np.uint8, n)
     hi = np.frombuffer(body, np.uint8, n, n)
-    marks = int(np.count_nonzero((lo == 0xFF) & (hi == 0xFF)))
+    kernels = _kernels()
+    if kernels["fast"]:  # one pass over the planes, not five
+        marks, total = kernels["gap_stats"](lo, hi)
+    else:
+        marks = int(np.count_nonzero((lo == 0xFF) & (hi == 0xFF)))
+        total = int(lo.sum(dtype=np.int64)) + 256 * int(hi.sum(dtype=np.int64))
     if marks != n_esc:
         raise CountMismatchError(f"{name}: {marks} gap escape markers, header says {n_esc}")
     big = np.frombuffer(body, f"<u{_escape_width(numel)}", n_esc, 2 * n)
     if n_esc and int(big.max()) >= numel:
         raise IndexOutOfRangeError(f"{name}: a position gap exceeds the tensor's {numel} elements")
-    total = int(lo.sum(dtype=np.int64)) + 256 * int(hi.sum(dtype=np.int64))
     last = total - _GAP_ESCAPE * n_esc + int(big.sum(dtype=np.uint64)) + n - 1
     if n and last >= numel:
         raise IndexOutOfRangeError(f"{name}: position {last} outside a tensor of {numel} elements")

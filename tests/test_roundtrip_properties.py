@@ -192,6 +192,19 @@ def test_positions_round_trip_with_escapes(positions: set[int], numel: int) -> N
     assert np.array_equal(out, pos)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=600), st.integers(0, 3))
+def test_gap_statistics_kernel_counts_like_numpy(raw: bytes, markers: int) -> None:
+    """The compiled pass that checks a position body (escape markers, sum of the gaps) gives
+    numpy's counts for any byte planes, markers planted or not."""
+    planes = np.frombuffer(raw[: len(raw) // 2 * 2], np.uint8).reshape(2, -1).copy()
+    planes[:, : min(markers, planes.shape[1])] = 0xFF
+    lo, hi = planes
+    marks, total = codec._kernels()["gap_stats"](lo, hi)
+    assert marks == int(np.count_nonzero((lo == 0xFF) & (hi == 0xFF)))
+    assert total == int(lo.sum(dtype=np.int64)) + 256 * int(hi.sum(dtype=np.int64))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(version_pairs(), st.sampled_from([8, 24, 1 << 20]), st.booleans(), st.booleans())
 def test_one_pass_host_diff_equals_diff_then_sums(
