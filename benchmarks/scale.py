@@ -26,7 +26,8 @@ has just saved it has it in its page cache; a training step between versions giv
 that time. A version's file is deleted once published (a trainer keeping only its newest
 checkpoint). ``--back-to-back`` drops the sync and the read: each file appears as soon as the
 last rollout handed off the previous version, and the hand-off then includes the disk's
-backlog.
+backlog. The API tier syncs the same way (timed, printed) before each version's step and
+``publish()``: v0's snapshot leaves ~4 GB to write back, which otherwise lands on v1-v2.
 
     python benchmarks/scale.py --size 1b --rollouts 2 --versions 4
     python benchmarks/scale.py --size 7b --device cuda     # on a GPU machine
@@ -170,12 +171,18 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
     return {"rows": rows, "peaks": peaks, "params": params}
 
 
+def _sync() -> float:
+    """Let the disk write back what is dirty (the last version's exports and stores, the
+    snapshot v0 wrote, the process tier's leftovers); returns the seconds it took."""
+    t0 = time.perf_counter()
+    os.sync()
+    return time.perf_counter() - t0
+
+
 def settle(path: Path) -> float:
     """Let the disk write back what the last version left dirty (timed), then read ``path``
     once: a checkpoint a trainer has just saved sits in its page cache."""
-    t0 = time.perf_counter()
-    os.sync()
-    took = time.perf_counter() - t0
+    took = _sync()
     with open(path, "rb") as f:
         while f.read(16 << 20):
             pass
@@ -328,6 +335,7 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
             download={"have_poll_s": 0.05, **_download(args)},
         ) as rollout:
             for v in range(args.versions):
+                writeback = 0.0 if args.back_to_back else _sync()
                 want = side.start(v)
                 while rollout.version != v:
                     rollout.wait_for_update(timeout=600)
@@ -338,6 +346,7 @@ def run_api(args: argparse.Namespace, root: Path) -> list[dict]:
                 out.append(
                     {
                         "version": v,
+                        "writeback_s": writeback,
                         "publish_s": t1 - t0,
                         "total_s": t2 - t0,
                         "pause_s": hand.pause_s,
@@ -365,7 +374,7 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
                 f"hash+sign / store {split}), publish -> applied in the engine "
                 f"{a['total_s']:.2f} s, engine pause {a['pause_s']:.3f} s (apply "
                 f"{a['apply_s']:.3f}, persist {a['persist_s']:.3f}); after the "
-                f"announcement: {steps}"
+                f"announcement: {steps}; writeback before {a['writeback_s']:.2f} s"
             )
         return
     dense = params * 2
