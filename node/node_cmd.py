@@ -87,6 +87,7 @@ _FLAGS = {
     "on_update": "on_update",
     "swarm": "swarm",
     "device": "device",
+    "workers": "workers",
     "chunk_size": "publish.chunk_size",
     "max_upload_mbps": "http.max_upload_mbps",
     "patch_format": "publish.patch_format",
@@ -148,6 +149,9 @@ def _add_node_files(node: argparse.ArgumentParser) -> None:
     node.add_argument("--on-update", help="rollout: shell command run after each new version")
     node.add_argument("--swarm", help="swarm name (default: default)")
     node.add_argument("--device", help="cpu, cuda or auto")
+    node.add_argument(
+        "--workers", type=int, help="threads for per-tensor work (default 0: one per usable core)"
+    )
     node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
     node.add_argument(
         "--patch-format",

@@ -38,14 +38,12 @@ from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.statehash import StateDigest, state_hash
-from p2p_sync.threads import usable_cores
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import write_to
 
 log = logging.getLogger("p2psync.rollout")
 
 UpdateCallback = Callable[[int, dict[str, torch.Tensor]], None]
-WORKERS = usable_cores()  # threads for per-tensor work
 
 
 def artifact(m: Manifest) -> Artifact:
@@ -85,6 +83,7 @@ class Follower:
         into: Mapping[str, torch.Tensor] | None = None,
     ):
         self.node, self.device = node, device
+        self.workers = node.cfg.threads  # threads for per-tensor work
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
         self.checkpoint_every = checkpoint_every or node.cfg.store.checkpoint_every
         self.hold = hold
@@ -152,7 +151,7 @@ class Follower:
         if self.weights is None or self.digest is None:
             raise PatchError(f"v{m.version}: a patch needs weights to apply to")
         try:
-            apply_artifact(self.node.store, m, self.weights, self.digest, WORKERS)
+            apply_artifact(self.node.store, m, self.weights, self.digest, self.workers)
         except TornApplyError:
             self._rebuild(self.weights)
             raise
@@ -161,7 +160,7 @@ class Follower:
     def _rebuild(self, target: Mapping[str, torch.Tensor] | None) -> None:
         """Rebuild the accepted state from the store (at start, or to bring half-written
         tensors back), in place into ``target`` when given."""
-        restored = restore(self.node.store, self.device, target, WORKERS)
+        restored = restore(self.node.store, self.device, target, self.workers)
         self.weights = restored.weights if restored is not None else None
         self.digest = restored.digest if restored is not None else None
         if restored is not None:

@@ -55,14 +55,13 @@ from p2p_sync.tensors import (
     layout_of,
     layout_of_specs,
 )
-from p2p_sync.threads import background_pool, map_workers, usable_cores
+from p2p_sync.threads import background_pool, map_workers
 from p2p_sync.versions import PublishPolicy, to_publish
 from p2p_sync.weights_io import load_weights, pread_into, read_index, write_to
 
 log = logging.getLogger("p2psync.trainer")
 
 # Frames are independent, and zstd and numpy release the GIL: encode on every core.
-WORKERS = usable_cores()  # threads for per-tensor work
 Built = tuple[Manifest, bytes, bytes | Path]  # manifest, its signed bytes, payload (or its file)
 
 
@@ -112,6 +111,7 @@ class Publisher:
         """``policy`` and ``checkpoint_every`` default to the node's config."""
         cfg = node.cfg
         self.node, self.key = node, key
+        self.workers = cfg.threads  # threads for per-tensor work
         self.policy = policy or cfg.publish
         self.checkpoint_every = checkpoint_every or cfg.store.checkpoint_every
         self.prev: dict[str, torch.Tensor] | None = None
@@ -171,7 +171,7 @@ class Publisher:
         t = self.timings = PublishTimings(version)
         t0 = time.perf_counter()
         if self.prev is None or self.digest is None or version == 0:
-            self._target_digest = StateDigest.of(new, WORKERS)
+            self._target_digest = StateDigest.of(new, self.workers)
             target = self._target_digest.hash().hex()
             t.diff_s = time.perf_counter() - t0
             built = self._artifacts(version, target, layout_of(new), new, None)
@@ -192,7 +192,9 @@ class Publisher:
         digest, scratch = self.digest.copy(), DiffScratch()
         self._moved = True
         done = map_workers(
-            lambda s: (s.name, *self._frame_of(s, new[s.name], digest, scratch)), layout, WORKERS
+            lambda s: (s.name, *self._frame_of(s, new[s.name], digest, scratch)),
+            layout,
+            self.workers,
         )
         return self._assemble(version, layout, digest, done, t0)
 
@@ -204,11 +206,11 @@ class Publisher:
         assert self.prev is not None and self.digest is not None
         t = self.timings
         self._moved = self.policy.patch_format == 1 and not owned
-        step = diff(self.prev, new, digest=self.digest, workers=WORKERS, advance=self._moved)
+        step = diff(self.prev, new, digest=self.digest, workers=self.workers, advance=self._moved)
         self._target_digest = step.target_digest
         t1 = time.perf_counter()
         base = self.prev if self.policy.patch_format == 2 else None
-        payload = codec.encode(step, workers=WORKERS, base=base, base_hash=self.prev_hash)
+        payload = codec.encode(step, workers=self.workers, base=base, base_hash=self.prev_hash)
         if self.history.maxlen:  # kept in format 1: merging it needs no base (coded later)
             self.history.append(payload if base is None else step)
         t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
@@ -217,7 +219,7 @@ class Publisher:
 
     def _build_file(self, path: Path) -> tuple[int, str, Patch | None, list[Built]]:
         """The same for a weights file, streamed: each tensor is read, diffed against ``prev``
-        and coded as one frame, then takes its place in ``prev`` (``WORKERS`` tensors at once).
+        and coded as one frame, then takes its place in ``prev`` (``workers`` tensors at once).
         Peak memory is ``prev`` plus a tensor per worker, not two models; ``diff_s`` covers
         reading the file too. A file that fails part-way leaves ``prev`` rebuilt from the
         store."""
@@ -276,7 +278,7 @@ class Publisher:
             spec = TensorSpec(name, shape, dtype)
             return name, *self._frame_of(spec, new, digest, scratch)
 
-        return map_workers(one, entries, WORKERS)
+        return map_workers(one, entries, self.workers)
 
     def _frame_of(
         self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: DiffScratch
@@ -301,7 +303,7 @@ class Publisher:
     def _rebuild_prev(self) -> None:
         """``prev`` from the store: checkpoint + logged patches (at start, or after a publish
         failed with ``prev`` moved part-way)."""
-        restored = restore(self.node.store, workers=WORKERS)
+        restored = restore(self.node.store, workers=self.workers)
         self._moved = False
         self.prev = restored.weights if restored is not None else None
         self.prev_hash = bytes.fromhex(restored.state.state_hash) if restored else None
@@ -342,7 +344,7 @@ class Publisher:
         for i in range(len(self.history)):
             step = self.history[i]
             if isinstance(step, Patch):
-                self.history[i] = codec.encode(step, workers=WORKERS)
+                self.history[i] = codec.encode(step, workers=self.workers)
 
     def _span_jobs(self, version: int) -> list[tuple[int, list[bytes | Patch]]]:
         """(base, steps) of each merged catch-up span due at ``version`` that the history
@@ -361,7 +363,7 @@ class Publisher:
         for base, steps in self._span_jobs(version):
             coded = [s for s in steps if isinstance(s, bytes)]
             assert len(coded) == len(steps), "the history's steps are coded first"
-            payload = merge_steps(coded, workers=WORKERS)
+            payload = merge_steps(coded, workers=self.workers)
             base_state = codec.read_header(payload).base_hash.hex()
             built.append(self._signed(version, base, base_state, target, layout, payload))
         return built

@@ -243,6 +243,8 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         ("role = 'rollout'\ntrust = ['k']\ndownload = 3\n", {}, "download: expected a table"),
         ("role = 'rollout'\ntrust = ['k']\nstore_max_gb = 2\n", {}, r"max_gb in the \[store\]"),
         ("role = 'rollout'\ntrust = ['k']\n", {"store.max_gb": -1.0}, "store.max_gb: must be pos"),
+        ("role = 'rollout'\ntrust = ['k']\nworkers = -1\n", {}, "workers: -1 must be >= 0"),
+        ("role = 'rollout'\ntrust = ['k']\nworkers = 'x'\n", {}, "workers: expected int"),
         ("role = [\n", {}, "not valid TOML"),
         ("role = 'trainer'\nkey = 'k'\n", {"role": "rollout"}, "trust:"),  # flags override
     ],

@@ -26,7 +26,7 @@ from p2p_sync.peers import PeerLimits
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store, StoreLimits
-from p2p_sync.threads import BACKGROUND_NICE
+from p2p_sync.threads import BACKGROUND_NICE, usable_cores
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal, rollout_config, trainer_config
 
@@ -39,13 +39,14 @@ async def _sync(
     limits: StoreLimits = StoreLimits(),
     publish: PublishPolicy = PublishPolicy(anchor_every=100, catchup_spans=(2,), chunk_size=CHUNK),
     checkpoint_every: int = 10,
+    workers: int = 0,
 ) -> dict:
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
-    tcfg = trainer_config(tmp_path, directory=PeerLimits(poll_interval_s=0.2))
+    tcfg = trainer_config(tmp_path, directory=PeerLimits(poll_interval_s=0.2), workers=workers)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir, limits))
     url = await trainer.start()
-    rcfg = rollout_config(tmp_path, key, url)
+    rcfg = rollout_config(tmp_path, key, url, workers=workers)
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir, limits))
     await rollout.start()
     seen: list[tuple[int, str]] = []
@@ -109,6 +110,35 @@ def test_publish_and_follow_in_process(tmp_path: Path, tiny_versions: list) -> N
     assert out["hook"].splitlines() == [
         f"{i} {state_hash(v).hex()}" for i, v in enumerate(versions)
     ]
+
+
+def test_the_workers_setting_is_each_sides_thread_count(
+    tmp_path: Path, tiny_versions: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``workers`` (config, ``--workers``, a keyword of the Python API) is the thread count of
+    the trainer's per-tensor diff and coding and of the rollout's apply; 0 means one per
+    usable core."""
+    import node.rollout as rollout_mod
+    import node.trainer as trainer_mod
+
+    used: list[tuple[str, int]] = []
+    map_workers, apply_artifact = trainer_mod.map_workers, rollout_mod.apply_artifact
+
+    def spy_map(fn, items, workers):  # noqa: ANN001, ANN202 - the wrapped signature
+        used.append(("trainer", workers))
+        return map_workers(fn, items, workers)
+
+    def spy_apply(store, m, weights, digest, workers=1):  # noqa: ANN001, ANN202
+        used.append(("rollout", workers))
+        return apply_artifact(store, m, weights, digest, workers)
+
+    monkeypatch.setattr(trainer_mod, "map_workers", spy_map)
+    monkeypatch.setattr(rollout_mod, "apply_artifact", spy_apply)
+    out = asyncio.run(_sync(tmp_path, tiny_versions[:3], workers=3))
+    assert bit_equal(out["weights"], tiny_versions[2])
+    assert {side for side, _ in used} == {"trainer", "rollout"}
+    assert {w for _, w in used} == {3}
+    assert NodeConfig().threads == usable_cores() and NodeConfig(workers=5).threads == 5
 
 
 def test_status_reports_a_version_only_once_it_is_exported(
