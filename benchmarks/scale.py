@@ -78,6 +78,16 @@ def rss_peak_kb(pid: int) -> int:
     return 0
 
 
+def reset_rss_peak(pid: int) -> bool:
+    """Start ``pid``'s peak RSS again from its current RSS (``clear_refs`` 5), so the peak
+    after the join (v0) is told apart from the join's own; False where Linux refuses."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def written(pid: int) -> int:
     for line in Path(f"/proc/{pid}/io").read_text().splitlines():
         if line.startswith("write_bytes:"):
@@ -128,6 +138,7 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
             for i in range(args.rollouts)
         ]
         procs = [trainer, *rollouts]
+        join: dict[str, int] = {}
         for v, path in enumerate(files):
             writeback = 0.0 if args.back_to_back else settle(path)
             before = {p.name: written(p.popen.pid) for p in procs}
@@ -160,15 +171,21 @@ def run_processes(args: argparse.Namespace, root: Path, console: Console) -> dic
             # published: gone, as a trainer keeping only its newest checkpoint would have it
             # (every version's file in the page cache would starve the exports of memory)
             (swarm.watch / f"v{v:04d}.safetensors").unlink()
+            if v == 0:  # the join's peak, then the versions' own from here on
+                join = {p.name: rss_peak_kb(p.popen.pid) * 1024 for p in procs}
+                if not all(reset_rss_peak(p.popen.pid) for p in procs):
+                    join = {}
             console.print(
                 f"v{v}: every rollout applied it {row.applied_s:.2f} s and exported it "
                 f"{row.latency_s:.2f} s after the file appeared; patch "
                 f"{row.patch_bytes / 1e6:.1f} MB"
             )
-        peaks = {p.name: rss_peak_kb(p.popen.pid) * 1024 for p in procs}
+        after = {p.name: rss_peak_kb(p.popen.pid) * 1024 for p in procs}
     finally:
         swarm.stop()
-    return {"rows": rows, "peaks": peaks, "params": params}
+    peaks = {k: max(v, join.get(k, 0)) for k, v in after.items()}
+    split = {k: (join[k], after[k]) for k in after if join and len(files) > 1}
+    return {"rows": rows, "peaks": peaks, "split": split, "params": params}
 
 
 def _sync() -> float:
@@ -439,7 +456,11 @@ def report(args, params: int | None, res: dict, api: list[dict], console: Consol
                 f"head's announcement, {r.publish['catchup_bytes'] / 1e6:.1f} MB"
             )
     for name, peak in res["peaks"].items():
-        console.print(f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model")
+        join, later = res.get("split", {}).get(name, (0, 0))
+        split = f" (joining, v0: {join / dense:.2f}x; v1 on: {later / dense:.2f}x)" if join else ""
+        console.print(
+            f"peak RSS {name}: {peak / 1e9:.2f} GB = {peak / dense:.2f}x the model{split}"
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     console.print(
         f"driver peak RSS {peak / 1e6:.2f} GB"
