@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+import torch
+
 from p2p_sync import codec
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
-from p2p_sync.patch import merge_tensor
-from p2p_sync.tensors import TensorSpec
+from p2p_sync.patch import TensorDelta, merge_concatenated, merge_tensor
+from p2p_sync.tensors import TensorSpec, bits_dtype
 from p2p_sync.threads import map_workers
 
 
@@ -38,16 +41,41 @@ def merge_steps(
     views = [memoryview(s) for s in steps]
 
     def one(spec: TensorSpec) -> tuple[str, codec.Frame] | None:
-        parts = [
-            codec.decode_frame(row, view[row.offset : row.offset + row.size])
-            for view, by_name in zip(views, rows)
-            if (row := by_name.get(spec.name)) is not None
-        ]
-        merged = merge_tensor(spec, parts) if parts else None
+        found = [(v, row) for v, by_name in zip(views, rows) if (row := by_name.get(spec.name))]
+        if len(found) > 1 and all(row.coding == codec.SPARSE for _, row in found):
+            merged = _merge_sparse(spec, found)
+        else:
+            parts = [
+                codec.decode_frame(row, v[row.offset : row.offset + row.size]) for v, row in found
+            ]
+            merged = merge_tensor(spec, parts) if parts else None
         return None if merged is None else (spec.name, codec.encode_frame(merged, level))
 
     frames = dict(f for f in map_workers(one, list(infos[0].layout), workers) if f is not None)
     return codec.assemble(infos[0].layout, infos[0].base_hash, infos[-1].target_hash, frames, level)
+
+
+def _merge_sparse(
+    spec: TensorSpec, found: list[tuple[memoryview, codec.FrameInfo]]
+) -> TensorDelta | None:
+    """Sparse frames decoded a block at a time straight into one buffer, end to end, then
+    summed (:func:`p2p_sync.patch.merge_concatenated`): each step's changes are held once,
+    where decoding them and concatenating held them twice (a 1B model's 16-step span peaked
+    at 1.28x the model in the merge alone)."""
+    counts = [row.count for _, row in found]
+    starts = np.cumsum([0, *counts], dtype=np.int64)
+    pos = torch.empty(int(starts[-1]), dtype=torch.int64)
+    dels = torch.empty(int(starts[-1]), dtype=bits_dtype(spec.dtype))
+    for (view, row), at, end in zip(found, starts, starts[1:]):
+        frame = view[row.offset : row.offset + row.size]
+        for block in codec.decode_frame_blocks(row, frame):
+            assert block.positions is not None  # a sparse frame's blocks are sparse
+            n = block.positions.numel()
+            pos[at : at + n], dels[at : at + n] = block.positions, block.deltas
+            at += n
+        if at != end:  # the decoder checks counts first: this would be a bug, not bad input
+            raise AssertionError(f"{spec.name}: decoded {at - end + row.count} of {row.count}")
+    return merge_concatenated(spec, pos, dels, starts)
 
 
 def _check_chain(infos: Sequence[codec.PatchInfo]) -> None:

@@ -540,38 +540,35 @@ def merge_tensor(spec: TensorSpec, parts: list[TensorDelta]) -> TensorDelta | No
                 acc[p.positions] += p.deltas
         pos = torch.nonzero(acc).reshape(-1)
         return canonical_delta(spec, pos, acc[pos]) if pos.numel() else None
-    merged = _merge_sorted(parts) if _merge_kernel() is not None else None
-    pos, sums = merged if merged is not None else _merge_unsorted(spec, parts)
-    return canonical_delta(spec, pos, sums) if pos.numel() else None
-
-
-def _merge_unsorted(
-    spec: TensorSpec, parts: list[TensorDelta]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions in any order: sort them all together (``torch.unique``; 6 s of a 1B model's
-    4-step catch-up where the sorted merge takes a fraction of a second)."""
     pos = torch.cat([p.positions for p in parts if p.positions is not None])
-    uniq, inverse = torch.unique(pos, return_inverse=True)
-    sums = torch.zeros(uniq.numel(), dtype=bits_dtype(spec.dtype))
-    sums.index_add_(0, inverse, torch.cat([p.deltas for p in parts]))
-    keep = sums != 0  # changes that cancel out are no change at all
-    return uniq[keep], sums[keep]
+    starts = np.cumsum([0] + [p.deltas.numel() for p in parts], dtype=np.int64)
+    return merge_concatenated(spec, pos, torch.cat([p.deltas for p in parts]), starts)
 
 
-def _merge_sorted(parts: list[TensorDelta]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Sum sparse parts whose positions each increase strictly (as every decoded frame's and
-    diff's do) in one compiled pass (:func:`_merge_windows_py`); None if a part's positions do
-    not increase (the caller sorts them instead)."""
-    sparse = [p for p in parts if p.positions is not None]
-    pos = np.concatenate([p.positions.numpy() for p in sparse])
-    dels = np.concatenate([p.deltas.numpy() for p in sparse])
-    starts = np.zeros(len(sparse) + 1, np.int64)
-    starts[1:] = np.cumsum([p.positions.numel() for p in sparse])
-    out_pos, out_del = np.empty_like(pos), np.empty_like(dels)
-    n = _merge_kernel()(pos, dels, starts, out_pos, out_del, _DE_BRUIJN)
-    if n < 0:
-        return None
-    return torch.from_numpy(out_pos[:n]), torch.from_numpy(out_del[:n])
+def merge_concatenated(
+    spec: TensorSpec, pos: torch.Tensor, dels: torch.Tensor, starts: np.ndarray
+) -> TensorDelta | None:
+    """:func:`merge_tensor` of sparse parts laid end to end: part ``i`` is
+    ``pos[starts[i]:starts[i+1]]`` with its ``dels`` (a caller that decodes the parts can write
+    them there directly, holding them once instead of once decoded and once concatenated).
+    Summed in one compiled pass where every part's positions increase, as every decoded
+    frame's and diff's do (:func:`_merge_windows_py`); else, or without numba, sorted with
+    ``torch.unique`` (6 s of a 1B model's 4-step catch-up where the pass takes 1 s)."""
+    kernel = _merge_kernel() if pos.device.type == "cpu" else None
+    n = -1
+    if kernel is not None:
+        p, d = pos.numpy(), dels.numpy()
+        out_pos, out_del = np.empty_like(p), np.empty_like(d)
+        n = kernel(p, d, starts, out_pos, out_del, _DE_BRUIJN)
+    if n >= 0:
+        merged = torch.from_numpy(out_pos[:n]), torch.from_numpy(out_del[:n])
+    else:
+        uniq, inverse = torch.unique(pos, return_inverse=True)
+        sums = torch.zeros(uniq.numel(), dtype=bits_dtype(spec.dtype), device=pos.device)
+        sums.index_add_(0, inverse, dels)
+        keep = sums != 0  # changes that cancel out are no change at all
+        merged = uniq[keep], sums[keep]
+    return canonical_delta(spec, *merged) if merged[0].numel() else None
 
 
 # The index of a 64-bit word's lowest set bit, by multiplying that bit with a de Bruijn

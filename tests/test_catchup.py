@@ -31,13 +31,20 @@ def chain_of(base: dict, steps: int, density: float, seed: int) -> list[dict]:
     st.sampled_from([0.001, 0.05, 0.3, 1.0]),
     st.integers(0, 99),
     st.sampled_from([1, 3]),
+    st.sampled_from([codec.BLOCK, 7]),
 )
 def test_merged_steps_equal_the_whole_patch_merge(
-    pair: tuple[dict, dict], steps: int, density: float, seed: int, workers: int
+    pair: tuple[dict, dict], steps: int, density: float, seed: int, workers: int, block: int
 ) -> None:
+    """Also with frames decoded 7 positions a block (each step's blocks are written end to
+    end into one buffer before the sum)."""
     chain = chain_of(pair[0], steps, density, seed)
     encoded = [codec.encode(diff(a, b)) for a, b in zip(chain, chain[1:])]
-    data = merge_steps(encoded, workers=workers)
+    old, codec.BLOCK = codec.BLOCK, block
+    try:
+        data = merge_steps(encoded, workers=workers)
+    finally:
+        codec.BLOCK = old
     assert data == codec.encode(merge([codec.decode(s) for s in encoded]))
     weights = clone_set(chain[0])
     apply(weights, codec.decode(data))
