@@ -265,7 +265,7 @@ def _merged_by_definition(numel: int, dtype: torch.dtype, parts: list) -> dict[i
     return {int(i): int(acc[i]) for i in np.flatnonzero(acc)}
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(sorted_parts(), st.booleans())
 def test_windowed_merge_sums_parts_exactly(case: tuple, shuffle: bool) -> None:
     """The compiled windowed merge, the same kernel as plain Python and the sort-based

@@ -230,7 +230,7 @@ def run_apply(kernel: Callable, flat: torch.Tensor, positions: np.ndarray, delta
     )  # fmt: skip
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.sampled_from([torch.bfloat16, torch.float32, torch.float64, torch.int8]),
     st.integers(1, 9000),
