@@ -61,7 +61,7 @@ class Update:
     payload_bytes: int
     fetch_s: float = 0.0
     apply_s: float = 0.0  # decode + in-place apply + target hash check: the engine's pause
-    persist_s: float = 0.0  # log record, plus a checkpoint every checkpoint_every versions
+    persist_s: float = 0.0  # the log record (a due checkpoint follows the export, behind it)
     export_s: float = 0.0
     applied_at: float = 0.0  # wall clock: applied in place and verified (target state hash)
     at: float = 0.0  # wall clock: handed off (exported, when --export is set)
@@ -179,12 +179,11 @@ class Follower:
             self.node.store.set_checkpoint, version, target, lambda f: write_to(f, weights)
         )
 
-    async def _persist(self, m: Manifest) -> None:
-        """Log the version (one small fsynced line); checkpoint every ``checkpoint_every``
-        versions past the replay base, in the background (the next apply waits for it)."""
-        store = self.node.store
-        store.record(m.version, m.target_state, m.digest)
-        if store.checkpoint_due(self.checkpoint_every):
+    def _checkpoint_if_due(self, m: Manifest) -> None:
+        """Checkpoint every ``checkpoint_every`` versions past the replay base, in the
+        background (the next apply waits for it), once the version is exported: written
+        beside the export, its 1.9 GB (1B model) took the export 1.4-3.4 s instead of ~0.8."""
+        if self.node.store.checkpoint_due(self.checkpoint_every):
             self._checkpointing = asyncio.create_task(self._checkpoint(m.version, m.target_state))
 
     async def _export(self, version: int, state: str) -> bool:
@@ -242,9 +241,10 @@ class Follower:
         self.weights = await asyncio.to_thread(self._apply_one, m)
         up.applied_at = time.time()
         t1 = time.perf_counter()
-        await self._persist(m)
+        self.node.store.record(m.version, m.target_state, m.digest)  # one small fsynced line
         t2 = time.perf_counter()
         exported = await self._export(m.version, m.target_state)
+        self._checkpoint_if_due(m)
         if exported:
             self.node.handed_off = self.node.store.state
         up.apply_s, up.persist_s, up.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2

@@ -372,10 +372,13 @@ class Publisher:
         """Whether an anchor of ``version`` follows its announcement (v0's is the head)."""
         return version > 0 and any(k == SNAPSHOT for k, _ in to_publish(version, self.policy))
 
-    async def _publish_behind(self, version: int, target: str, layout: str, anchor: bool) -> None:
+    async def _publish_behind(
+        self, version: int, target: str, layout: str, anchor: bool, checkpoint: bool
+    ) -> None:
         """Build, store and announce the catch-up spans (coding the history's pending steps
-        first) and the anchor of ``version``, then code what the history still holds decoded,
-        after its head, in a thread below the head's priority. The anchor goes before that
+        first) and the anchor of ``version``, then write the checkpoint when one is due and
+        code what the history still holds decoded, after its head, in a thread below the
+        head's priority. The anchor goes before that
         coding: newcomers start from it, and rollouts evict behind it (one that has applied
         ``version`` keeps its anchor as a record of that state: ``TrustedSet.is_record``).
         ``prev`` and the history hold ``version`` until this ends: the next publish waits for
@@ -397,6 +400,8 @@ class Publisher:
                 await self._announce_behind([snap])
                 t.snapshot_s = time.perf_counter() - t1
                 log.info("v%d anchor in %.2fs", version, t.snapshot_s)
+            if checkpoint:
+                await loop.run_in_executor(pool, self._checkpoint, version, target)
             await loop.run_in_executor(pool, self._encode_history)
         self.node.last_publish = dataclasses.asdict(t)
 
@@ -441,11 +446,22 @@ class Publisher:
         record = built[0][0]  # v0's anchor, else the 1-step patch
         store.record(version, target, record.digest)
         self._advance(new, step, target, owned)
-        # an anchor on its way will be the replay base (``Store.replay_chain``): no full write
-        if not self._anchor_due(version) and store.checkpoint_due(self.checkpoint_every):
-            assert self.prev is not None
-            store.set_checkpoint(version, target, lambda f: write_to(f, self.prev))
         self.timings.store_s = time.perf_counter() - t0
+
+    def _checkpoint_due(self, version: int) -> bool:
+        """Full weights due at ``version`` (written after its announcement, ``_checkpoint``),
+        unless an anchor on its way will be the replay base (``Store.replay_chain``)."""
+        return not self._anchor_due(version) and self.node.store.checkpoint_due(
+            self.checkpoint_every
+        )
+
+    def _checkpoint(self, version: int, target: str) -> None:
+        """Write ``prev`` (at ``version``) as the store's checkpoint. It runs after the
+        announcement, in the background: inline it held a 1B model's every 10th version back
+        by ~2 s. ``prev`` holds ``version`` until the next publish, which waits for it
+        (``spans_done``); a crash before it lands replays the log from the older base."""
+        assert self.prev is not None
+        self.node.store.set_checkpoint(version, target, lambda f: write_to(f, self.prev))
 
     def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
         """Bring ``prev`` to the new version, unless the build already moved it in place: take
@@ -508,10 +524,10 @@ class Publisher:
         self.node.last_publish = dataclasses.asdict(t)
         log.info("published v%d in %.2fs (%s): %s", version, t.total_s, _split(t), _sizes(built))
         pending = any(isinstance(s, Patch) for s in self.history)
-        anchor = self._anchor_due(version)
-        if pending or anchor or self._span_jobs(version):
+        anchor, checkpoint = self._anchor_due(version), self._checkpoint_due(version)
+        if pending or anchor or checkpoint or self._span_jobs(version):
             self._spans = asyncio.create_task(
-                self._publish_behind(version, target, manifests[0].layout, anchor)
+                self._publish_behind(version, target, manifests[0].layout, anchor, checkpoint)
             )
         return manifests
 

@@ -269,6 +269,37 @@ def test_a_restart_replays_the_log_and_writes_weights_only_at_checkpoints(
         assert bit_equal(restored.weights, versions[-1])
 
 
+async def _checkpoints_behind(tmp_path: Path, versions: list) -> list[tuple[int, int | None]]:
+    """(version, the store's checkpoint version) when ``publish`` returned, then once the
+    work behind the announcement is done."""
+    key = SigningKey.generate()
+    cfg = NodeConfig(role="trainer", data_dir=tmp_path, key=tmp_path / "k")
+    node = TrainerNode(cfg, SwarmPolicy("api", (key.public,)), Store.open(tmp_path))
+    publisher = Publisher(node, key, PublishPolicy(anchor_every=100, catchup_spans=()), 2)
+    seen = []
+    for v, weights in enumerate(versions):
+        await publisher.publish(weights)
+        at_announce = node.store.checkpoint
+        await publisher.spans_done()
+        after = node.store.checkpoint
+        seen.append((v, at_announce and at_announce.version, after and after.version))
+    await publisher.aclose()
+    return seen
+
+
+def test_the_trainers_checkpoint_is_written_after_the_announcement(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    """A due checkpoint (every 2nd version past the replay base here) is not on the way to
+    the rollouts: when ``publish`` returns the version is announced and the old checkpoint
+    is still the store's; the new one lands behind it, before the next publish."""
+    seen = asyncio.run(_checkpoints_behind(tmp_path, tiny_versions[:5]))
+    assert seen == [(0, None, None), (1, None, None), (2, None, 2), (3, 2, 2), (4, 2, 4)]
+    again = Store.open(tmp_path)
+    restored = restore(again)
+    assert restored is not None and bit_equal(restored.weights, tiny_versions[4])
+
+
 async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:
     from p2p_sync.manifest import verify
 
