@@ -378,11 +378,10 @@ class Publisher:
         """Build, store and announce the catch-up spans (coding the history's pending steps
         first) and the anchor of ``version``, then write the checkpoint when one is due and
         code what the history still holds decoded, after its head, in a thread below the
-        head's priority. The anchor goes before that
-        coding: newcomers start from it, and rollouts evict behind it (one that has applied
-        ``version`` keeps its anchor as a record of that state: ``TrustedSet.is_record``).
-        ``prev`` and the history hold ``version`` until this ends: the next publish waits for
-        it (``spans_done``)."""
+        head's priority. The anchor goes before that coding: newcomers start from it, and
+        rollouts evict behind it (one that has applied ``version`` keeps its anchor as a
+        record of that state: ``TrustedSet.is_record``). ``prev`` and the history hold
+        ``version`` until this ends: the next publish waits for it (``spans_done``)."""
         t, t0 = self.timings, time.perf_counter()  # still this version's timings
         with background_pool() as pool:  # the head's delivery and the next step go first
             loop = asyncio.get_running_loop()
