@@ -154,10 +154,13 @@ class SeedingView(DataView):
         time alone frees (hand-outs of a peer gone quiet, starved chunks) reaches a
         follower when it is next served here or when its poll returns (``have_wait_s``),
         as the simulator's seed does (``_reoffer``, ``_repoll_seed``)."""
-        owner = self.seeder.owner.get(sha256)
+        now, seeder = time.monotonic(), self.seeder
+        if requester is not None and not seeder.may_serve(sha256, requester, now):
+            return None  # handed to someone else and fetched: the swarm has it (a 404)
+        owner = seeder.owner.get(sha256)
         data = super().chunk(sha256)
         if data is not None:
-            self.seeder.note_served(sha256)
+            seeder.note_served(sha256, requester, now)
             self._notify(requester)
             if owner is not None and owner[0] != requester:
                 self._notify(owner[0])  # type: ignore[arg-type]

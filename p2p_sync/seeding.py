@@ -9,6 +9,10 @@ in the swarm already: handing it out again would only add to the seed's upload).
 else the requesters take from each other, and the seed's upload stays near one copy of the
 payload however many peers there are.
 
+And once a chunk is out in the swarm, the seed uploads it again only to the peer that owns it
+(``SuperSeeder.may_serve``; the others it was shown to, when an owner went quiet and the chunk
+was handed on, get a 404 and take it from their peers), until it starves (below).
+
 Except for requesters who cannot reach the peers holding a chunk: two volunteers behind
 different NATs never meet (without a relay), and one that can reach only the seed would wait
 forever for chunks the seed handed to others. So a chunk that has been in the swarm for
@@ -81,6 +85,7 @@ class SuperSeeder:
     reseed_after_s: float = 2.0
     starve_after_s: float = 10.0
     owner: dict[Hashable, tuple[Hashable, float]] = field(default_factory=dict)
+    previous: dict[Hashable, Hashable] = field(default_factory=dict)  # handed to before its owner
     served: collections.Counter[Hashable] = field(default_factory=collections.Counter)
     spread_since: dict[Hashable, float] = field(default_factory=dict)  # first seen fetched
     quiet_factor: float = 2.0
@@ -131,9 +136,36 @@ class SuperSeeder:
         limit = self.reseed_after_s if self.quiet_after_s is None else self.quiet_after_s
         return now - max(handed_at, self.idle_since.get(owner, handed_at)) > limit
 
-    def note_served(self, key: Hashable) -> None:
-        """The seed uploaded chunk ``key`` (to anyone)."""
+    def note_served(
+        self, key: Hashable, requester: Hashable | None = None, now: float = 0.0
+    ) -> None:
+        """The seed uploaded chunk ``key`` (to ``requester``, if known). Its first fetch by
+        the peer it was handed to before (that went quiet, and asked after all) or by anyone
+        once its owner went quiet makes that requester the owner: the peer it was handed to
+        next then takes it from the swarm (``may_serve``). Anyone else's fetch leaves the
+        owner as it is: any peer may ask for any chunk, and one that fetched chunks handed
+        to others must not make the seed withhold them from their owners."""
+        previous = self.previous.pop(key, None)
+        owner = self.owner.get(key)
+        if requester is not None and owner is not None and not self.served[key]:
+            if requester == previous or (owner[0] != requester and self._lapsed(owner, now)):
+                self.owner[key] = (requester, owner[1])
         self.served[key] += 1
+
+    def may_serve(self, key: Hashable, requester: Hashable, now: float) -> bool:
+        """Whether to upload ``key`` to ``requester``: not a chunk already out in the swarm
+        that was handed to someone else, unless it starved. A requester asks for a chunk it
+        was shown once; one whose hand-out lapsed (it went quiet, and the chunk was handed
+        to, and fetched by, the next requester) would otherwise fetch it here a second time
+        while peers hold it (simulated, 100 peers at 20 ms: 26 of the seed's 789 uploads).
+        Refused, it takes the chunk from the swarm like everyone else (``note_served`` says
+        who owns a chunk once fetched)."""
+        if not self.served.get(key):
+            return True
+        owner = self.owner.get(key)
+        if owner is not None and owner[0] == requester:
+            return True
+        return now - self.spread_since.setdefault(key, now) >= self.starve_after_s
 
     def release(self, requester: Hashable) -> None:
         """``requester`` is gone (an offer pushed to it found nobody): the chunks handed to it
@@ -169,6 +201,8 @@ class SuperSeeder:
                 # never fetched, and unclaimed or handed out long ago (its owner went quiet);
                 # a chunk fetched without an owner (one released while its requester still
                 # fetched it) is out in the swarm: shown only once it starves, like any other
+                if owner is not None:
+                    self.previous[key] = owner[0]
                 owners[key], budget = (requester, now), budget - 1
                 out.append(i)
         if budget < full:  # handed some: the next half fetched doubles its allowance

@@ -711,8 +711,8 @@ class SwarmSim:
                 return
         admission = q.slots.request(p.idx, run)
         self._seed_contact(q, p.idx)
-        if admission is Admission.SERVE:
-            self._serve(q, p, run)
+        if admission is Admission.SERVE and not self._serve(q, p, run):
+            self._upload_ended(q, p.idx)  # refused at once (the seed's 404): the slot is free
         elif admission is Admission.BUSY:
             self._fail(p, q.idx, run.indices, PeerBusy)
 
@@ -743,8 +743,12 @@ class SwarmSim:
         run.indices = wanted[1:]
         assert art is not None
         q_idx = q.idx
-        if q_idx == TRAINER:  # the node notes it as it reads the chunk, and offers more
-            self.seeder.note_served((art.ident, index))
+        if q_idx == TRAINER:  # the node asks its seeder as it reads the chunk, and offers more
+            if not self.seeder.may_serve((art.ident, index), p.idx, self.clock.now):
+                run.indices = wanted  # a 404 there: the rest is asked again
+                self._cut_at_missing(p, q, run, ())
+                return False
+            self.seeder.note_served((art.ident, index), p.idx, self.clock.now)
             if p.online:
                 self._reoffer(p, art)
         pair = (q_idx, p.idx)

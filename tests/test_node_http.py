@@ -511,3 +511,53 @@ def test_a_chunk_served_by_the_seed_wakes_only_its_requesters_poll(tmp_path: Pat
     assert a_after == 4  # a chunk handed to a, served to b, wakes a's poll as well
     assert during == {"http://127.0.0.1:1": 1, "http://127.0.0.1:2": 0}  # b's poll slept on
     assert len(b_next) == 3 and set(b_first) < set(b_next)
+
+
+async def _fetch_statuses(trainer, m: Manifest) -> tuple[list[int], list[int]]:
+    """a and b take the seed's first offers; b fetches a chunk handed to a, then c asks for
+    it, then a. Then a fetches one of its own and b asks for that. Returns the statuses
+    of those fetches and the indices a was handed."""
+    url = await trainer.start()
+    a, b, c = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
+    statuses = []
+    try:
+        async with asyncio.timeout(30), aiohttp.ClientSession() as s:
+
+            async def ask(peer: str) -> list[int]:
+                async with s.get(f"{url}/have/{m.digest}", headers={PEER: peer}) as r:
+                    return (await r.json())["have"]
+
+            async def fetch(peer: str, i: int) -> None:
+                async with s.get(f"{url}/chunk/{m.chunks[i]}", headers={PEER: peer}) as r:
+                    statuses.append(r.status)
+
+            mine, _ = await ask(a), await ask(b)
+            for peer in (b, c, a):
+                await fetch(peer, mine[0])
+            await fetch(a, mine[1])
+            await fetch(b, mine[1])
+    finally:
+        await trainer.stop()
+    return statuses, mine
+
+
+def test_the_seed_serves_a_chunk_out_in_the_swarm_only_to_its_owner(tmp_path: Path) -> None:
+    """Once a chunk the seed handed out was fetched, the seed's uplink goes to chunks the swarm
+    lacks: anyone else asking for it gets a 404 (its scheduler drops the seed's claim and
+    takes the chunk from a peer), its owner still gets it. Another peer fetching it first
+    does not take it from the peer it was handed to (any peer may ask for any chunk)."""
+    from node.trainer import TrainerNode
+    from p2p_sync.versions import PublishPolicy
+
+    key = SigningKey.generate()
+    policy = SwarmPolicy("t", (key.public,))
+    payload = b"".join(bytes([i]) * 16 * 1024 for i in range(8))
+    m = snapshot_manifest(payload)
+    tcfg = trainer_config(tmp_path, p2p=False, publish=PublishPolicy(seed_outstanding=2))
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    trainer.store.put_payload(m, payload)
+    trainer.store.put_manifest(m, sign(m, [key]))
+    statuses, mine = asyncio.run(_fetch_statuses(trainer, m))
+    assert len(mine) == 2
+    # b first (fresh: served), c refused, a (its owner) served; a's own, then b refused
+    assert statuses == [200, 404, 200, 200, 404]
