@@ -8,9 +8,17 @@ holds) take most slots of an uploader, and its own downlink, shared with everyth
 fetches, then caps every one of those transfers: measured in the simulator, the trainer kept
 all 16 slots busy with transfers to 3 requesters whose downlinks were full, and its uplink ran at
 55%. So a freed slot goes to the requester with the fewest uploads in progress here, ties to
-the one served least recently (then to the oldest request), each requester's own requests in
-order: round robin across requesters, as BitTorrent spreads its unchoke slots, and still
-work-conserving (a lone requester gets every slot).
+the one asking for the freshest chunk, then to the one served least recently (then to the
+oldest request): round robin across requesters, as BitTorrent spreads its unchoke slots, and
+still work-conserving (a lone requester gets every slot).
+
+Freshest: each request comes with a ``rank``, how often the uploader already uploaded the
+chunk it asks for (its first). A chunk uploaded here fewer times is rarer in the swarm: it
+just arrived, and every peer that lacks it waits on the few that hold it, while a chunk
+uploaded many times has other holders. A chunk crosses the swarm in a few relay hops, and each
+hop waited in an uploader's line behind older chunks (simulated, 100 peers at 20 ms: a median
+hop waited 25 ms there, of ~97 ms); served freshest first, the last peer finished 1.142 ->
+1.117 s. Within one requester, its freshest request goes first too (ties: oldest first).
 
 The node's data plane (``transport.dataplane``) and the simulator (``simulations.swarm_sim``)
 both decide with this class, so what the simulator shows of uploads is true of the node.
@@ -18,7 +26,7 @@ both decide with this class, so what the simulator shows of uploads is true of t
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Hashable
 from enum import Enum
 from typing import Generic, TypeVar
@@ -40,7 +48,8 @@ class UploadSlots(Generic[T]):
             raise ValueError("slots must be >= 1 and queue_limit >= 0")
         self.slots, self.queue_limit = slots, queue_limit
         self.active: Counter[Hashable] = Counter()  # uploads in progress per requester
-        self._waiting: dict[Hashable, deque[T]] = {}  # per requester, oldest first
+        self._waiting: dict[Hashable, list[T]] = {}  # per requester, oldest first
+        self._rank: dict[T, int] = {}  # of the waiting requests
         self._order: dict[T, tuple[int, Hashable]] = {}  # handle -> (arrival, requester)
         self._arrivals = 0
         self._grants = 0
@@ -55,8 +64,9 @@ class UploadSlots(Generic[T]):
         """``requester`` has an upload in progress here or a request waiting for one."""
         return requester in self.active or requester in self._waiting
 
-    def request(self, requester: Hashable, handle: T) -> Admission:
-        """A request arrives: serve it now, queue it, or refuse it."""
+    def request(self, requester: Hashable, handle: T, rank: int = 0) -> Admission:
+        """A request arrives: serve it now, queue it, or refuse it. ``rank``: uploads here
+        of the chunk it asks for (fewer go first)."""
         if self.busy < self.slots and not self._order:
             self._grant(requester)
             return Admission.SERVE
@@ -64,7 +74,8 @@ class UploadSlots(Generic[T]):
             return Admission.BUSY
         self._arrivals += 1
         self._order[handle] = (self._arrivals, requester)
-        self._waiting.setdefault(requester, deque()).append(handle)
+        self._waiting.setdefault(requester, []).append(handle)
+        self._rank[handle] = rank
         return Admission.QUEUED
 
     def withdraw(self, handle: T) -> bool:
@@ -72,6 +83,7 @@ class UploadSlots(Generic[T]):
         entry = self._order.pop(handle, None)
         if entry is None:
             return False
+        del self._rank[handle]
         line = self._waiting[entry[1]]
         line.remove(handle)
         if not line:
@@ -94,17 +106,21 @@ class UploadSlots(Generic[T]):
         return started
 
     def _next(self) -> tuple[Hashable, T]:
-        """The oldest request of the requester with the fewest uploads here, served least
-        recently (a requester new here counts as served longest ago)."""
+        """The freshest request (then the oldest) of the requester with the fewest uploads
+        here, then with the freshest request, then served least recently (a requester new
+        here counts as served longest ago). O(waiting): the line is ``queue_limit`` long."""
         active, order, waiting, last = self.active, self._order, self._waiting, self._last_grant
+        rank = self._rank
+        best = {r: min(line, key=lambda h: (rank[h], order[h][0])) for r, line in waiting.items()}
         requester = min(
-            waiting, key=lambda r: (active[r], last.get(r, -1), order[waiting[r][0]][0])
+            waiting, key=lambda r: (active[r], rank[best[r]], last.get(r, -1), order[best[r]][0])
         )
+        handle = best[requester]
         line = waiting[requester]
-        handle = line.popleft()
+        line.remove(handle)
         if not line:
             del waiting[requester]
-        del order[handle]
+        del order[handle], rank[handle]
         self._grant(requester)
         return requester, handle
 
@@ -125,6 +141,7 @@ class UploadSlots(Generic[T]):
         self.active.clear()
         self._waiting.clear()
         self._order.clear()
+        self._rank.clear()
         self._last_grant.clear()
         self.busy = 0
         return [(requester, handle) for handle, (_, requester) in waiting]

@@ -61,7 +61,7 @@ requester) pair started, so tests can check that no NAT-NAT pair ever carried on
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -121,6 +121,7 @@ class Peer:
     uplink: float
     downlink: float
     slots: UploadSlots[Run]  # its uploads
+    uploaded: Counter[tuple[str, int]] = field(default_factory=Counter)  # chunks it uploaded
     neighbors: set[int] = field(default_factory=set)
     nat: bool = False  # behind NAT: reachable only over connections it opened itself
     punchable: bool = False  # behind NAT, and hole punching gets through it
@@ -709,7 +710,7 @@ class SwarmSim:
             self._cut_at_missing(p, q, run, q.have.get(art.ident, set()))
             if not run.indices:
                 return
-        admission = q.slots.request(p.idx, run)
+        admission = q.slots.request(p.idx, run, q.uploaded[(art.ident, run.indices[0])])
         self._seed_contact(q, p.idx)
         if admission is Admission.SERVE and not self._serve(q, p, run):
             self._upload_ended(q, p.idx)  # refused at once (the seed's 404): the slot is free
@@ -753,6 +754,7 @@ class SwarmSim:
                 self._reoffer(p, art)
         pair = (q_idx, p.idx)
         self.served[pair] = self.served.get(pair, 0) + 1
+        q.uploaded[(art.ident, index)] += 1
         size = self._chunk_size(art, index)
         transfer = self.net.start(
             q_idx, p.idx, size, lambda: self._delivered(p, q, art, run, index)

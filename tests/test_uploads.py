@@ -26,7 +26,7 @@ class SlotsMachine(RuleBasedStateMachine):
         super().__init__()
         self.slots: UploadSlots[int] = UploadSlots(3, 4)
         self.serving: list[str] = []  # one entry per upload in progress
-        self.waiting: list[tuple[str, int]] = []  # the model's line, in arrival order
+        self.waiting: list[tuple[str, int, int]] = []  # (requester, handle, rank), in order
         self.served_at: dict[str, int] = {}
         self.grants = 0
         self.handles = 0
@@ -36,16 +36,16 @@ class SlotsMachine(RuleBasedStateMachine):
         self.grants += 1
         self.served_at[requester] = self.grants
 
-    @rule(requester=REQUESTERS)
-    def arrive(self, requester: str) -> None:
+    @rule(requester=REQUESTERS, rank=st.integers(0, 2))
+    def arrive(self, requester: str, rank: int) -> None:
         self.handles += 1
-        got = self.slots.request(requester, self.handles)
+        got = self.slots.request(requester, self.handles, rank)
         if len(self.serving) < 3:
             assert got is Admission.SERVE
             self._granted(requester)
         elif len(self.waiting) < 4:
             assert got is Admission.QUEUED
-            self.waiting.append((requester, self.handles))
+            self.waiting.append((requester, self.handles, rank))
         else:
             assert got is Admission.BUSY
 
@@ -61,26 +61,33 @@ class SlotsMachine(RuleBasedStateMachine):
             return
         assert len(started) == 1
         who, handle = started[0]
-        # the fairest pick: fewest uploads in progress, then served longest ago
-        fairest = min((self.serving.count(r), self.served_at.get(r, -1)) for r, _ in self.waiting)
-        assert (self.serving.count(who), self.served_at.get(who, -1)) == fairest
-        assert handle == next(h for r, h in self.waiting if r == who)  # its oldest request
-        self.waiting.remove((who, handle))
+
+        def best(r: str) -> tuple[int, int]:  # its freshest request, then its oldest
+            return min((rank, h) for q, h, rank in self.waiting if q == r)
+
+        def key(r: str) -> tuple[int, int, int, int]:
+            return (self.serving.count(r), best(r)[0], self.served_at.get(r, -1), best(r)[1])
+
+        # the fairest pick: fewest uploads in progress, the freshest chunk, served longest ago
+        assert key(who) == min(key(r) for r, _, _ in self.waiting)
+        rank = best(who)[0]
+        assert (rank, handle) == best(who)
+        self.waiting.remove((who, handle, rank))
         self._granted(who)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
     def give_up(self, data: st.DataObject) -> None:
-        requester, handle = data.draw(st.sampled_from(self.waiting))
-        assert self.slots.withdraw(handle)
-        assert not self.slots.withdraw(handle)
-        self.waiting.remove((requester, handle))
+        entry = data.draw(st.sampled_from(self.waiting))
+        assert self.slots.withdraw(entry[1])
+        assert not self.slots.withdraw(entry[1])
+        self.waiting.remove(entry)
         self._forget_quiet_requesters()
 
     def _forget_quiet_requesters(self) -> None:
         """History is kept only of requesters with uploads or requests here (as the slots do:
         bounded memory)."""
-        here = set(self.serving) | {r for r, _ in self.waiting}
+        here = set(self.serving) | {r for r, _, _ in self.waiting}
         self.served_at = {r: g for r, g in self.served_at.items() if r in here}
 
     @invariant()
@@ -103,6 +110,19 @@ def test_a_deep_requester_does_not_take_every_slot() -> None:
     assert slots.finished("a") == [("b", "b0")]
     assert slots.finished("a") == [("a", "a2")]
     assert slots.finished("b") == [("a", "a3")]  # alone now: a gets every slot
+
+
+def test_the_freshest_chunk_goes_first() -> None:
+    """A chunk uploaded here fewer times is rarer in the swarm: its request goes first,
+    within a requester and across requesters with as many uploads in progress."""
+    slots: UploadSlots[str] = UploadSlots(1, 16)
+    assert slots.request("a", "a-old", 5) is Admission.SERVE
+    assert slots.request("a", "a-older", 3) is Admission.QUEUED
+    assert slots.request("b", "b-common", 4) is Admission.QUEUED
+    assert slots.request("a", "a-fresh", 0) is Admission.QUEUED
+    assert slots.finished("a") == [("a", "a-fresh")]
+    assert slots.finished("a") == [("a", "a-older")]  # b has none here either: rank 3 < 4
+    assert slots.finished("a") == [("b", "b-common")]
 
 
 def test_bad_use_is_refused() -> None:
@@ -185,3 +205,36 @@ def test_the_data_plane_hands_a_freed_slot_to_the_requester_served_least() -> No
     assert said["http://a:1"][0] is True and said["http://a:1"][-1] is False
     assert said["http://b:1"] == [True, False]  # queued, then served
     assert said["http://c:1"] == [False]  # refused: nothing of its waits here
+
+
+async def _fresh_first() -> list[str]:
+    old, new = b"o" * 1000, b"n" * 1000
+    shas = {name: hashlib.sha256(data).hexdigest() for name, data in (("old", old), ("new", new))}
+    router = DataRouter(
+        _Chunks({shas["old"]: old, shas["new"]: new}),
+        HttpLimits(max_concurrent_uploads=1, upload_queue=4),
+    )  # type: ignore[arg-type]
+    order: list[str] = []
+
+    def ask(peer: str, chunk: str) -> Request:
+        return Request("GET", f"/chunk/{shas[chunk]}", peer=f"http://{peer}:1", remote="10.0.0.1")
+
+    async def fetch(peer: str, chunk: str) -> None:
+        async with router.serve(ask(peer, chunk)) as reply:
+            assert reply.status == 200
+            order.append(f"{peer}:{chunk}")
+
+    async with AsyncExitStack() as held:  # a's upload of "old" holds the only slot
+        await held.enter_async_context(router.serve(ask("a", "old")))
+        tasks = []
+        for peer, chunk in (("b", "old"), ("c", "new")):
+            tasks.append(asyncio.ensure_future(fetch(peer, chunk)))
+            await asyncio.sleep(0)
+        assert router._slots.queued == 2
+    await asyncio.gather(*tasks)
+    return order
+
+
+def test_the_data_plane_serves_the_chunk_uploaded_fewest_times_first() -> None:
+    """b asked first, for a chunk already uploaded once; c's chunk was never uploaded here."""
+    assert asyncio.run(asyncio.wait_for(_fresh_first(), 30)) == ["c:new", "b:old"]

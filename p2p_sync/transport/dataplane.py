@@ -84,6 +84,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from p2p_sync.bounded import remember
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.uploads import Admission, UploadSlots
@@ -103,6 +104,7 @@ PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much a
 CHUNK_ROUTE = "/chunk/"
 CHUNKS_ROUTE = "/chunks/"
 MAX_RUN = 64  # chunks one /chunks request may name
+MAX_UPLOADED = 1 << 14  # chunks whose upload counts a data plane remembers (~3 MB)
 
 
 def chunk_path(path: str) -> bool:
@@ -250,6 +252,9 @@ class DataRouter:
         self._slots: UploadSlots[asyncio.Future[None]] = UploadSlots(
             limits.max_concurrent_uploads, limits.upload_queue
         )
+        # chunks uploaded from here (sha -> times; the newest MAX_UPLOADED): the freshest
+        # chunk's request is served first (``p2p_sync.uploads``)
+        self._uploaded: dict[str, int] = {}
         self._closing = asyncio.Event()  # set by close(): long polls answer at once
         self.polls_held = 0  # have-map long polls waiting for news now
         rate = limits.max_upload_mbps * 1e6 / 8 or None
@@ -313,10 +318,11 @@ class DataRouter:
 
     # ------------------------------------------------------------ chunks
 
-    async def _upload_slot(self, req: Request) -> None:
-        """Wait for an upload slot (bounded queue, bounded wait) or refuse with 503."""
+    async def _upload_slot(self, req: Request, sha: str) -> None:
+        """Wait for an upload slot (bounded queue, bounded wait) or refuse with 503; a
+        request for a chunk uploaded here fewer times (``sha``: its first) goes first."""
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        admission = self._slots.request(req.requester, turn)
+        admission = self._slots.request(req.requester, turn, self._uploaded.get(sha, 0))
         self._contact(req)
         if admission is Admission.BUSY:
             raise Refused(503, "upload queue full")
@@ -369,7 +375,7 @@ class DataRouter:
     async def _serve_chunks(self, shas: list[str], req: Request) -> Reply:
         """The chunks' bytes back to back, up to the first one not held here (and within
         ``max_chunk_bytes``), after the wait for an upload slot and the upload cap."""
-        await self._upload_slot(req)
+        await self._upload_slot(req, shas[0])
         try:
             parts: list[bytes] = []
             size = 0
@@ -379,6 +385,7 @@ class DataRouter:
                 data = self.node.chunk(sha, req.peer)  # inline: ~0.3 ms (read, re-hash)
                 if data is None:
                     break
+                remember(self._uploaded, sha, self._uploaded.get(sha, 0) + 1, MAX_UPLOADED)
                 parts.append(data)
                 size += len(data)
             if not parts:
