@@ -210,10 +210,9 @@ def test_the_data_plane_hands_a_freed_slot_to_the_requester_served_least() -> No
 async def _fresh_first() -> list[str]:
     old, new = b"o" * 1000, b"n" * 1000
     shas = {name: hashlib.sha256(data).hexdigest() for name, data in (("old", old), ("new", new))}
-    router = DataRouter(
-        _Chunks({shas["old"]: old, shas["new"]: new}),
-        HttpLimits(max_concurrent_uploads=1, upload_queue=4),
-    )  # type: ignore[arg-type]
+    view = _Chunks({shas["old"]: old, shas["new"]: new})
+    limits = HttpLimits(max_concurrent_uploads=1, upload_queue=4)
+    router = DataRouter(view, limits)  # type: ignore[arg-type]
     order: list[str] = []
 
     def ask(peer: str, chunk: str) -> Request:
