@@ -21,19 +21,20 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from node.config import NodeConfig
 from node.dataview import SeedingView
-from node.runtime import Node
+from node.runtime import Node, Transport
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.catchup import merge_steps
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
+from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.patch import (
     DiffScratch,
     Patch,
@@ -46,6 +47,7 @@ from p2p_sync.patch import (
 )
 from p2p_sync.restore import restore
 from p2p_sync.statehash import StateDigest
+from p2p_sync.store import Store
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -66,9 +68,21 @@ Built = tuple[Manifest, bytes, bytes | Path]  # manifest, its signed bytes, payl
 
 
 class TrainerNode(Node):
-    """A node that seeds: each requester is shown a few chunks of its own (super-seeding)."""
+    """A node that seeds: each requester is shown a few chunks of its own (super-seeding),
+    and it serves ``publish.seed_uploads`` of them at once (0: ``download.max_sources``)."""
 
     view_class = SeedingView
+
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        policy: SwarmPolicy,
+        store: Store,
+        transport: Transport | None = None,
+    ) -> None:
+        slots = cfg.publish.seed_uploads or cfg.download.max_sources
+        cfg = replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
+        super().__init__(cfg, policy, store, transport)
 
 
 @dataclass

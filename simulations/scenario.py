@@ -63,7 +63,7 @@ class Scenario:
     max_peers: int = 64  # overlay: neighbours of every rollout (the node's peer-list bound)
     trainer_peers: int = 64  # neighbours the trainer serves
     max_concurrent_uploads: int = 16  # concurrent uploads per node (the data plane's limit)
-    trainer_max_concurrent_uploads: int = 16  # the trainer node's own limit
+    seed_uploads: int = 0  # the trainer's: its [publish] seed_uploads (0: download.max_sources)
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
     seed_outstanding: int = 8  # super-seeding: hand-outs per requester at first (then grown)
     reseed_after_s: float = 2.0
@@ -82,6 +82,11 @@ class Scenario:
     @property
     def payload_bytes(self) -> int:
         return int(self.payload_mb * 1e6)
+
+    @property
+    def trainer_uploads(self) -> int:
+        """The trainer's upload slots, as ``node.trainer.TrainerNode`` sets them."""
+        return self.seed_uploads or self.download.max_sources
 
     def swarm_config(self, seed: int) -> SwarmConfig:
         """The scenario's download settings with one peer's tie-break seed."""
@@ -106,7 +111,6 @@ _AT_LEAST_ONE = (
     "max_peers",
     "trainer_peers",
     "max_concurrent_uploads",
-    "trainer_max_concurrent_uploads",
     "upload_queue",
     "seed_outstanding",
 )
@@ -130,7 +134,7 @@ def check(s: Scenario) -> Scenario:
     for name in _FRACTIONS:
         if not 0 <= getattr(s, name) <= 1:
             raise _bad(name, "must be between 0 and 1")
-    for name in ("latency_ms", "churn_downtime", "chunk_kb", "seed_quiet_factor"):
+    for name in ("latency_ms", "churn_downtime", "chunk_kb", "seed_quiet_factor", "seed_uploads"):
         if getattr(s, name) < 0:
             raise _bad(name, "must be >= 0")
     if s.corrupt_fraction + s.stall_fraction + s.liar_fraction >= 1:

@@ -223,7 +223,7 @@ class SwarmSim:
             for i, ok in zip(nated, draw):
                 punch[i] = ok
         queue = sc.upload_queue
-        trainer_slots = UploadSlots(sc.trainer_max_concurrent_uploads, queue)
+        trainer_slots = UploadSlots(sc.trainer_uploads, queue)
         trainer = Peer(TRAINER, "trainer", sc.trainer_uplink_mbps * MBPS, 1e12, trainer_slots)
         state0 = PeerState(0, "s0")
         trainer.state = state0

@@ -561,3 +561,21 @@ def test_the_seed_serves_a_chunk_out_in_the_swarm_only_to_its_owner(tmp_path: Pa
     assert len(mine) == 2
     # b first (fresh: served), c refused, a (its owner) served; a's own, then b refused
     assert statuses == [200, 404, 200, 200, 404]
+
+
+def test_a_trainer_serves_as_many_uploads_at_once_as_a_download_follows_sources(
+    tmp_path: Path,
+) -> None:
+    """Its requesters share their downlinks among ``download.max_sources`` sources each: a
+    seed serving fewer at once leaves its uplink partly idle once they trade (issue 14)."""
+    from node.trainer import TrainerNode
+    from p2p_sync.versions import PublishPolicy
+
+    policy = SwarmPolicy("t", (SigningKey.generate().public,))
+    tcfg = trainer_config(tmp_path / "a", p2p=False)
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    assert tcfg.http.max_concurrent_uploads == 16  # a rollout's
+    assert trainer.cfg.http.max_concurrent_uploads == tcfg.download.max_sources == 32
+    tcfg = trainer_config(tmp_path / "b", p2p=False, publish=PublishPolicy(seed_uploads=5))
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    assert trainer.cfg.http.max_concurrent_uploads == 5

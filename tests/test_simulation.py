@@ -428,6 +428,8 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
         node.publish.reseed_after_s,
         node.publish.seed_quiet_factor,
     )
+    assert sc.seed_uploads == node.publish.seed_uploads
+    assert sc.trainer_uploads == node.download.max_sources  # as a TrainerNode takes it
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 
 
