@@ -54,8 +54,8 @@ class PublishPolicy:
     # 0: download.max_sources). Its requesters share their downlinks among that many sources
     # each once they trade among themselves, so a seed serving fewer at once leaves an uplink
     # as fast as theirs partly idle, and the swarm waits on the seed (simulated, 1,000 peers at
-    # 1 Gbit/s and 20 ms: 16 at once x1.58 the bound, the seed's uplink down to ~80% in the
-    # second half; 32 at once x1.49; 64 spread each chunk over more, slower uploads)
+    # 1 Gbit/s and 20 ms: 16 at once x1.57 the bound, the seed's uplink at 80-90% in the second
+    # half; 32 at once x1.51; 64 spread each chunk over more, slower uploads)
     seed_uploads: int = 0
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
