@@ -57,13 +57,16 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from p2p_sync.bounded import remember
+from p2p_sync.bounded import remember, trim
 
 MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
 GAPS = 64  # recent idle gaps the quiet threshold follows
 MIN_GAPS = 8  # gaps seen before the threshold is trusted (``reseed_after_s`` until then)
 GROWTH = 32  # a requester's allowance grows to at most this many times ``outstanding``
 MAX_PAYLOADS = 64  # payloads whose requesters are counted (the oldest forgotten)
+# chunks whose owner, uploads and spread the seed remembers (the oldest forgotten: a trainer
+# publishes ~768 chunks a version for as long as it trains; a forgotten chunk counts as fresh)
+MAX_KEYS = 1 << 16
 
 
 class SeedSettings(Protocol):
@@ -151,6 +154,7 @@ class SuperSeeder:
             if requester == previous or (owner[0] != requester and self._lapsed(owner, now)):
                 self.owner[key] = (requester, owner[1])
         self.served[key] += 1
+        self._bound()
 
     def may_serve(self, key: Hashable, requester: Hashable, now: float) -> bool:
         """Whether to upload ``key`` to ``requester``: not a chunk already out in the swarm
@@ -207,7 +211,12 @@ class SuperSeeder:
                 out.append(i)
         if budget < full:  # handed some: the next half fetched doubles its allowance
             self.allowance[grant] = (self.allowance[grant][0], True)
+        self._bound()
         return out
+
+    def _bound(self) -> None:
+        for table in (self.owner, self.previous, self.served, self.spread_since):
+            trim(table, MAX_KEYS)
 
     def _allowed(self, grant: tuple[Hashable, Hashable], chunks: int, held: int) -> int:
         """What requester ``grant[0]`` may hold unfetched of payload ``grant[1]`` (of

@@ -3,6 +3,7 @@ rule per event, invariants checked after every step, liveness checked at teardow
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -427,6 +428,22 @@ def test_a_peer_fetching_a_chunk_handed_to_another_does_not_take_it() -> None:
     seeder.note_served("a", "thief", 0.1)
     assert seeder.may_serve("a", "owner", 0.2) and not seeder.may_serve("a", "thief", 0.2)
     assert seeder.offer(keys, "owner", 0.3) == [0]  # still shown as its own
+
+
+def test_the_seed_forgets_the_oldest_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer hands out ~768 chunks a version for as long as it trains: what it notes of
+    each (owner, uploads, first seen spread) is bounded, the oldest forgotten."""
+    monkeypatch.setattr(seeding, "MAX_KEYS", 4)
+    seeder = SuperSeeder(outstanding=3)
+    for v in range(5):
+        keys = [f"{v}-{i}" for i in range(3)]
+        assert seeder.offer(keys, "r", float(v)) == [0, 1, 2]
+        for key in keys:
+            assert seeder.may_serve(key, "r", float(v))
+            seeder.note_served(key, "r", float(v))
+    tables = (seeder.owner, seeder.served, seeder.spread_since, seeder.previous)
+    assert all(len(t) <= 4 for t in tables)
+    assert "4-2" in seeder.owner and "0-0" not in seeder.owner and seeder.served["4-2"] == 1
 
 
 def test_quiet_factor_0_leaves_hand_outs_to_reseed_after_s_alone() -> None:
