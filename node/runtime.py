@@ -82,6 +82,11 @@ class Node:
     reports_hand_off: bool = False
     handed_off: AcceptedState | None = None
 
+    @classmethod
+    def settle(cls, cfg: NodeConfig) -> NodeConfig:
+        """The settings this kind of node runs with (a trainer's upload slots: ``TrainerNode``)."""
+        return cfg
+
     def __init__(
         self,
         cfg: NodeConfig,
@@ -91,7 +96,7 @@ class Node:
     ) -> None:
         """``transport``: sockets by default; ``MemoryTransport`` puts the node on an
         in-memory network (tests with many nodes in one process)."""
-        self.cfg, self.policy, self.store = cfg, policy, store
+        self.cfg, self.policy, self.store = self.settle(cfg), policy, store
         self.transport: Transport = transport or HttpTransport()
         self.metrics = Metrics()
         self.timeline = Timeline()  # when each step of a version happened here

@@ -28,13 +28,13 @@ import torch
 
 from node.config import NodeConfig
 from node.dataview import SeedingView
-from node.runtime import Node, Transport
+from node.runtime import Node
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.catchup import merge_steps
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import (
     DiffScratch,
     Patch,
@@ -47,7 +47,6 @@ from p2p_sync.patch import (
 )
 from p2p_sync.restore import restore
 from p2p_sync.statehash import StateDigest
-from p2p_sync.store import Store
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -73,16 +72,10 @@ class TrainerNode(Node):
 
     view_class = SeedingView
 
-    def __init__(
-        self,
-        cfg: NodeConfig,
-        policy: SwarmPolicy,
-        store: Store,
-        transport: Transport | None = None,
-    ) -> None:
+    @classmethod
+    def settle(cls, cfg: NodeConfig) -> NodeConfig:
         slots = cfg.publish.seed_uploads or cfg.download.max_sources
-        cfg = replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
-        super().__init__(cfg, policy, store, transport)
+        return replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
 
 
 @dataclass
