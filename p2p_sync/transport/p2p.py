@@ -78,6 +78,7 @@ class P2PSettings:
     max_rejects: int = 3  # rejected messages before a peer is blacklisted
     maintain_s: float = 1.0  # dial / harvest tick
     refresh_s: float = 30.0  # Kademlia self-lookup period
+    sparse_below: int = 4  # fewer connections: look up again after 1, 2, 4 ... s (LookupSchedule)
     dial_timeout_s: float = 5.0
     start_timeout_s: float = 30.0
     seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
@@ -130,6 +131,37 @@ def load_or_create_identity(path: Path) -> Any:
     return key_pair
 
 
+@dataclass
+class LookupSchedule:
+    """When the next Kademlia self lookup runs (pure: the caller passes the clock).
+
+    Every ``period_s`` while the node holds ``sparse_below`` connections or more. With fewer
+    (just started, restarted, cut off) the next one follows after ``first_s``, then twice as
+    long each time, up to ``period_s``: a lookup that ran before the bootstrap link was up, or
+    came back empty, must not leave a node alone with its bootstrap peer for a whole period
+    (a restarted rollout sat 30 s with one connection that way). The doubling bounds what a
+    node that stays alone (a swarm of two) spends on lookups.
+    """
+
+    period_s: float
+    first_s: float = 1.0
+    sparse_below: int = 4
+    last_run: float = float("-inf")
+    gap_s: float = 0.0  # the wait while sparse; 0 until the first lookup
+
+    def due(self, now: float, connected: int) -> bool:
+        sparse = connected < self.sparse_below
+        return now >= self.last_run + (min(self.gap_s, self.period_s) if sparse else self.period_s)
+
+    def ran(self, now: float, connected: int) -> None:
+        """A lookup ended at ``now`` with ``connected`` connections."""
+        self.last_run = now
+        if connected >= self.sparse_below:
+            self.gap_s = self.first_s  # the next time it thins out, start again quickly
+        else:
+            self.gap_s = min(max(self.gap_s * 2, self.first_s), self.period_s)
+
+
 # ---------------------------------------------------------------- host
 
 
@@ -158,6 +190,8 @@ class P2PHost:
         # advertised in the signed peer record when set; behind NAT: reserve relay slots
         self.http_url, self.behind_nat = settings.http_url, False
         self._tasks: set[asyncio.Future[Any]] = set()  # stream requests being answered here
+        self.lookups = 0  # Kademlia self lookups run (LookupSchedule decides when)
+        self._unreached: set[ID] = set()  # bootstrap peers whose last dial failed (logged once)
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self.connected_ids: list[str] = []  # peer ids connected now (snapshot, each tick)
         self._init_thread_state()
@@ -276,6 +310,7 @@ class P2PHost:
             "peer_id": self.peer_id,
             "addr": self.addr,
             **self._snapshot,
+            "lookups": self.lookups,
             "http_peers": len(self._urls),
             "accepted": self.gate.counts["accept"],
             "rejected": self.gate.counts["reject"],
@@ -470,7 +505,8 @@ class P2PHost:
     async def _maintain(self) -> None:
         """Keep joined: bootstrap dials, relay slots when behind NAT, periodic Kademlia
         refresh, bounded top-up, URL harvest."""
-        next_refresh = 0.0
+        s = self.settings
+        lookups = LookupSchedule(s.refresh_s, s.maintain_s, s.sparse_below)
         while True:
             await self._dial_bootstrap()
             assert self._relay_client is not None and self._nursery is not None
@@ -483,14 +519,18 @@ class P2PHost:
                 await trio.sleep(self.settings.maintain_s)
                 continue
             await self._feed_routing_table()
-            if trio.current_time() >= next_refresh:
+            if lookups.due(trio.current_time(), self._connections()):
                 with trio.move_on_after(self.settings.dial_timeout_s * 2):
                     await self._dht.refresh_routing_table()
-                next_refresh = trio.current_time() + self.settings.refresh_s
+                self.lookups += 1
+                lookups.ran(trio.current_time(), self._connections())
             await self._top_up()
             self._harvest_urls()
             self._take_snapshot()
             await trio.sleep(self.settings.maintain_s)
+
+    def _connections(self) -> int:
+        return len(self._host.get_connected_peers())
 
     @functools.cached_property
     def _bootstrap(self) -> list[Any]:
@@ -506,13 +546,31 @@ class P2PHost:
         for info in self._bootstrap:
             if info.peer_id in connected or info.peer_id == self._host.get_id():
                 continue
+            failure: str | None = "no answer"
             with trio.move_on_after(self.settings.dial_timeout_s):
                 try:
                     await self._host.connect(info)
                     if self._dht is not None:
                         await self._dht.add_peer(info.peer_id)
+                    failure = None
                 except Exception as exc:  # unreachable for now: retried next tick
-                    log.debug("bootstrap %s: %s", info.peer_id, exc)
+                    failure = f"{type(exc).__name__}: {exc}"
+            self._note_bootstrap(info.peer_id, failure)
+
+    def _note_bootstrap(self, peer: ID, failure: str | None) -> None:
+        """Say once when a bootstrap peer cannot be reached, and once when it can again: a
+        node alone with no bootstrap link is the first thing an operator must hear about."""
+        if failure is not None and peer not in self._unreached:
+            self._unreached.add(peer)
+            log.warning(
+                "bootstrap %s unreachable (%s); retrying every %.0f s",
+                peer,
+                failure,
+                self.settings.maintain_s,
+            )
+        elif failure is None and peer in self._unreached:
+            self._unreached.discard(peer)
+            log.info("bootstrap %s reached", peer)
 
     async def _feed_routing_table(self) -> None:
         """Peers that dialed us go into the routing table, so lookups can return them."""
