@@ -165,7 +165,8 @@ def test_swarm_from_one_bootstrap_address(swarm: Swarm, versions, tmp_path: Path
     try:
         wait_for(lambda: p2p(r0b)["connected"] >= 2, 30, "the restarted node to rejoin")
     except AssertionError as exc:  # say what it saw: CI keeps no node logs
-        raise AssertionError(f"{exc}: its libp2p {p2p(r0b)}, the bootstrap's {p2p(boot)}") from None
+        log = (swarm.root / "r0.log").read_text().splitlines()[-3:]
+        raise AssertionError(f"{exc}: {p2p(r0b)}, the bootstrap's {p2p(boot)}, {log}") from None
     swarm.publish(versions[5])
     swarm.wait_version([r0b, *rollouts[1:]], 5, timeout=90)
     assert all(ms < ANNOUNCE_DEADLINE_MS for ms in latencies(r0b).values())

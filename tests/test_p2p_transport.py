@@ -15,9 +15,15 @@ from pathlib import Path
 
 import multiaddr
 import trio
+from libp2p.peer.id import ID
 
 from p2p_sync.announce import Announcement, Decision, Verdict
-from p2p_sync.transport.p2p import LookupSchedule, P2PHost, P2PSettings
+from p2p_sync.transport.p2p import (
+    LookupSchedule,
+    P2PHost,
+    P2PSettings,
+    load_or_create_identity,
+)
 
 TOPIC = "p2psync/test/announce"
 
@@ -136,6 +142,27 @@ def test_a_node_alone_with_its_bootstrap_looks_up_again_within_seconds(tmp_path:
         assert a.host.settings.refresh_s == 30.0  # the default period
         await until(lambda: a.host.status()["lookups"] >= 3, 15, "A to look up three times")
         assert a.host.status()["connected"] == 1  # still alone with its bootstrap peer
+        for p in (a, boot):
+            await p.host.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_bootstrap_peer_that_comes_up_late_is_reached_within_seconds(tmp_path: Path) -> None:
+    """The node dials its bootstrap address before anyone listens there (a bootstrap node
+    restarting, a network not up yet). py-libp2p then refuses to dial that peer for 60 s; the
+    node must reach it at its next tries, a second apart."""
+
+    async def scenario() -> None:
+        port = _free_port()
+        key = load_or_create_identity(tmp_path / "boot.key")
+        boot_id = str(ID.from_pubkey(key.public_key))
+        a = Peer(tmp_path, "a", bootstrap=(f"/ip4/127.0.0.1/tcp/{port}/p2p/{boot_id}",))
+        await a.host.start()
+        await until(lambda: a.host.status()["lookups"] >= 1, 10, "A's first (failed) round")
+        boot = Peer(tmp_path, "boot", listen=f"/ip4/127.0.0.1/tcp/{port}")
+        await boot.host.start()
+        await until(lambda: boot_id in a.host.connected_ids, 10, "A to reach its bootstrap")
         for p in (a, boot):
             await p.host.stop()
 

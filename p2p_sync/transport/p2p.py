@@ -547,6 +547,9 @@ class P2PHost:
             if info.peer_id in connected or info.peer_id == self._host.get_id():
                 continue
             failure: str | None = "no answer"
+            # py-libp2p refuses to dial a peer for 60 s after a failed dial (its negative
+            # cache); a bootstrap peer is the node's way in, retried here every tick instead
+            self._host.get_network().unblock_peer(info.peer_id)
             with trio.move_on_after(self.settings.dial_timeout_s):
                 try:
                     await self._host.connect(info)
@@ -554,7 +557,7 @@ class P2PHost:
                         await self._dht.add_peer(info.peer_id)
                     failure = None
                 except Exception as exc:  # unreachable for now: retried next tick
-                    failure = f"{type(exc).__name__}: {exc}"
+                    failure = _reason(exc)
             self._note_bootstrap(info.peer_id, failure)
 
     def _note_bootstrap(self, peer: ID, failure: str | None) -> None:
@@ -611,6 +614,16 @@ class P2PHost:
                 if url is not None and self._urls.get(str(peer)) != url:
                     self._urls[str(peer)] = url
                     self._loop.call_soon_threadsafe(self._on_peer_url, url)  # type: ignore[union-attr]
+
+
+def _reason(exc: BaseException) -> str:
+    """An error and what caused it (a dial's own exceptions sit under a generic one)."""
+    parts = []
+    while exc is not None and len(parts) < 4:
+        inner = getattr(exc, "exceptions", None)  # a MultiError or ExceptionGroup
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = inner[0] if inner else exc.__cause__
+    return " <- ".join(parts)
 
 
 def _rehost(addrs: list[multiaddr.Multiaddr], host: str | None) -> list[multiaddr.Multiaddr]:
