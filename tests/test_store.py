@@ -216,7 +216,7 @@ def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path)
     ctx = multiprocessing.get_context("forkserver")  # a clean process, torch imported once
     ctx.set_forkserver_preload(["tests.store_writer"])
     committed = -1
-    for trial in range(40):
+    for trial in range(25):
         ours, theirs = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=store_writer.run_to_pipe, args=(str(tmp_path), trial, theirs))
         proc.start()
