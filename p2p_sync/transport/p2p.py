@@ -20,6 +20,9 @@ How a node finds the swarm and its data plane:
   signed, and an intermediary cannot point peers at someone else's server. Those addresses are
   never dialed as libp2p addresses (a dial filter drops them).
 - It keeps at most ``max_connections`` libp2p connections, topping up from the routing table.
+- It dials its bootstrap peers every ``maintain_s`` until linked (py-libp2p would refuse a peer
+  for 60 s after one failed dial), and while it holds fewer than ``sparse_below`` connections
+  it looks up again after 1, 2, 4 ... s instead of once per ``refresh_s`` (``LookupSchedule``).
 
 Announcements are judged by ``p2p_sync.announce.judge`` inside gossipsub's validation step, so
 a forged or replayed message is never forwarded; its sender is blacklisted after
@@ -138,9 +141,9 @@ class LookupSchedule:
     Every ``period_s`` while the node holds ``sparse_below`` connections or more. With fewer
     (just started, restarted, cut off) the next one follows after ``first_s``, then twice as
     long each time, up to ``period_s``: a lookup that ran before the bootstrap link was up, or
-    came back empty, must not leave a node alone with its bootstrap peer for a whole period
-    (a restarted rollout sat 30 s with one connection that way). The doubling bounds what a
-    node that stays alone (a swarm of two) spends on lookups.
+    came back empty (the node joined before its peers did), must not leave it alone with its
+    bootstrap peer for a whole period. The doubling bounds what a node that stays alone (a
+    swarm of two) spends on lookups.
     """
 
     period_s: float
@@ -546,7 +549,7 @@ class P2PHost:
         for info in self._bootstrap:
             if info.peer_id in connected or info.peer_id == self._host.get_id():
                 continue
-            failure: str | None = "no answer"
+            failure: str | None = f"no answer in {self.settings.dial_timeout_s:.0f} s"
             # py-libp2p refuses to dial a peer for 60 s after a failed dial (its negative
             # cache); a bootstrap peer is the node's way in, retried here every tick instead
             self._host.get_network().unblock_peer(info.peer_id)
@@ -616,9 +619,9 @@ class P2PHost:
                     self._loop.call_soon_threadsafe(self._on_peer_url, url)  # type: ignore[union-attr]
 
 
-def _reason(exc: BaseException) -> str:
+def _reason(exc: BaseException | None) -> str:
     """An error and what caused it (a dial's own exceptions sit under a generic one)."""
-    parts = []
+    parts: list[str] = []
     while exc is not None and len(parts) < 4:
         inner = getattr(exc, "exceptions", None)  # a MultiError or ExceptionGroup
         parts.append(f"{type(exc).__name__}: {exc}")
