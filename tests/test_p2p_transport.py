@@ -18,12 +18,7 @@ import trio
 from libp2p.peer.id import ID
 
 from p2p_sync.announce import Announcement, Decision, Verdict
-from p2p_sync.transport.p2p import (
-    LookupSchedule,
-    P2PHost,
-    P2PSettings,
-    load_or_create_identity,
-)
+from p2p_sync.transport.p2p import P2PHost, P2PSettings, load_or_create_identity
 
 TOPIC = "p2psync/test/announce"
 
@@ -129,25 +124,6 @@ def test_peers_find_each_others_urls_gossip_and_stop_cleanly(tmp_path: Path) -> 
     asyncio.run(scenario())
 
 
-def test_a_node_alone_with_its_bootstrap_looks_up_again_within_seconds(tmp_path: Path) -> None:
-    """A node whose lookups find nobody but its bootstrap peer (it joined first, or came back
-    while the others were slow to notice) looks up again after 1, 2, 4 ... s, not once per
-    30 s refresh period; once it holds enough connections, it settles to the period."""
-
-    async def scenario() -> None:
-        boot = Peer(tmp_path, "boot")
-        await boot.host.start()
-        a = Peer(tmp_path, "a", bootstrap=(boot.host.addr,))
-        await a.host.start()
-        assert a.host.settings.refresh_s == 30.0  # the default period
-        await until(lambda: a.host.status()["lookups"] >= 3, 15, "A to look up three times")
-        assert a.host.status()["connected"] == 1  # still alone with its bootstrap peer
-        for p in (a, boot):
-            await p.host.stop()
-
-    asyncio.run(scenario())
-
-
 def test_a_bootstrap_peer_that_comes_up_late_is_reached_within_seconds(tmp_path: Path) -> None:
     """The node dials its bootstrap address before anyone listens there (a bootstrap node
     restarting, a network not up yet). py-libp2p then refuses to dial that peer for 60 s; the
@@ -167,24 +143,6 @@ def test_a_bootstrap_peer_that_comes_up_late_is_reached_within_seconds(tmp_path:
             await p.host.stop()
 
     asyncio.run(scenario())
-
-
-def test_lookups_come_quickly_while_sparse_and_every_period_once_joined() -> None:
-    s = LookupSchedule(period_s=30.0, first_s=1.0, sparse_below=4)
-    assert s.due(0.0, connected=0)  # the first lookup at once
-    times, now = [], 0.0
-    for _ in range(8):  # alone: each lookup comes back with one connection
-        while not s.due(now, connected=1):
-            now += 0.5
-        times.append(now)
-        s.ran(now, connected=1)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    assert gaps == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]  # doubling, capped at the period
-    s.ran(now, connected=5)  # joined: the period
-    assert not s.due(now + 29.0, connected=5) and s.due(now + 30.0, connected=5)
-    assert s.due(now + 1.0, connected=2)  # thinned out again: quickly, from the first gap
-    s.ran(now + 1.0, connected=2)
-    assert not s.due(now + 2.5, connected=2) and s.due(now + 3.0, connected=2)  # then 2 s
 
 
 def test_identity_key_persists_so_a_restart_keeps_the_peer_id(tmp_path: Path) -> None:

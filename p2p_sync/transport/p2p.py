@@ -21,8 +21,7 @@ How a node finds the swarm and its data plane:
   never dialed as libp2p addresses (a dial filter drops them).
 - It keeps at most ``max_connections`` libp2p connections, topping up from the routing table.
 - It dials its bootstrap peers every ``maintain_s`` until linked (py-libp2p would refuse a peer
-  for 60 s after one failed dial), and while it holds fewer than ``sparse_below`` connections
-  it looks up again after 1, 2, 4 ... s instead of once per ``refresh_s`` (``LookupSchedule``).
+  for 60 s after one failed dial).
 
 Announcements are judged by ``p2p_sync.announce.judge`` inside gossipsub's validation step, so
 a forged or replayed message is never forwarded; its sender is blacklisted after
@@ -81,7 +80,6 @@ class P2PSettings:
     max_rejects: int = 3  # rejected messages before a peer is blacklisted
     maintain_s: float = 1.0  # dial / harvest tick
     refresh_s: float = 30.0  # Kademlia self-lookup period
-    sparse_below: int = 4  # fewer connections: look up again after 1, 2, 4 ... s (LookupSchedule)
     dial_timeout_s: float = 5.0
     start_timeout_s: float = 30.0
     seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
@@ -134,37 +132,6 @@ def load_or_create_identity(path: Path) -> Any:
     return key_pair
 
 
-@dataclass
-class LookupSchedule:
-    """When the next Kademlia self lookup runs (pure: the caller passes the clock).
-
-    Every ``period_s`` while the node holds ``sparse_below`` connections or more. With fewer
-    (just started, restarted, cut off) the next one follows after ``first_s``, then twice as
-    long each time, up to ``period_s``: a lookup that ran before the bootstrap link was up, or
-    came back empty (the node joined before its peers did), must not leave it alone with its
-    bootstrap peer for a whole period. The doubling bounds what a node that stays alone (a
-    swarm of two) spends on lookups.
-    """
-
-    period_s: float
-    first_s: float = 1.0
-    sparse_below: int = 4
-    last_run: float = float("-inf")
-    gap_s: float = 0.0  # the wait while sparse; 0 until the first lookup
-
-    def due(self, now: float, connected: int) -> bool:
-        sparse = connected < self.sparse_below
-        return now >= self.last_run + (min(self.gap_s, self.period_s) if sparse else self.period_s)
-
-    def ran(self, now: float, connected: int) -> None:
-        """A lookup ended at ``now`` with ``connected`` connections."""
-        self.last_run = now
-        if connected >= self.sparse_below:
-            self.gap_s = self.first_s  # the next time it thins out, start again quickly
-        else:
-            self.gap_s = min(max(self.gap_s * 2, self.first_s), self.period_s)
-
-
 # ---------------------------------------------------------------- host
 
 
@@ -193,7 +160,7 @@ class P2PHost:
         # advertised in the signed peer record when set; behind NAT: reserve relay slots
         self.http_url, self.behind_nat = settings.http_url, False
         self._tasks: set[asyncio.Future[Any]] = set()  # stream requests being answered here
-        self.lookups = 0  # Kademlia self lookups run (LookupSchedule decides when)
+        self.lookups = 0  # Kademlia self lookups run (one every ``refresh_s``)
         self._unreached: set[ID] = set()  # bootstrap peers whose last dial failed (logged once)
         self._snapshot: dict[str, int] = {"connected": 0, "routing_table": 0, "blacklisted": 0}
         self.connected_ids: list[str] = []  # peer ids connected now (snapshot, each tick)
@@ -508,8 +475,7 @@ class P2PHost:
     async def _maintain(self) -> None:
         """Keep joined: bootstrap dials, relay slots when behind NAT, periodic Kademlia
         refresh, bounded top-up, URL harvest."""
-        s = self.settings
-        lookups = LookupSchedule(s.refresh_s, s.maintain_s, s.sparse_below)
+        next_refresh = 0.0
         while True:
             await self._dial_bootstrap()
             assert self._relay_client is not None and self._nursery is not None
@@ -522,18 +488,15 @@ class P2PHost:
                 await trio.sleep(self.settings.maintain_s)
                 continue
             await self._feed_routing_table()
-            if lookups.due(trio.current_time(), self._connections()):
+            if trio.current_time() >= next_refresh:
                 with trio.move_on_after(self.settings.dial_timeout_s * 2):
                     await self._dht.refresh_routing_table()
                 self.lookups += 1
-                lookups.ran(trio.current_time(), self._connections())
+                next_refresh = trio.current_time() + self.settings.refresh_s
             await self._top_up()
             self._harvest_urls()
             self._take_snapshot()
             await trio.sleep(self.settings.maintain_s)
-
-    def _connections(self) -> int:
-        return len(self._host.get_connected_peers())
 
     @functools.cached_property
     def _bootstrap(self) -> list[Any]:
