@@ -49,8 +49,8 @@ class UploadSlots(Generic[T]):
         self.slots, self.queue_limit = slots, queue_limit
         self.active: Counter[Hashable] = Counter()  # uploads in progress per requester
         self._waiting: dict[Hashable, list[T]] = {}  # per requester, oldest first
-        self._rank: dict[T, int] = {}  # of the waiting requests
-        self._order: dict[T, tuple[int, Hashable]] = {}  # handle -> (arrival, requester)
+        # waiting handle -> (rank, arrival, requester): its first two, its place in line
+        self._order: dict[T, tuple[int, int, Hashable]] = {}
         self._arrivals = 0
         self._grants = 0
         self._last_grant: dict[Hashable, int] = {}  # of requesters with uploads or requests here
@@ -73,9 +73,8 @@ class UploadSlots(Generic[T]):
         if self.queued >= self.queue_limit:
             return Admission.BUSY
         self._arrivals += 1
-        self._order[handle] = (self._arrivals, requester)
+        self._order[handle] = (rank, self._arrivals, requester)
         self._waiting.setdefault(requester, []).append(handle)
-        self._rank[handle] = rank
         return Admission.QUEUED
 
     def withdraw(self, handle: T) -> bool:
@@ -83,12 +82,12 @@ class UploadSlots(Generic[T]):
         entry = self._order.pop(handle, None)
         if entry is None:
             return False
-        del self._rank[handle]
-        line = self._waiting[entry[1]]
+        requester = entry[2]
+        line = self._waiting[requester]
         line.remove(handle)
         if not line:
-            del self._waiting[entry[1]]
-            self._forget(entry[1])
+            del self._waiting[requester]
+            self._forget(requester)
         return True
 
     def finished(self, requester: Hashable) -> list[tuple[Hashable, T]]:
@@ -110,17 +109,17 @@ class UploadSlots(Generic[T]):
         here, then with the freshest request, then served least recently (a requester new
         here counts as served longest ago). O(waiting): the line is ``queue_limit`` long."""
         active, order, waiting, last = self.active, self._order, self._waiting, self._last_grant
-        rank = self._rank
-        best = {r: min(line, key=lambda h: (rank[h], order[h][0])) for r, line in waiting.items()}
+        best = {r: min(line, key=order.__getitem__) for r, line in waiting.items()}
         requester = min(
-            waiting, key=lambda r: (active[r], rank[best[r]], last.get(r, -1), order[best[r]][0])
+            waiting,
+            key=lambda r: (active[r], order[best[r]][0], last.get(r, -1), order[best[r]][1]),
         )
         handle = best[requester]
         line = waiting[requester]
         line.remove(handle)
         if not line:
             del waiting[requester]
-        del order[handle], rank[handle]
+        del order[handle]
         self._grant(requester)
         return requester, handle
 
@@ -137,11 +136,10 @@ class UploadSlots(Generic[T]):
 
     def clear(self) -> list[tuple[Hashable, T]]:
         """The uploader stops: forget every upload; the waiting requests, oldest first."""
-        waiting = sorted(self._order.items(), key=lambda kv: kv[1][0])
+        waiting = sorted(self._order.items(), key=lambda kv: kv[1][1])
         self.active.clear()
         self._waiting.clear()
         self._order.clear()
-        self._rank.clear()
         self._last_grant.clear()
         self.busy = 0
-        return [(requester, handle) for handle, (_, requester) in waiting]
+        return [(requester, handle) for handle, (_, _, requester) in waiting]
