@@ -42,6 +42,12 @@ Policy:
 * a chunk goes to the free holder with the best score per request we already have in flight
   there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
   peer that timed out or crawls is not chosen just because it is idle);
+* owed sources first: a free holder whose uplink few others can use (``PeerHad.owed``: it is
+  behind NAT and we are public, so only public peers and its own LAN can fetch from it) is
+  chosen before any other, unless it ever failed us. Its uplink idles otherwise, while a
+  public uplink we leave free serves the NATed peers that can fetch from nobody else. Its
+  depth still bounds what it is asked (a free peer has room below its bandwidth-delay product,
+  so this fills that pipeline, not a queue);
 * a request is cancelled and re-requested elsewhere once it is ``timeout_factor`` times older
   than this download's typical chunk time (an EWMA over verified chunks, queueing at the
   uploader included, and over cancelled requests, each a sample of at least its age: the
@@ -136,6 +142,7 @@ class PeerHad:
     peer: str
     indices: frozenset[int]
     rtt_s: float | None = None
+    owed: bool = False  # few can fetch from ``peer`` (behind NAT, we are public): ask it first
 
 
 @dataclass(frozen=True)
@@ -295,6 +302,7 @@ class Scheduler:
         self.banned: set[str] = set()
         self.stats: dict[str, PeerStats] = {}
         self.busy_until: dict[str, float] = {}
+        self.owed: set[str] = set()  # peers whose uplink few others can use (PeerHad.owed)
         self._n_inflight = 0
         c = self.config
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
@@ -340,7 +348,7 @@ class Scheduler:
         """Apply one event, then schedule; returns the actions to carry out."""
         actions: list[Action] = []
         if isinstance(event, PeerHad):
-            self._peer_had(event.peer, event.indices, event.rtt_s)
+            self._peer_had(event.peer, event.indices, event.rtt_s, event.owed)
             self.pushes.claimed(event.peer, event.indices, now)
         elif isinstance(event, PeerPushes):
             self._promised(event.peer, event.indices & self.missing, now)
@@ -359,9 +367,13 @@ class Scheduler:
             actions += self._timeouts(now)
         return actions + self._schedule(now) + self._stalled(now)
 
-    def _peer_had(self, peer: str, indices: frozenset[int], rtt: float | None) -> None:
+    def _peer_had(
+        self, peer: str, indices: frozenset[int], rtt: float | None, owed: bool = False
+    ) -> None:
         if peer in self.banned:
             return
+        if owed:
+            self.owed.add(peer)
         stats = self.stats.setdefault(peer, PeerStats())
         if rtt is not None:
             stats.rtt_sample(rtt)
@@ -403,6 +415,7 @@ class Scheduler:
             cancelled.append(CancelRequest(peer, i))
         self.peer_inflight.pop(peer, None)
         self._open.discard(peer)
+        self.owed.discard(peer)
         return cancelled
 
     def _drop_request(self, peer: str, index: int) -> float | None:
@@ -590,8 +603,15 @@ class Scheduler:
         candidates = (self.holders.get(index, set()) & free).difference(exclude)
         if not candidates:
             return None
-        load, stats = self.peer_inflight, self.stats
-        return max(candidates, key=lambda p: (stats[p].score() / (1 + len(load.get(p, ()))), p))
+        load, stats, owed = self.peer_inflight, self.stats, self.owed
+        return max(
+            candidates,
+            key=lambda p: (
+                p in owed and not stats[p].failures,
+                stats[p].score() / (1 + len(load.get(p, ()))),
+                p,
+            ),
+        )
 
     def _free_peers(self, now: float) -> set[str]:
         busy = self.busy_until

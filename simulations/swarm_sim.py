@@ -613,7 +613,7 @@ class SwarmSim:
     ) -> None:
         """The first answer of a have-map subscription (``rtt``: the round trip it took)."""
         if p.generation == gen and p.online and q_idx not in p.banned:
-            self._feed(p, PeerHad(q_idx, indices, rtt))
+            self._feed(p, PeerHad(q_idx, indices, rtt, self._owed(p, q_idx)))
 
     def _push_have(self, q: Peer, p_idx: int, index: int) -> None:
         key = (q.idx, p_idx)
@@ -628,7 +628,12 @@ class SwarmSim:
         indices = self.pending_have.pop(key)
         p = self.peers[key[1]]
         if p.sched is not None and p.online and key[0] not in p.banned:
-            self._feed(p, PeerHad(key[0], frozenset(indices)))
+            self._feed(p, PeerHad(key[0], frozenset(indices), None, self._owed(p, key[0])))
+
+    def _owed(self, p: Peer, q_idx: int) -> bool:
+        """``q``'s uplink is one few can use (the node's ``ChunkSource.owed``): it is behind
+        NAT and ``p`` is public."""
+        return self.peers[q_idx].nat and not p.nat
 
     def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
         if self.tree is not None:

@@ -159,8 +159,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         peer = data.draw(st.sampled_from(sorted(peers)))
         held = sorted(peers[peer])
         rtt = data.draw(st.none() | st.floats(0.001, 0.5))  # a timed have-map teaches a round trip
+        owed = data.draw(st.booleans())  # behind NAT, we are public: asked first
         if held:
-            self.feed(PeerHad(peer, frozenset(data.draw(st.sets(st.sampled_from(held)))), rtt))
+            chunks = frozenset(data.draw(st.sets(st.sampled_from(held))))
+            self.feed(PeerHad(peer, chunks, rtt, owed))
 
     @rule(data=st.data())
     def peer_lost(self, data: st.DataObject) -> None:

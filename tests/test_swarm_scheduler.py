@@ -88,16 +88,17 @@ def swarms(draw: st.DrawFn):
         request_s=draw(st.sampled_from([0.005, 1.0])),  # a second: runs once measured
         seed=draw(st.integers(0, 9)),
     )
-    return n, honest, evil, config
+    owed = draw(st.sets(st.sampled_from(sorted([*honest, *evil]))))  # asked first (behind NAT)
+    return n, honest, evil, config, owed
 
 
 @settings(max_examples=150, deadline=None)
 @given(swarms(), st.lists(st.tuples(st.sampled_from("dftlp"), st.integers(0, 10**6)), max_size=60))
 def test_random_event_sequences_keep_invariants_and_finish(swarm, script) -> None:
-    n, honest, evil, config = swarm
+    n, honest, evil, config, owed = swarm
     h = Harness(n, honest, evil, config)
     for peer, chunks in [*honest.items(), *evil.items()]:
-        h.feed(PeerHad(peer, frozenset(chunks)))
+        h.feed(PeerHad(peer, frozenset(chunks), None, peer in owed))
     for op, k in script:  # adversarial interleaving: deliveries, failures, timeouts, churn
         if op == "d" and h.pending:
             h.deliver(k)
@@ -132,6 +133,38 @@ def test_rarest_chunk_is_requested_first() -> None:
     for peer, chunks in {"a": {0, 1, 2}, "b": {0, 1}, "c": {0}}.items():
         s._peer_had(peer, frozenset(chunks), None)  # learn all have-maps before scheduling
     assert s.handle(TimerFired(), 0) == [RequestChunk("a", 2)]
+
+
+def _first_requests(owed: bool, failed: bool = False) -> list[str]:
+    """Whom a download asks first when "public" and "nated" both hold every chunk and look
+    alike ("public" wins a tie by name), one request in all; "nated" is ``owed`` (it is
+    behind NAT, we are public), and ``failed`` a request once."""
+    s = Scheduler(8, SwarmConfig(max_requests_total=1))
+    s._peer_had("public", frozenset(range(8)), 0.02)
+    s._peer_had("nated", frozenset(range(8)), 0.02, owed)
+    if failed:
+        s.stats["nated"].failures = 1
+    return [a.peer for a in s.handle(TimerFired(), 0) if isinstance(a, RequestChunk)]
+
+
+def test_an_owed_source_is_asked_first_while_it_has_room() -> None:
+    """A NATed peer's uplink serves only the public peers that follow it: used first, it
+    leaves public uplink for the NATed peers that have nowhere else to fetch from."""
+    assert _first_requests(owed=False) == ["public"]
+    assert _first_requests(owed=True) == ["nated"]
+    assert _first_requests(owed=True, failed=True) == ["public"]  # it lost its precedence
+
+
+def test_an_owed_source_fills_only_its_own_depth() -> None:
+    """Owed first is not owed only: a measured depth of one request leaves the rest of the
+    window to the other sources."""
+    s = Scheduler(8, SwarmConfig(max_requests_total=8, max_requests_per_peer=1))
+    s._peer_had("public", frozenset(range(8)), 0.02)
+    s._peer_had("nated", frozenset(range(8)), 0.02, True)
+    peers = [a.peer for a in s.handle(TimerFired(), 0) if isinstance(a, RequestChunk)]
+    assert sorted(peers) == ["nated", "public"]
+    s.handle(PeerLost("nated"), 0.1)
+    assert "nated" not in s.owed  # forgotten with the peer; its next have-map says again
 
 
 def test_corrupt_chunk_bans_only_the_sender_and_is_refetched() -> None:
