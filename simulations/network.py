@@ -23,15 +23,31 @@ finds no room at once gets it at the next event of either of its links.
 
 Latency is not modelled here: the swarm simulation adds the one-way delay to every message
 and to the last byte of every transfer.
+
+**TCP slow start** (``slow_start=True``; off, every connection is warm, as on hosts with
+``net.ipv4.tcp_slow_start_after_idle = 0`` in a long-lived swarm): Linux restarts a connection
+that sent nothing for longer than its retransmission timeout (``RTO``, ~200 ms + the round trip)
+with a smaller congestion window, halved once per ``RTO`` of idleness down to the initial window
+of 10 segments (``tcp_cwnd_restart``), and a new connection starts there. A sender then moves at
+most a window per round trip, and the window grows by what was acknowledged: it doubles each
+round trip while it is what limits the flow. Here every ordered pair of nodes has one window
+(``Window``), every transfer between them is capped at ``window / rtt``, and the window grows,
+once a round trip while a transfer runs, by the bytes the pair moved in the round trip before.
+Once ``window / rtt`` is above both links' capacity it no longer binds and the pair stops
+ticking. Not modelled: the ssthresh a restart keeps (above 3/4 of the old window Linux grows
+one segment a round trip: so this is optimistic once a window had grown large), pacing, loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import inf
 
 from simulations.clock import Clock
+
+INITIAL_WINDOW = 10 * 1448  # bytes: Linux's initial window of 10 segments (RFC 6928)
+RTO_MIN = 0.2  # s: Linux's lowest retransmission timeout; the timeout is ~this + the round trip
 
 
 @dataclass(eq=False)  # identity, not value: transfers are dict keys
@@ -44,14 +60,37 @@ class Transfer:
     since: float = 0.0
     gen: int = 0
     sent: float = 0.0
+    cap: float = inf  # its connection's window / round trip (slow start), bytes/s
+
+
+@dataclass(eq=False)
+class Window:
+    """One ordered pair's congestion window (``slow_start``)."""
+
+    cwnd: float = INITIAL_WINDOW
+    last: float = -inf  # when its last transfer ended (idle since, if none runs)
+    flows: dict[Transfer, None] = field(default_factory=dict)  # the transfers running on it
+    moved: float = 0.0  # bytes of ended transfers (with the running ones' ``sent``: growth)
+    mark: float = 0.0  # bytes moved at the last tick
+    ticking: bool = False
 
 
 class Network:
     """Links of every node and the transfers in progress."""
 
-    def __init__(self, clock: Clock, uplink: list[float], downlink: list[float]) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        uplink: list[float],
+        downlink: list[float],
+        rtt: float = 0.0,
+        slow_start: bool = False,
+    ) -> None:
         self.clock = clock
         self.uplink, self.downlink = uplink, downlink
+        self.rtt, self.rto = rtt, RTO_MIN + rtt
+        # ordered pairs' windows; none without slow start (or a zero round trip: no window binds)
+        self.windows: dict[tuple[int, int], Window] | None = {} if slow_start and rtt > 0 else None
         # dicts, not sets: insertion order keeps runs reproducible (sets order by address)
         self.out: list[dict[Transfer, None]] = [{} for _ in uplink]
         self.into: list[dict[Transfer, None]] = [{} for _ in uplink]
@@ -66,8 +105,62 @@ class Network:
         t = Transfer(src, dst, float(nbytes), on_done, since=self.clock.now)
         self.out[src][t] = None
         self.into[dst][t] = None
+        if self.windows is not None:
+            self._open(t)
         self._rerate(src, dst)  # t's rate goes from 0 to its share: "faster", so it is armed
         return t
+
+    # ------------------------------------------------------------ slow start
+
+    def _open(self, t: Transfer) -> None:
+        """``t`` runs on its pair's window: restarted if the pair sat idle past an RTO."""
+        assert self.windows is not None
+        w = self.windows.setdefault((t.src, t.dst), Window())
+        if not w.flows:
+            idle = self.clock.now - w.last
+            while idle > self.rto and w.cwnd > INITIAL_WINDOW:  # Linux's tcp_cwnd_restart
+                w.cwnd = max(w.cwnd / 2, INITIAL_WINDOW)
+                idle -= self.rto
+        w.flows[t] = None
+        t.cap = self._cap(t.src, t.dst, w)
+        if t.cap < inf and not w.ticking:
+            w.ticking, w.mark = True, self._moved(w)
+            self.clock.after(self.rtt, self._tick, t.src, t.dst)
+
+    def _cap(self, src: int, dst: int, w: Window) -> float:
+        cap = w.cwnd / self.rtt
+        return inf if cap >= min(self.uplink[src], self.downlink[dst]) else cap
+
+    def _moved(self, w: Window) -> float:
+        for t in w.flows:
+            self._settle(t)
+        return w.moved + sum(t.sent for t in w.flows)
+
+    def _tick(self, src: int, dst: int) -> None:
+        """A round trip on a window that binds: it grows by what the pair moved in the last
+        one (acknowledged now), and its transfers may go faster."""
+        assert self.windows is not None
+        w = self.windows[(src, dst)]
+        moved = self._moved(w)
+        w.cwnd += moved - w.mark
+        w.mark = moved
+        cap = self._cap(src, dst, w)
+        for t in w.flows:
+            t.cap = cap
+        w.ticking = bool(w.flows) and cap < inf
+        if w.ticking:
+            self.clock.after(self.rtt, self._tick, src, dst)
+        if w.flows:
+            self._rerate(src, dst)
+
+    def _close(self, t: Transfer) -> None:
+        assert self.windows is not None
+        w = self.windows[(t.src, t.dst)]
+        if t not in w.flows:
+            return
+        del w.flows[t]
+        w.moved += t.sent
+        w.last = self.clock.now
 
     def cancel(self, t: Transfer) -> bool:
         """Stop ``t`` if still running (True); the bytes it moved so far stay counted."""
@@ -80,6 +173,8 @@ class Network:
     def _remove(self, t: Transfer) -> None:
         self.out[t.src].pop(t, None)
         self.into[t.dst].pop(t, None)
+        if self.windows is not None:
+            self._close(t)
         t.gen += 1  # its pending finish event is stale now
         self.up_used[t.src] = max(self.up_used[t.src] - t.rate, 0.0) if self.out[t.src] else 0.0
         self.down_used[t.dst] = (
@@ -100,10 +195,11 @@ class Network:
         """New levels for ``src``'s uplink and ``dst``'s downlink, then new rates for the
         transfers crossing either: all decreases first, so the increases find their room."""
         out, into = self.out[src], self.into[dst]
-        self.up_level[src] = _level(self.uplink[src], [self.down_level[t.dst] for t in out])
-        self.down_level[dst] = _level(self.downlink[dst], [self.up_level[t.src] for t in into])
+        up, down = self.up_level, self.down_level
+        up[src] = _level(self.uplink[src], [min(down[t.dst], t.cap) for t in out])
+        down[dst] = _level(self.downlink[dst], [min(up[t.src], t.cap) for t in into])
         flows = tuple(dict.fromkeys((*out, *into)))  # a src -> dst flow is in both: once
-        want = [min(self.up_level[t.src], self.down_level[t.dst]) for t in flows]
+        want = [min(up[t.src], down[t.dst], t.cap) for t in flows]
         for t, w in zip(flows, want, strict=True):
             if w < t.rate:
                 self._set_rate(t, w)

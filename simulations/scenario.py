@@ -51,6 +51,9 @@ class Scenario:
     downlink_mbps: float = 1000.0
     trainer_uplink_mbps: float = 1000.0
     latency_ms: float = 10.0  # one way, between any two nodes
+    # TCP restarts a connection idle for an RTO in slow start (Linux's default,
+    # net.ipv4.tcp_slow_start_after_idle = 1; simulations/network.py); false: warm connections
+    slow_start: bool = False
     churn_fraction: float = 0.0
     churn_downtime: float = 0.25
     corrupt_fraction: float = 0.0

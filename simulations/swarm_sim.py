@@ -180,7 +180,11 @@ class SwarmSim:
         self.lat = scenario.latency_ms / 1000
         self.peers = self._make_peers()
         self.net = Network(
-            self.clock, [p.uplink for p in self.peers], [p.downlink for p in self.peers]
+            self.clock,
+            [p.uplink for p in self.peers],
+            [p.downlink for p in self.peers],
+            2 * self.lat,
+            scenario.slow_start,
         )
         self._wire_overlay()
         self.depth = self._depths()

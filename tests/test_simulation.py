@@ -37,9 +37,11 @@ SMALL = dict(
 )
 
 
-def run_transfers(up: list[float], down: list[float], flows: list[tuple[int, int, float]]):
+def run_transfers(
+    up: list[float], down: list[float], flows: list[tuple[int, int, float]], **slow_start
+):
     clock = Clock()
-    net = Network(clock, up, down)
+    net = Network(clock, up, down, **slow_start)
     done: dict[int, float] = {}
     for k, (src, dst, size) in enumerate(flows):
         net.start(src, dst, size, lambda k=k: done.__setitem__(k, clock.now))
@@ -78,19 +80,56 @@ def test_share_a_flow_cannot_use_goes_to_the_others() -> None:
     assert done[0] == pytest.approx(10 / 2)
 
 
+GBIT = 125e6  # bytes/s
+
+
+def test_slow_start_ramps_a_cold_pair_one_window_per_round_trip() -> None:
+    """A 128 KiB chunk on a cold 1 Gbit/s pair with a 40 ms round trip: 10 segments in the
+    first round trip, then twice that, and so on (the window grows by what was acknowledged):
+    14.5 + 29 + 58 KB by 120 ms, the last 29.7 KB at 115.8 KB a round trip. Warm: 1 ms."""
+    chunk = 128 * 1024
+    cold, _ = run_transfers([GBIT, 0], [0, GBIT], [(0, 1, chunk)], rtt=0.04, slow_start=True)
+    assert cold[0] == pytest.approx(0.12 + (chunk - 7 * 14480) / (8 * 14480 / 0.04))
+    warm, _ = run_transfers([GBIT, 0], [0, GBIT], [(0, 1, chunk)], rtt=0.04)
+    assert warm[0] == pytest.approx(chunk / GBIT)
+
+
+def test_a_window_survives_short_idle_and_restarts_after_an_rto() -> None:
+    """A pair that moved 20 MB keeps its window over a 0.1 s pause (its RTO is 0.24 s): the
+    next chunk goes at link speed. After 10 s of idle it is back at 10 segments."""
+    clock = Clock()
+    net = Network(clock, [GBIT, 0], [0, GBIT], rtt=0.04, slow_start=True)
+    ends: list[float] = []
+
+    def after(pause: float) -> None:
+        start = clock.now
+        done = lambda: ends.append(clock.now - start - pause)  # noqa: E731
+        clock.at(start + pause, net.start, 0, 1, 1e6, done)
+
+    net.start(0, 1, 20e6, lambda: after(0.1))
+    clock.run(lambda: len(ends) == 1, 1e9, 10_000)
+    assert ends[0] == pytest.approx(1e6 / GBIT)  # warm: no ramp
+    after(10.0)
+    clock.run(lambda: len(ends) == 2, 1e9, 10_000)
+    assert ends[1] > 5 * 0.04  # 1 MB from 10 segments: ~6 round trips
+    assert net.windows is not None and net.windows[(0, 1)].cwnd > 40 * 14480  # grown again
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(1, 20), min_size=4, max_size=4),
     st.lists(st.integers(1, 20), min_size=4, max_size=4),
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(1, 50)), max_size=24),
+    st.sampled_from([0.0, 0.01, 0.2]),
 )
 def test_no_link_ever_carries_more_than_its_capacity(
-    up: list[int], down: list[int], flows: list[tuple[int, int, int]]
+    up: list[int], down: list[int], flows: list[tuple[int, int, int]], rtt: float
 ) -> None:
-    """Random flows started at random times: at every event no link is over capacity, every
-    flow finishes, and every byte is counted once."""
+    """Random flows started at random times (over warm links, or slow-starting windows with a
+    round trip of ``rtt``): at every event no link is over capacity, every flow finishes,
+    and every byte is counted once."""
     clock, flows = Clock(), [f for f in flows if f[0] != f[1]]
-    net = Network(clock, [u * MB for u in up], [d * MB for d in down])
+    net = Network(clock, [u * MB for u in up], [d * MB for d in down], rtt, rtt > 0)
     done: list[int] = []
 
     def check() -> None:
