@@ -45,6 +45,7 @@ from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.swarm import SwarmConfig
 from p2p_sync.threads import usable_cores
+from p2p_sync.transport import tcp
 from p2p_sync.transport.dataplane import HttpLimits, valid_peer_url
 from p2p_sync.trusted import TrustLimits
 from p2p_sync.versions import PublishPolicy
@@ -288,6 +289,15 @@ def _check_addresses(cfg: NodeConfig) -> None:
             raise _bad("bootstrap", f"{addr!r} is not a multiaddr ending in /p2p/<peer-id>")
     if cfg.p2p_listen is not None and not MULTIADDR.match(cfg.p2p_listen):
         raise _bad("p2p_listen", f"{cfg.p2p_listen!r} is not a multiaddr like /ip4/HOST/tcp/PORT")
+    _check_congestion(cfg.http.tcp_congestion)
+
+
+def _check_congestion(name: str) -> None:
+    """A congestion control the kernel offers ("" or a host that does not say: not checked)."""
+    offered = tcp.available()
+    if name and offered is not None and name not in offered:
+        have = " ".join(sorted(offered))
+        raise _bad("http.tcp_congestion", f"{name!r} is not offered by this kernel ({have})")
 
 
 def check(cfg: NodeConfig) -> None:

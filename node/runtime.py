@@ -272,5 +272,6 @@ class Node:
             "last_update": self.last_update,
             "reachability": self.reach.status(),
             "reverse": self.transport.reverse_status(self),
+            "tcp": self.transport.tcp_status(),
             "lan": self._lan_status(),
         }

@@ -104,6 +104,11 @@ class HttpTransport:
         channels, accepted = (sorted(hub.channels), hub.accepted) if hub else ([], 0)
         return node.links.status() | {"channels": channels, "accepted": accepted}
 
+    def tcp_status(self) -> dict[str, Any] | None:
+        """The data plane's congestion control and whether idle connections restart in slow
+        start (``transport.tcp``)."""
+        return self.server.tcp if self.server is not None else None
+
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
@@ -138,6 +143,9 @@ class MemoryTransport:
         )
         await host.start()
         return host
+
+    def tcp_status(self) -> None:
+        return None  # no sockets
 
     def reverse_status(self, node: Node) -> None:
         return None  # the in-memory network has no NAT

@@ -245,6 +245,11 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         ("role = 'rollout'\ntrust = ['k']\n", {"store.max_gb": -1.0}, "store.max_gb: must be pos"),
         ("role = 'rollout'\ntrust = ['k']\nworkers = -1\n", {}, "workers: -1 must be >= 0"),
         ("role = 'rollout'\ntrust = ['k']\nworkers = 'x'\n", {}, "workers: expected int"),
+        (
+            "role = 'rollout'\ntrust = ['k']\n[http]\ntcp_congestion = 'warp'\n",
+            {},
+            "http.tcp_congestion: 'warp' is not offered by this kernel",
+        ),
         ("role = [\n", {}, "not valid TOML"),
         ("role = 'trainer'\nkey = 'k'\n", {"role": "rollout"}, "trust:"),  # flags override
     ],

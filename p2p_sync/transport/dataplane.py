@@ -135,6 +135,10 @@ class HttpLimits:
     max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
+    # TCP congestion control for every socket the data plane opens or accepts ("": the host's
+    # default). "bbr" resumes an idle connection at its measured rate, where Linux restarts
+    # it in slow start otherwise (transport/tcp.py: fast, long paths need it)
+    tcp_congestion: str = ""
 
     @property
     def read_patience_s(self) -> float:

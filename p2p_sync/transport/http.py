@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError, PeerUnreachableError
+from p2p_sync.transport import tcp
 from p2p_sync.transport.dataplane import (
     PEER_HEADER,
     PIECE,
@@ -53,6 +54,7 @@ class DataServer:
         )
         self._runner: web.AppRunner | None = None
         self.reverse: ReverseHub | None = None  # NATed peers' channels (``transport.reverse``)
+        self.tcp: dict[str, Any] | None = None  # its sockets' congestion control (tcp.report)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (port 0 picks a free one); returns the bound port."""
@@ -62,6 +64,11 @@ class DataServer:
         await site.start()
         server = site._server  # aiohttp exposes the bound sockets only here
         assert server is not None and server.sockets
+        wanted = self.limits.tcp_congestion
+        # accepted connections inherit the listener's congestion control
+        got = [tcp.apply(sock, wanted) for sock in server.sockets]  # type: ignore[arg-type]
+        self.tcp = tcp.report(got[0])
+        tcp.announce(got[0], wanted)
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
@@ -116,7 +123,7 @@ class DataClient:
         timeout = aiohttp.ClientTimeout(
             total=limits.request_timeout_s, sock_connect=limits.connect_timeout_s
         )
-        self.session = aiohttp.ClientSession(timeout=timeout)
+        self.session = tcp.session(timeout, limits.tcp_congestion)
         self._bulk = aiohttp.ClientTimeout(  # chunks: cut only when no byte moves
             total=None,
             sock_connect=limits.connect_timeout_s,

@@ -59,6 +59,7 @@ import aiohttp
 from aiohttp import web
 
 from p2p_sync.errors import ImpersonationError, PeerError
+from p2p_sync.transport import tcp
 from p2p_sync.transport.dataplane import (
     HEX32,
     PEER_ID,
@@ -416,7 +417,7 @@ class ReverseLinks:
         if self._session is None:  # no total timeout: a channel lives as long as it serves
             connect = self.limits.connect_timeout_s
             timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
-            self._session = aiohttp.ClientSession(timeout=timeout)
+            self._session = tcp.session(timeout, self.limits.tcp_congestion)
         async with self._session.ws_connect(
             url + PATH,
             heartbeat=HEARTBEAT_S,
