@@ -90,6 +90,7 @@ _FLAGS = {
     "workers": "workers",
     "chunk_size": "publish.chunk_size",
     "max_upload_mbps": "http.max_upload_mbps",
+    "tcp_congestion": "http.tcp_congestion",
     "patch_format": "publish.patch_format",
     "checkpoint_every": "store.checkpoint_every",
     "p2p_listen": "p2p_listen",
@@ -175,6 +176,11 @@ def _add_node_network(node: argparse.ArgumentParser) -> None:
     )
     node.add_argument("--peers", help="comma-separated http://host:port of known peers")
     node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
+    node.add_argument(
+        "--tcp-congestion",
+        help='TCP congestion control of the data plane\'s sockets, e.g. "bbr" on fast, long '
+        "links (default: the host's)",
+    )
     node.add_argument(
         "--bootstrap",
         action="append",

@@ -612,6 +612,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=d.punch_wait_s,
         help="after each version until one is seen, wait up to this long for a hole punch",
     )
+    ap.add_argument(
+        "--tcp-congestion",
+        default="",
+        help="every node's TCP congestion control (--tcp-congestion; default: the host's)",
+    )
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
     return ap.parse_args(argv)
 
@@ -632,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         nat=args.nat,
         punch_wait_s=args.punch_wait,
         trainer_nat=args.trainer_nat,
+        node_args=("--tcp-congestion", args.tcp_congestion) if args.tcp_congestion else (),
     )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)

@@ -378,6 +378,7 @@ class SwarmSim:
         bound, star = self.bounds()
         nat_bound = self.nat_bound(bound)
         t0 = clock.now
+        self.net.idle_restart()  # a training step apart: longer than any RTO
         self._publish(version)
         if self.sc.push_tree:
             self.tree = TreeLayout.build([p.idx for p in self.peers[1:]], self.rng)
