@@ -25,26 +25,37 @@ def _host_default() -> str:
     return got
 
 
-async def _status(node: Node) -> dict:
+async def _status(node: Node, congestion: str) -> dict:
+    """The node's /status, fetched over a ``tcp.session`` asking for ``congestion``."""
     url = await node.start()
     try:
-        async with aiohttp.ClientSession() as s, s.get(f"{url}/status") as resp:
-            return await resp.json()
+        async with tcp.session(aiohttp.ClientTimeout(total=10), congestion) as s:
+            async with s.get(f"{url}/status") as resp:
+                return await resp.json()
     finally:
         await node.stop()
 
 
-def test_the_listening_and_dialing_sockets_get_the_configured_algorithm(tmp_path: Path) -> None:
+def test_the_listening_and_dialing_sockets_get_the_configured_algorithm(
+    tmp_path: Path, monkeypatch
+) -> None:
     """Reno is in every Linux kernel, and root may pick it whatever the host's default:
-    the listener (whose accepted connections inherit it) and a client socket both get it."""
+    the listener (whose accepted connections inherit it) and the client's socket get it."""
+    got: set[tuple[bool, str, str | None]] = set()  # (a listener?, asked, in effect)
+    original = tcp.apply
+
+    def apply(sock: socket.socket, name: str) -> str | None:
+        listening = bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        got.add((listening, name, effect := original(sock, name)))
+        return effect
+
+    monkeypatch.setattr(tcp, "apply", apply)
     node = make_node(tmp_path)
     node.cfg = replace(node.cfg, http=HttpLimits(tcp_congestion="reno"))
-    status = asyncio.run(_status(node))
+    status = asyncio.run(_status(node, "reno"))
     sysctl = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip()
     assert status["tcp"] == {"congestion": "reno", "idle_restart": sysctl != "0"}
-    sock = tcp.socket_factory("reno")((socket.AF_INET, socket.SOCK_STREAM, 0, "", ("", 0)))
-    with sock:
-        assert tcp.apply(sock, "") == "reno"
+    assert got == {(True, "reno", "reno"), (False, "reno", "reno")}  # listener, client
 
 
 def test_an_algorithm_the_kernel_refuses_leaves_the_default(caplog) -> None:

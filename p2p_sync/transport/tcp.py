@@ -7,7 +7,7 @@ doubling each round trip; ``net.ipv4.tcp_slow_start_after_idle = 1``, its defaul
 connection's congestion control paces itself: BBR resumes at the rate it measured. On a
 1 Gbit/s path with a 40 ms round trip a restarted connection needs ~4 round trips to carry one
 128 KiB chunk, and a pull swarm's relay hops run on such connections: simulated, 100 peers at
-20 ms and 1 Gbit/s finish at 2.08x the Kumar-Ross bound instead of 1.44x (``slow_start`` in a
+20 ms and 1 Gbit/s finish at 2.07x the Kumar-Ross bound instead of 1.44x (``slow_start`` in a
 scenario, ``simulations/network.py``). ``[http] tcp_congestion = "bbr"`` asks for BBR on every
 socket the data plane opens or accepts (allowed to root, or where the host lists it in
 ``net.ipv4.tcp_allowed_congestion_control``); the host-wide alternative is the sysctl above set
@@ -76,6 +76,8 @@ def socket_factory(name: str) -> Callable[[tuple[Any, ...]], socket.socket]:
 
 def session(timeout: aiohttp.ClientTimeout, congestion: str) -> aiohttp.ClientSession:
     """An aiohttp client session whose sockets get ``congestion`` ("": the host's default)."""
+    if not congestion:
+        return aiohttp.ClientSession(timeout=timeout)
     connector = aiohttp.TCPConnector(socket_factory=socket_factory(congestion))
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
