@@ -15,7 +15,6 @@ from node.runtime import Node
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import SwarmConfig
 from p2p_sync.transport.download import DataPlaneSource, download
-from p2p_sync.transport.lan import LanShortcuts
 from p2p_sync.transport.streams import SCHEME
 
 
@@ -51,7 +50,6 @@ class _NodeSource(DataPlaneSource):
         self._rank: dict[str, float] = {}
         self._rng = random.Random()
         self.public = node.peer_url == node.url  # reachable (or no NAT to speak of)
-        self.lan: LanShortcuts | None = getattr(node.client, "lan", None)  # a RoutedClient's
 
     def peers(self) -> list[str]:
         """Trusted peers (given, proven) first, then peers behind NAT (``p2p://``: only
@@ -67,15 +65,10 @@ class _NodeSource(DataPlaneSource):
         return sorted(super().peers(), key=key)
 
     def owed(self, peer: str) -> bool:
-        """A public node follows every peer behind NAT it knows, beyond ``max_sources``, and
-        asks them first: such a peer uploads to nobody but the public peers following it (and
-        its LAN), and the chunks the trainer handed it would wait for
-        ``SuperSeeder.starve_after_s`` otherwise. A NATed node does the same for the peers on
-        its own LAN (``transport.lan``: a shortcut found): their bytes cross no router, and
-        every chunk they give it leaves a public uplink to a peer that has only those."""
-        if not peer.startswith(SCHEME):
-            return False
-        return self.public or (self.lan is not None and self.lan.route(peer) is not None)
+        """A public node follows every peer behind NAT it knows, beyond ``max_sources``: such
+        a peer uploads to nobody but the public peers following it, and the chunks the
+        trainer handed it would wait for ``SuperSeeder.starve_after_s`` otherwise."""
+        return peer.startswith(SCHEME) and self.public
 
     def pushed(self, peer: str, m: Manifest) -> list[int] | None:
         have = self.offer(peer, m.digest)

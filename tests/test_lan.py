@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from node.fetch import _NodeSource
 from p2p_sync.errors import PeerError, PeerUnreachableError
-from p2p_sync.reachability import Verdict
 from p2p_sync.transport import lan
 from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataClient
 from p2p_sync.transport.streams import RoutedClient
-from tests.test_node_http import make_node
 
 PEER = "12D3KooWK5vggqznNioT6L4cMa5njSEfvegwGMBQHBo7Fu6u2B42"
 OTHER = "12D3KooWLpxUyNMxRgZMGBcffFypCPvoCbBBcc6txYfwWKXeHvmZ"
@@ -268,27 +264,3 @@ async def _not_asked(monkeypatch) -> tuple[dict, int, int]:
 def test_a_probe_that_could_not_ask_the_peer_asks_again_soon(monkeypatch) -> None:
     routes, soon, later = asyncio.run(_not_asked(monkeypatch))
     assert routes == {} and (soon, later) == (0, 1)
-
-
-@pytest.mark.parametrize(
-    ("verdict", "owed"),
-    [
-        ("REACHABLE", {"p2p://12D3KooWmate": True, "p2p://12D3KooWfar": True}),
-        ("BEHIND_NAT", {"p2p://12D3KooWmate": True, "p2p://12D3KooWfar": False}),
-    ],
-)
-def test_owed_sources_are_nated_peers_to_a_public_node_and_lan_mates_to_a_nated_one(
-    tmp_path, verdict: str, owed: dict[str, bool]
-) -> None:
-    """A download asks first the peers few others can fetch from: every NATed peer when
-    this node is public; behind NAT, the peers on its own LAN (a shortcut found) and not the
-    NATed peers elsewhere. A public peer (http://) is owed to nobody."""
-    node = make_node(tmp_path)
-    node.url = "http://127.0.0.1:9"
-    shortcuts = lan.LanShortcuts(None, None, None)  # type: ignore[arg-type]
-    shortcuts.routes["p2p://12D3KooWmate"] = "http://10.0.0.2:8701"
-    node.client = SimpleNamespace(lan=shortcuts)  # type: ignore[assignment]
-    node.reach.state.verdict = Verdict[verdict]
-    source = _NodeSource(node)
-    assert {peer: source.owed(peer) for peer in owed} == owed
-    assert not source.owed("http://10.0.0.3:8701")

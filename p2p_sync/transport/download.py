@@ -57,8 +57,8 @@ class ChunkSource(Protocol):
 
     def owed(self, peer: str) -> bool:
         """Follow ``peer`` even beyond ``max_sources``, and ask it first (``PeerHad.owed``):
-        it can upload to few but the peers that follow it (behind NAT, while this node is
-        public or on its LAN). Asked at every have-map: a LAN shortcut is found later."""
+        it can upload to nobody but the peers that follow it (behind NAT, while this node is
+        public)."""
         ...
 
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
@@ -218,11 +218,11 @@ class Download:
 
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
-        known, failures, owed = -1, 0, self.source.owed
+        known, failures, owed = -1, 0, self.source.owed(peer)
         pushed = self.source.pushed(peer, self.m)
         if pushed is not None:  # no round trip measured: the chunk replies will measure it
             known = len(pushed)
-            self.events.put_nowait(PeerHad(peer, frozenset(pushed), None, owed(peer)))
+            self.events.put_nowait(PeerHad(peer, frozenset(pushed), None, owed))
         while not self.done.is_set() and failures < self.config.have_failures:
             if peer not in self.source.peers():
                 break
@@ -235,7 +235,7 @@ class Download:
                 continue
             rtt = time.monotonic() - asked if known < 0 else None  # answered at once: a round trip
             failures, known = 0, len(have)
-            self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed(peer)))
+            self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
         self.events.put_nowait(PeerLost(peer))  # gone, dropped or silent: its claims lapse
 
     async def _watch_peers(self) -> None:
