@@ -391,6 +391,7 @@ def test_same_seed_same_result() -> None:
         ({"links": [{"fraction": 0.5}]}, "links[0]"),
         ({"corrupt_fraction": 0.5, "liar_fraction": 0.5}, "corrupt_fraction"),
         ({"push_tree": 1}, "push_tree"),
+        ({"slow_start": "yes"}, "slow_start"),
         ({"push_tree": True, "nat_fraction": 0.5}, "push_tree"),
         ({"peers": True}, "peers"),
     ],
@@ -487,6 +488,12 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     assert sc.seed_uploads == node.publish.seed_uploads
     assert sc.trainer_uploads == node.download.max_sources  # as a TrainerNode takes it
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
+
+
+def test_every_shipped_scenario_loads() -> None:
+    names = {p.stem: load(p) for p in sorted((ROOT / "configs/simulations").glob("*.toml"))}
+    assert {"ci", "scale-1k-internet", "scale-1k-nat", "slow-start"} <= set(names)
+    assert names["slow-start"].slow_start and not names["scale-1k-internet"].slow_start
 
 
 def test_a_scenario_download_table_is_checked_like_a_node_config() -> None:
