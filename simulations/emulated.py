@@ -196,6 +196,7 @@ class EmulationResult:
     rollouts: list[NodeReport] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what went wrong without stopping the run
     punched_after: int | None = None  # the version after which a hole punch was first seen
+    tcp: dict | None = None  # the trainer's data plane: congestion control, idle restart
 
     def mean_upload(self, nated: bool) -> float | None:
         """Mean bytes uploaded per NATed (or per public) rollout; None if there is none."""
@@ -461,6 +462,7 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
         want = state_hash(versions[-1]).hex()
         result.converged = all((p.status() or {}).get("state_hash") == want for p in rollouts)
         result.trainer = NodeReport.of(trainer, cfg.trainer_nat)
+        result.tcp = (trainer.status() or {}).get("tcp")
         result.rollouts = [NodeReport.of(p, cfg.nat_of(i)) for i, p in enumerate(rollouts)]
         if cfg.punch_wait_s > 0 and result.punched_after is None:
             tries = ", ".join(f"{r.name} {r.hole_punches}" for r in result.rollouts)
@@ -557,6 +559,12 @@ def table(result: EmulationResult) -> str:
         lines.append(
             f"link check: {s.goodput_mbps:.1f} Mbit/s TCP goodput = {s.wire_mbps:.1f} "
             f"Mbit/s on the wire (configured {s.configured_mbps:g})"
+        )
+    if result.tcp is not None:  # a host default of BBR never restarts idle connections
+        restart = {True: "restart in slow start", False: "resume warm", None: "unknown"}
+        lines.append(
+            f"TCP: {result.tcp.get('congestion')} (idle connections "
+            f"{restart[result.tcp.get('idle_restart')]})"
         )
     lines.append("  ".join(f"{h:>12}" for h in _HEAD))
     lines.extend(_row(r) for r in result.versions)

@@ -67,6 +67,8 @@ def test_swarm_in_namespaces_converges_within_bounds(own_prefix: str, tmp_path: 
         result = run_in(topo, tmp_path, SWARM)
     print(table(result))  # shown on failure (and with -s)
     assert result.converged  # every rollout's state hash is the last version's
+    assert result.tcp is not None and result.tcp["congestion"]  # reported: BBR runs warm
+    assert f"TCP: {result.tcp['congestion']} (idle connections" in table(result)
     for v in result.versions:
         why = f"v{v.version}: {v}"
         assert v.end_to_end_s >= v.lower_bound_s, why  # physics: the shaping applies
