@@ -62,7 +62,7 @@ def test_an_algorithm_the_kernel_refuses_leaves_the_default(caplog) -> None:
     with socket.socket() as sock:
         assert tcp.apply(sock, "warp") == _host_default()
     with caplog.at_level("WARNING", logger="p2psync.tcp"):
-        tcp.announce(_host_default(), "warp")
+        tcp.announce(tcp.report(_host_default()), "warp")
     assert "tcp_congestion = 'warp' refused" in caplog.text
 
 
@@ -77,7 +77,7 @@ def test_idle_restart_is_the_sysctl_unless_the_algorithm_paces_itself(
     monkeypatch.setattr(tcp, "PROC", tmp_path)
     assert tcp.report(algorithm) == {"congestion": algorithm, "idle_restart": restarts}
     with caplog.at_level("INFO", logger="p2psync.tcp"):
-        tcp.announce(algorithm, "")
+        tcp.announce(tcp.report(algorithm), "")
     assert ("restarts idle connections in slow start" in caplog.text) == restarts
 
 

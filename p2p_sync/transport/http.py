@@ -68,7 +68,7 @@ class DataServer:
         # accepted connections inherit the listener's congestion control
         got = [tcp.apply(sock, wanted) for sock in server.sockets]  # type: ignore[arg-type]
         self.tcp = tcp.report(got[0])
-        tcp.announce(got[0], wanted)
+        tcp.announce(self.tcp, wanted)
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:

@@ -93,10 +93,10 @@ def report(algorithm: str | None) -> dict[str, Any]:
     return {"congestion": algorithm, "idle_restart": restarts}
 
 
-def announce(algorithm: str | None, wanted: str) -> None:
-    """One start-up line: the congestion control in effect, and what to change where idle
-    connections restart in slow start (it matters on fast, long paths only)."""
-    tcp = report(algorithm)
+def announce(tcp: dict[str, Any], wanted: str) -> None:
+    """One start-up line from ``report``'s answer: the congestion control in effect, and what
+    to change where idle connections restart in slow start (fast, long paths only)."""
+    algorithm = tcp["congestion"]
     if wanted and algorithm != wanted:
         log.warning(
             "tcp_congestion = %r refused (not allowed to this process?): sockets use %s",
