@@ -9,11 +9,15 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from p2p_sync.bounded import remember, trim
+from p2p_sync.havelog import HaveLog
 from p2p_sync.seeding import SuperSeeder
 from p2p_sync.transport.dataplane import Pushed
 
 if TYPE_CHECKING:
     from node.runtime import Node
+
+
+MAX_LOGS = 64  # have logs kept (one per payload being served; the oldest forgotten)
 
 
 async def _wait(news: asyncio.Event, timeout: float) -> None:
@@ -31,6 +35,7 @@ class DataView:
         self.node = node
         self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self._have_memo: dict[str, list[int]] = {}  # have-maps computed since that news
+        self._logs: dict[str, HaveLog] = {}  # digest -> its have-map in arrival order
 
     def manifest_index(self) -> list[dict[str, Any]]:
         return [
@@ -70,7 +75,14 @@ class DataView:
         have = self._have_memo.get(digest)
         if have is None:
             have = self._have_memo[digest] = self.node.store.have_indices(m)
+            log = self._logs.get(digest) or HaveLog()
+            remember(self._logs, digest, log.sync(have), MAX_LOGS)
         return have
+
+    def have_log(self, digest: str) -> HaveLog | None:
+        """``digest``'s have-map in arrival order, as of the last :meth:`have` (which the
+        data plane asks first): a long poll is answered only what it lacks."""
+        return self._logs.get(digest)
 
     def offer(self, digest: str, peer: str) -> list[int] | None:
         """What to push ``peer`` with our news: what ``have`` would answer it."""
@@ -196,6 +208,11 @@ class SeedingView(DataView):
         if requester is not None:
             remember(self._asked, requester, time.monotonic(), MAX_FOLLOWERS)
         return self.offer(digest, requester)
+
+    def have_log(self, digest: str) -> HaveLog | None:
+        """None: an offer is per requester and can shrink (a hand-out lapses), so a seed
+        answers each long poll with the whole offer."""
+        return None
 
     def offer(self, digest: str, peer: str | None) -> list[int] | None:
         m = self.node.store.manifest(digest)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from node.runtime import Node
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import SwarmConfig
-from p2p_sync.transport.download import DataPlaneSource, download
+from p2p_sync.transport.download import DataPlaneSource, HaveCursor, download
 from p2p_sync.transport.streams import SCHEME
 
 
@@ -76,11 +76,11 @@ class _NodeSource(DataPlaneSource):
             self.timeline.note(m.digest, "first_have")
         return have
 
-    async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
-        have = await super().have(peer, m, known)
+    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
+        have, after = await super().have(peer, m, since)
         if have:
             self.timeline.note(m.digest, "first_have")
-        return have
+        return have, after
 
 
 def swarm_config(node: Node) -> SwarmConfig:

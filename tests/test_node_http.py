@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -61,6 +62,9 @@ async def _hostile_requests(node: Node) -> dict[str, int]:
                 "chunk unknown": s.get(f"{url}/chunk/{HEX}"),
                 "manifest unknown": s.get(f"{url}/manifest/{HEX}"),
                 "have unknown": s.get(f"{url}/have/{HEX}"),
+                "have bad log": s.get(f"{url}/have/{m.digest}?known=1&log=../x"),
+                "have log without known": s.get(f"{url}/have/{m.digest}?log={'a' * 16}"),
+                "have bad known": s.get(f"{url}/have/{m.digest}?known=-1"),
                 "announce not json": s.post(f"{url}/announce", data=b"\xff\x00"),
                 "announce wrong shape": s.post(f"{url}/announce", json=[1, 2]),
                 "announce bad digest": s.post(
@@ -94,6 +98,8 @@ def test_hostile_requests_get_4xx_and_the_node_keeps_serving(tmp_path: Path) -> 
     assert codes.pop("announce huge") == 413
     assert codes.pop("no such route") == 404
     assert codes.pop("chunk not hex") == 404  # the router refuses the path outright
+    for name in ("have bad log", "have log without known", "have bad known"):
+        assert codes.pop(name) == 400, name
     for name, code in codes.items():
         assert code in (400, 404), (name, code)
 
@@ -124,7 +130,7 @@ def test_stopping_a_node_answers_held_long_polls_at_once(tmp_path: Path) -> None
             return await _long_poll_across_stop(node)
 
     status, body, held = asyncio.run(bounded())
-    assert held and status == 200 and body == {"have": [0]}
+    assert held and status == 200 and body["have"] == [0] and body["from"] == 0
 
 
 async def _poll_woken_before_it_waits(node: Node) -> dict:
@@ -160,7 +166,8 @@ async def _poll_woken_before_it_waits(node: Node) -> dict:
 def test_a_have_map_growing_just_before_the_poll_waits_wakes_it(tmp_path: Path) -> None:
     node = make_node(tmp_path)
     node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=600.0))
-    assert asyncio.run(_poll_woken_before_it_waits(node)) == {"have": [0, 1]}
+    answer = asyncio.run(_poll_woken_before_it_waits(node))
+    assert answer["have"] == [0, 1] and answer["from"] == 0  # no log named: the whole map
 
 
 async def _status_and_metrics(node: Node) -> tuple[dict, str]:
@@ -415,7 +422,9 @@ async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int
     node.store.have_indices = counted  # type: ignore[method-assign]
     try:
         async with asyncio.timeout(30), aiohttp.ClientSession() as s:
-            get = f"{url}/have/{m.digest}?known=1"
+            async with s.get(f"{url}/have/{m.digest}") as first:  # the whole map, and its log
+                log = (await first.json())["log"]
+            get = f"{url}/have/{m.digest}?known=1&log={log}"
             polls = [
                 asyncio.create_task(s.get(get, headers={PEER: f"http://127.0.0.1:{i + 1}"}))
                 for i in range(k)
@@ -436,12 +445,48 @@ async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int
 def test_one_chunk_landing_lists_the_have_map_once_for_every_poll(tmp_path: Path) -> None:
     """Every chunk that lands wakes every long poll held (a peer following this node each):
     the have-map is listed once for all of them, not once per poll (O(followers x chunks)
-    per chunk), and each gets the news."""
+    per chunk), and each gets the news, only the news (its log past what it knew)."""
     node = make_node(tmp_path)
     node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=600.0))
     answers, listed, held = asyncio.run(_polls_woken_by_one_chunk(node, 6))
-    assert held and answers == [{"have": [0, 1]}] * 6
+    log = answers[0]["log"]
+    assert held and answers == [{"have": [1], "from": 1, "log": log}] * 6
     assert listed == 1
+
+
+async def _have_log_polls(tmp_path: Path) -> dict[str, Any]:
+    node = make_node(tmp_path)
+    url = await node.start()
+    payload = b"a" * 16 * 1024 + b"b" * 16 * 1024
+    m = snapshot_manifest(payload)
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    node.store.put_chunk(payload[: 16 * 1024])
+    out: dict[str, Any] = {}
+    try:
+        async with asyncio.timeout(30), aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/have/{m.digest}") as r:
+                out["first"] = await r.json()
+            stale = "0" * 16  # a log this node does not keep: the whole map, at once
+            async with s.get(f"{url}/have/{m.digest}?known=1&log={stale}") as r:
+                out["stale"] = await r.json()
+            log = out["first"]["log"]
+            node.store.put_chunk(payload[16 * 1024 :])
+            node.view.notify_have()
+            async with s.get(f"{url}/have/{m.digest}?known=1&log={log}") as r:
+                out["news"] = await r.json()  # (a poll held for the news: see above)
+    finally:
+        await node.stop()
+    return out
+
+
+def test_a_rollout_answers_a_long_poll_with_its_news_and_a_stale_log_with_the_map(
+    tmp_path: Path,
+) -> None:
+    out = asyncio.run(_have_log_polls(tmp_path))
+    log = out["first"]["log"]
+    assert out["first"] == {"have": [0], "from": 0, "log": log} and len(log) == 16
+    assert out["stale"] == {"have": [0], "from": 0, "log": log}
+    assert out["news"] == {"have": [1], "from": 1, "log": log}
 
 
 async def _seed_polls(trainer, m: Manifest, payload: bytes) -> tuple[list, dict, list, bool]:

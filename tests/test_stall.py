@@ -35,7 +35,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.download import Download, download
+from p2p_sync.transport.download import Download, HaveCursor, download
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal, rollout_config, trainer_config
 
@@ -138,12 +138,12 @@ class _Source:
     def pushed(self, peer: str, m: Manifest) -> list[int] | None:
         return self.push.pop(peer, None)
 
-    async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
+    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
         self.followed.append(peer)
-        self.asked.append((peer, known))
-        if known >= 0:  # a long poll: nothing new will come
+        self.asked.append((peer, since.known))
+        if since.known >= 0:  # a long poll: nothing new will come
             await asyncio.Event().wait()
-        return list(range(len(m.chunks)))
+        return list(range(len(m.chunks))), HaveCursor(len(m.chunks))
 
 
 class _Counting:

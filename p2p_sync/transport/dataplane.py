@@ -20,13 +20,21 @@ GET  /chunks/{sha256...}     several chunks in one request: their digests concat
 GET  /manifests             [{digest, version, kind, base_version, payload_size}] known here;
                             ``?version=N`` lists only that version's manifests
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
-GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest]};
-                            with ``?known=N`` a long poll: the answer waits (up to
-                            ``have_wait_s``) until the list is no longer N long, so news
-                            of a chunk reaches peers one latency after it is verified (a
-                            seed's list is its offer to the requester named by the peer
-                            header: it grows when a chunk handed to that requester is
-                            served; what time alone frees shows at the next answer)
+GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest],
+                            "from": 0, "log": ID}: ID names this have-map's log, its
+                            chunks in arrival order (``p2p_sync.havelog``); with
+                            ``?known=N&log=ID`` a long poll: the answer waits (up to
+                            ``have_wait_s``) until the log is longer than N, and lists
+                            only its entries from N on ("from": N), so news of a chunk
+                            reaches peers one latency after it is verified and each index
+                            crosses the wire once per follower; a log no longer kept (a
+                            chunk left the map, the node restarted) is answered at once
+                            with the whole map ("from": 0, a new ID). A seed answers its
+                            offer to the requester named by the peer header, whole, with
+                            no "log" (an offer can shrink): ``?known=N`` waits until it
+                            is no longer N long (it grows when a chunk handed to that
+                            requester is served; what time alone frees shows at the next
+                            answer)
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...], and
                             optionally "offers": {digest: [chunk indices]}, what the sender's
@@ -86,6 +94,7 @@ from urllib.parse import urlsplit
 
 from p2p_sync.bounded import remember
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError
+from p2p_sync.havelog import LOG_ID, HaveLog
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.uploads import Admission, UploadSlots
 
@@ -162,6 +171,7 @@ class NodeView(Protocol):
     def manifest_index(self) -> list[dict[str, Any]]: ...
     def manifest_bytes(self, digest: str) -> bytes | None: ...
     def have(self, digest: str, requester: str | None) -> list[int] | None: ...
+    def have_log(self, digest: str) -> HaveLog | None: ...
     def have_changed(self, timeout: float, requester: str | None = None) -> Awaitable[None]: ...
     def chunk(self, sha256: str, requester: str | None = None) -> bytes | None: ...
     def peer_urls(self) -> list[str]: ...
@@ -231,6 +241,16 @@ class Refused(Exception):
 
 def _json(doc: Any, status: int = 200) -> Reply:
     return Reply(status, json.dumps(doc).encode())
+
+
+def _have_query(query: Mapping[str, str]) -> tuple[int | None, str | None]:
+    """``GET /have``'s ``known`` (a small count) and ``log`` (a have log's name), or a 400."""
+    known, log = query.get("known"), query.get("log")
+    if known is not None and not (known.isdigit() and len(known) < 9):
+        raise Refused(400, "known must be a small non-negative integer")
+    if log is not None and (known is None or not LOG_ID.match(log)):
+        raise Refused(400, "log must be 16 hex digits, with known")
+    return (None if known is None else int(known)), log
 
 
 def _hex(value: str, name: str) -> str:
@@ -422,12 +442,10 @@ class DataRouter:
 
     async def _have(self, req: Request, digest: str) -> Reply:
         _hex(digest, "digest")
-        known = req.query.get("known")
-        if known is not None and not (known.isdigit() and len(known) < 9):
-            raise Refused(400, "known must be a small non-negative integer")
+        known, log = _have_query(req.query)
         have = self.node.have(digest, req.peer)
         deadline = time.monotonic() + self.limits.have_wait_s
-        while have is not None and known is not None and len(have) == int(known):
+        while have is not None and known is not None and self._unchanged(digest, have, known, log):
             left = deadline - time.monotonic()
             if left <= 0 or self._closing.is_set():
                 break
@@ -435,7 +453,18 @@ class DataRouter:
             have = self.node.have(digest, req.peer)
         if have is None:
             raise Refused(404, "no such manifest here")
-        return _json({"have": have})
+        record = self.node.have_log(digest)
+        if record is None:  # a seed's offer: the whole list each time
+            return _json({"have": have})
+        start, indices = record.since(log, -1 if known is None else known)
+        return _json({"have": indices, "from": start, "log": record.ident})
+
+    def _unchanged(self, digest: str, have: list[int], known: int, log: str | None) -> bool:
+        """Nothing new for a long poll at ``known`` (of ``log``, if it names one) yet."""
+        record = self.node.have_log(digest)
+        if record is None or log is None:
+            return len(have) == known
+        return record.waits(log, known)
 
     async def _news_or_close(self, timeout: float, requester: str | None) -> None:
         """Wait for have-map news (or the node closing). ``have_changed`` takes its news

@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from p2p_sync.chunks import verify_chunk
 from p2p_sync.errors import ChunkError, DownloadStalledError, PeerBusyError, PeerError, StoreError
+from p2p_sync.havelog import LOG_ID
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import (
     Action,
@@ -45,6 +47,21 @@ from p2p_sync.swarm import (
     TimerFired,
 )
 from p2p_sync.transport.dataplane import CHUNK_ROUTE, MAX_RUN, PeerClient, chunks_url
+
+
+@dataclass(frozen=True)
+class HaveCursor:
+    """Where a follower of one peer's have-map stands: ``known`` entries of the peer's have
+    log ``log`` (``p2p_sync.havelog``; None: whole lists), -1 before the first answer."""
+
+    known: int = -1
+    log: str | None = None
+
+    def query(self) -> str:
+        """``GET /have``'s query: none on the first ask (answered at once), else a long poll."""
+        if self.known < 0:
+            return ""
+        return f"?known={self.known}" + (f"&log={self.log}" if self.log else "")
 
 
 class ChunkSource(Protocol):
@@ -74,8 +91,10 @@ class ChunkSource(Protocol):
         """Whether several chunks go to ``peer`` in one request (else one request each)."""
         ...
 
-    async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
-        """The chunks ``peer`` holds; with ``known >= 0``, once it holds other than ``known``."""
+    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
+        """Chunks ``peer`` holds that ``since`` did not say (all of them on the first ask,
+        ``since.known < 0``: answered at once; else a long poll, answered once there is
+        more), and where the next question starts."""
         ...
 
     def pushed(self, peer: str, m: Manifest) -> list[int] | None:
@@ -135,12 +154,17 @@ class DataPlaneSource:
         is small next to libp2p's per-byte cost."""
         return not peer.startswith("p2p://")
 
-    async def have(self, peer: str, m: Manifest, known: int) -> list[int]:
-        query = "" if known < 0 else f"?known={known}"  # the first answer comes at once
-        res = await self.client.get_json(f"{peer}/have/{m.digest}{query}")
+    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
+        res = await self.client.get_json(f"{peer}/have/{m.digest}{since.query()}")
         if not (isinstance(res, dict) and isinstance(res.get("have"), list)):
             raise PeerError(f"{peer}: malformed have-map")
-        return [i for i in res["have"] if isinstance(i, int)]
+        have = [i for i in res["have"] if isinstance(i, int)]
+        log, start = res.get("log"), res.get("from", 0)
+        if log is None:  # a whole list (a seed's offer)
+            return have, HaveCursor(len(have))
+        if not (isinstance(log, str) and LOG_ID.match(log)) or start not in (0, since.known):
+            raise PeerError(f"{peer}: malformed have-map (log {log!r} from {start!r})")
+        return have, HaveCursor(start + len(have), log)
 
 
 class Download:
@@ -218,23 +242,25 @@ class Download:
 
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
-        known, failures, owed = -1, 0, self.source.owed(peer)
+        since, failures, owed = HaveCursor(), 0, self.source.owed(peer)
         pushed = self.source.pushed(peer, self.m)
         if pushed is not None:  # no round trip measured: the chunk replies will measure it
-            known = len(pushed)
+            since = HaveCursor(len(pushed))
             self.events.put_nowait(PeerHad(peer, frozenset(pushed), None, owed))
         while not self.done.is_set() and failures < self.config.have_failures:
             if peer not in self.source.peers():
                 break
             asked = time.monotonic()
             try:
-                have = await self.source.have(peer, self.m, known)
+                have, after = await self.source.have(peer, self.m, since)
             except PeerError:
                 failures += 1
                 await asyncio.sleep(self.config.have_poll_s * failures)  # back-off, bounded
                 continue
-            rtt = time.monotonic() - asked if known < 0 else None  # answered at once: a round trip
-            failures, known = 0, len(have)
+            # answered at once (the first ask): a round trip
+            rtt = time.monotonic() - asked if since.known < 0 else None
+            failures, since = 0, after
+            # what it held before stays claimed (PeerHad adds): only the news is sent
             self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
         self.events.put_nowait(PeerLost(peer))  # gone, dropped or silent: its claims lapse
 
