@@ -22,7 +22,7 @@ from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, Rol
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
-from p2p_sync.transport.dataplane import Pushed, gather_quietly
+from p2p_sync.transport.dataplane import Pushed, gather_quietly, pack_manifests
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -164,7 +164,8 @@ class Learner:
         extra: list[dict[str, Any]] = [{} for _ in peers]  # a relay's: the digests alone
         if own:
             texts = {d: b.decode() for d in digests if (b := node.store.manifest_bytes(d))}
-            inline = (texts, len(json.dumps(texts)))  # encoded once: ~56 KB for 768 chunks
+            packed = pack_manifests(texts)  # once: ~35 KB for 768 chunks (JSON: ~56 KB)
+            inline = (packed, len(packed))
             extra = [self._extra(p, digests, followers, inline) for p in peers]
         pushes = asyncio.ensure_future(
             gather_quietly([self._push(p, digests, x) for p, x in zip(peers, extra)])
@@ -189,12 +190,12 @@ class Learner:
         peer: str,
         digests: list[str],
         followers: set[str],
-        inline: tuple[dict[str, str], int],
+        inline: tuple[str, int],
     ) -> dict[str, Any]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
         the chunks we hand it (its first have-map answer, ahead of its question) and, unless
-        gossip reaches it, the manifests (``inline``: their texts, and those encoded's size;
-        it would fetch them from us right after), when the request stays within the
+        gossip reaches it, the manifests (``inline``: packed, ``pack_manifests``, and its
+        size; it would fetch them from us right after), when the request stays within the
         receiver's body limit; and whether the news also went out by gossip (a node on the
         mesh then takes the manifests from it: our view of who is on the mesh is not
         complete, so a follower we think off the mesh may be on it)."""
@@ -205,11 +206,11 @@ class Learner:
             extra["offers"] = offers
         if self.node.p2p is not None:
             extra["gossiped"] = True
-        texts, size = inline
+        packed, size = inline
         if peer in followers and peer not in self._p2p_urls:
             room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
             if size <= room:
-                extra["manifests"] = texts
+                extra["manifests_zstd"] = packed
         return extra
 
     # ------------------------------------------------------------ pull fallback

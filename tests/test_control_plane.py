@@ -5,8 +5,11 @@ peers does. Real stores, gates, directories, drivers and routers; only the wire 
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from pathlib import Path
+
+import zstandard
 
 from node.runtime import Node
 from node.timeline import STEPS
@@ -17,7 +20,7 @@ from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits, Source
 from p2p_sync.statehash import state_hash
-from p2p_sync.transport.dataplane import Pushed
+from p2p_sync.transport.dataplane import Pushed, pack_manifests
 from p2p_sync.transport.memory import MemoryClient
 from tests.helpers import bit_equal
 from tests.nodebase import MemorySwarm
@@ -354,6 +357,12 @@ def test_the_trainer_pushes_a_follower_its_chunks_and_the_manifest_with_the_news
     assert to_trainer and all(known is not None for _, known in to_trainer), to_trainer
 
 
+def _bomb() -> str:
+    """``manifests_zstd`` whose frame unpacks to 100 MB of JSON (one long string)."""
+    frame = zstandard.ZstdCompressor(level=3).compress(b'"' + b"a" * 100_000_000 + b'"')
+    return base64.b64encode(frame).decode()
+
+
 async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
     async with MemorySwarm(tmp_path) as swarm:
         _, [rollout] = await swarm.at_v0(versions[0], "r0")
@@ -367,6 +376,11 @@ async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
             {"offers": {m.digest: "all"}},
             {"manifests": {m.digest: 7}},
             {"manifests": {"cd" * 32: "{}"}},
+            {"manifests_zstd": 7},
+            {"manifests_zstd": "not base64!"},
+            {"manifests_zstd": base64.b64encode(b"not a zstd frame").decode()},
+            {"manifests_zstd": pack_manifests({"cd" * 32: "{}"})},  # a digest not announced
+            {"manifests_zstd": _bomb()},  # 3 KB that would unpack to 100 MB: a 413
         ):
             try:
                 await evil.client.announce(url, [m.digest], extra)
@@ -380,7 +394,8 @@ async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
         posed = rollout.learner.take_offer(swarm.trainer.url or "", m.digest)
         framed = set(rollout.peering.banned)
         evil.client.self_url = evil_url
-        await evil.client.announce(url, [m.digest], inline)  # as itself: well formed, forged
+        packed = {"offers": inline["offers"], "manifests_zstd": pack_manifests(inline["manifests"])}
+        await evil.client.announce(url, [m.digest], packed)  # as itself: well formed, forged
         await rollout.learner.settled()
         return {
             "refused": refused,
@@ -397,7 +412,9 @@ def test_a_forged_manifest_pushed_inline_gets_its_pusher_banned_and_bad_fields_a
     tmp_path: Path, tiny_versions: list
 ) -> None:
     out = _run(_pushed_forgery(tmp_path, tiny_versions[:1]))
-    assert len(out["refused"]) == 5 and all("400" in r for r in out["refused"]), out["refused"]
+    *malformed, bomb = out["refused"]
+    assert len(malformed) == 9 and all("400" in r for r in malformed), out["refused"]
+    assert "413" in bomb
     # posing as the trainer: its offer and manifest are dropped (kept only from the host the
     # sender names), so nobody is framed, and the manifest is asked of the trainer itself
     assert out["posed"] is None and out["framed"] == set()

@@ -46,7 +46,9 @@ POST /announce              {"url": sender base URL or null, "digests": [...], a
                             every rollout fetch everything from the trainer), "manifests": {digest:
                             signed manifest text} (no ``GET /manifest`` round trip; each one
                             passes the receiver's trust gate as if fetched from ``url``: so
-                            kept only when the request came from its host too), "gossiped":
+                            kept only when the request came from its host too), or the same
+                            packed, "manifests_zstd": base64 of that object's JSON
+                            zstd-compressed (``pack_manifests``; 0.6x), "gossiped":
                             true (the same news went out by gossip, manifests inline: a node
                             on the gossip mesh keeps the offers and the inline manifests and
                             takes the other manifests from gossip, not from ``url`` by a
@@ -82,6 +84,7 @@ so a control-plane test in memory exercises exactly what a real node serves.
 from __future__ import annotations
 
 import asyncio
+import base64
 import ipaddress
 import json
 import re
@@ -91,6 +94,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit
+
+import zstandard
 
 from p2p_sync.bounded import remember
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError
@@ -495,6 +500,9 @@ class DataRouter:
             raise Refused(400, "url must be http://host:port or p2p://<peer id>")
         offers = _by_digest(doc, "offers", digests, _indices, "chunk indices")
         texts = _by_digest(doc, "manifests", digests, _is_str, "manifest text")
+        if "manifests_zstd" in doc:
+            doc["manifests"] = _unpack_manifests(doc["manifests_zstd"], self.limits)
+            texts |= _by_digest(doc, "manifests", digests, _is_str, "manifest text")
         manifests = {d: text.encode() for d, text in texts.items()}
         if url is None or not same_host(url, req.remote):  # anyone may claim to be the trainer
             offers, manifests = {}, {}  # (and a forgery would get the trainer banned)
@@ -551,6 +559,34 @@ def _is_str(value: Any) -> bool:
 
 def _indices(have: Any) -> bool:
     return isinstance(have, list) and all(type(i) is int and 0 <= i < 2**31 for i in have)
+
+
+def pack_manifests(texts: Mapping[str, str]) -> str:
+    """``POST /announce``'s ``manifests_zstd``: {digest: signed manifest text} as JSON,
+    zstd-compressed, base64. A manifest is mostly hex chunk digests (4 bits in 8): packed it
+    is 0.6x the JSON text (55 KB -> 35 KB at 763 chunks), and the trainer pushes one to each
+    follower in the first milliseconds of a version, ahead of any chunk. Packed once per
+    version (0.1-0.2 ms), the same bytes for every follower."""
+    raw = json.dumps(dict(texts), separators=(",", ":")).encode()
+    return base64.b64encode(zstandard.ZstdCompressor(level=1).compress(raw)).decode()
+
+
+def _unpack_manifests(packed: Any, limits: HttpLimits) -> Any:
+    """The JSON inside ``manifests_zstd``: a 400 if malformed, a 413 if it would unpack to
+    more than a request may carry (a small frame must not inflate without bound)."""
+    if not isinstance(packed, str):
+        raise Refused(400, "manifests_zstd must be base64 text")
+    try:
+        frame = base64.b64decode(packed, validate=True)
+        reader = zstandard.ZstdDecompressor().stream_reader(frame)
+        raw = bytearray()
+        while piece := reader.read(PIECE):
+            raw += piece
+            if len(raw) > limits.max_request_bytes:
+                raise Refused(413, "manifests_zstd unpacks to more than the request limit")
+        return json.loads(raw)
+    except (ValueError, zstandard.ZstdError):  # binascii.Error and JSONDecodeError are both
+        raise Refused(400, "manifests_zstd must be base64 of a zstd frame of JSON") from None
 
 
 def announce_doc(url: str | None, digests: list[str], extra: Mapping[str, Any] | None) -> dict:
