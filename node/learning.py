@@ -164,8 +164,8 @@ class Learner:
         extra: list[dict[str, Any]] = [{} for _ in peers]  # a relay's: the digests alone
         if own:
             texts = {d: b.decode() for d in digests if (b := node.store.manifest_bytes(d))}
-            packed = pack_manifests(texts)  # once: ~35 KB for 768 chunks (JSON: ~56 KB)
-            inline = (packed, len(packed))
+            packed = pack_manifests(texts)  # once: ~35 KB for 763 chunks (JSON: ~56 KB)
+            inline = (packed, len(json.dumps(texts)))  # what it unpacks to: within the limit
             extra = [self._extra(p, digests, followers, inline) for p in peers]
         pushes = asyncio.ensure_future(
             gather_quietly([self._push(p, digests, x) for p, x in zip(peers, extra)])
@@ -194,8 +194,8 @@ class Learner:
     ) -> dict[str, Any]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
         the chunks we hand it (its first have-map answer, ahead of its question) and, unless
-        gossip reaches it, the manifests (``inline``: packed, ``pack_manifests``, and its
-        size; it would fetch them from us right after), when the request stays within the
+        gossip reaches it, the manifests (``inline``: packed, ``pack_manifests``, and the
+        size they unpack to; it would fetch them from us right after), when that stays within the
         receiver's body limit; and whether the news also went out by gossip (a node on the
         mesh then takes the manifests from it: our view of who is on the mesh is not
         complete, so a follower we think off the mesh may be on it)."""

@@ -188,7 +188,8 @@ def test_slow_start_costs_every_version_its_ramp() -> None:
     a version is 16 ms of bytes plus the announcement, manifest and have-map latencies
     (~0.22 s); in slow start the pair's connections (one initial window each) need several
     round trips to grow towards the path's 5 MB, and the second version (a training step
-    later: idle past any RTO) pays them again."""
+    later: idle past any RTO) pays them again, from the initial window of each connection
+    the first version left in the pool (so it pays less than the first)."""
     kw = dict(peers=1, payload_mb=2.0, latency_ms=20.0, versions=2, max_requests_per_peer=32)
     kw |= dict(uplink_mbps=1000.0, downlink_mbps=1000.0, trainer_uplink_mbps=1000.0)
     times = {}
@@ -196,8 +197,8 @@ def test_slow_start_costs_every_version_its_ramp() -> None:
         sim = SwarmSim(scenario(**kw, slow_start=slow))
         times[slow] = [sim.run_version(v).completion_s[0] for v in (1, 2)]
     assert times[False][0] == pytest.approx(times[False][1]) and times[False][0] < 0.25, times
-    assert all(t > times[False][0] + 0.15 for t in times[True]), times
-    assert times[True][1] == pytest.approx(times[True][0], rel=0.15), times
+    assert times[True][0] > times[False][0] + 0.15, times  # from one window, fresh
+    assert times[False][0] + 0.03 < times[True][1] <= times[True][0], times
 
 
 def test_swarm_beats_the_star_and_respects_the_bound() -> None:
