@@ -99,4 +99,4 @@ def test_auto_chunking_agrees_in_memory_and_on_disk(tmp_path) -> None:
     m = describe(payload, AUTO)
     assert m.chunk_size == chunk_size_for(len(payload)) == MIN_AUTO_CHUNK
     assert (m.chunks, m.payload_size) == on_disk
-    assert chunk_size_for(100_000_000) == 128 * 1024  # a 100 MB patch: 763 chunks
+    assert chunk_size_for(100_000_000) == 64 * 1024  # a 100 MB patch: 1,526 chunks
