@@ -75,8 +75,8 @@ class DataView:
         have = self._have_memo.get(digest)
         if have is None:
             have = self._have_memo[digest] = self.node.store.have_indices(m)
-            log = self._logs.get(digest) or HaveLog()
-            remember(self._logs, digest, log.sync(have), MAX_LOGS)
+            log = self._logs.get(digest)  # (an empty log is falsy: no ``or`` here)
+            remember(self._logs, digest, (HaveLog() if log is None else log).sync(have), MAX_LOGS)
         return have
 
     def have_log(self, digest: str) -> HaveLog | None:

@@ -629,3 +629,23 @@ def test_a_trainer_serves_as_many_uploads_at_once_as_a_download_follows_sources(
     tcfg = trainer_config(tmp_path / "b", p2p=False, publish=PublishPolicy(seed_uploads=5))
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     assert trainer.cfg.http.max_concurrent_uploads == 5
+
+
+def test_a_have_map_keeps_its_log_across_news_even_while_empty(tmp_path: Path) -> None:
+    """News of any payload recomputes every have-map; one that holds nothing yet must keep
+    its log (an empty log is falsy), else its followers, naming the old log, are answered at
+    once with an empty map and ask again at every piece of news."""
+    node = make_node(tmp_path)
+    payload = b"a" * 16 * 1024 + b"b" * 16 * 1024
+    m = snapshot_manifest(payload)
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    view = node.view
+    assert view.have(m.digest, None) == []
+    empty = view.have_log(m.digest)
+    view.notify_have()  # news of another payload
+    assert view.have(m.digest, None) == [] and view.have_log(m.digest) is empty
+    node.store.put_chunk(payload[16 * 1024 :])
+    view.notify_have()
+    assert view.have(m.digest, None) == [1]
+    grown = view.have_log(m.digest)
+    assert grown is not None and empty is not None and grown.ident == empty.ident
