@@ -11,7 +11,7 @@ x1.467 of the bound against x1.509 with 128 KiB (the last chunk reaches everyone
 after it left the trainer instead of ~0.37 s), half of them behind NAT x1.482 against
 x1.524. Below 64 KiB the per-request cost of a real node (~0.3-1 ms of HTTP and scheduling)
 rivals the transfer, and runs of chunks (``/chunks``) only amortize the HTTP part (64 KiB
-costs 8 loopback rollouts ~12% more CPU than 128 KiB for the same 100 MB). The manifest
+costs 8 loopback rollouts ~11% more CPU than 128 KiB for the same 100 MB). The manifest
 grows with the count (72 B a chunk as JSON: 109 KB at 1,526), which is why the trainer
 pushes it packed (46 B a chunk, ``transport.dataplane.pack_manifests``) and a have-map long
 poll is answered only the news (``p2p_sync.havelog``). BitTorrent settled on 256 KiB-4 MiB
