@@ -4,9 +4,10 @@ Every peer that follows a rollout long-polls its have-map (``GET /have/{digest}?
 answered once the map is no longer N long). A full answer lists every chunk held, and a
 follower asks again about once a round trip while a version arrives, so over a version each
 follower was sent O(chunks) indices O(chunks) times: at 763 chunks, 20 ms and 32 followers,
-~2 MB of one rollout's uplink for a 100 MB patch (the simulator charged nothing for it), 4x
-that at 5 ms and again 2x with 64 KiB chunks; and each answer cost both ends a JSON list and
-a set of the whole manifest.
+by count ~2 MB of one rollout's uplink for a 100 MB patch (the simulator charged nothing for
+it), 4x that at 5 ms and again 2x with 64 KiB chunks; and each answer cost both ends a JSON
+list and a set of the whole manifest. Measured on 8 loopback rollouts (100 MB, 128 KiB
+chunks): 1.66-2.06 MB of answers before, 0.27 MB with logs.
 
 A :class:`HaveLog` keeps a have-map in the order its chunks arrived. While no chunk leaves it,
 it only grows at the end, so its first N entries are the same for every follower, and a
