@@ -123,6 +123,7 @@ _ZERO_OK = {
     "download.request_bytes",  # 0: one chunk a request
     "publish.chunk_size",  # 0: picked from each payload's size
     "publish.seed_uploads",  # 0: download.max_sources
+    "publish.push_chunks",  # 0: no chunk behind an announcement
     "http.max_upload_mbps",
     "manifest.clock_skew_s",
     "announce.clock_skew_s",

@@ -109,6 +109,13 @@ class DataView:
     def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None:
         self.node.learner.on_announce(url, digests, pushed)
 
+    def on_pushed(self, url: str, digest: str, index: int, data: bytes) -> None:
+        self.node.learner.on_pushed(url, digest, index, data)
+
+    def pushable(self, digest: str, peer: str, count: int, budget: int) -> list[tuple[int, bytes]]:
+        """Chunks to send ``peer`` behind an announcement: none (only a seed hands out)."""
+        return []
+
     def followers(self) -> set[str]:
         """Peers to push a chunk offer with an announcement: none (only a seed hands out)."""
         return set()
@@ -208,6 +215,20 @@ class SeedingView(DataView):
         if requester is not None:
             remember(self._asked, requester, time.monotonic(), MAX_FOLLOWERS)
         return self.offer(digest, requester)
+
+    def pushable(self, digest: str, peer: str, count: int, budget: int) -> list[tuple[int, bytes]]:
+        """The first ``count`` chunks of ``peer``'s offer, within ``budget`` bytes, served to
+        it now (the seeder counts them fetched): they ride behind the announcement."""
+        m, offer = self.node.store.manifest(digest), self.offer(digest, peer)
+        sent: list[tuple[int, bytes]] = []
+        for index in (offer or [])[:count] if m is not None else []:
+            if sum(len(d) for _, d in sent) + m.chunk_length(index) > budget:
+                break
+            data = self.chunk(m.chunks[index], peer)
+            if data is None:
+                break
+            sent.append((index, data))
+        return sent
 
     def have_log(self, digest: str) -> HaveLog | None:
         """None: an offer is per requester and can shrink (a hand-out lapses), so a seed

@@ -8,7 +8,7 @@ served verified bytes (proven peers) and who served bad ones (banned).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from node.runtime import Node
@@ -47,6 +47,7 @@ class _NodeSource(DataPlaneSource):
         super().__init__(node.client, node.peering.usable)
         self.timeline, self.known = node.timeline, node.peering.directory.known
         self.offer = node.learner.take_offer  # a have-map answer pushed with the announcement
+        self.inbox = node.learner.pushed  # and the chunks sent behind it
         self._rank: dict[str, float] = {}
         self._rng = random.Random()
         self.public = node.peer_url == node.url  # reachable (or no NAT to speak of)
@@ -70,11 +71,14 @@ class _NodeSource(DataPlaneSource):
         trainer handed it would wait for ``SuperSeeder.starve_after_s`` otherwise."""
         return peer.startswith(SCHEME) and self.public
 
-    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
-        have = self.offer(peer, m.digest)
+    def pushed(self, peer: str, m: Manifest) -> tuple[list[int] | None, list[int]]:
+        have, pushing = self.offer(peer, m.digest)
         if have:
             self.timeline.note(m.digest, "first_have")
-        return have
+        return have, pushing
+
+    def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
+        return self.inbox.follow(m.digest)
 
     async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
         have, after = await super().have(peer, m, since)

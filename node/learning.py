@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
+from node.pushed import PushedChunks
 from p2p_sync import announce
 from p2p_sync.bounded import remember
 from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, RollbackAttackError
@@ -23,6 +24,7 @@ from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.transport.dataplane import Pushed, gather_quietly, pack_manifests
+from p2p_sync.versions import PATCH
 
 if TYPE_CHECKING:
     from node.runtime import Node
@@ -41,6 +43,9 @@ class Learner:
         self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
         self._learning: set[str] = set()
         self._offers: dict[tuple[str, str], list[int]] = {}  # (peer, digest) -> indices
+        # (peer, digest) -> the chunks of its offer it sends behind the announcement
+        self._pushing: dict[tuple[str, str], list[int]] = {}
+        self.pushed = PushedChunks()  # those chunks, until the download takes them
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
         self._tasks: list[asyncio.Task[Any]] = []
         self._poller: asyncio.Task[None] | None = None
@@ -88,6 +93,8 @@ class Learner:
             return
         for digest, have in pushed.offers.items():
             remember(self._offers, (url, digest), have, MAX_OFFERS)
+        for digest, indices in pushed.pushing.items():
+            remember(self._pushing, (url, digest), indices, MAX_OFFERS)
         mesh = node.p2p is not None and node.p2p.status().get("mesh_peers", 0) > 0
         fresh = [d for d in digests if not node.store.has_manifest(d)]
         if pushed.gossiped and mesh:
@@ -95,10 +102,16 @@ class Learner:
         if fresh:
             self.spawn(self.learn(url, fresh, pushed.manifests))
 
-    def take_offer(self, peer: str, digest: str) -> list[int] | None:
+    def take_offer(self, peer: str, digest: str) -> tuple[list[int] | None, list[int]]:
         """What ``peer`` pushed with its announcement of ``digest``: its have-map answer, so
-        a download's first question to it needs no round trip (once: later ones long-poll)."""
-        return self._offers.pop((peer, digest), None)
+        a download's first question to it needs no round trip (once: later ones long-poll),
+        and the chunks of it sent behind the announcement (not to be requested)."""
+        return self._offers.pop((peer, digest), None), self._pushing.pop((peer, digest), [])
+
+    def on_pushed(self, url: str, digest: str, index: int, data: bytes) -> None:
+        """A chunk behind an announcement (from ``url``'s host: the data plane checked)."""
+        if url not in self.node.peering.banned:
+            self.pushed.put(url, digest, index, data)
 
     async def learn(
         self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
@@ -161,29 +174,35 @@ class Learner:
         followers = node.view.followers() if own else set()
         skip = exclude | (self._p2p_urls - followers)
         peers = [p for p in node.peering.usable() if p not in skip]
-        extra: list[dict[str, Any]] = [{} for _ in peers]  # a relay's: the digests alone
+        # a relay's: the digests alone
+        extra: list[tuple[dict[str, Any], list[bytes]]] = [({}, []) for _ in peers]
         if own:
             texts = {d: b.decode() for d in digests if (b := node.store.manifest_bytes(d))}
             packed = pack_manifests(texts)  # once: ~35 KB for 763 chunks (JSON: ~56 KB)
             inline = (packed, len(json.dumps(texts)))  # what it unpacks to: within the limit
             extra = [self._extra(p, digests, followers, inline) for p in peers]
         pushes = asyncio.ensure_future(
-            gather_quietly([self._push(p, digests, x) for p, x in zip(peers, extra)])
+            gather_quietly([self._push(p, digests, *x) for p, x in zip(peers, extra)])
         )
         if gossip is not None:
             await gossip
         await pushes
 
-    async def _push(self, peer: str, digests: list[str], extra: dict[str, Any]) -> None:
-        """``POST /announce``; a follower it fails to reach gives back the chunks handed to it
-        (else they would wait ``reseed_after_s`` for a peer that is gone)."""
+    async def _push(
+        self, peer: str, digests: list[str], extra: dict[str, Any], chunks: list[bytes]
+    ) -> None:
+        """``POST /announce`` (framed, with ``chunks`` behind it, when it carries some); a
+        follower it fails to reach gives back the chunks handed to it (else they would wait
+        ``reseed_after_s`` for a peer that is gone)."""
         assert self.node.client is not None
         try:
-            await self.node.client.announce(peer, digests, extra)
+            await self.node.client.announce(peer, digests, extra, chunks)
         except PeerError:
             if "offers" in extra:
                 self.node.view.withdraw(peer)
             raise
+        if chunks:
+            self.node.view.count_upload(sum(map(len, chunks)))
 
     def _extra(
         self,
@@ -191,14 +210,16 @@ class Learner:
         digests: list[str],
         followers: set[str],
         inline: tuple[str, int],
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], list[bytes]]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
         the chunks we hand it (its first have-map answer, ahead of its question) and, unless
         gossip reaches it, the manifests (``inline``: packed, ``pack_manifests``, and the
         size they unpack to; it would fetch them from us right after), when that stays within the
         receiver's body limit; and whether the news also went out by gossip (a node on the
         mesh then takes the manifests from it: our view of who is on the mesh is not
-        complete, so a follower we think off the mesh may be on it)."""
+        complete, so a follower we think off the mesh may be on it); and, to a follower over
+        HTTP with the manifests inline, the first ``[publish] push_chunks`` chunks handed to
+        it, sent behind the JSON (returned apart: the framed body carries them)."""
         assert self.node.client is not None
         view, extra = self.node.view, {}
         if peer in followers:
@@ -211,7 +232,25 @@ class Learner:
             room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
             if size <= room:
                 extra["manifests_zstd"] = packed
-        return extra
+        chunks: list[bytes] = []
+        if "manifests_zstd" in extra and peer.startswith("http://"):
+            digest = self._push_digest(digests)
+            budget = self.node.client.limits.max_push_bytes
+            sent = view.pushable(digest, peer, self.node.cfg.publish.push_chunks, budget)
+            if sent:
+                extra["pushing"] = [[digest, i, len(data)] for i, data in sent]
+                chunks = [data for _, data in sent]
+        return extra, chunks
+
+    def _push_digest(self, digests: list[str]) -> str:
+        """Whose chunks ride behind the announcement: the 1-step patch (what every follower
+        at the previous version fetches next), else the first digest (version 0's
+        snapshot)."""
+        for digest in digests:
+            m = self.node.store.manifest(digest)
+            if m is not None and m.kind == PATCH and m.base_version == m.version - 1:
+                return digest
+        return digests[0]
 
     # ------------------------------------------------------------ pull fallback
 

@@ -57,11 +57,18 @@ class PublishPolicy:
     # 1 Gbit/s and 20 ms: 16 at once x1.57 the bound, the seed's uplink at 80-90% in the second
     # half; 32 at once x1.51; 64 spread each chunk over more, slower uploads)
     seed_uploads: int = 0
+    # chunks of each follower's first hand-out sent right behind the announcement and its
+    # manifest, on the same connection (0: none): the trainer's uplink carries them while the
+    # follower's first request is on its way, idle otherwise for a round trip at every
+    # version's start (simulated, 1,000 peers at 1 Gbit/s and 20 ms: see simulations/README)
+    push_chunks: int = 2
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1 or any(s < 2 for s in self.catchup_spans):
             raise ValueError("anchor_every must be >= 1 and catch-up spans >= 2")
+        if self.push_chunks < 0:
+            raise ValueError("push_chunks must be >= 0")
         if self.seed_quiet_factor < 0:
             raise ValueError("seed_quiet_factor must be >= 0")
         if self.patch_format not in (1, 2):

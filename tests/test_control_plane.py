@@ -357,6 +357,52 @@ def test_the_trainer_pushes_a_follower_its_chunks_and_the_manifest_with_the_news
     assert to_trainer and all(known is not None for _, known in to_trainer), to_trainer
 
 
+async def _pushed_chunks(tmp_path: Path, versions: list, served: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer, [rollout] = await swarm.at_v0(versions[0], "r0")  # a follower of the trainer
+        pushed: list = []
+        put = rollout.learner.pushed.put
+        rollout.learner.pushed.put = lambda *a: (pushed.append(a[:3]), put(*a))  # type: ignore
+        served.clear()
+        uploaded = trainer.metrics.bytes_uploaded
+        manifests = await swarm.publish(versions[1])
+        await swarm.converge(1)
+        patch = next(m for m in manifests if m.kind == "patch")
+        return {
+            "pushed": pushed,
+            "patch": patch,
+            "asked of the trainer": [sha for view, sha in served if view is trainer.view],
+            "trainer uploaded": trainer.metrics.bytes_uploaded - uploaded,
+            "rollout has": set(rollout.store.have_indices(patch)),
+            "weights": swarm.weights(rollout),
+        }
+
+
+def test_the_trainer_sends_a_follower_its_first_chunks_behind_the_news_and_they_are_not_asked(
+    tmp_path: Path, tiny_versions: list, monkeypatch
+) -> None:
+    """The chunks ride behind the announcement's JSON in one framed body: the follower takes
+    them (verified) without requesting them, so no round trip precedes the trainer's first
+    chunk bytes."""
+    from p2p_sync.transport.dataplane import DataRouter
+
+    served: list = []
+    serve = DataRouter._serve_chunks
+
+    async def spy(self: DataRouter, shas: list[str], req):
+        served.extend((self.node, sha) for sha in shas)
+        return await serve(self, shas, req)
+
+    monkeypatch.setattr(DataRouter, "_serve_chunks", spy)
+    out = _run(_pushed_chunks(tmp_path, tiny_versions[:2], served))
+    assert bit_equal(out["weights"], tiny_versions[1])
+    patch = out["patch"]
+    pushed = {index for _, digest, index in out["pushed"] if digest == patch.digest}
+    assert pushed and pushed <= out["rollout has"], out["pushed"]
+    assert not {patch.chunks[i] for i in pushed} & set(out["asked of the trainer"])
+    assert out["trainer uploaded"] >= sum(patch.chunk_length(i) for i in pushed)
+
+
 def _bomb() -> str:
     """``manifests_zstd`` whose frame unpacks to 100 MB of JSON (one long string)."""
     frame = zstandard.ZstdCompressor(level=3).compress(b'"' + b"a" * 100_000_000 + b'"')
@@ -391,7 +437,7 @@ async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
         evil_url, evil.client.self_url = evil.client.self_url, swarm.trainer.url
         await evil.client.announce(url, [m.digest], inline)  # posing as the trainer
         await rollout.learner.settled()
-        posed = rollout.learner.take_offer(swarm.trainer.url or "", m.digest)
+        posed, _ = rollout.learner.take_offer(swarm.trainer.url or "", m.digest)
         framed = set(rollout.peering.banned)
         evil.client.self_url = evil_url
         packed = {"offers": inline["offers"], "manifests_zstd": pack_manifests(inline["manifests"])}

@@ -112,6 +112,8 @@ class _Source:
         self.followed: list[str] = []  # whose have-map was asked for, in order
         self.asked: list[tuple[str, int]] = []  # (peer, known) of every have-map question
         self.push: dict[str, list[int]] = {}  # have-maps pushed with the announcement
+        self.pushing: dict[str, list[int]] = {}  # chunks of them sent behind it
+        self.sent: list[tuple[str, int, bytes]] = []  # those chunks as they come
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -135,8 +137,14 @@ class _Source:
     def runs(self, peer: str) -> bool:
         return True
 
-    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
-        return self.push.pop(peer, None)
+    def pushed(self, peer: str, m: Manifest) -> tuple[list[int] | None, list[int]]:
+        return self.push.pop(peer, None), self.pushing.pop(peer, [])
+
+    async def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
+        for item in self.sent:  # chunks behind the announcements, then nothing more
+            await asyncio.sleep(0)
+            yield item
+        await asyncio.Event().wait()
 
     async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
         self.followed.append(peer)
@@ -157,6 +165,15 @@ class _Counting:
         raise AssertionError(f"{peer} banned: {reason}")
 
 
+class _Banning(_Counting):
+    def __init__(self) -> None:
+        super().__init__()
+        self.banned: list[str] = []
+
+    def misbehaved(self, peer: str, reason: str) -> None:
+        self.banned.append(peer)
+
+
 def _manifest(payload: bytes) -> Manifest:
     return manifest_for(
         payload,
@@ -174,12 +191,20 @@ async def _download(
     lost: set[int],
     peers: tuple[str, ...] = ("p1", "p2"),
     push: dict[str, list[int]] | None = None,
+    sent: dict[str, dict[int, bytes | None]] | None = None,
     **settings: int,
-) -> tuple[_Sink, _Source, _Counting, float]:
+) -> tuple[_Sink, _Source, _Banning, float]:
+    """``sent``: chunks each peer sends behind its announcement (None: the true bytes)."""
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
-    sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Counting()
+    sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Banning()
     source.push = dict(push or {})
+    for peer, chunks in (sent or {}).items():
+        source.pushing[peer] = list(chunks)
+        for i, data in chunks.items():
+            if data != b"":  # b"": promised, never sent
+                true = payload[i * CHUNK : (i + 1) * CHUNK]
+                source.sent.append((peer, i, true if data is None else data))
     config = SwarmConfig(stall_timeout_s=0.3, seed=1, have_poll_s=0.05, **settings)
     t0 = time.monotonic()
     try:
@@ -203,6 +228,28 @@ def test_a_pushed_have_map_is_the_first_answer_and_the_peer_is_only_long_polled(
     assert ("p1", -1) not in source.asked and ("p1", 2) in source.asked  # no round trip
     assert ("p2", -1) in source.asked  # nothing pushed: asked as before
     assert source.push == {}  # taken once
+
+
+def test_chunks_sent_behind_an_announcement_are_taken_and_never_requested() -> None:
+    sent = {"p1": {0: None, 1: None}}
+    sink, source, listener, _ = asyncio.run(_download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent))
+    assert len(sink.chunks) == 5 and not listener.banned
+    assert not {i for _, i in source.requests} & {0, 1}  # on their way: not asked again
+
+
+def test_a_corrupt_chunk_sent_behind_an_announcement_bans_its_sender_and_is_fetched() -> None:
+    sent = {"p1": {0: b"x" * CHUNK}}
+    sink, source, listener, _ = asyncio.run(_download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent))
+    assert len(sink.chunks) == 5  # chunk 0 from p2, verified
+    assert listener.banned == ["p1"]
+    assert ("p2", 0) in source.requests
+
+
+def test_a_chunk_promised_behind_an_announcement_that_never_comes_is_pulled() -> None:
+    sent = {"p1": {0: b""}}  # the body was cut before it
+    sink, source, listener, _ = asyncio.run(_download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent))
+    assert len(sink.chunks) == 5 and not listener.banned
+    assert 0 in {i for _, i in source.requests}  # requested once the push was overdue
 
 
 def test_a_download_follows_at_most_max_sources_peers_the_preferred_first() -> None:

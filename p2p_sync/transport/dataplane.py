@@ -52,7 +52,25 @@ POST /announce              {"url": sender base URL or null, "digests": [...], a
                             true (the same news went out by gossip, manifests inline: a node
                             on the gossip mesh keeps the offers and the inline manifests and
                             takes the other manifests from gossip, not from ``url`` by a
-                            round trip over the trainer's uplink)} -> 202
+                            round trip over the trainer's uplink), "pushing": [[digest,
+                            index, length], ...]: chunks of the offer sent in the same body
+                            after the JSON (below)} -> 202
+                            **Framed, with chunks**: a body that starts with
+                            ``ANNOUNCE_MAGIC`` (Content-Type ``ANNOUNCE_TYPE``) is the magic,
+                            the JSON's length (4 bytes, big-endian, at most
+                            ``max_request_bytes``), the JSON, then the chunks "pushing" names,
+                            back to back in that order (at most ``MAX_PUSHED`` of them and
+                            ``max_push_bytes`` in all). The trainer sends a follower the first
+                            chunks it hands it right behind the manifest, on the same
+                            connection, so its uplink carries chunks during the round trip
+                            the follower's first request takes (idle otherwise, at every
+                            version's start). The receiver reads the JSON first and acts on it
+                            while the chunks are on their way; each chunk goes to the
+                            payload's download as it lands, is verified there against the
+                            signed manifest like any other, and is not requested meanwhile.
+                            Kept, like offers, only when the request came from ``url``'s host
+                            (a forged chunk gets ``url`` banned); a body that ends early keeps
+                            the chunks that came whole
 POST /dialback              {"url": "http://host:port", "nonce": 32 hex} -> {"reachable":
                             bool, "observed": the requester's address as seen here, "why"}:
                             this node GETs ``{url}/dialback/{nonce}``, only when the URL's
@@ -119,6 +137,11 @@ CHUNK_ROUTE = "/chunk/"
 CHUNKS_ROUTE = "/chunks/"
 MAX_RUN = 64  # chunks one /chunks request may name
 MAX_UPLOADED = 1 << 14  # chunks whose upload counts a data plane remembers (~3 MB)
+# ``POST /announce`` with chunks behind its JSON (the route table): how such a body starts,
+# its Content-Type, and how many chunks it may carry
+ANNOUNCE_MAGIC = b"p2pA"
+ANNOUNCE_TYPE = "application/x-p2psync-announce"
+MAX_PUSHED = 64
 
 
 def chunk_path(path: str) -> bool:
@@ -149,6 +172,8 @@ class HttpLimits:
     max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
+    # chunks one announcement may carry behind its JSON (the trainer's first hand-out)
+    max_push_bytes: int = 4 * 2**20
     # TCP congestion control for every socket the data plane opens or accepts ("": the host's
     # default). "bbr" resumes an idle connection at its measured rate, where Linux restarts
     # it in slow start otherwise (transport/tcp.py: fast, long paths need it)
@@ -168,6 +193,31 @@ class Pushed:
     offers: Mapping[str, list[int]] = field(default_factory=dict)  # digest -> chunk indices
     manifests: Mapping[str, bytes] = field(default_factory=dict)  # digest -> signed manifest
     gossiped: bool = False  # the same news went out by gossip
+    # digest -> chunk indices sent behind the JSON (they follow: ``NodeView.on_pushed``)
+    pushing: Mapping[str, list[int]] = field(default_factory=dict)
+
+
+class BodyReader(Protocol):
+    """The rest of a request body, read as it arrives (aiohttp's ``StreamReader`` is one)."""
+
+    async def readexactly(self, n: int) -> bytes:
+        """``n`` bytes; ``asyncio.IncompleteReadError`` if the body ends first."""
+        ...
+
+
+class BytesReader:
+    """A body already in memory as a :class:`BodyReader` (transports that carry whole
+    bodies: the in-memory network, libp2p streams)."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._at = memoryview(data), 0
+
+    async def readexactly(self, n: int) -> bytes:
+        piece = bytes(self._data[self._at : self._at + n])
+        self._at += len(piece)
+        if len(piece) < n:
+            raise asyncio.IncompleteReadError(piece, n)
+        return piece
 
 
 class NodeView(Protocol):
@@ -185,6 +235,11 @@ class NodeView(Protocol):
     def count_upload(self, nbytes: int) -> None: ...
     def upload_contact(self, requester: str, pending: bool) -> None: ...
     def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None: ...
+    def on_pushed(self, url: str, digest: str, index: int, data: bytes) -> None:
+        """A chunk pushed behind an announcement from ``url`` (unverified: the download
+        checks it against the signed manifest)."""
+        ...
+
     def add_peer(self, url: str) -> None: ...
     def issued(self, nonce: str) -> bool: ...
     async def dial_back(
@@ -218,6 +273,9 @@ class Request:
     body: bytes = b""
     remote: str | None = None  # the requester's address as the transport saw it
     outbound: bool = False  # it came over a connection this node opened (a libp2p stream)
+    # a framed announcement's chunks, still arriving (``body`` is then the framing and the
+    # JSON only: the aiohttp server reads the chunks as the router asks for them)
+    rest: BodyReader | None = None
 
     @property
     def requester(self) -> str:
@@ -490,7 +548,8 @@ class DataRouter:
         return _json({"peers": self.node.peer_urls()})
 
     async def _announce(self, req: Request, _: str) -> Reply:
-        doc = _json_body(req, self.limits)
+        head, rest = split_announce(req, self.limits)
+        doc = _json_doc(head, self.limits)
         url, digests = doc.get("url"), doc.get("digests")
         if not (url is None or isinstance(url, str)) or not isinstance(digests, list):
             raise Refused(400, "expected {url, digests}")
@@ -504,13 +563,33 @@ class DataRouter:
             packed = {"manifests_zstd": _unpack_manifests(doc["manifests_zstd"], self.limits)}
             texts |= _by_digest(packed, "manifests_zstd", digests, _is_str, "manifest text")
         manifests = {d: text.encode() for d, text in texts.items()}
+        pushing = _pushing(doc, digests, self.limits)
         if url is None or not same_host(url, req.remote):  # anyone may claim to be the trainer
-            offers, manifests = {}, {}  # (and a forgery would get the trainer banned)
+            offers, manifests, pushing = {}, {}, []  # (and a forgery would get it banned)
         gossiped = doc.get("gossiped", False)
         if not isinstance(gossiped, bool):
             raise Refused(400, "gossiped must be true or false")
-        self.node.on_announce(url, digests, Pushed(offers, manifests, gossiped))
+        indices: dict[str, list[int]] = {}
+        for digest, index, _n in pushing:
+            indices.setdefault(digest, []).append(index)
+        self.node.on_announce(url, digests, Pushed(offers, manifests, gossiped, indices))
+        if pushing and rest is not None and url is not None:
+            await self._take_pushed(url, pushing, rest)
         return _json({"ok": True}, status=202)
+
+    async def _take_pushed(
+        self, url: str, pushing: list[tuple[str, int, int]], rest: BodyReader
+    ) -> None:
+        """Hand on each chunk behind a framed announcement as it lands (the JSON was acted
+        on first); a body that ends early, or stops moving for ``read_patience_s``, keeps
+        those that came whole (the download pulls the others once their push is overdue)."""
+        for digest, index, n in pushing:
+            try:
+                async with asyncio.timeout(self.limits.read_patience_s):
+                    data = await rest.readexactly(n)
+            except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+                return
+            self.node.on_pushed(url, digest, index, data)
 
     async def _dial_back(self, req: Request, _: str) -> Reply:
         doc = _json_body(req, self.limits)
@@ -594,12 +673,74 @@ def announce_doc(url: str | None, digests: list[str], extra: Mapping[str, Any] |
     return {"url": url, "digests": digests, **(extra or {})}
 
 
+def frame_announce(doc: Mapping[str, Any], chunks: list[bytes]) -> bytes:
+    """A framed ``POST /announce`` body: the JSON, then ``chunks`` (``doc``'s "pushing")."""
+    head = json.dumps(doc).encode()
+    return b"".join([ANNOUNCE_MAGIC, len(head).to_bytes(4, "big"), head, *chunks])
+
+
+def split_announce(req: Request, limits: HttpLimits) -> tuple[bytes, BodyReader | None]:
+    """A ``POST /announce`` body's JSON and, when framed, a reader of the chunks behind it."""
+    body = req.body
+    if not body.startswith(ANNOUNCE_MAGIC):
+        return body, None
+    n = int.from_bytes(body[4:8], "big") if len(body) >= 8 else -1
+    if not 0 <= n <= limits.max_request_bytes or len(body) < 8 + n:
+        raise Refused(400, "framed announcement: bad JSON length")
+    head = body[8 : 8 + n]
+    return head, req.rest if req.rest is not None else BytesReader(body[8 + n :])
+
+
+async def read_announce_head(reader: BodyReader, limits: HttpLimits) -> bytes:
+    """A framed announcement's magic, length and JSON off a stream, the chunks left unread
+    (the aiohttp server's part of ``split_announce``): a 400 if malformed, a 413 if long."""
+    try:
+        prefix = await reader.readexactly(8)
+        if not prefix.startswith(ANNOUNCE_MAGIC):
+            raise Refused(400, "framed announcement: bad magic")
+        n = int.from_bytes(prefix[4:], "big")
+        if n > limits.max_request_bytes:
+            raise Refused(413, "body over the request limit")
+        return prefix + await reader.readexactly(n)
+    except asyncio.IncompleteReadError:
+        raise Refused(400, "framed announcement: body ends early") from None
+
+
+def _pushing(
+    doc: dict[str, Any], digests: list[str], limits: HttpLimits
+) -> list[tuple[str, int, int]]:
+    """An announcement's "pushing": [[digest, index, length], ...], each an announced
+    digest, a chunk index and a length named once; at most ``MAX_PUSHED`` of them and
+    ``max_push_bytes`` in all; or a 400."""
+    field = doc.get("pushing", [])
+    bad = Refused(400, "pushing must list [announced digest, index, length] triples")
+    if not isinstance(field, list) or len(field) > MAX_PUSHED:
+        raise bad
+    out: list[tuple[str, int, int]] = []
+    for item in field:
+        if not (isinstance(item, list) and len(item) == 3 and item[0] in digests):
+            raise bad
+        digest, index, n = item
+        if not (type(index) is int and type(n) is int and 0 <= index < 2**31 and 0 < n):
+            raise bad
+        out.append((digest, index, n))
+    if len({(d, i) for d, i, _ in out}) < len(out):
+        raise bad
+    if sum(n for _, _, n in out) > limits.max_push_bytes:
+        raise Refused(413, "pushing: more chunk bytes than max_push_bytes")
+    return out
+
+
 def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:
     """A POST body: a JSON object within the request limit, or a 4xx."""
-    if len(req.body) > limits.max_request_bytes:
+    return _json_doc(req.body, limits)
+
+
+def _json_doc(body: bytes, limits: HttpLimits) -> dict[str, Any]:
+    if len(body) > limits.max_request_bytes:
         raise Refused(413, "body over the request limit")
     try:
-        doc = json.loads(req.body)
+        doc = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise Refused(400, "body must be JSON") from None
     if not isinstance(doc, dict):
@@ -626,9 +767,14 @@ class PeerClient(Protocol):
 
     async def post_json(self, url: str, doc: Any) -> Any: ...
     async def announce(
-        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+        self,
+        peer: str,
+        digests: list[str],
+        extra: Mapping[str, Any] | None = None,
+        chunks: list[bytes] | None = None,
     ) -> None:
-        """``POST /announce``; ``extra``: its optional fields (offers, manifests)."""
+        """``POST /announce``; ``extra``: its optional fields (offers, manifests); with
+        ``chunks`` (those ``extra["pushing"]`` names) the framed body, the chunks after."""
         ...
 
     async def close(self) -> None: ...

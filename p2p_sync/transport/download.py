@@ -41,6 +41,7 @@ from p2p_sync.swarm import (
     PeerBusy,
     PeerHad,
     PeerLost,
+    PeerPushes,
     RequestChunk,
     Scheduler,
     SwarmConfig,
@@ -97,9 +98,15 @@ class ChunkSource(Protocol):
         more), and where the next question starts."""
         ...
 
-    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
+    def pushed(self, peer: str, m: Manifest) -> tuple[list[int] | None, list[int]]:
         """The have-map ``peer`` pushed with its announcement of ``m`` (the trainer hands a
-        follower its chunks that way), if any: the first answer, without asking."""
+        follower its chunks that way), if any: the first answer, without asking; and the
+        chunks of it sent behind the announcement (they come by :meth:`pushes`)."""
+        ...
+
+    def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
+        """(peer, index, bytes) of every chunk of ``m`` pushed behind an announcement, as it
+        comes, unverified, until the caller stops iterating."""
         ...
 
 
@@ -134,8 +141,12 @@ class DataPlaneSource:
     def owed(self, peer: str) -> bool:
         return False
 
-    def pushed(self, peer: str, m: Manifest) -> list[int] | None:
-        return None
+    def pushed(self, peer: str, m: Manifest) -> tuple[list[int] | None, list[int]]:
+        return None, []
+
+    async def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
+        return  # nothing is pushed to a bare client
+        yield
 
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
@@ -228,6 +239,19 @@ class Download:
         except ChunkError:
             self.events.put_nowait(ChunkCorrupted(peer, pending[got - 1]))
 
+    async def _take_pushes(self) -> None:
+        """Chunks pushed behind an announcement: each verified (bytes failing the hash get
+        the pusher banned, as from a request) and stored if still missing."""
+        async for peer, index, data in self.source.pushes(self.m):
+            if index not in self.sched.missing:
+                continue
+            try:
+                verify_chunk(self.m, index, data)
+            except ChunkError:
+                self.events.put_nowait(ChunkCorrupted(peer, index))
+                continue
+            self._stored(peer, index, data)
+
     def _report(
         self, event: type[PeerBusy | ChunkFailed | ChunkCorrupted], peer: str, indices: list[int]
     ) -> None:
@@ -243,7 +267,9 @@ class Download:
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
         since, failures, owed = HaveCursor(), 0, self.source.owed(peer)
-        pushed = self.source.pushed(peer, self.m)
+        pushed, pushing = self.source.pushed(peer, self.m)
+        if pushing:  # on their way behind the announcement: wait for them, do not ask
+            self.events.put_nowait(PeerPushes(peer, frozenset(pushing)))
         if pushed is not None:  # no round trip measured: the chunk replies will measure it
             since = HaveCursor(len(pushed))
             self.events.put_nowait(PeerHad(peer, frozenset(pushed), None, owed))
@@ -331,6 +357,7 @@ class Download:
         """Drive the scheduler until it completes or stalls; always reaps every task."""
         loop = asyncio.get_running_loop()
         watcher = asyncio.create_task(self._watch_peers())
+        pushes = asyncio.create_task(self._take_pushes())
         try:
             self._act(self.sched.handle(TimerFired(), loop.time()))
             while not self.done.is_set():
@@ -338,7 +365,7 @@ class Download:
                 self._act(self.sched.handle(event, loop.time()))
         finally:
             self.done.set()
-            pending = [watcher, *self.requests.values(), *self.followers.values()]
+            pending = [watcher, pushes, *self.requests.values(), *self.followers.values()]
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

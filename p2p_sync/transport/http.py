@@ -25,17 +25,21 @@ from aiohttp import web
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError, PeerUnreachableError
 from p2p_sync.transport import tcp
 from p2p_sync.transport.dataplane import (
+    ANNOUNCE_TYPE,
     PEER_HEADER,
     PIECE,
     DataRouter,
     HttpLimits,
     NodeView,
+    Refused,
     Reply,
     Request,
     announce_doc,
     check_reply,
     chunk_path,
+    frame_announce,
     parse_json,
+    read_announce_head,
 )
 from p2p_sync.transport.reverse import PATH as REVERSE
 from p2p_sync.transport.reverse import ReverseHub
@@ -84,9 +88,19 @@ class DataServer:
         return await self.reverse.accept(request)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read() if request.method == "POST" else b""  # capped: a 413
+        rest = None
+        if request.method == "POST" and request.content_type == ANNOUNCE_TYPE:
+            try:  # the JSON now, the chunks behind it as the router reads them
+                body = await read_announce_head(request.content, self.limits)
+            except Refused as r:
+                return web.Response(status=r.status, text=r.text)
+            rest = request.content
+        else:
+            body = await request.read() if request.method == "POST" else b""  # capped: a 413
         peer = request.headers.get(PEER_HEADER)
-        req = Request(request.method, request.path, request.query, peer, body, request.remote)
+        req = Request(
+            request.method, request.path, request.query, peer, body, request.remote, rest=rest
+        )
         async with self.router.serve(req) as reply:
             if not reply.upload:
                 return web.Response(
@@ -188,14 +202,33 @@ class DataClient:
         return parse_json(url, await self._post(url, doc, 200))
 
     async def announce(
-        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+        self,
+        peer: str,
+        digests: list[str],
+        extra: Mapping[str, Any] | None = None,
+        chunks: list[bytes] | None = None,
     ) -> None:
-        await self._post(f"{peer}/announce", announce_doc(self.self_url, digests, extra), 202)
+        doc = announce_doc(self.self_url, digests, extra)
+        if not chunks:
+            await self._post(f"{peer}/announce", doc, 202)
+            return
+        body = {"data": frame_announce(doc, chunks), "timeout": self._bulk}
+        await self._post(f"{peer}/announce", None, 202, body, {"Content-Type": ANNOUNCE_TYPE})
 
-    async def _post(self, url: str, doc: Any, expect: int) -> bytes:
+    async def _post(
+        self,
+        url: str,
+        doc: Any,
+        expect: int,
+        raw: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> bytes:
+        """POST ``doc`` as JSON, or ``raw``'s data (and its timeout) as it is."""
         limit = self.limits.max_json_bytes
+        body = raw or {"json": doc}
+        headers = {**self._headers, **(headers or {})}
         try:
-            async with self.session.post(url, json=doc, headers=self._headers) as resp:
+            async with self.session.post(url, headers=headers, **body) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit, expect)
                 return await resp.content.read(limit)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

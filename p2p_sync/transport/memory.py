@@ -28,6 +28,7 @@ from p2p_sync.transport.dataplane import (
     Request,
     announce_doc,
     check_reply,
+    frame_announce,
     parse_json,
     split_parts,
 )
@@ -119,9 +120,14 @@ class MemoryClient:
         return parse_json(url, await self._request("POST", url, self.limits.max_json_bytes, body))
 
     async def announce(
-        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+        self,
+        peer: str,
+        digests: list[str],
+        extra: Mapping[str, Any] | None = None,
+        chunks: list[bytes] | None = None,
     ) -> None:
-        body = json.dumps(announce_doc(self.self_url, digests, extra)).encode()
+        doc = announce_doc(self.self_url, digests, extra)
+        body = frame_announce(doc, chunks) if chunks else json.dumps(doc).encode()
         await self._request("POST", f"{peer}/announce", 1024, body, 202)
 
     async def close(self) -> None:

@@ -64,6 +64,7 @@ from p2p_sync.transport.dataplane import (
     announce_doc,
     check_reply,
     chunk_path,
+    frame_announce,
     parse_json,
     split_parts,
 )
@@ -436,10 +437,15 @@ class FramedClient:
         return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
 
     async def announce(
-        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+        self,
+        peer: str,
+        digests: list[str],
+        extra: Mapping[str, Any] | None = None,
+        chunks: list[bytes] | None = None,
     ) -> None:
-        doc = json.dumps(announce_doc(self.self_url, digests, extra)).encode()
-        await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", doc, 202)
+        doc = announce_doc(self.self_url, digests, extra)
+        body = frame_announce(doc, chunks) if chunks else json.dumps(doc).encode()
+        await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", body, 202)
 
     async def close(self) -> None:
         pass
@@ -534,9 +540,13 @@ class RoutedClient:
         return (await self._routed(url, lambda c, u: c.post_json(u, doc)))[0]
 
     async def announce(
-        self, peer: str, digests: list[str], extra: Mapping[str, Any] | None = None
+        self,
+        peer: str,
+        digests: list[str],
+        extra: Mapping[str, Any] | None = None,
+        chunks: list[bytes] | None = None,
     ) -> None:
-        await self._routed(peer, lambda c, u: c.announce(u, digests, extra))
+        await self._routed(peer, lambda c, u: c.announce(u, digests, extra, chunks))
 
     async def close(self) -> None:
         if self.lan is not None:
