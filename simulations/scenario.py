@@ -32,6 +32,7 @@ from p2p_sync.chunks import chunk_size_for
 from p2p_sync.errors import ScenarioError  # noqa: F401 (re-exported)
 from p2p_sync.settings import check_numbers, from_table
 from p2p_sync.swarm import SwarmConfig
+from p2p_sync.versions import PublishPolicy
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class Scenario:
     seed_uploads: int = 0  # the trainer's: its [publish] seed_uploads (0: download.max_sources)
     upload_queue: int = 64  # requests waiting for a slot; beyond it: busy (HTTP 503)
     seed_outstanding: int = 8  # super-seeding: hand-outs per requester at first (then grown)
+    # chunks a follower's announcement carries behind its manifest: [publish] push_chunks
+    push_chunks: int = PublishPolicy.push_chunks
     reseed_after_s: float = 2.0
     seed_quiet_factor: float = 2.0  # a quiet owner loses its hand-outs (0: never)
     download: SwarmConfig = field(default_factory=SwarmConfig)  # the node's [download] table
@@ -137,7 +140,14 @@ def check(s: Scenario) -> Scenario:
     for name in _FRACTIONS:
         if not 0 <= getattr(s, name) <= 1:
             raise _bad(name, "must be between 0 and 1")
-    for name in ("latency_ms", "churn_downtime", "chunk_kb", "seed_quiet_factor", "seed_uploads"):
+    for name in (
+        "latency_ms",
+        "churn_downtime",
+        "chunk_kb",
+        "seed_quiet_factor",
+        "seed_uploads",
+        "push_chunks",
+    ):
         if getattr(s, name) < 0:
             raise _bad(name, "must be >= 0")
     if s.corrupt_fraction + s.stall_fraction + s.liar_fraction >= 1:

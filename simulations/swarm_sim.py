@@ -13,7 +13,10 @@ and the node's messaging, as follows.
   of a running swarm) get its announcement pushed instead, carrying the manifest inline and
   the chunks the trainer hands each one (``node.learning``: its first have-map answer without
   a question): a transfer of ``MANIFEST_BYTES_PER_CHUNK`` bytes per chunk (packed) over the
-  trainer's uplink, then one latency, and the follower requests its chunks at once.
+  trainer's uplink, then one latency, and the follower requests its chunks at once, but for
+  the first ``push_chunks`` of them: those follow the manifest on the same connection (the
+  node's framed announcement), one after another, each landing a latency after its last
+  byte left, and the download waits for them (``PeerPushes``) instead of asking.
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
@@ -142,6 +145,7 @@ class Peer:
     timer_at: float | None = None  # when the scheduler's next TimerFired is due
     done_at: float | None = None
     pushed: bool = False  # the trainer pushed this version's news and its offer to it
+    pushing: frozenset[int] = frozenset()  # and sent these chunks behind it
 
 
 @dataclass
@@ -394,8 +398,7 @@ class SwarmSim:
             p.done_at, p.pushed = None, False
             self._remaining += 1
             if TRAINER in p.follows:
-                size = MANIFEST_BYTES_PER_CHUNK * self._n_chunks(self.artifacts[-1])
-                self.net.start(TRAINER, p.idx, size, lambda p=p: self._pushed(p))
+                self._announce_to(p, self.artifacts[-1])
             else:
                 clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
@@ -484,11 +487,50 @@ class SwarmSim:
         if p.online and p.sched is None and p.done_at is None:
             self._start_download(p)
 
-    def _pushed(self, p: Peer) -> None:
-        """The trainer's push reached ``p`` (a latency after its last byte)."""
+    def _announce_to(self, p: Peer, art: Artifact) -> None:
+        """The trainer's ``POST /announce`` to a follower: the manifest, then the first
+        ``push_chunks`` chunks it hands it, behind the manifest on the same connection (the
+        node's framed announcement: ``node.learning``); handed out, and counted served,
+        when the announcement is built, as the node's seeder does."""
+        n = self._n_chunks(art)
+        keys = [(art.ident, i) for i in range(n)]
+        now = self.clock.now
+        # chunks go behind announcements over HTTP only (a NATed follower's come over libp2p)
+        k = 0 if p.nat else self.sc.push_chunks
+        behind = sorted(self.seeder.offer(keys, p.idx, now))[:k]
+        for i in behind:
+            self.seeder.note_served((art.ident, i), p.idx, now)
+        p.pushing = frozenset(behind)
+        done = partial(self._pushed, p, art, behind)
+        self.net.start(TRAINER, p.idx, MANIFEST_BYTES_PER_CHUNK * n, done)
+
+    def _pushed(self, p: Peer, art: Artifact, behind: list[int]) -> None:
+        """The announcement's JSON left the trainer (``p`` reads it a latency later); the
+        chunks behind it follow on the same connection."""
         if p.online and p.done_at is None and not p.pushed:
             p.pushed = True
             self.clock.after(self.lat, self._learn, p)
+        self._send_behind(p, art, list(behind))
+
+    def _send_behind(self, p: Peer, art: Artifact, rest: list[int]) -> None:
+        if not rest or not p.online:
+            return
+        index, trainer = rest.pop(0), self.peers[TRAINER]
+        trainer.uploaded[(art.ident, index)] += 1
+        self.served[(TRAINER, p.idx)] = self.served.get((TRAINER, p.idx), 0) + 1
+
+        def sent() -> None:
+            event = self._checked(trainer, art, index)
+            self.clock.after(self.lat, self._behind_arrived, p, art, event)
+            self._send_behind(p, art, rest)
+
+        self.net.start(TRAINER, p.idx, self._chunk_size(art, index), sent)
+
+    def _behind_arrived(self, p: Peer, art: Artifact, event: Event) -> None:
+        """A chunk behind the announcement landed (after the download started: it left the
+        trainer after the JSON, which ``p`` acted on a latency after its last byte)."""
+        if p.online and p.artifact is art and p.sched is not None:
+            self._accept(p, art, event)
 
     def _start_download(self, p: Peer) -> None:
         steps = plan(p.state, self.artifacts)
@@ -504,6 +546,9 @@ class SwarmSim:
         p.sched = Scheduler(self._n_chunks(art), config, have, self.sc.chunk_bytes)
         p.timer_at = None
         self._feed(p, TimerFired())
+        if p.pushing and art is self.artifacts[-1]:  # behind the announcement: not asked
+            self._feed(p, PeerPushes(TRAINER, p.pushing))
+        p.pushing = frozenset()
         if self.tree is not None:
             for s in range(self.tree.k):
                 self._push_subscribe(p, self.tree.parent[(p.idx, s)], s)

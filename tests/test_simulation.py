@@ -305,6 +305,25 @@ PUSH_NET = dict(
 )
 
 
+def test_chunks_behind_the_announcement_start_the_swarm_a_round_trip_sooner() -> None:
+    """The trainer's followers get their first ``push_chunks`` chunks behind the manifest,
+    never request them, and the swarm starts (and so ends) sooner than when they ask."""
+    net = dict(PUSH_NET, peers=64, trainer_peers=8, payload_mb=8.0)
+    asked, pushed = simulate(scenario(**net, push_chunks=0)), simulate(scenario(**net))
+    for _sim, rep in (asked, pushed):
+        assert rep["honest_converged_fraction"] == 1.0
+        assert rep["trainer_upload_ratio"] <= 1.1  # a chunk behind the news is not sent twice
+    sim = pushed[0]
+    followers = [p for p in sim.peers[1:] if 0 in p.follows]
+    assert len(followers) == 8
+    # each follower got push_chunks chunks behind the news, and none of them twice (it does
+    # not request them: the seed serves a chunk out in the swarm only to its owner again)
+    assert all(sim.served[(0, p.idx)] >= 2 for p in followers)
+    assert max(sim.peers[0].uploaded.values()) == 1
+    worst = [rep["completion_time_s"]["worst"] for _, rep in (asked, pushed)]
+    assert worst[1] < worst[0] - sim.lat, worst  # at least a latency sooner
+
+
 def test_push_trees_carry_most_chunks_and_beat_pull_at_internet_latency() -> None:
     _, pull = simulate(scenario(**PUSH_NET))
     sim, push = simulate(scenario(**PUSH_NET, push_tree=True))
@@ -395,6 +414,7 @@ def test_same_seed_same_result() -> None:
         ({"slow_start": "yes"}, "slow_start"),
         ({"push_tree": True, "nat_fraction": 0.5}, "push_tree"),
         ({"peers": True}, "peers"),
+        ({"push_chunks": -1}, "push_chunks"),
     ],
 )
 def test_bad_scenarios_name_the_field(values: dict, field: str) -> None:
@@ -487,6 +507,7 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
         node.publish.seed_quiet_factor,
     )
     assert sc.seed_uploads == node.publish.seed_uploads
+    assert sc.push_chunks == node.publish.push_chunks
     assert sc.trainer_uploads == node.download.max_sources  # as a TrainerNode takes it
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 
