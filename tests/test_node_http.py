@@ -720,3 +720,52 @@ def test_framed_announcements_keep_whole_chunks_and_refuse_bad_framing(tmp_path:
     assert out.pop("head too long") == 413 and out.pop("pushing too much") == 413
     for name, code in out.items():
         assert code == 400, (name, code)
+
+
+async def _behind_over_http(tmp_path: Path, versions: list) -> dict[str, Any]:
+    """A trainer and a rollout on loopback: version 1's announcement carries chunks."""
+    from node.rollout import Follower
+    from node.trainer import Publisher, TrainerNode
+    from p2p_sync.versions import PublishPolicy
+
+    key = SigningKey.generate()
+    policy = SwarmPolicy("behind", (key.public,))
+    tcfg = trainer_config(tmp_path, p2p=False)
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    trainer.signer = key  # as `p2psync node --role trainer` sets it: its own news
+    url = await trainer.start()
+    rcfg = rollout_config(tmp_path, key, url, p2p=False)
+    rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
+    await rollout.start()
+    pushed: list = []
+    put = rollout.learner.pushed.put
+    rollout.learner.pushed.put = lambda *a: (pushed.append(a[:3]), put(*a))  # type: ignore
+    follower = Follower(rollout)
+    stop = asyncio.Event()
+    task = asyncio.create_task(follower.run(stop))
+    publisher = Publisher(trainer, key, PublishPolicy(chunk_size=16 * 1024), 10)
+    try:
+        for v, tensors in enumerate(versions):
+            manifests = await publisher.publish(tensors)
+            async with asyncio.timeout(60):
+                while follower.state.version != v:
+                    await follower.advanced.wait()
+    finally:
+        stop.set()
+        await task
+        await publisher.aclose()
+        await rollout.stop()
+        await trainer.stop()
+    patch = next(m for m in manifests if m.kind == "patch")
+    return {"pushed": pushed, "patch": patch, "url": url, "weights": follower.weights}
+
+
+def test_a_trainer_sends_chunks_behind_its_announcement_over_http(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    out = asyncio.run(_behind_over_http(tmp_path, tiny_versions[:2]))
+    from tests.helpers import bit_equal
+
+    assert bit_equal(out["weights"], tiny_versions[1])
+    behind = [(peer, i) for peer, digest, i in out["pushed"] if digest == out["patch"].digest]
+    assert behind and {peer for peer, _ in behind} == {out["url"]}, out["pushed"]
