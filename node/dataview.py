@@ -4,6 +4,7 @@ chunks, peers, status and metrics, read from the node's store and directory."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 
 MAX_LOGS = 64  # have logs kept (one per payload being served; the oldest forgotten)
+SERVES = 512  # the seed's recent chunk serves its uplink rate is measured over
 
 
 async def _wait(news: asyncio.Event, timeout: float) -> None:
@@ -116,6 +118,10 @@ class DataView:
         """Chunks to send ``peer`` behind an announcement: none (only a seed hands out)."""
         return []
 
+    def behind_budget(self) -> float:
+        """Bytes the uplink carries in a round trip, for chunks behind announcements: none."""
+        return 0.0
+
     def followers(self) -> set[str]:
         """Peers to push a chunk offer with an announcement: none (only a seed hands out)."""
         return set()
@@ -148,6 +154,8 @@ class SeedingView(DataView):
         self.seeder = SuperSeeder.of(node.cfg.publish)
         self._asked: dict[str, float] = {}  # requester -> when it last asked for a have-map
         self._news_for: dict[str, asyncio.Event] = {}  # requester -> news of its offer
+        # (when, bytes) of recent chunks served on request: the uplink's measured rate
+        self._serves: collections.deque[tuple[float, int]] = collections.deque(maxlen=SERVES)
 
     def followers(self) -> set[str]:
         """Peers that asked for a have-map lately: the ones a new version's announcement
@@ -173,6 +181,13 @@ class SeedingView(DataView):
         time alone frees (hand-outs of a peer gone quiet, starved chunks) reaches a
         follower when it is next served here or when its poll returns (``have_wait_s``),
         as the simulator's seed does (``_reoffer``, ``_repoll_seed``)."""
+        data = self._hand(sha256, requester)
+        if data is not None:
+            self._serves.append((time.monotonic(), len(data)))
+        return data
+
+    def _hand(self, sha256: str, requester: str | None) -> bytes | None:
+        """The chunk, if the seeder lets ``requester`` have it now (counted served)."""
         now, seeder = time.monotonic(), self.seeder
         if requester is not None and not seeder.may_serve(sha256, requester, now):
             return None  # handed to someone else and fetched: the swarm has it (a 404)
@@ -184,6 +199,17 @@ class SeedingView(DataView):
             if owner is not None and owner[0] != requester:
                 self._notify(owner[0])  # type: ignore[arg-type]
         return data
+
+    def behind_budget(self) -> float:
+        """What the uplink carries in one round trip: its rate over the last ``SERVES``
+        chunks served on request (a version's fresh chunks leave at the uplink's pace) times
+        the seeder's typical round trip; 0 until both were measured (the first versions)."""
+        rtt = self.seeder.round_trip_s()
+        if rtt is None or len(self._serves) < 2:
+            return 0.0
+        span = self._serves[-1][0] - self._serves[0][0]
+        sent = sum(n for _, n in self._serves) - self._serves[-1][1]
+        return rtt * sent / span if span > 0 else 0.0
 
     def notify_have(self) -> None:
         super().notify_have()
@@ -224,7 +250,7 @@ class SeedingView(DataView):
         for index in (offer or [])[:count] if m is not None else []:
             if sum(len(d) for _, d in sent) + m.chunk_length(index) > budget:
                 break
-            data = self.chunk(m.chunks[index], peer)
+            data = self._hand(m.chunks[index], peer)
             if data is None:
                 break
             sent.append((index, data))

@@ -23,6 +23,7 @@ from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, Rol
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
+from p2p_sync.seeding import chunks_behind
 from p2p_sync.transport.dataplane import Pushed, gather_quietly, pack_manifests
 from p2p_sync.versions import PATCH
 
@@ -180,7 +181,8 @@ class Learner:
             texts = {d: b.decode() for d in digests if (b := node.store.manifest_bytes(d))}
             packed = pack_manifests(texts)  # once: ~35 KB for 763 chunks (JSON: ~56 KB)
             inline = (packed, len(json.dumps(texts)))  # what it unpacks to: within the limit
-            extra = [self._extra(p, digests, followers, inline) for p in peers]
+            behind = self._behind(digests, peers, followers)
+            extra = [self._extra(p, digests, followers, inline, behind) for p in peers]
         pushes = asyncio.ensure_future(
             gather_quietly([self._push(p, digests, *x) for p, x in zip(peers, extra)])
         )
@@ -210,6 +212,7 @@ class Learner:
         digests: list[str],
         followers: set[str],
         inline: tuple[str, int],
+        behind: dict[str, int],
     ) -> tuple[dict[str, Any], list[bytes]]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
         the chunks we hand it (its first have-map answer, ahead of its question) and, unless
@@ -218,8 +221,8 @@ class Learner:
         receiver's body limit; and whether the news also went out by gossip (a node on the
         mesh then takes the manifests from it: our view of who is on the mesh is not
         complete, so a follower we think off the mesh may be on it); and, to a follower over
-        HTTP with the manifests inline, the first ``[publish] push_chunks`` chunks handed to
-        it, sent behind the JSON (returned apart: the framed body carries them)."""
+        HTTP with the manifests inline, the first ``behind[peer]`` chunks handed to it, sent
+        behind the JSON (returned apart: the framed body carries them)."""
         assert self.node.client is not None
         view, extra = self.node.view, {}
         if peer in followers:
@@ -233,14 +236,25 @@ class Learner:
             if size <= room:
                 extra["manifests_zstd"] = packed
         chunks: list[bytes] = []
-        if "manifests_zstd" in extra and peer.startswith("http://"):
+        if "manifests_zstd" in extra and behind.get(peer):
             digest = self._push_digest(digests)
             budget = self.node.client.limits.max_push_bytes
-            sent = view.pushable(digest, peer, self.node.cfg.publish.push_chunks, budget)
+            sent = view.pushable(digest, peer, behind[peer], budget)
             if sent:
                 extra["pushing"] = [[digest, i, len(data)] for i, data in sent]
                 chunks = [data for _, data in sent]
         return extra, chunks
+
+    def _behind(self, digests: list[str], peers: list[str], followers: set[str]) -> dict[str, int]:
+        """How many chunks each follower over HTTP gets behind the announcement: what our
+        uplink carries in one round trip (``view.behind_budget``, measured), one chunk to
+        each in turn, at most ``[publish] push_chunks`` each (``seeding.chunks_behind``)."""
+        m = self.node.store.manifest(self._push_digest(digests))
+        takers = [p for p in peers if p in followers and p.startswith("http://")]
+        if m is None or not takers:
+            return {}
+        budget, most = self.node.view.behind_budget(), self.node.cfg.publish.push_chunks
+        return dict(zip(takers, chunks_behind(budget, m.chunk_size, len(takers), most)))
 
     def _push_digest(self, digests: list[str]) -> str:
         """Whose chunks ride behind the announcement: the 1-step patch (what every follower

@@ -132,6 +132,11 @@ class SuperSeeder:
             p90 = statistics.quantiles(self.gaps, n=10, method="inclusive")[-1]
             self.quiet_after_s = max(self.quiet_floor_s, self.quiet_factor * p90)
 
+    def round_trip_s(self) -> float | None:
+        """A typical round trip to a live requester: the median of recent idle gaps (an answer,
+        then its next question); None before ``MIN_GAPS`` were seen."""
+        return statistics.median(self.gaps) if len(self.gaps) >= MIN_GAPS else None
+
     def quiet(self, owner: Hashable, handed_at: float, now: float) -> bool:
         """``owner``, handed a chunk at ``handed_at``, asked nothing here for too long."""
         if owner in self.busy or self.quiet_factor <= 0:
@@ -241,3 +246,16 @@ class SuperSeeder:
     def _lapsed(self, owner: tuple[Hashable, float], now: float) -> bool:
         """A hand-out not fetched in time: ``reseed_after_s`` ago, or its owner went quiet."""
         return now - owner[1] > self.reseed_after_s or self.quiet(*owner, now)
+
+
+def chunks_behind(budget: float, chunk_bytes: int, followers: int, most: int) -> list[int]:
+    """How many chunks each of ``followers`` (in the order announced) gets behind its
+    announcement, from ``budget`` bytes: what the seed's uplink carries in the round trip
+    before the followers' first requests arrive (idle otherwise). One chunk to each in turn,
+    then a second round, up to ``most`` each. More than the round trip holds only spreads the
+    uplink over more flows at the start (simulated at 5 ms, 1,000 peers: 64 followers sent
+    one chunk each, x1.279 against x1.235 with none; at 20 ms x1.449 against x1.467)."""
+    if followers <= 0 or chunk_bytes <= 0 or most <= 0:
+        return [0] * max(followers, 0)
+    total = min(int(budget // chunk_bytes), most * followers)
+    return [total // followers + (1 if j < total % followers else 0) for j in range(followers)]

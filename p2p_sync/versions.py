@@ -57,10 +57,11 @@ class PublishPolicy:
     # 1 Gbit/s and 20 ms: 16 at once x1.57 the bound, the seed's uplink at 80-90% in the second
     # half; 32 at once x1.51; 64 spread each chunk over more, slower uploads)
     seed_uploads: int = 0
-    # chunks of each follower's first hand-out sent right behind the announcement and its
-    # manifest, on the same connection (0: none): the trainer's uplink carries them while the
-    # follower's first request is on its way, idle otherwise for a round trip at every
-    # version's start (simulated, 1,000 peers at 1 Gbit/s and 20 ms: see simulations/README)
+    # chunks of a follower's first hand-out sent right behind the announcement and its
+    # manifest, on the same connection, at most (0: none): the trainer's uplink carries them
+    # while the followers' first requests are on their way, idle otherwise for a round trip at
+    # every version's start; as many in all as the measured round trip holds at the measured
+    # upload rate, one per follower first (p2p_sync.seeding.chunks_behind; simulations/README)
     push_chunks: int = 2
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 

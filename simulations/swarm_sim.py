@@ -14,9 +14,12 @@ and the node's messaging, as follows.
   the chunks the trainer hands each one (``node.learning``: its first have-map answer without
   a question): a transfer of ``MANIFEST_BYTES_PER_CHUNK`` bytes per chunk (packed) over the
   trainer's uplink, then one latency, and the follower requests its chunks at once, but for
-  the first ``push_chunks`` of them: those follow the manifest on the same connection (the
-  node's framed announcement), one after another, each landing a latency after its last
-  byte left, and the download waits for them (``PeerPushes``) instead of asking.
+  the first few of them: those follow the manifest on the same connection (the node's framed
+  announcement), one after another, each landing a latency after its last byte left, and the
+  download waits for them (``PeerPushes``) instead of asking. How many: the node's rule
+  (``seeding.chunks_behind``: a round trip's worth of the trainer's uplink, one chunk per
+  follower first, at most ``push_chunks`` each) with the round trip and rate its trainer
+  measured in the versions before (a running swarm).
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
   long poll); the answer comes after a round trip, and from then on the neighbour pushes each
   newly verified chunk, coalesced while a push is on its way (one latency).
@@ -70,7 +73,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from p2p_sync.seeding import SuperSeeder
+from p2p_sync.seeding import SuperSeeder, chunks_behind
 from p2p_sync.swarm import (
     CancelRequest,
     ChunkCorrupted,
@@ -210,6 +213,7 @@ class SwarmSim:
         self.streams: dict[tuple[int, int], dict[int, None]] = {}  # (parent, child): to push
         self.pushing: set[tuple[int, int]] = set()  # streams with a chunk on the wire
         self.pushed_chunks = 0  # verified chunks that reached an honest rollout pushed
+        self.sent_behind = 0  # chunks the trainer sent behind its announcements
         self.published_at = 0.0
 
     # ------------------------------------------------------------ set-up
@@ -394,11 +398,12 @@ class SwarmSim:
         up0 = self.net.bytes_sent[TRAINER]
         rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
         self._remaining = 0
+        behind = self._behind()
         for p in self.honest:
             p.done_at, p.pushed = None, False
             self._remaining += 1
             if TRAINER in p.follows:
-                self._announce_to(p, self.artifacts[-1])
+                self._announce_to(p, self.artifacts[-1], behind.get(p.idx, 0))
             else:
                 clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
@@ -487,17 +492,27 @@ class SwarmSim:
         if p.online and p.sched is None and p.done_at is None:
             self._start_download(p)
 
-    def _announce_to(self, p: Peer, art: Artifact) -> None:
-        """The trainer's ``POST /announce`` to a follower: the manifest, then the first
-        ``push_chunks`` chunks it hands it, behind the manifest on the same connection (the
-        node's framed announcement: ``node.learning``); handed out, and counted served,
-        when the announcement is built, as the node's seeder does."""
+    def _behind(self) -> dict[int, int]:
+        """How many chunks each follower gets behind its announcement, by the node's rule
+        (``seeding.chunks_behind``) with what its trainer measures in a running swarm: a
+        round trip at its uplink's rate. Over HTTP only: a NATed follower's news comes over
+        libp2p, with no chunk behind it."""
+        if self.sc.push_tree:  # the trees carry the trainer's chunks from the start
+            return {}
+        takers = [p.idx for p in self.honest if TRAINER in p.follows and not p.nat]
+        budget = 2 * self.lat * self.peers[TRAINER].uplink
+        counts = chunks_behind(budget, self.sc.chunk_bytes, len(takers), self.sc.push_chunks)
+        return dict(zip(takers, counts))
+
+    def _announce_to(self, p: Peer, art: Artifact, k: int) -> None:
+        """The trainer's ``POST /announce`` to a follower: the manifest, then the first ``k``
+        chunks it hands it, behind the manifest on the same connection (the node's framed
+        announcement: ``node.learning``); handed out, and counted served, when the
+        announcement is built, as the node's seeder does."""
         n = self._n_chunks(art)
         keys = [(art.ident, i) for i in range(n)]
         now = self.clock.now
-        # chunks go behind announcements over HTTP only (a NATed follower's come over libp2p)
-        k = 0 if p.nat else self.sc.push_chunks
-        behind = sorted(self.seeder.offer(keys, p.idx, now))[:k]
+        behind = sorted(self.seeder.offer(keys, p.idx, now))[:k] if k else []
         for i in behind:
             self.seeder.note_served((art.ident, i), p.idx, now)
         p.pushing = frozenset(behind)
@@ -517,6 +532,7 @@ class SwarmSim:
             return
         index, trainer = rest.pop(0), self.peers[TRAINER]
         trainer.uploaded[(art.ident, index)] += 1
+        self.sent_behind += 1
         self.served[(TRAINER, p.idx)] = self.served.get((TRAINER, p.idx), 0) + 1
 
         def sent() -> None:
