@@ -143,3 +143,15 @@ def rebuild(data: bytes, mutate: Mutator, header_version: int = codec.FORMAT_VER
 
 def frame_from_streams(streams: list[bytes]) -> bytes:
     return codec._compress(streams, 1)
+
+
+async def stop_follower_pair(
+    stop: Any, task: Any, publisher: Any, rollout: Node, trainer: Node
+) -> None:
+    """End a test's trainer + following rollout on loopback: the follower's loop, then the
+    publisher, then both nodes."""
+    stop.set()
+    await task
+    await publisher.aclose()
+    await rollout.stop()
+    await trainer.stop()

@@ -26,7 +26,13 @@ from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PEER_HEADER as PEER
 from p2p_sync.transport.dataplane import HttpLimits
-from tests.helpers import rollout_config, snapshot_manifest, trainer_config
+from tests.helpers import (
+    bit_equal,
+    rollout_config,
+    snapshot_manifest,
+    stop_follower_pair,
+    trainer_config,
+)
 
 HEX = "ab" * 32
 
@@ -751,11 +757,7 @@ async def _behind_over_http(tmp_path: Path, versions: list) -> dict[str, Any]:
                 while follower.state.version != v:
                     await follower.advanced.wait()
     finally:
-        stop.set()
-        await task
-        await publisher.aclose()
-        await rollout.stop()
-        await trainer.stop()
+        await stop_follower_pair(stop, task, publisher, rollout, trainer)
     patch = next(m for m in manifests if m.kind == "patch")
     return {"pushed": pushed, "patch": patch, "url": url, "weights": follower.weights}
 
@@ -768,7 +770,6 @@ def test_a_trainer_sends_chunks_behind_its_announcement_over_http(
     # as measured in a running swarm: a round trip's worth of uplink (tests/test_behind.py)
     monkeypatch.setattr(SeedingView, "behind_budget", lambda self: 1e9)
     out = asyncio.run(_behind_over_http(tmp_path, tiny_versions[:2]))
-    from tests.helpers import bit_equal
 
     assert bit_equal(out["weights"], tiny_versions[1])
     behind = [(peer, i) for peer, digest, i in out["pushed"] if digest == out["patch"].digest]

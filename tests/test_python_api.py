@@ -28,7 +28,7 @@ from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store, StoreLimits
 from p2p_sync.threads import BACKGROUND_NICE, usable_cores
 from p2p_sync.versions import PublishPolicy
-from tests.helpers import bit_equal, rollout_config, trainer_config
+from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 
 CHUNK = 16 * 1024  # small chunks: tiny payloads still span several
 
@@ -85,11 +85,7 @@ async def _sync(
                 )
             )
     finally:
-        stop.set()
-        await task
-        await publisher.aclose()
-        await rollout.stop()
-        await trainer.stop()
+        await stop_follower_pair(stop, task, publisher, rollout, trainer)
     return {
         "seen": seen,
         "weights": follower.weights,

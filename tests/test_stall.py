@@ -37,7 +37,7 @@ from p2p_sync.swarm import (
 )
 from p2p_sync.transport.download import Download, HaveCursor, download
 from p2p_sync.versions import PublishPolicy
-from tests.helpers import bit_equal, rollout_config, trainer_config
+from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 
 CHUNK = 16 * 1024
 
@@ -323,11 +323,7 @@ async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> di
                 await follower.advanced.wait()
         kinds = [u.kind for u in follower.updates]
     finally:
-        stop.set()
-        await task
-        await publisher.aclose()
-        await rollout.stop()
-        await trainer.stop()
+        await stop_follower_pair(stop, task, publisher, rollout, trainer)
     return {"kinds": kinds, "weights": follower.weights, "stalled": follower.stalled}
 
 
