@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 from node.pushed import PushedChunks
 from p2p_sync import announce
 from p2p_sync.bounded import remember
-from p2p_sync.errors import LayoutSwapAttackError, ManifestError, PeerError, RollbackAttackError
+from p2p_sync.chunks import verify_chunk
+from p2p_sync.errors import (
+    ChunkError,
+    LayoutSwapAttackError,
+    ManifestError,
+    PeerError,
+    RollbackAttackError,
+)
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
@@ -113,6 +120,27 @@ class Learner:
         """A chunk behind an announcement (from ``url``'s host: the data plane checked)."""
         if url not in self.node.peering.banned:
             self.pushed.put(url, digest, index, data)
+            self._adopt(digest)
+
+    def _adopt(self, digest: str) -> None:
+        """Store the chunks pushed of ``digest`` at once, verified, once its manifest is
+        here, whether or not a download wants them now: the trainer counts them fetched by
+        this node, so the swarm asks this node for them (a follower still catching up would
+        otherwise hold them back until the seed lets them starve, ``starve_after_s``). The
+        download of ``digest`` still takes them from the inbox, for its scheduler."""
+        m = self.node.store.manifest(digest)
+        if m is None:
+            return
+        for url, index, data in self.pushed.held(digest):
+            if index >= len(m.chunks) or self.node.store.has_chunk(m.chunks[index]):
+                continue
+            try:
+                verify_chunk(m, index, data)
+            except ChunkError:
+                self.node.ban(url, f"pushed chunk {index} of {digest[:16]} failing its hash")
+                continue
+            self.node.store.put_chunk(data, m.chunks[index])
+            self.node.view.notify_have()
 
     async def learn(
         self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
@@ -155,6 +183,7 @@ class Learner:
         node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
         node.store.put_manifest(manifest, data)
         node.timeline.note(digest, "learned")
+        self._adopt(digest)
         if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
             node.p2p.gate.learned_elsewhere([digest])
         return manifest
@@ -373,6 +402,7 @@ class Learner:
             if not self.node.store.has_manifest(m.digest):
                 self.node.store.put_manifest(m, raw)
                 self.node.timeline.note(m.digest, "learned")
+                self._adopt(m.digest)
                 stored.append(m.digest)
         return stored
 

@@ -39,6 +39,10 @@ class PushedChunks:
         if event is not None:
             event.set()
 
+    def held(self, digest: str) -> list[tuple[str, int, bytes]]:
+        """What was pushed of ``digest`` and not taken yet (left here)."""
+        return list(self._held.get(digest, ()))
+
     def take(self, digest: str) -> list[tuple[str, int, bytes]]:
         """What was pushed of ``digest`` so far (forgotten here)."""
         got = self._held.pop(digest, [])

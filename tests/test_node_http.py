@@ -774,3 +774,26 @@ def test_a_trainer_sends_chunks_behind_its_announcement_over_http(
     assert bit_equal(out["weights"], tiny_versions[1])
     behind = [(peer, i) for peer, digest, i in out["pushed"] if digest == out["patch"].digest]
     assert behind and {peer for peer, _ in behind} == {out["url"]}, out["pushed"]
+
+
+def test_chunks_pushed_to_a_node_are_stored_and_served_even_with_no_download(
+    tmp_path: Path,
+) -> None:
+    """The trainer counts a chunk it sent behind its announcement fetched by the follower, so
+    the swarm asks the follower for it: a follower that will not download that payload now
+    (still catching up) must hold it all the same, or it waits for the seed to let it starve."""
+    node = make_node(tmp_path)
+    payload = random.Random(1).randbytes(40 * 1024)
+    m = snapshot_manifest(payload)  # 3 chunks of 16 KiB
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    early = snapshot_manifest(payload[:20000])  # pushed before its manifest came
+    trainer, forger = "http://127.0.0.1:9", "http://127.0.0.1:10"
+    node.learner.on_pushed(trainer, m.digest, 0, payload[: 16 * 1024])
+    node.learner.on_pushed(forger, m.digest, 1, b"x" * 16 * 1024)
+    node.learner.on_pushed(trainer, early.digest, 1, payload[16 * 1024 : 20000])
+    assert node.store.has_chunk(m.chunks[0]) and node.view.have(m.digest, None) == [0]
+    assert not node.store.has_chunk(m.chunks[1]) and forger in node.peering.banned
+    assert trainer not in node.peering.banned
+    node.store.put_manifest(early, sign(early, [SigningKey.generate()]))
+    node.learner._adopt(early.digest)  # what learning the manifest does
+    assert node.store.has_chunk(early.chunks[1])
