@@ -3,10 +3,11 @@
 The trainer sends each follower the first chunks it hands it right behind the manifest, in the
 same ``POST /announce`` body (``transport.dataplane``, the framed form): its uplink then carries
 chunks during the round trip the follower's first request would take. The data plane reads
-them while the follower is still verifying the manifest and planning, so they wait here for
-the download (``transport.download``: it checks each against the signed manifest before it
-is stored, as any chunk). Bounded in bytes: a push no download takes (a follower planning
-another artifact, a payload it already has) is dropped oldest first, never held for good.
+them while the follower is still verifying the manifest and planning, so they wait here: the
+learner stores each, verified, as soon as the manifest is in (``Learner._adopt``), and the
+download of that payload takes them for its scheduler (``transport.download``). Bounded in
+bytes: a push no download takes (a follower planning another artifact, a payload it already
+has) is dropped oldest first, never held for good.
 """
 
 from __future__ import annotations

@@ -65,9 +65,11 @@ POST /announce              {"url": sender base URL or null, "digests": [...], a
                             connection, so its uplink carries chunks during the round trip
                             the follower's first request takes (idle otherwise, at every
                             version's start). The receiver reads the JSON first and acts on it
-                            while the chunks are on their way; each chunk goes to the
-                            payload's download as it lands, is verified there against the
-                            signed manifest like any other, and is not requested meanwhile.
+                            while the chunks are on their way; each chunk is verified
+                            against the signed manifest and stored as it lands (once that
+                            manifest is in: the sender counts it fetched, so peers will ask
+                            the receiver for it even if it downloads that payload later),
+                            and the payload's download does not request it meanwhile.
                             Kept, like offers, only when the request came from ``url``'s host
                             (a forged chunk gets ``url`` banned); a body that ends early keeps
                             the chunks that came whole
