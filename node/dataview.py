@@ -248,9 +248,8 @@ class SeedingView(DataView):
         m, offer = self.node.store.manifest(digest), self.offer(digest, peer)
         sent: list[tuple[int, bytes]] = []
         for index in (offer or [])[:count] if m is not None else []:
-            if sum(len(d) for _, d in sent) + m.chunk_length(index) > budget:
-                break
-            data = self._hand(m.chunks[index], peer)
+            budget -= m.chunk_length(index)
+            data = self._hand(m.chunks[index], peer) if budget >= 0 else None
             if data is None:
                 break
             sent.append((index, data))

@@ -128,7 +128,7 @@ class Learner:
         this node, so the swarm asks this node for them (a follower still catching up would
         otherwise hold them back until the seed lets them starve, ``starve_after_s``). The
         download of ``digest`` still takes them from the inbox, for its scheduler."""
-        m = self.node.store.manifest(digest)
+        m, stored = self.node.store.manifest(digest), False
         if m is None:
             return
         for url, index, data in self.pushed.held(digest):
@@ -140,7 +140,9 @@ class Learner:
                 self.node.ban(url, f"pushed chunk {index} of {digest[:16]} failing its hash")
                 continue
             self.node.store.put_chunk(data, m.chunks[index])
-            self.node.view.notify_have()
+            stored = True
+        if stored:
+            self.node.view.notify_have()  # once: every held long poll answers the news
 
     async def learn(
         self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
