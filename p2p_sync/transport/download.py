@@ -241,9 +241,10 @@ class Download:
 
     async def _take_pushes(self) -> None:
         """Chunks pushed behind an announcement: each verified (bytes failing the hash get
-        the pusher banned, as from a request) and stored if still missing."""
+        the pusher banned, as from a request), stored and reported, once: also one the node
+        stored already as it landed (``node.learning``), so its bytes count as downloaded."""
         async for peer, index, data in self.source.pushes(self.m):
-            if index not in self.sched.missing:
+            if index >= len(self.m.chunks):
                 continue
             try:
                 verify_chunk(self.m, index, data)
