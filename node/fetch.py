@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import replace
 
 from node.runtime import Node
@@ -80,11 +81,14 @@ class _NodeSource(DataPlaneSource):
     def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
         return self.inbox.follow(m.digest)
 
-    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
-        have, after = await super().have(peer, m, since)
-        if have:
-            self.timeline.note(m.digest, "first_have")
-        return have, after
+    async def have_feed(
+        self, peer: str, m: Manifest, since: HaveCursor
+    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
+        async with aclosing(super().have_feed(peer, m, since)) as answers:
+            async for have, after in answers:
+                if have:
+                    self.timeline.note(m.digest, "first_have")
+                yield have, after
 
 
 def swarm_config(node: Node) -> SwarmConfig:

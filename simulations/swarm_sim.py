@@ -20,9 +20,10 @@ and the node's messaging, as follows.
   (``seeding.chunks_behind``: a round trip's worth of the trainer's uplink, one chunk per
   follower first, at most ``push_chunks`` each) with the round trip and rate its trainer
   measured in the versions before (a running swarm).
-* Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (a
-  long poll); the answer comes after a round trip, and from then on the neighbour pushes each
-  newly verified chunk, coalesced while a push is on its way (one latency).
+* Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (the
+  node's have feed, ``GET /have?feed=1``); the answer comes after a round trip, and from then
+  on the neighbour pushes each newly verified chunk, coalesced while a push is on its way (one
+  latency), as the feed writes each answer on the open response.
 * Requests: the chunks one scheduler step asks of one public peer go in one request (a run:
   ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
   serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the

@@ -4,6 +4,8 @@ the wire (``GET /have?known=N&log=ID``) and in the follower (``DataPlaneSource.h
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import pytest
@@ -64,25 +66,38 @@ class _Client:
     def __init__(self, answers: list[Any]) -> None:
         self.answers, self.urls = answers, []
 
-    async def get_json(self, url: str) -> Any:
+    async def get_feed(self, url: str) -> AsyncIterator[Any]:
         self.urls.append(url)
-        return self.answers.pop(0)
+        while self.answers:
+            yield self.answers.pop(0)
 
 
 def _ask(answers: list[Any], since: HaveCursor) -> tuple[list[int], HaveCursor, list[str]]:
+    """The first answer of a feed of ``answers``."""
     client = _Client(answers)
     source = DataPlaneSource(client, lambda: ["http://p:1"])  # type: ignore[arg-type]
     m = snapshot_manifest(b"x" * 100)
-    have, after = asyncio.run(source.have("http://p:1", m, since))
+
+    async def first() -> tuple[list[int], HaveCursor]:
+        async with aclosing(source.have_feed("http://p:1", m, since)) as feed:
+            async for have, after in feed:
+                return have, after
+        raise AssertionError("the feed ended without an answer")
+
+    have, after = asyncio.run(first())
     return have, after, client.urls
 
 
 def test_the_follower_asks_from_where_it_stands_and_keeps_the_log() -> None:
     log = "ab" * 8
     have, after, urls = _ask([{"have": [0, 3], "from": 0, "log": log}], HaveCursor())
-    assert have == [0, 3] and after == HaveCursor(2, log) and "?" not in urls[0]
+    assert have == [0, 3] and after == HaveCursor(2, log) and urls[0].endswith("?feed=1")
     have, after, urls = _ask([{"have": [7], "from": 2, "log": log}], after)
-    assert have == [7] and after == HaveCursor(3, log) and urls[0].endswith(f"?known=2&log={log}")
+    assert (
+        have == [7]
+        and after == HaveCursor(3, log)
+        and urls[0].endswith(f"?known=2&log={log}&feed=1")
+    )
     have, after, _ = _ask([{"have": [1, 2]}], HaveCursor(5))  # a seed: whole lists, no log
     assert have == [1, 2] and after == HaveCursor(2)
 

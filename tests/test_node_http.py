@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import pytest
 
 from node.cli import main
@@ -20,12 +21,14 @@ from node.config import ConfigError, NodeConfig, load
 from node.localswarm import ROOT
 from node.runtime import Node
 from p2p_sync.chunks import manifest_for
+from p2p_sync.errors import PeerError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PEER_HEADER as PEER
 from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.http import DataClient
 from tests.helpers import (
     bit_equal,
     rollout_config,
@@ -797,3 +800,102 @@ def test_chunks_pushed_to_a_node_are_stored_and_served_even_with_no_download(
     node.store.put_manifest(early, sign(early, [SigningKey.generate()]))
     node.learner._adopt(early.digest)  # what learning the manifest does
     assert node.store.has_chunk(early.chunks[1])
+
+
+async def _have_feed(tmp_path: Path) -> dict[str, Any]:
+    """A follower opens one have feed on a rollout holding chunk 0 of 3; chunks 1 and 2 land
+    one after the other; the feed then goes quiet (``have_wait_s``) and ends."""
+    node = make_node(tmp_path)
+    node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=0.5))
+    url = await node.start()
+    size = 16 * 1024
+    payload = b"a" * size + b"b" * size + b"c" * size
+    m = snapshot_manifest(payload)
+    node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
+    node.store.put_chunk(payload[:size])
+    client = DataClient(None)
+    out: dict[str, Any] = {"lines": []}
+    try:
+        async with asyncio.timeout(30):
+            async for doc in client.get_feed(f"{url}/have/{m.digest}?feed=1"):
+                out["lines"].append(doc)
+                landed = len(out["lines"])
+                if landed < 3:  # the next chunk lands only once this answer came
+                    node.store.put_chunk(payload[landed * size : (landed + 1) * size])
+                    node.view.notify_have()
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{url}/have/{m.digest}?feed=2") as r:
+                    out["bad feed"] = r.status
+    finally:
+        await client.close()
+        await node.stop()
+    return out
+
+
+def test_a_have_feed_answers_each_chunk_on_one_open_response_and_ends_when_quiet(
+    tmp_path: Path,
+) -> None:
+    """News reaches a follower one latency after the chunk lands: each later answer comes
+    on the same response (a long poll per answer left it blind for a round trip after each
+    one), only the news, with the log's place; a quiet feed ends by itself."""
+    out = asyncio.run(_have_feed(tmp_path))
+    lines = out["lines"]
+    log = lines[0]["log"]
+    assert lines == [
+        {"have": [0], "from": 0, "log": log},
+        {"have": [1], "from": 1, "log": log},
+        {"have": [2], "from": 2, "log": log},
+    ]
+    assert out["bad feed"] == 400
+
+
+async def _hostile_feeds() -> dict[str, Any]:
+    """A peer's have feed: good lines, then a line that is no JSON; one line without end
+    that grows past the JSON limit; an answer without a newline (a server that answers
+    whole, as a long poll)."""
+    limit = HttpLimits().max_json_bytes
+
+    async def feed(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        kind = request.match_info["kind"]
+        if kind == "whole":
+            return aiohttp.web.json_response({"have": [4]})
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(request)
+        if kind == "garbage":
+            await response.write(b'{"have": [1]}\n{"have": [2]}\nnot json\n{"have": [3]}\n')
+        else:  # endless: a line that never ends
+            for _ in range(limit // 4096 + 2):
+                await response.write(b" " * 4096)
+        await response.write_eof()
+        return response
+
+    app = aiohttp.web.Application()
+    app.add_routes([aiohttp.web.get("/have/{kind}", feed)])
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    client, out = DataClient(None), {}
+    try:
+        for kind in ("garbage", "endless", "whole"):
+            got: list[Any] = []
+            try:
+                async with asyncio.timeout(30):
+                    async for doc in client.get_feed(f"{url}/have/{kind}"):
+                        got.append(doc)
+            except PeerError as e:
+                got.append(str(e))
+            out[kind] = got
+    finally:
+        await client.close()
+        await runner.cleanup()
+    return out
+
+
+def test_a_hostile_have_feed_is_a_peer_error_after_its_good_lines() -> None:
+    out = asyncio.run(_hostile_feeds())
+    assert out["garbage"][:2] == [{"have": [1]}, {"have": [2]}]
+    assert len(out["garbage"]) == 3 and "not JSON" in out["garbage"][2]
+    assert len(out["endless"]) == 1 and "feed line over" in out["endless"][0]
+    assert out["whole"] == [{"have": [4]}]

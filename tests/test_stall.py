@@ -146,12 +146,14 @@ class _Source:
             yield item
         await asyncio.Event().wait()
 
-    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
+    async def have_feed(
+        self, peer: str, m: Manifest, since: HaveCursor
+    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
         self.followed.append(peer)
         self.asked.append((peer, since.known))
-        if since.known >= 0:  # a long poll: nothing new will come
-            await asyncio.Event().wait()
-        return list(range(len(m.chunks))), HaveCursor(len(m.chunks))
+        if since.known < 0:
+            yield list(range(len(m.chunks))), HaveCursor(len(m.chunks))
+        await asyncio.Event().wait()  # nothing new will come
 
 
 class _Counting:

@@ -34,7 +34,14 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             no "log" (an offer can shrink): ``?known=N`` waits until it
                             is no longer N long (it grows when a chunk handed to that
                             requester is served; what time alone frees shows at the next
-                            answer)
+                            answer). With ``&feed=1`` (``FEED``, newline-delimited JSON) the
+                            response stays open: that answer, then each later one on its
+                            own line as soon as there is news (news waits one latency, not
+                            the two on average of a poll per answer), until ``have_wait_s``
+                            without news or ``have_feed_s`` in all; the follower then asks
+                            again from where the last line left it. Over transports that
+                            send whole replies (libp2p streams, reverse channels) the
+                            first answer alone
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...], and
                             optionally "offers": {digest: [chunk indices]}, what the sender's
@@ -109,7 +116,7 @@ import ipaddress
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -131,6 +138,7 @@ PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")  # a libp2p peer id (bas
 URL = re.compile(rf"^(http://[A-Za-z0-9.\-\[\]:]+:\d{{1,5}}|p2p://{PEER_ID.pattern[1:-1]})$")
 PEER_HEADER = "X-P2PSync-Peer"
 JSON = "application/json"
+FEED = "application/x-ndjson"  # a have feed: one JSON answer a line, each as news comes
 
 
 PIECE = 256 * 1024  # a chunk body is written, and its reader timed, this much at a time
@@ -174,6 +182,7 @@ class HttpLimits:
     max_upload_mbps: float = 0.0  # cap on chunk bytes served, Mbit/s (0: no cap)
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
+    have_feed_s: float = 60.0  # longest a have feed stays open (then the follower reopens it)
     # chunks one announcement may carry behind its JSON (the trainer's first hand-out)
     max_push_bytes: int = 4 * 2**20
     # TCP congestion control for every socket the data plane opens or accepts ("": the host's
@@ -294,6 +303,9 @@ class Reply:
     body: bytes
     content_type: str = JSON
     upload: bool = False  # chunk bytes: counted as uploaded once the transport sent them all
+    # what follows ``body`` on the same response, as it comes (a have feed's later answers);
+    # a transport that sends whole replies sends ``body`` alone, and the requester asks again
+    feed: AsyncGenerator[bytes, None] | None = None
 
 
 class Refused(Exception):
@@ -308,14 +320,22 @@ def _json(doc: Any, status: int = 200) -> Reply:
     return Reply(status, json.dumps(doc).encode())
 
 
-def _have_query(query: Mapping[str, str]) -> tuple[int | None, str | None]:
-    """``GET /have``'s ``known`` (a small count) and ``log`` (a have log's name), or a 400."""
-    known, log = query.get("known"), query.get("log")
+def _line(doc: Any) -> bytes:
+    """One answer of a have feed (``FEED``): its JSON, then a newline."""
+    return json.dumps(doc).encode() + b"\n"
+
+
+def _have_query(query: Mapping[str, str]) -> tuple[int | None, str | None, bool]:
+    """``GET /have``'s ``known`` (a small count), ``log`` (a have log's name) and ``feed``
+    (only ``1``), or a 400."""
+    known, log, feed = query.get("known"), query.get("log"), query.get("feed")
+    if feed not in (None, "1"):
+        raise Refused(400, "feed must be 1")
     if known is not None and not (known.isdigit() and len(known) < 9):
         raise Refused(400, "known must be a small non-negative integer")
     if log is not None and (known is None or not LOG_ID.match(log)):
         raise Refused(400, "log must be 16 hex digits, with known")
-    return (None if known is None else int(known)), log
+    return (None if known is None else int(known)), log, feed is not None
 
 
 def _hex(value: str, name: str) -> str:
@@ -507,22 +527,57 @@ class DataRouter:
 
     async def _have(self, req: Request, digest: str) -> Reply:
         _hex(digest, "digest")
-        known, log = _have_query(req.query)
-        have = self.node.have(digest, req.peer)
+        known, log, feed = _have_query(req.query)
+        doc, _ = await self._have_answer(digest, req.peer, known, log)
+        if doc is None:
+            raise Refused(404, "no such manifest here")
+        if not feed:
+            return _json(doc)
+        return Reply(200, _line(doc), FEED, feed=self._have_feed(digest, req.peer, doc))
+
+    async def _have_answer(
+        self, digest: str, peer: str | None, known: int | None, log: str | None
+    ) -> tuple[dict[str, Any] | None, bool]:
+        """The answer to a have-map question at ``known`` entries of ``log`` (a long poll
+        when ``known`` is given: held up to ``have_wait_s`` for news), None if the manifest
+        is not here; and whether it holds news (False: the hold ran out, or the node
+        closes)."""
+        have = self.node.have(digest, peer)
         deadline = time.monotonic() + self.limits.have_wait_s
+        news = True
         while have is not None and known is not None and self._unchanged(digest, have, known, log):
             left = deadline - time.monotonic()
             if left <= 0 or self._closing.is_set():
+                news = False
                 break
-            await self._news_or_close(left, req.peer)
-            have = self.node.have(digest, req.peer)
+            await self._news_or_close(left, peer)
+            have = self.node.have(digest, peer)
         if have is None:
-            raise Refused(404, "no such manifest here")
+            return None, False
         record = self.node.have_log(digest)
         if record is None:  # a seed's offer: the whole list each time
-            return _json({"have": have})
+            return {"have": have}, news
         start, indices = record.since(log, -1 if known is None else known)
-        return _json({"have": indices, "from": start, "log": record.ident})
+        return {"have": indices, "from": start, "log": record.ident}, news
+
+    async def _have_feed(
+        self, digest: str, peer: str | None, doc: dict[str, Any]
+    ) -> AsyncIterator[bytes]:
+        """The answers after ``doc`` on one open response, each as soon as there is news:
+        news reaches the follower one latency after it is verified. A long poll per answer
+        left the follower blind for a round trip after each one (the answer's way back, the
+        next question's way here): news waited two latencies on average, three at worst.
+        Ends after ``have_wait_s`` without news, after ``have_feed_s``, when the node closes
+        or the manifest is gone (the follower asks again where it stands)."""
+        end = time.monotonic() + self.limits.have_feed_s
+        while time.monotonic() < end and not self._closing.is_set():
+            log = doc.get("log")
+            known = doc.get("from", 0) + len(doc["have"]) if log else len(doc["have"])
+            answer, news = await self._have_answer(digest, peer, known, log)
+            if answer is None or not news:
+                return
+            doc = answer
+            yield _line(doc)
 
     def _unchanged(self, digest: str, have: list[int], known: int, log: str | None) -> bool:
         """Nothing new for a long poll at ``known`` (of ``log``, if it names one) yet."""
@@ -765,6 +820,11 @@ class PeerClient(Protocol):
     def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
         """A ``/chunks`` reply as its parts of ``sizes`` bytes, each as soon as it is in;
         fewer if the body ends early, a ``PeerError`` if it ends within a part or runs over."""
+        ...
+
+    def get_feed(self, url: str) -> AsyncIterator[Any]:
+        """A ``FEED`` reply's JSON answers, each as soon as its line is in (one answer over
+        transports that send whole replies); ends when the peer ends the reply."""
         ...
 
     async def post_json(self, url: str, doc: Any) -> Any: ...

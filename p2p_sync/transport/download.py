@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from p2p_sync.chunks import verify_chunk
 from p2p_sync.errors import ChunkError, DownloadStalledError, PeerBusyError, PeerError, StoreError
@@ -59,10 +60,11 @@ class HaveCursor:
     log: str | None = None
 
     def query(self) -> str:
-        """``GET /have``'s query: none on the first ask (answered at once), else a long poll."""
+        """``GET /have``'s query, a feed: answered at once on the first ask, else once there
+        is news; then every later answer on the same response, as news comes."""
         if self.known < 0:
-            return ""
-        return f"?known={self.known}" + (f"&log={self.log}" if self.log else "")
+            return "?feed=1"
+        return f"?known={self.known}" + (f"&log={self.log}" if self.log else "") + "&feed=1"
 
 
 class ChunkSource(Protocol):
@@ -92,10 +94,13 @@ class ChunkSource(Protocol):
         """Whether several chunks go to ``peer`` in one request (else one request each)."""
         ...
 
-    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
-        """Chunks ``peer`` holds that ``since`` did not say (all of them on the first ask,
-        ``since.known < 0``: answered at once; else a long poll, answered once there is
-        more), and where the next question starts."""
+    def have_feed(
+        self, peer: str, m: Manifest, since: HaveCursor
+    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
+        """Chunks ``peer`` holds that ``since`` did not say (all of them first, on the first
+        ask, ``since.known < 0``: at once; else once there is more), then each later batch
+        as it comes, each with where the next question would start; ends whenever the peer
+        ends it (the caller asks again from there)."""
         ...
 
     def pushed(self, peer: str, m: Manifest) -> tuple[list[int] | None, list[int]]:
@@ -165,8 +170,18 @@ class DataPlaneSource:
         is small next to libp2p's per-byte cost."""
         return not peer.startswith("p2p://")
 
-    async def have(self, peer: str, m: Manifest, since: HaveCursor) -> tuple[list[int], HaveCursor]:
-        res = await self.client.get_json(f"{peer}/have/{m.digest}{since.query()}")
+    async def have_feed(
+        self, peer: str, m: Manifest, since: HaveCursor
+    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
+        url = f"{peer}/have/{m.digest}{since.query()}"
+        async with aclosing(self.client.get_feed(url)) as answers:
+            async for res in answers:
+                have, since = self._answer(peer, res, since)
+                yield have, since
+
+    @staticmethod
+    def _answer(peer: str, res: Any, since: HaveCursor) -> tuple[list[int], HaveCursor]:
+        """One have-map answer, judged: its indices and where the next one starts."""
         if not (isinstance(res, dict) and isinstance(res.get("have"), list)):
             raise PeerError(f"{peer}: malformed have-map")
         have = [i for i in res["have"] if isinstance(i, int)]
@@ -277,19 +292,32 @@ class Download:
         while not self.done.is_set() and failures < self.config.have_failures:
             if peer not in self.source.peers():
                 break
-            asked = time.monotonic()
             try:
-                have, after = await self.source.have(peer, self.m, since)
+                since, answers = await self._feed(peer, since, owed)
             except PeerError:
+                answers = 0
+            if not answers:  # failed, or ended without an answer: back off, bounded
                 failures += 1
-                await asyncio.sleep(self.config.have_poll_s * failures)  # back-off, bounded
+                await asyncio.sleep(self.config.have_poll_s * failures)
                 continue
-            # answered at once (the first ask): a round trip
-            rtt = time.monotonic() - asked if since.known < 0 else None
-            failures, since = 0, after
-            # what it held before stays claimed (PeerHad adds): only the news is sent
-            self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
+            failures = 0
         self.events.put_nowait(PeerLost(peer))  # gone, dropped or silent: its claims lapse
+
+    async def _feed(self, peer: str, since: HaveCursor, owed: bool) -> tuple[HaveCursor, int]:
+        """Follow one have feed of ``peer`` until it ends, we are done or ``peer`` is no
+        longer usable; where it left us, and how many answers it brought."""
+        asked, answers = time.monotonic(), 0
+        async with aclosing(self.source.have_feed(peer, self.m, since)) as feed:
+            async for have, after in feed:
+                answers += 1
+                # answered at once (the first ask): a round trip
+                rtt = time.monotonic() - asked if since.known < 0 else None
+                since = after
+                # what it held before stays claimed (PeerHad adds): only the news is sent
+                self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
+                if self.done.is_set() or peer not in self.source.peers():
+                    break
+        return since, answers
 
     async def _watch_peers(self) -> None:
         """Follow up to ``max_sources`` usable peers, the source's preferred first, and every

@@ -16,7 +16,7 @@ shared 16 ways on a 10 Mbit/s uplink takes ~54 s, and only the scheduler's adapt
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -102,11 +102,31 @@ class DataServer:
             request.method, request.path, request.query, peer, body, request.remote, rest=rest
         )
         async with self.router.serve(req) as reply:
+            if reply.feed is not None:
+                return await self._feed(request, reply, reply.feed)
             if not reply.upload:
                 return web.Response(
                     status=reply.status, body=reply.body, content_type=reply.content_type
                 )
             return await self._stream(request, reply)
+
+    async def _feed(
+        self, request: web.Request, reply: Reply, feed: AsyncGenerator[bytes, None]
+    ) -> web.StreamResponse:
+        """``reply.body``, then each line of ``feed`` as it comes (chunked encoding), until
+        the feed ends or the requester goes (it stopped following, or its download ended)."""
+        response = web.StreamResponse(headers={"Content-Type": reply.content_type})
+        try:
+            await response.prepare(request)
+            await response.write(reply.body)
+            async for line in feed:
+                await response.write(line)
+            await response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass  # the follower hung up: nothing to answer
+        finally:
+            await feed.aclose()
+        return response
 
     async def _stream(self, request: web.Request, reply: Reply) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": reply.content_type})
@@ -169,6 +189,34 @@ class DataClient:
 
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._get(url, self.limits.max_json_bytes))
+
+    async def get_feed(self, url: str) -> AsyncIterator[Any]:
+        """A have feed's answers, each parsed as soon as its line is in. Held open without
+        a total limit, as long as something arrives within ``have_wait_s`` plus
+        ``request_timeout_s`` (the server ends a silent feed after ``have_wait_s``); a line
+        over ``max_json_bytes``, or one that is not JSON, is the peer's fault."""
+        limit = self.limits.max_json_bytes
+        patient = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=self.limits.connect_timeout_s,
+            sock_read=self.limits.have_wait_s + self.limits.request_timeout_s,
+        )
+        try:
+            async with self.session.get(url, headers=self._headers, timeout=patient) as resp:
+                check_reply(url, resp.status, resp.content_length or 0, limit)
+                pending = bytearray()
+                async for piece in resp.content.iter_any():
+                    pending += piece
+                    while (end := pending.find(b"\n")) >= 0:
+                        line = bytes(pending[:end])
+                        del pending[: end + 1]
+                        yield parse_json(url, line)
+                    if len(pending) > limit:
+                        raise PeerError(f"{url}: feed line over {limit} bytes")
+                if pending.strip():  # a server that answers once, without a newline
+                    yield parse_json(url, bytes(pending))
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _peer_error(url, exc) from None
 
     async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
         """A chunk (cut only when no byte arrives for a while: the scheduler's adaptive

@@ -89,22 +89,52 @@ class MemoryClient:
         # the requester's address as a server sees it: its name's host (a public network)
         self.address = urlsplit(self_url).hostname if self_url else None
 
+    def _req(self, method: str, url: str, body: bytes = b"") -> Request:
+        """``url`` as the router sees it (counted by route)."""
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        self.network.requests[parts.path.strip("/").split("/")[0]] += 1
+        return Request(method, parts.path, query, self.self_url, body, self.address)
+
+    async def _back(self, url: str, held: bool = False) -> None:
+        """An answer's way back: the latency, and lost if we were cut meanwhile (or, on a
+        response ``held`` open, the peer was)."""
+        await self.network.travel()
+        down = self.network.down
+        if self.self_url in down or (held and f"http://{urlsplit(url).netloc}" in down):
+            raise PeerError(f"{url}: connection lost")
+
     async def _request(
         self, method: str, url: str, limit: int, body: bytes = b"", expect: int = 200
     ) -> bytes:
-        parts = urlsplit(url)
-        query = dict(parse_qsl(parts.query))
-        req = Request(method, parts.path, query, self.self_url, body, self.address)
-        self.network.requests[parts.path.strip("/").split("/")[0]] += 1
+        req = self._req(method, url, body)
         await self.network.travel()
         router = self.network.router(url)
         async with router.serve(req) as reply:
             check_reply(url, reply.status, len(reply.body), limit, expect)
-        await self.network.travel()
-        if self.self_url in self.network.down:
-            raise PeerError(f"{url}: connection lost")
+        await self._back(url)
         router.sent(reply)
         return reply.body
+
+    async def get_feed(self, url: str) -> AsyncIterator[Any]:
+        """As over HTTP: the first answer, then each line of the router's feed, each a
+        latency after the router wrote it."""
+        req = self._req("GET", url)
+        await self.network.travel()
+        async with self.network.router(url).serve(req) as reply:
+            feed = reply.feed
+            try:
+                check_reply(url, reply.status, len(reply.body), self.limits.max_json_bytes)
+                await self._back(url)
+                yield parse_json(url, reply.body)
+                if feed is None:
+                    return
+                async for line in feed:
+                    await self._back(url, held=True)
+                    yield parse_json(url, line)
+            finally:
+                if feed is not None:
+                    await feed.aclose()
 
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._request("GET", url, self.limits.max_json_bytes))

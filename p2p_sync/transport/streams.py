@@ -432,6 +432,10 @@ class FramedClient:
         """A reply frame comes whole: its parts once it is in."""
         return split_parts(self.get_bytes(url), url, sizes)
 
+    async def get_feed(self, url: str) -> AsyncIterator[Any]:
+        """A reply frame comes whole: a feed's first answer alone (the follower asks again)."""
+        yield await self.get_json(url)
+
     async def post_json(self, url: str, doc: Any) -> Any:
         body = json.dumps(doc).encode()
         return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
@@ -535,6 +539,11 @@ class RoutedClient:
         the HTTP client's; a ``p2p://`` URL gets its own client's whole-reply split."""
         client, target = self._for(url)
         return client.get_parts(target, sizes)
+
+    def get_feed(self, url: str) -> AsyncIterator[Any]:
+        """A have feed over the client for ``url`` (whole replies over streams)."""
+        client, target = self._for(url)
+        return client.get_feed(target)
 
     async def post_json(self, url: str, doc: Any) -> Any:
         return (await self._routed(url, lambda c, u: c.post_json(u, doc)))[0]
