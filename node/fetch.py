@@ -66,6 +66,9 @@ class _NodeSource(DataPlaneSource):
 
         return sorted(super().peers(), key=key)
 
+    def usable(self, peer: str) -> bool:
+        return peer in self.known  # what ``peering.usable`` lists
+
     def owed(self, peer: str) -> bool:
         """A public node follows every peer behind NAT it knows, beyond ``max_sources``: such
         a peer uploads to nobody but the public peers following it, and the chunks the

@@ -102,7 +102,7 @@ from simulations.scenario import Scenario
 
 TRAINER = 0
 HONEST, CORRUPT, STALL, LIAR = "honest", "corrupt", "stall", "liar"
-HAVE_WAIT_S = HttpLimits().have_wait_s  # a long-polled have-map answers at least this often
+HAVE_WAIT_S = HttpLimits().have_wait_s  # a have feed quiet this long ends (asked again)
 # a signed manifest as pushed (``manifests_zstd``, transport.dataplane.pack_manifests): 46 B
 # a chunk (measured: 34,848 B for 763 chunks, 68,936 B for 1,526; the JSON text: 72 B a chunk)
 MANIFEST_BYTES_PER_CHUNK = 46
@@ -667,9 +667,10 @@ class SwarmSim:
             self.clock.after(HAVE_WAIT_S, self._repoll_seed, p, gen, shown)
 
     def _repoll_seed(self, p: Peer, gen: int, shown: frozenset[int]) -> None:
-        """The seed's answer to a long poll is its SuperSeeder's offer at that moment; a
-        node's poll returns at least every ``have_wait_s`` and asks again, so what the seeder
-        frees up in the meantime (reseeded or starved chunks) reaches the follower then."""
+        """The seed's answer on a have feed is its SuperSeeder's offer at that moment; a
+        node's feed that had no news for ``have_wait_s`` ends and its follower asks again
+        (answered at once if the offer changed), so what the seeder frees up in the meantime
+        (reseeded or starved chunks) reaches the follower then."""
         if p.generation != gen or p.artifact is None or p.sched is None or not p.online:
             return
         now = frozenset(self._visible(self.peers[TRAINER], p, p.artifact))

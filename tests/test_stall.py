@@ -118,6 +118,9 @@ class _Source:
     def peers(self) -> list[str]:
         return list(self._peers)
 
+    def usable(self, peer: str) -> bool:
+        return peer in self._peers
+
     def owed(self, peer: str) -> bool:
         return peer.startswith("p2p://")  # as a public node's: peers behind NAT
 

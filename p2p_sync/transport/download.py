@@ -75,6 +75,11 @@ class ChunkSource(Protocol):
         """Peers worth asking now (the directory's usable ones)."""
         ...
 
+    def usable(self, peer: str) -> bool:
+        """Whether ``peer`` is still among :meth:`peers` (asked at every have-map answer: a
+        lookup, not a sorted list)."""
+        ...
+
     def owed(self, peer: str) -> bool:
         """Follow ``peer`` even beyond ``max_sources``, and ask it first (``PeerHad.owed``):
         it can upload to nobody but the peers that follow it (behind NAT, while this node is
@@ -142,6 +147,9 @@ class DataPlaneSource:
 
     def peers(self) -> list[str]:
         return self._peers()
+
+    def usable(self, peer: str) -> bool:
+        return peer in self._peers()
 
     def owed(self, peer: str) -> bool:
         return False
@@ -290,7 +298,7 @@ class Download:
             since = HaveCursor(len(pushed))
             self.events.put_nowait(PeerHad(peer, frozenset(pushed), None, owed))
         while not self.done.is_set() and failures < self.config.have_failures:
-            if peer not in self.source.peers():
+            if not self.source.usable(peer):
                 break
             try:
                 since, answers = await self._feed(peer, since, owed)
@@ -315,7 +323,7 @@ class Download:
                 since = after
                 # what it held before stays claimed (PeerHad adds): only the news is sent
                 self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
-                if self.done.is_set() or peer not in self.source.peers():
+                if self.done.is_set() or not self.source.usable(peer):
                     break
         return since, answers
 
