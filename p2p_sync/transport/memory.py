@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -79,6 +79,20 @@ class MemoryNetwork:
         await asyncio.sleep(self.latency_s)
 
 
+async def _pump(
+    feed: AsyncGenerator[bytes, None], lines: asyncio.Queue[tuple[float, bytes] | None]
+) -> None:
+    """Run a router's feed as its server would, each line stamped with when it was written;
+    None once it ends (closed here: cancelling the pump closes it)."""
+    loop = asyncio.get_running_loop()
+    try:
+        async for line in feed:
+            lines.put_nowait((loop.time(), line))
+    finally:
+        lines.put_nowait(None)
+        await feed.aclose()
+
+
 class MemoryClient:
     """A node's client over the memory network (the face of ``http.DataClient``)."""
 
@@ -96,12 +110,10 @@ class MemoryClient:
         self.network.requests[parts.path.strip("/").split("/")[0]] += 1
         return Request(method, parts.path, query, self.self_url, body, self.address)
 
-    async def _back(self, url: str, held: bool = False) -> None:
-        """An answer's way back: the latency, and lost if we were cut meanwhile (or, on a
-        response ``held`` open, the peer was)."""
+    async def _back(self, url: str) -> None:
+        """An answer's way back: the latency, and lost if we were cut meanwhile."""
         await self.network.travel()
-        down = self.network.down
-        if self.self_url in down or (held and f"http://{urlsplit(url).netloc}" in down):
+        if self.self_url in self.network.down:
             raise PeerError(f"{url}: connection lost")
 
     async def _request(
@@ -118,23 +130,31 @@ class MemoryClient:
 
     async def get_feed(self, url: str) -> AsyncIterator[Any]:
         """As over HTTP: the first answer, then each line of the router's feed, each a
-        latency after the router wrote it."""
+        latency after the router wrote it (the router writes on while lines travel)."""
         req = self._req("GET", url)
         await self.network.travel()
         async with self.network.router(url).serve(req) as reply:
-            feed = reply.feed
+            check_reply(url, reply.status, len(reply.body), self.limits.max_json_bytes)
+            lines: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+            pump = asyncio.create_task(_pump(reply.feed, lines)) if reply.feed else None
             try:
-                check_reply(url, reply.status, len(reply.body), self.limits.max_json_bytes)
                 await self._back(url)
                 yield parse_json(url, reply.body)
-                if feed is None:
-                    return
-                async for line in feed:
-                    await self._back(url, held=True)
-                    yield parse_json(url, line)
+                while pump is not None and (item := await lines.get()) is not None:
+                    await self._arrive(url, item[0])
+                    yield parse_json(url, item[1])
             finally:
-                if feed is not None:
-                    await feed.aclose()
+                if pump is not None:
+                    pump.cancel()
+                    await asyncio.gather(pump, return_exceptions=True)
+
+    async def _arrive(self, url: str, written: float) -> None:
+        """A line written at ``written`` (loop time) arrives a latency later."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, written + self.network.latency_s - loop.time()))
+        down = self.network.down
+        if self.self_url in down or f"http://{urlsplit(url).netloc}" in down:
+            raise PeerError(f"{url}: connection lost")
 
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._request("GET", url, self.limits.max_json_bytes))
