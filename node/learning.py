@@ -175,59 +175,51 @@ class Learner:
     async def _learn_one(
         self, peer: str, digest: str, data: bytes | None, holders: tuple[str, ...] = ()
     ) -> Manifest | None:
-        """``digest``'s manifest (``data`` if pushed inline), judged and kept: fetched from
-        one of ``holders`` (a random order; one that lacks it yet, fails, takes over
-        ``http.holder_wait_s`` or serves a bad one is passed over, the last banned), else
-        from ``peer``, the announcer. Signed: whoever serves it is judged alike."""
-        if data is not None:
-            return self._admit(peer, digest, data)[0]
         node = self.node
+        try:
+            if data is None:
+                data, peer = await self._fetch_manifest(peer, digest, holders)
+            manifest = node.trusted.admit(data, time.time(), digest)
+        except PeerError:
+            node.peering.handle(PeerFailed(peer))
+            return None
+        except (RollbackAttackError, LayoutSwapAttackError):
+            return None  # signed news not for us (stale, other tensors): not this peer's doing
+        except ManifestError as exc:
+            node.ban(peer, f"offered a bad manifest ({exc})")
+            return None
+        node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
+        node.store.put_manifest(manifest, data)
+        node.timeline.note(digest, "learned")
+        self._adopt(digest)
+        if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
+            node.p2p.gate.learned_elsewhere([digest])
+        return manifest
+
+    async def _fetch_manifest(
+        self, peer: str, digest: str, holders: tuple[str, ...]
+    ) -> tuple[bytes, str]:
+        """The manifest's bytes and who served them: from one of ``holders`` (in a random
+        order; those that lack it yet, fail or take over ``http.holder_wait_s`` are passed
+        over), else from ``peer``, the announcer (a ``PeerError`` if it fails too). Signed:
+        whoever serves it is judged alike (``admit``), and one serving a bad manifest is
+        banned."""
+        node = self.node
+        assert node.client is not None
+        limit = node.trusted.limits.manifest.max_manifest_bytes
         others = [h for h in holders if h not in (peer, node.url, node.peer_url)]
         for source in random.sample(others, len(others)):
             if source in node.peering.banned:
                 continue
             try:
                 async with asyncio.timeout(node.cfg.http.holder_wait_s):
-                    data = await self._get_manifest(source, digest)
+                    data = await node.client.get_bytes(f"{source}/manifest/{digest}", limit)
+                return data, source
             except (PeerLacksError, TimeoutError):
                 continue  # not in yet (its push is on the way), or slow: the next
             except PeerError:
                 node.peering.handle(PeerFailed(source))
-                continue
-            manifest, settled = self._admit(source, digest, data)
-            if settled:
-                return manifest
-        try:
-            data = await self._get_manifest(peer, digest)
-        except PeerError:
-            node.peering.handle(PeerFailed(peer))
-            return None
-        return self._admit(peer, digest, data)[0]
-
-    async def _get_manifest(self, source: str, digest: str) -> bytes:
-        node = self.node
-        assert node.client is not None
-        limit = node.trusted.limits.manifest.max_manifest_bytes
-        return await node.client.get_bytes(f"{source}/manifest/{digest}", limit)
-
-    def _admit(self, source: str, digest: str, data: bytes) -> tuple[Manifest | None, bool]:
-        """Judge ``data`` (from ``source``) as ``digest``'s manifest and keep it; and whether
-        that settles it (False: ``source`` served a bad one and is banned: ask elsewhere)."""
-        node = self.node
-        try:
-            manifest = node.trusted.admit(data, time.time(), digest)
-        except (RollbackAttackError, LayoutSwapAttackError):
-            return None, True  # signed news not for us (stale, other tensors): not its doing
-        except ManifestError as exc:
-            node.ban(source, f"offered a bad manifest ({exc})")
-            return None, False
-        node.peering.handle(PeerAnswered(source))  # reachable; proven only by chunks it serves
-        node.store.put_manifest(manifest, data)
-        node.timeline.note(digest, "learned")
-        self._adopt(digest)
-        if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
-            node.p2p.gate.learned_elsewhere([digest])
-        return manifest, True
+        return await node.client.get_bytes(f"{peer}/manifest/{digest}", limit), peer
 
     async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
         """Tell peers about manifests: gossip for our own publications (relays pass

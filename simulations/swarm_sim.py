@@ -10,14 +10,10 @@ and the node's messaging, as follows.
 * Announcements: a version reaches a peer one latency per overlay hop after it is published
   (announcements are relayed by every node), plus one round trip to fetch the manifest. The
   trainer's followers (rollouts that follow it: they fetched from it before, the steady state
-  of a running swarm) get its announcement pushed instead, carrying the chunks the trainer
-  hands each one (``node.learning``: its first have-map answer without a question) and, to
-  ``manifest_pushes`` of them (the holders), the manifest inline: a transfer of
-  ``MANIFEST_BYTES_PER_CHUNK`` bytes per chunk (packed) over the trainer's uplink, then one
-  latency; the others get ``ANNOUNCE_HEAD_BYTES`` naming the holders and fetch the manifest
-  from one (a round trip, its bytes over that holder's uplink; the next holder if it left,
-  the trainer last), holding the chunks behind until then. The follower then requests its
-  chunks at once, but for
+  of a running swarm) get its announcement pushed instead, carrying the manifest inline and
+  the chunks the trainer hands each one (``node.learning``: its first have-map answer without
+  a question): a transfer of ``MANIFEST_BYTES_PER_CHUNK`` bytes per chunk (packed) over the
+  trainer's uplink, then one latency, and the follower requests its chunks at once, but for
   the first few of them: those follow the manifest on the same connection (the node's framed
   announcement), one after another, each landing a latency after its last byte left, and the
   download waits for them (``PeerPushes``) instead of asking. How many: the node's rule

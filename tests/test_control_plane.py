@@ -545,34 +545,3 @@ def test_followers_beyond_manifest_pushes_fetch_the_manifest_from_a_holder_not_t
     assert set(out["rollouts"].values()) <= out["followers"]
     assert not [s for s in out["served"] if s[0] is out["trainer"]], out["served"]
     assert len(out["served"]) >= 2, out["served"]  # the two followers it did not inline to
-
-
-async def _bad_holders(tmp_path: Path, versions: list) -> dict:
-    async with MemorySwarm(tmp_path) as swarm:
-        trainer = await swarm.start_trainer()
-        [m0, *_] = await swarm.publish(versions[0])
-        lacking, evil, fresh = [await swarm.node(name) for name in ("lacking", "evil", "fresh")]
-        evil.view.manifest_bytes = lambda digest: b'{"signed": "forged"}'  # type: ignore
-        served = dict(swarm.network.requests)
-        holders = (lacking.url or "", evil.url or "")
-        learned = await fresh.learner.learn(trainer.url or "", [m0.digest], None, holders)
-        return {
-            "learned": [m.digest for m in learned],
-            "digest": m0.digest,
-            "banned": set(fresh.peering.banned),
-            "evil": evil.url,
-            "lacking": lacking.url,
-            "manifest GETs": swarm.network.requests["manifest"] - served.get("manifest", 0),
-        }
-
-
-def test_a_holder_serving_a_bad_manifest_is_banned_and_one_lacking_it_passed_over(
-    tmp_path: Path, tiny_versions: list
-) -> None:
-    """Holders an announcement names are only hints: each one's manifest is judged like any
-    other; the node passes over one that lacks it, bans one that forges it, and takes it from
-    the announcer at last."""
-    out = _run(_bad_holders(tmp_path, tiny_versions[:1]))
-    assert out["learned"] == [out["digest"]]
-    assert out["evil"] in out["banned"] and out["lacking"] not in out["banned"]
-    assert out["manifest GETs"] == 3  # both holders, then the trainer
