@@ -124,7 +124,6 @@ _ZERO_OK = {
     "publish.chunk_size",  # 0: picked from each payload's size
     "publish.seed_uploads",  # 0: download.max_sources
     "publish.push_chunks",  # 0: no chunk behind an announcement
-    "publish.manifest_pushes",  # 0: the manifests inline to every follower
     "http.max_upload_mbps",
     "manifest.clock_skew_s",
     "announce.clock_skew_s",

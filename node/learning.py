@@ -25,14 +25,13 @@ from p2p_sync.errors import (
     LayoutSwapAttackError,
     ManifestError,
     PeerError,
-    PeerLacksError,
     RollbackAttackError,
 )
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.seeding import chunks_behind
-from p2p_sync.transport.dataplane import MAX_HOLDERS, Pushed, gather_quietly, pack_manifests
+from p2p_sync.transport.dataplane import Pushed, gather_quietly, pack_manifests
 from p2p_sync.versions import PATCH
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ class Learner:
         if pushed.gossiped and mesh:
             fresh = [d for d in fresh if d in pushed.manifests]
         if fresh:
-            self.spawn(self.learn(url, fresh, pushed.manifests, pushed.holders))
+            self.spawn(self.learn(url, fresh, pushed.manifests))
 
     def take_offer(self, peer: str, digest: str) -> tuple[list[int] | None, list[int]]:
         """What ``peer`` pushed with its announcement of ``digest``: its have-map answer, so
@@ -146,14 +145,10 @@ class Learner:
             self.node.view.notify_have()  # once: every held long poll answers the news
 
     async def learn(
-        self,
-        peer: str,
-        digests: list[str],
-        inline: Mapping[str, bytes] | None = None,
-        holders: tuple[str, ...] = (),
+        self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
     ) -> list[Manifest]:
-        """Fetch (unless ``inline``: from ``holders`` first, which ``peer`` named), verify
-        and keep manifests ``peer`` offers; relay the accepted ones onward."""
+        """Fetch (unless ``inline``), verify and keep manifests ``peer`` offers; relay the
+        accepted ones onward."""
         accepted = []
         for digest in digests:
             if digest in self._learning or self.node.store.has_manifest(digest):
@@ -161,8 +156,7 @@ class Learner:
             self.node.timeline.note(digest, "heard")  # announced, polled or gossiped
             self._learning.add(digest)
             try:
-                data = (inline or {}).get(digest)
-                manifest = await self._learn_one(peer, digest, data, holders)
+                manifest = await self._learn_one(peer, digest, (inline or {}).get(digest))
             finally:
                 self._learning.discard(digest)
             if manifest is not None:
@@ -172,13 +166,13 @@ class Learner:
             await self.announce([m.digest for m in accepted], exclude={peer})
         return accepted
 
-    async def _learn_one(
-        self, peer: str, digest: str, data: bytes | None, holders: tuple[str, ...] = ()
-    ) -> Manifest | None:
+    async def _learn_one(self, peer: str, digest: str, data: bytes | None) -> Manifest | None:
         node = self.node
+        assert node.client is not None
         try:
             if data is None:
-                data, peer = await self._fetch_manifest(peer, digest, holders)
+                limit = node.trusted.limits.manifest.max_manifest_bytes
+                data = await node.client.get_bytes(f"{peer}/manifest/{digest}", limit)
             manifest = node.trusted.admit(data, time.time(), digest)
         except PeerError:
             node.peering.handle(PeerFailed(peer))
@@ -195,31 +189,6 @@ class Learner:
         if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
             node.p2p.gate.learned_elsewhere([digest])
         return manifest
-
-    async def _fetch_manifest(
-        self, peer: str, digest: str, holders: tuple[str, ...]
-    ) -> tuple[bytes, str]:
-        """The manifest's bytes and who served them: from one of ``holders`` (in a random
-        order; those that lack it yet, fail or take over ``http.holder_wait_s`` are passed
-        over), else from ``peer``, the announcer (a ``PeerError`` if it fails too). Signed:
-        whoever serves it is judged alike (``admit``), and one serving a bad manifest is
-        banned."""
-        node = self.node
-        assert node.client is not None
-        limit = node.trusted.limits.manifest.max_manifest_bytes
-        others = [h for h in holders if h not in (peer, node.url, node.peer_url)]
-        for source in random.sample(others, len(others)):
-            if source in node.peering.banned:
-                continue
-            try:
-                async with asyncio.timeout(node.cfg.http.holder_wait_s):
-                    data = await node.client.get_bytes(f"{source}/manifest/{digest}", limit)
-                return data, source
-            except (PeerLacksError, TimeoutError):
-                continue  # not in yet (its push is on the way), or slow: the next
-            except PeerError:
-                node.peering.handle(PeerFailed(source))
-        return await node.client.get_bytes(f"{peer}/manifest/{digest}", limit), peer
 
     async def announce(self, digests: list[str], exclude: set[str] = frozenset()) -> None:
         """Tell peers about manifests: gossip for our own publications (relays pass
@@ -244,9 +213,7 @@ class Learner:
             packed = pack_manifests(texts)  # once: ~35 KB for 763 chunks (JSON: ~56 KB)
             inline = (packed, len(json.dumps(texts)))  # what it unpacks to: within the limit
             behind = self._behind(digests, peers, followers)
-            holders = self._holders(peers, followers)
-            peers.sort(key=lambda p: p not in holders)  # theirs first: the others ask them
-            extra = [self._extra(p, digests, followers, inline, behind, holders) for p in peers]
+            extra = [self._extra(p, digests, followers, inline, behind) for p in peers]
         pushes = asyncio.ensure_future(
             gather_quietly([self._push(p, digests, *x) for p, x in zip(peers, extra)])
         )
@@ -277,7 +244,6 @@ class Learner:
         followers: set[str],
         inline: tuple[str, int],
         behind: dict[str, int],
-        holders: tuple[str, ...],
     ) -> tuple[dict[str, Any], list[bytes]]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
         the chunks we hand it (its first have-map answer, ahead of its question) and, unless
@@ -298,13 +264,10 @@ class Learner:
         packed, size = inline
         if peer in followers and peer not in self._p2p_urls:
             room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
-            if holders and peer not in holders:
-                extra["manifest_from"] = list(holders)
-            elif size <= room:
+            if size <= room:
                 extra["manifests_zstd"] = packed
         chunks: list[bytes] = []
-        told = "manifests_zstd" in extra or "manifest_from" in extra
-        if told and behind.get(peer):
+        if "manifests_zstd" in extra and behind.get(peer):
             digest = self._push_digest(digests)
             budget = self.node.client.limits.max_push_bytes
             sent = view.pushable(digest, peer, behind[peer], budget)
@@ -312,15 +275,6 @@ class Learner:
                 extra["pushing"] = [[digest, i, len(data)] for i, data in sent]
                 chunks = [data for _, data in sent]
         return extra, chunks
-
-    def _holders(self, peers: list[str], followers: set[str]) -> tuple[str, ...]:
-        """The followers our announcement carries the manifests to inline: the first
-        ``[publish] manifest_pushes`` over HTTP (the others fetch them there, so they must
-        be reachable); () for all of them (0, or no more followers than that)."""
-        most = min(self.node.cfg.publish.manifest_pushes, MAX_HOLDERS)
-        http = [p for p in peers if p in followers and p.startswith("http://")]
-        http = [p for p in http if p not in self._p2p_urls]
-        return tuple(http[:most]) if 0 < most < len(http) else ()
 
     def _behind(self, digests: list[str], peers: list[str], followers: set[str]) -> dict[str, int]:
         """How many chunks each follower over HTTP gets behind the announcement: what our

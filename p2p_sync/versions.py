@@ -63,18 +63,13 @@ class PublishPolicy:
     # every version's start; as many in all as the measured round trip holds at the measured
     # upload rate, one per follower first (p2p_sync.seeding.chunks_behind; simulations/README)
     push_chunks: int = 2
-    # followers an announcement carries the signed manifests to inline, at most (0: every
-    # follower); the others are told who holds them (``manifest_from``) and fetch them there:
-    # ~70 KB for a 1,536-chunk patch, to each of 64 followers, was 36 ms of a 1 Gbit/s
-    # trainer's uplink ahead of the version's last chunk (simulations/README)
-    manifest_pushes: int = 8
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
     def __post_init__(self) -> None:
         if self.anchor_every < 1 or any(s < 2 for s in self.catchup_spans):
             raise ValueError("anchor_every must be >= 1 and catch-up spans >= 2")
-        if self.push_chunks < 0 or self.manifest_pushes < 0:
-            raise ValueError("push_chunks and manifest_pushes must be >= 0")
+        if self.push_chunks < 0:
+            raise ValueError("push_chunks must be >= 0")
         if self.seed_quiet_factor < 0:
             raise ValueError("seed_quiet_factor must be >= 0")
         if self.patch_format not in (1, 2):

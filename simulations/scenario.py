@@ -72,8 +72,6 @@ class Scenario:
     seed_outstanding: int = 8  # super-seeding: hand-outs per requester at first (then grown)
     # chunks a follower's announcement carries behind its manifest: [publish] push_chunks
     push_chunks: int = PublishPolicy.push_chunks
-    # followers the announcement carries the manifest to (0: all): [publish] manifest_pushes
-    manifest_pushes: int = PublishPolicy.manifest_pushes
     reseed_after_s: float = 2.0
     seed_quiet_factor: float = 2.0  # a quiet owner loses its hand-outs (0: never)
     download: SwarmConfig = field(default_factory=SwarmConfig)  # the node's [download] table
@@ -149,7 +147,6 @@ def check(s: Scenario) -> Scenario:
         "seed_quiet_factor",
         "seed_uploads",
         "push_chunks",
-        "manifest_pushes",
     ):
         if getattr(s, name) < 0:
             raise _bad(name, "must be >= 0")

@@ -106,8 +106,6 @@ HAVE_WAIT_S = HttpLimits().have_wait_s  # a have feed quiet this long ends (aske
 # a signed manifest as pushed (``manifests_zstd``, transport.dataplane.pack_manifests): 46 B
 # a chunk (measured: 34,848 B for 763 chunks, 68,936 B for 1,526; the JSON text: 72 B a chunk)
 MANIFEST_BYTES_PER_CHUNK = 46
-ANNOUNCE_HEAD_BYTES = 1024  # an announcement without the manifest: digests, offer, holders
-HOLDER_WAIT_S = HttpLimits().holder_wait_s  # a node's bound on a holder's manifest answer
 MBPS = 1e6 / 8  # bytes/s in one Mbit/s
 V = TypeVar("V")
 
@@ -152,7 +150,6 @@ class Peer:
     done_at: float | None = None
     pushed: bool = False  # the trainer pushed this version's news and its offer to it
     pushing: frozenset[int] = frozenset()  # and sent these chunks behind it
-    held: list[tuple[Artifact, Event]] = field(default_factory=list)  # before their manifest
 
 
 @dataclass
@@ -216,10 +213,6 @@ class SwarmSim:
         self.tree_children: dict[tuple[int, int], set[int]] = {}  # (parent, stripe) -> kids
         self.streams: dict[tuple[int, int], dict[int, None]] = {}  # (parent, child): to push
         self.pushing: set[tuple[int, int]] = set()  # streams with a chunk on the wire
-        self.holders: list[int] = []  # followers the manifest goes to inline, this version
-        self.manifest_at: dict[int, float] = {}  # when each holder has it (serves it)
-        self.manifest_gets = [0, 0]  # manifests fetched from a holder, from the trainer
-        self.fetching: dict[int, dict[int, Callable[[], None]]] = {}  # holder -> asker: retry
         self.pushed_chunks = 0  # verified chunks that reached an honest rollout pushed
         self.sent_behind = 0  # chunks the trainer sent behind its announcements
         self.published_at = 0.0
@@ -407,7 +400,6 @@ class SwarmSim:
         rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
         self._remaining = 0
         behind = self._behind()
-        self.holders, self.manifest_at = self._holders(), {}
         for p in self.honest:
             p.done_at, p.pushed = None, False
             self._remaining += 1
@@ -513,21 +505,11 @@ class SwarmSim:
         counts = chunks_behind(budget, self.sc.chunk_bytes, len(takers), self.sc.push_chunks)
         return dict(zip(takers, counts))
 
-    def _holders(self) -> list[int]:
-        """The followers the manifest goes to inline (``manifest_pushes``; 0: all), as the
-        node picks them: its first followers over HTTP (the others must reach them). Push
-        trees (a model the node does not run) keep the announcement they were measured with:
-        the manifest to every follower."""
-        k = 0 if self.sc.push_tree else self.sc.manifest_pushes
-        takers = [p.idx for p in self.honest if TRAINER in p.follows and not p.nat]
-        return takers[:k] if k else [p.idx for p in self.honest if TRAINER in p.follows]
-
     def _announce_to(self, p: Peer, art: Artifact, k: int) -> None:
-        """The trainer's ``POST /announce`` to a follower: the manifest (to the holders;
-        the others get a JSON naming them), then the first ``k`` chunks it hands it, behind
-        it on the same connection (the node's framed announcement: ``node.learning``);
-        handed out, and counted served, when the announcement is built, as the node's
-        seeder does."""
+        """The trainer's ``POST /announce`` to a follower: the manifest, then the first ``k``
+        chunks it hands it, behind the manifest on the same connection (the node's framed
+        announcement: ``node.learning``); handed out, and counted served, when the
+        announcement is built, as the node's seeder does."""
         n = self._n_chunks(art)
         keys = [(art.ident, i) for i in range(n)]
         now = self.clock.now
@@ -535,12 +517,8 @@ class SwarmSim:
         for i in behind:
             self.seeder.note_served((art.ident, i), p.idx, now)
         p.pushing = frozenset(behind)
-        if p.idx in self.holders:
-            done = partial(self._pushed, p, art, behind)
-            self.net.start(TRAINER, p.idx, MANIFEST_BYTES_PER_CHUNK * n, done)
-        else:
-            done = partial(self._told, p, art, behind)
-            self.net.start(TRAINER, p.idx, ANNOUNCE_HEAD_BYTES, done)
+        done = partial(self._pushed, p, art, behind)
+        self.net.start(TRAINER, p.idx, MANIFEST_BYTES_PER_CHUNK * n, done)
 
     def _pushed(self, p: Peer, art: Artifact, behind: list[int]) -> None:
         """The announcement's JSON left the trainer (``p`` reads it a latency later); the
@@ -548,54 +526,7 @@ class SwarmSim:
         if p.online and p.done_at is None and not p.pushed:
             p.pushed = True
             self.clock.after(self.lat, self._learn, p)
-        self.manifest_at[p.idx] = self.clock.now + self.lat
         self._send_behind(p, art, list(behind))
-
-    def _told(self, p: Peer, art: Artifact, behind: list[int]) -> None:
-        """The JSON without the manifest left the trainer: ``p`` reads it a latency later and
-        asks a holder for the manifest (its chunks behind wait for it: ``_behind_arrived``)."""
-        if p.online and p.done_at is None and not p.pushed:
-            p.pushed = True
-            self.clock.after(self.lat, self._ask_manifest, p, art, p.generation)
-        self._send_behind(p, art, list(behind))
-
-    def _ask_manifest(
-        self, p: Peer, art: Artifact, gen: int, tried: frozenset[int] = frozenset()
-    ) -> None:
-        """``GET /manifest`` from a holder the announcement named, as the node asks (a random
-        one it has not tried; the trainer once they failed): it answers once it has the
-        manifest, and ``p`` starts a latency after the last byte. A holder that left refuses
-        at once; one that crashed silently, or goes while it sends, costs the node's bound on
-        a holder's answer (``HOLDER_WAIT_S``), then the next is asked."""
-        if p.generation != gen or p.sched is not None or p.done_at is not None or not p.online:
-            return
-        left = [h for h in self.holders if h not in tried]
-        source = left[self.rng.randrange(len(left))] if left else TRAINER
-        at = max(self.clock.now + self.lat, self.manifest_at.get(source, 0.0))
-        retry = partial(self._ask_manifest, p, art, gen, tried | {source})
-        if not self.peers[source].online or (source != TRAINER and source not in self.manifest_at):
-            silent = self.peers[source].silent_crash and not self.peers[source].online
-            self.clock.after(HOLDER_WAIT_S if silent else 2 * self.lat, retry)  # or a 404
-            return
-        self.manifest_gets[source == TRAINER] += 1
-
-        def fetched() -> None:
-            self.fetching.get(source, {}).pop(p.idx, None)
-            if p.generation == gen:
-                self.clock.after(self.lat, self._learn, p)
-
-        def send() -> None:
-            if not self.peers[source].online:  # gone meanwhile: refused, or silence
-                silent = self.peers[source].silent_crash
-                self.clock.after(HOLDER_WAIT_S if silent else self.lat, retry)
-                return
-            self.fetching.setdefault(source, {})[p.idx] = retry  # reset if it leaves
-            size = MANIFEST_BYTES_PER_CHUNK * self._n_chunks(art)
-            self.net.start(source, p.idx, size, fetched)
-            if source != TRAINER:  # one too slow to answer: the next
-                self.clock.after(HOLDER_WAIT_S, retry)
-
-        self.clock.at(at, send)
 
     def _send_behind(self, p: Peer, art: Artifact, rest: list[int]) -> None:
         if not rest or not p.online:
@@ -613,12 +544,10 @@ class SwarmSim:
         self.net.start(TRAINER, p.idx, self._chunk_size(art, index), sent)
 
     def _behind_arrived(self, p: Peer, art: Artifact, event: Event) -> None:
-        """A chunk behind the announcement landed: taken by the download, or held until the
-        manifest is in (the node's inbox: ``PushedChunks``) when ``p`` has yet to fetch it."""
+        """A chunk behind the announcement landed (after the download started: it left the
+        trainer after the JSON, which ``p`` acted on a latency after its last byte)."""
         if p.online and p.artifact is art and p.sched is not None:
             self._accept(p, art, event)
-        elif p.online and p.sched is None and p.done_at is None:
-            p.held.append((art, event))
 
     def _start_download(self, p: Peer) -> None:
         steps = plan(p.state, self.artifacts)
@@ -637,10 +566,6 @@ class SwarmSim:
         if p.pushing and art is self.artifacts[-1]:  # behind the announcement: not asked
             self._feed(p, PeerPushes(TRAINER, p.pushing))
         p.pushing = frozenset()
-        held, p.held = p.held, []
-        for got, event in held:  # landed before the manifest: verified now
-            if got is art and p.sched is not None:
-                self._accept(p, art, event)
         if self.tree is not None:
             for s in range(self.tree.k):
                 self._push_subscribe(p, self.tree.parent[(p.idx, s)], s)
@@ -1078,8 +1003,6 @@ class SwarmSim:
             return
         p.online, p.silent_crash = False, silent
         self._drop_download(p)
-        for retry in self.fetching.pop(p.idx, {}).values():  # its manifest answers die too
-            self.clock.after(HOLDER_WAIT_S if silent else self.lat, retry)
         for r_idx, run in p.slots.clear():  # queued requests die with it
             r = self.peers[r_idx]
             if not silent and r.generation == run.gen:  # reset, or silence

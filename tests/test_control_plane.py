@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import zstandard
@@ -430,8 +429,6 @@ async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
             {"manifests_zstd": "not base64!"},
             {"manifests_zstd": base64.b64encode(b"not a zstd frame").decode()},
             {"manifests_zstd": pack_manifests({"cd" * 32: "{}"})},  # a digest not announced
-            {"manifest_from": "http://a.mem:1"},  # not a list
-            {"manifest_from": ["file:///etc/passwd"]},  # not a peer URL
             {"manifests_zstd": _bomb()},  # 3 KB that would unpack to 100 MB: a 413
         ):
             try:
@@ -465,7 +462,7 @@ def test_a_forged_manifest_pushed_inline_gets_its_pusher_banned_and_bad_fields_a
 ) -> None:
     out = _run(_pushed_forgery(tmp_path, tiny_versions[:1]))
     *malformed, bomb = out["refused"]
-    assert len(malformed) == 11 and all("400" in r for r in malformed), out["refused"]
+    assert len(malformed) == 9 and all("400" in r for r in malformed), out["refused"]
     assert "413" in bomb
     # posing as the trainer: its offer and manifest are dropped (kept only from the host the
     # sender names), so nobody is framed, and the manifest is asked of the trainer itself
@@ -502,46 +499,3 @@ def test_a_follower_the_push_cannot_reach_gives_its_chunks_back_at_once(
     assert out["gone"] in out["followers before"] and out["gone"] not in out["followers after"]
     assert out["held by gone"] == []  # not left waiting reseed_after_s for a peer that is gone
     assert bit_equal(out["weights"], tiny_versions[1])
-
-
-async def _holders(tmp_path: Path, versions: list, served: list) -> dict:
-    async with MemorySwarm(tmp_path) as swarm:
-        policy = swarm.config("trainer", "trainer").publish
-        trainer = await swarm.start_trainer(publish=replace(policy, manifest_pushes=1))
-        rollouts = [await swarm.start_rollout(f"r{i}") for i in range(3)]
-        await swarm.publish(versions[0])
-        await swarm.converge(0)
-        followers = trainer.view.followers()
-        served.clear()
-        manifests = await swarm.publish(versions[1])
-        await swarm.converge(1)
-        digests = {m.digest for m in manifests}
-        return {
-            "followers": followers,
-            "rollouts": {r.view: r.url for r in rollouts},
-            "trainer": trainer.view,
-            "served": [(view, peer) for view, peer, d in served if d in digests],
-            "weights": [swarm.weights(r) for r in rollouts],
-        }
-
-
-def test_followers_beyond_manifest_pushes_fetch_the_manifest_from_a_holder_not_the_trainer(
-    tmp_path: Path, tiny_versions: list, monkeypatch
-) -> None:
-    """The trainer inlines its manifests to ``manifest_pushes`` followers and names them to
-    the others, who fetch the manifests there: none crosses the trainer's uplink twice."""
-    from p2p_sync.transport.dataplane import DataRouter
-
-    served: list = []
-    manifest = DataRouter._manifest
-
-    async def spy(self: DataRouter, req, digest: str):
-        served.append((self.node, req.peer, digest))
-        return await manifest(self, req, digest)
-
-    monkeypatch.setattr(DataRouter, "_manifest", spy)
-    out = _run(_holders(tmp_path, tiny_versions[:2], served))
-    assert all(bit_equal(w, tiny_versions[1]) for w in out["weights"])
-    assert set(out["rollouts"].values()) <= out["followers"]
-    assert not [s for s in out["served"] if s[0] is out["trainer"]], out["served"]
-    assert len(out["served"]) >= 2, out["served"]  # the two followers it did not inline to

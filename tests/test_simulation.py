@@ -305,27 +305,6 @@ PUSH_NET = dict(
 )
 
 
-def test_followers_fetch_the_manifest_from_its_holders_and_spare_the_trainers_uplink() -> None:
-    """With 40 followers and ``manifest_pushes`` 4, the trainer sends the manifest 4 times,
-    not 40; the others fetch it from those 4 (even when some leave), and nobody waits on it
-    long: the swarm is no slower than with the manifest pushed to everyone."""
-    net = dict(PUSH_NET, peers=40, payload_mb=8.0)
-    every, four = (
-        simulate(scenario(**net, manifest_pushes=0)),
-        simulate(scenario(**net, manifest_pushes=4)),
-    )
-    assert every[0].manifest_gets == [0, 0] and four[0].manifest_gets == [36, 0]
-    for _sim, rep in (every, four):
-        assert rep["honest_converged_fraction"] == 1.0
-    manifest = 46 * -(-8_000_000 // (64 * 1024))  # bytes (simulations.swarm_sim)
-    sent = [rep["trainer_upload_bytes"]["total"] for _, rep in (every, four)]
-    assert sent[0] - sent[1] >= 36 * (manifest - 1024) * 0.99  # the JSON without it: 1 KB
-    worst = [rep["completion_time_s"]["worst"] for _, rep in (every, four)]
-    assert worst[1] <= worst[0], worst
-    churned = simulate(scenario(**net, manifest_pushes=4, churn_fraction=0.3, versions=2))
-    assert churned[1]["honest_converged_fraction"] == 1.0
-
-
 def test_chunks_behind_the_announcement_start_the_swarm_a_round_trip_sooner() -> None:
     """The trainer's followers get their first ``push_chunks`` chunks behind the manifest,
     never request them, and the swarm starts (and so ends) sooner than when they ask."""
@@ -530,7 +509,6 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     )
     assert sc.seed_uploads == node.publish.seed_uploads
     assert sc.push_chunks == node.publish.push_chunks
-    assert sc.manifest_pushes == node.publish.manifest_pushes
     assert sc.trainer_uploads == node.download.max_sources  # as a TrainerNode takes it
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 

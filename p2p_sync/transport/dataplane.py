@@ -59,13 +59,7 @@ POST /announce              {"url": sender base URL or null, "digests": [...], a
                             true (the same news went out by gossip, manifests inline: a node
                             on the gossip mesh keeps the offers and the inline manifests and
                             takes the other manifests from gossip, not from ``url`` by a
-                            round trip over the trainer's uplink), "manifest_from": [at most
-                            ``MAX_HOLDERS`` http:// peer URLs]: peers the sender pushed the
-                            manifests to inline, for a receiver it sent none (the trainer
-                            inlines them to ``[publish] manifest_pushes`` followers only: 70 KB
-                            each to 64 followers was 36 ms of its uplink); it fetches them
-                            there (signed: trusted from anyone), from ``url`` only if they
-                            fail it; kept only from ``url``'s host too, "pushing": [[digest,
+                            round trip over the trainer's uplink), "pushing": [[digest,
                             index, length], ...]: chunks of the offer sent in the same body
                             after the JSON (below)} -> 202
                             **Framed, with chunks**: a body that starts with
@@ -158,7 +152,6 @@ MAX_UPLOADED = 1 << 14  # chunks whose upload counts a data plane remembers (~3 
 ANNOUNCE_MAGIC = b"p2pA"
 ANNOUNCE_TYPE = "application/x-p2psync-announce"
 MAX_PUSHED = 64
-MAX_HOLDERS = 16  # peers an announcement may name as holding its manifests
 
 
 def chunk_path(path: str) -> bool:
@@ -190,9 +183,6 @@ class HttpLimits:
     upload_queue: int = 64  # chunk requests waiting for an upload slot; more get a 503
     have_wait_s: float = 5.0  # longest hold of a long-polled have-map (< request_timeout_s)
     have_feed_s: float = 60.0  # longest a have feed stays open (then the follower reopens it)
-    # longest a node waits for a manifest from a peer an announcement named as holding it
-    # (``manifest_from``) before it asks the next one, and at last the announcer
-    holder_wait_s: float = 0.5
     # chunks one announcement may carry behind its JSON (the trainer's first hand-out)
     max_push_bytes: int = 4 * 2**20
     # TCP congestion control for every socket the data plane opens or accepts ("": the host's
@@ -216,7 +206,6 @@ class Pushed:
     gossiped: bool = False  # the same news went out by gossip
     # digest -> chunk indices sent behind the JSON (they follow: ``NodeView.on_pushed``)
     pushing: Mapping[str, list[int]] = field(default_factory=dict)
-    holders: tuple[str, ...] = ()  # peers the sender pushed the manifests to (fetch there)
 
 
 class BodyReader(Protocol):
@@ -631,17 +620,16 @@ class DataRouter:
             packed = {"manifests_zstd": _unpack_manifests(doc["manifests_zstd"], self.limits)}
             texts |= _by_digest(packed, "manifests_zstd", digests, _is_str, "manifest text")
         manifests = {d: text.encode() for d, text in texts.items()}
-        pushing, holders = _pushing(doc, digests, self.limits), _holders(doc)
+        pushing = _pushing(doc, digests, self.limits)
         if url is None or not same_host(url, req.remote):  # anyone may claim to be the trainer
-            offers, manifests, pushing, holders = {}, {}, [], ()  # (a forgery: banned)
+            offers, manifests, pushing = {}, {}, []  # (and a forgery would get it banned)
         gossiped = doc.get("gossiped", False)
         if not isinstance(gossiped, bool):
             raise Refused(400, "gossiped must be true or false")
         indices: dict[str, list[int]] = {}
         for digest, index, _n in pushing:
             indices.setdefault(digest, []).append(index)
-        pushed = Pushed(offers, manifests, gossiped, indices, holders)
-        self.node.on_announce(url, digests, pushed)
+        self.node.on_announce(url, digests, Pushed(offers, manifests, gossiped, indices))
         if pushing and rest is not None and url is not None:
             await self._take_pushed(url, pushing, rest)
         return _json({"ok": True}, status=202)
@@ -798,20 +786,6 @@ def _pushing(
     if sum(n for _, _, n in out) > limits.max_push_bytes:
         raise Refused(413, "pushing: more chunk bytes than max_push_bytes")
     return out
-
-
-def _holders(doc: dict[str, Any]) -> tuple[str, ...]:
-    """An announcement's "manifest_from": at most ``MAX_HOLDERS`` distinct http:// peer
-    URLs; or a 400."""
-    field = doc.get("manifest_from", [])
-    if not (
-        isinstance(field, list)
-        and len(field) <= MAX_HOLDERS
-        and all(isinstance(u, str) and u.startswith("http://") and valid_peer_url(u) for u in field)
-        and len(set(field)) == len(field)
-    ):
-        raise Refused(400, f"manifest_from must list at most {MAX_HOLDERS} http:// peer URLs")
-    return tuple(field)
 
 
 def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:
