@@ -86,8 +86,8 @@ async def _follow(
     since = HaveCursor()
     while len(seen) < len(m.chunks):
         async with aclosing(source.have_feed(peer, m, since)) as answers:
-            async for have, since in answers:
-                now = time.monotonic()
+            async for have, after in answers:
+                now, since = time.monotonic(), after
                 for i in have:
                     seen.setdefault(i, now)
                 if not feed or len(seen) == len(m.chunks):
