@@ -28,37 +28,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from have_polls import CHUNK, distinct_snapshot  # noqa: E402  (benchmarks/, the script's folder)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from node.config import NodeConfig  # noqa: E402
 from node.runtime import Node  # noqa: E402
 from node.transports import MemoryTransport  # noqa: E402
-from p2p_sync.chunks import manifest_for  # noqa: E402
-from p2p_sync.keys import SigningKey  # noqa: E402
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign  # noqa: E402
+from p2p_sync.manifest import Manifest, SwarmPolicy, sign  # noqa: E402
 from p2p_sync.peers import PeerLimits  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor  # noqa: E402
 from p2p_sync.transport.memory import MemoryClient, MemoryNetwork  # noqa: E402
 
-CHUNK = 16 * 1024
-
 
 def _holder(root: Path, network: MemoryNetwork, n: int) -> tuple[Node, Manifest, bytes]:
     """A rollout node on ``network`` that knows a signed ``n``-chunk manifest, no chunk yet."""
-    key = SigningKey.generate()
-    payload = b"".join(i.to_bytes(4, "little") * (CHUNK // 4) for i in range(n))
-    m = manifest_for(
-        payload,
-        swarm="bench",
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=CHUNK,
-    )
+    key, payload, m = distinct_snapshot(n)
     cfg = NodeConfig(
         role="rollout", data_dir=root, trust=("x",), directory=PeerLimits(poll_interval_s=600)
     )

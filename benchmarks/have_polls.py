@@ -37,9 +37,9 @@ CHUNK = 16 * 1024
 DEPTH = 4  # the fetcher's requests in flight
 
 
-def _trainer(root: Path, n: int, outstanding: int) -> tuple[TrainerNode, Manifest]:
-    """A trainer holding a signed snapshot of ``n`` distinct chunks."""
-    key = SigningKey.generate()
+def distinct_snapshot(n: int) -> tuple[SigningKey, bytes, Manifest]:
+    """Swarm "bench"'s version 0 of ``n`` distinct ``CHUNK``-byte chunks (no tensors behind
+    it): a new signing key, the payload and its manifest (also ``have_news.py``'s)."""
     payload = b"".join(i.to_bytes(4, "little") * (CHUNK // 4) for i in range(n))
     m = manifest_for(
         payload,
@@ -51,6 +51,12 @@ def _trainer(root: Path, n: int, outstanding: int) -> tuple[TrainerNode, Manifes
         now=int(time.time()),
         chunk_size=CHUNK,
     )
+    return SigningKey.generate(), payload, m
+
+
+def _trainer(root: Path, n: int, outstanding: int) -> tuple[TrainerNode, Manifest]:
+    """A trainer holding a signed snapshot of ``n`` distinct chunks."""
+    key, payload, m = distinct_snapshot(n)
     cfg = NodeConfig(role="trainer", data_dir=root, key=root / "k", p2p=False)
     cfg = replace(cfg, publish=replace(cfg.publish, seed_outstanding=outstanding))
     node = TrainerNode(cfg, SwarmPolicy("bench", (key.public,)), Store.open(root))
