@@ -7,9 +7,12 @@ import multiprocessing
 import random
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy, parse, sign
@@ -342,3 +345,33 @@ def test_the_store_stays_consistent_under_its_threads(tmp_path: Path) -> None:
         for i in range(40):
             store.put_chunk(p[i * 4096 : (i + 1) * 4096], m.chunks[i])
         assert store.verify_pack(m) and bytes(store.payload(m)) == p
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=6), min_size=1, max_size=3),
+    st.sets(st.integers(0, 7)),
+)
+def test_have_indices_lists_every_chunk_held_in_any_pack(
+    layouts: list[list[int]], stored: set[int]
+) -> None:
+    """Manifests that share chunks (``layouts``: which of 8 distinct chunks each one names,
+    repeats allowed), some of those chunks stored: each manifest's listing is exactly its
+    indices whose chunk the store holds, whichever pack it went to."""
+    import tempfile
+
+    from tests.helpers import snapshot_manifest
+
+    blocks = [bytes([b]) * 16 * 1024 for b in range(8)]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.open(Path(tmp))
+        ms = []
+        for n, layout in enumerate(layouts):
+            m = replace(snapshot_manifest(b"".join(blocks[b] for b in layout)), version=n)
+            store.put_manifest(m, b"{}")
+            ms.append((m, layout))
+        for b in sorted(stored):
+            if any(b in layout for _, layout in ms):
+                store.put_chunk(blocks[b])
+        for m, layout in ms:
+            assert store.have_indices(m) == [i for i, b in enumerate(layout) if b in stored]
