@@ -368,24 +368,23 @@ class Store:
 
     @_locked
     def has_chunk(self, digest: str) -> bool:
-        return any(i in self._valid.get(d, ()) for d, i in self._locate(digest))
+        return self._holds(digest)
+
+    def _holds(self, digest: str) -> bool:
+        """Whether some pack holds chunk ``digest`` (the caller holds the lock)."""
+        return any(i in self._valid.get(d, ()) for d, i in self._where.get(digest, ()))
 
     @_locked
     def have_indices(self, manifest: Manifest) -> list[int]:
         """Indices of ``manifest``'s chunks held here (in its own pack or another's). A node
-        lists this once per chunk that lands while it downloads (its have-map news), so the
-        test of each missing chunk is inlined: ``has_chunk`` per chunk, a call and a lock
-        taken again each, made the listing 2.5x slower (0.54 ms for 1,526 chunks, half held)."""
-        valid_by, where = self._valid, self._where
-        valid = valid_by.get(manifest.digest, set())
+        lists this once per chunk that lands while it downloads (its have-map news), so each
+        missing chunk is tested without taking the lock again (``has_chunk`` per chunk made
+        the listing 1.9x slower: 0.54 ms against 0.28 for 1,526 chunks, half held)."""
+        valid = self._valid.get(manifest.digest, set())
         if len(valid) == len(manifest.chunks):
             return list(range(len(manifest.chunks)))
-        return [
-            i
-            for i, c in enumerate(manifest.chunks)
-            if i in valid
-            or ((held := where.get(c)) and any(j in valid_by.get(d, ()) for d, j in held))
-        ]
+        holds = self._holds
+        return [i for i, c in enumerate(manifest.chunks) if i in valid or holds(c)]
 
     @_locked
     def get_chunk(self, digest: str) -> bytes | None:
