@@ -22,6 +22,7 @@ memory and host RSS are printed at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import resource
 import sys
 import time
@@ -87,6 +88,12 @@ def one_version(args: argparse.Namespace, model: Model, prev: dict, digest: Stat
     undo = codec.encode(invert(patch))
     apply_payload(prev, undo, probe, w)
     assert probe.hash() == patch.base_hash
+    for n in args.sweep:  # the same two payloads with n threads each, applied and undone
+        for name, data in (("f1", v1), ("f2", v2)):
+            run = functools.partial(apply_payload, prev, data, probe, n)
+            _, row[f"{name}@{n}"] = timed(dev, run)
+            assert probe.hash() == patch.target_hash
+            apply_payload(prev, undo, probe, w)
     _, row["apply2"] = timed(dev, lambda: apply_payload(prev, v2, digest, w))
     assert digest.hash() == patch.target_hash and equal(prev, new), "rollout differs"
     return row
@@ -116,6 +123,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--workers", type=int, default=2, help="threads for host-side work")
     parser.add_argument(
+        "--sweep",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[],
+        help="also time decode + apply with each of these thread counts, e.g. 1,2,4,8,16",
+    )
+    parser.add_argument(
+        "--skip-host-hash", action="store_true", help="skip timing format 1's host-copy hash"
+    )
+    parser.add_argument(
         "--profile", type=Path, help="write a cProfile of the last version's steps here (text)"
     )
     args = parser.parse_args()
@@ -130,10 +146,10 @@ def main() -> None:
     codec.encode(diff({"w": prev[next(iter(prev))][:8]}, {"w": prev[next(iter(prev))][:8]}))
     digest, full = timed(dev, lambda: StateDigest.of(prev, args.workers))
     _, full = timed(dev, lambda: StateDigest.of(prev, args.workers))  # warm (numba, kernels)
-    _, old = timed(dev, lambda: host_xxh3(prev))
+    old = "skipped" if args.skip_host_hash else f"{timed(dev, lambda: host_xxh3(prev))[1]:.3f} s"
     print(
         f"full state hash on {dev}: {full:.3f} s ({size / full / 1e9:.1f} GB/s); "
-        f"format-1 hash (host copy + XXH3): {old:.3f} s"
+        f"format-1 hash (host copy + XXH3): {old}"
     )
     head = (
         f"{'v':>2} {'changed':>8} {'diff':>6} {'enc f1':>7} {'enc f2':>7} {'MB f1':>7} "
@@ -150,6 +166,11 @@ def main() -> None:
             f"{r['encode2']:>7.3f} {r['bytes1'] / 1e6:>7.1f} {r['bytes2'] / 1e6:>7.1f} "
             f"{r['apply1']:>8.3f} {r['apply2']:>8.3f}"
         )
+        if args.sweep:
+            print(
+                "   apply by threads: "
+                + ", ".join(f"{n}: f1 {r[f'f1@{n}']:.3f} f2 {r[f'f2@{n}']:.3f}" for n in args.sweep)
+            )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     gpu = ""
     if dev.startswith("cuda"):

@@ -59,10 +59,20 @@ want node_tests && step node_tests "${NODE_S:-120}" python3 -m pytest -q -p no:c
 # the second version is profiled, so numba's first compile (no cache on a fresh machine) is not
 want profile_7b && step profile_7b "${PROFILE_S:-150}" python3 benchmarks/device.py --size 7b \
     --versions 2 --workers 1 --profile "$OUT/profile_7b.txt"
+# host threads for a GPU apply: the same payloads decoded + applied with 2-16 threads each
+want sweep_7b && step sweep_7b "${SWEEP_S:-200}" python3 benchmarks/device.py --size 7b \
+    --versions 2 --workers 8 --sweep 2,4,8,16
+# where the engine's pause goes (py-spy, both processes, every thread; raw stacks for reading
+# after the machine is gone: sort by ``_apply_frame`` / ``_apply_one``)
+SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+want api_7b_profile && step api_7b_profile "${API_S:-230}" "$SPY" record -r 67 -f raw \
+    --subprocesses --threads --nonblocking -o "$OUT/api_7b_spy.txt" -- python3 \
+    benchmarks/scale.py --size 7b --device cuda --trainer-device cuda --skip-processes \
+    --versions 3 --patch-format "${API_FORMAT:-2}"
 # the process tier: a trainer reading files, rollouts keeping their weights on the GPU
 want nodes_1b && step nodes_1b "${NODES_S:-160}" python3 benchmarks/scale.py --size 1b \
     --device cuda --skip-api --versions 3
-for f in cuda_tests device_7b api_7b node_tests profile_7b nodes_1b; do
+for f in cuda_tests device_7b api_7b node_tests profile_7b sweep_7b api_7b_profile nodes_1b; do
     [ -f "$OUT/$f.log" ] || continue
     echo "---- $f"
     tail -n 25 "$OUT/$f.log"

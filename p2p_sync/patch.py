@@ -47,6 +47,7 @@ from p2p_sync.tensors import (
     flat_bits,
     layout_fingerprint,
     layout_of,
+    to_device,
 )
 from p2p_sync.threads import map_workers
 
@@ -418,15 +419,17 @@ def add_delta(
 ) -> None:
     """Add ``sign * delta`` to ``flat`` (a tensor's bit view) in place; with ``digest``, its
     sums follow in O(changed words) (on the host in the same pass as the adds)."""
-    deltas = delta.deltas.to(flat.device, non_blocking=True)
+    positions, deltas = delta.positions, to_device(delta.deltas, flat.device)
+    if positions is not None:  # once per block (track's words and the write share it)
+        positions = to_device(positions, flat.device)
     if sign < 0:
         deltas = -deltas  # wrapping negation: exact inverse of the wrapping add
-    write = functools.partial(_write, flat, delta.positions, deltas)
+    write = functools.partial(_write, flat, positions, deltas)
     with torch.no_grad():
         if digest is None:
             write()
         else:
-            track(digest, delta.spec, flat, delta.positions, write, deltas)
+            track(digest, delta.spec, flat, positions, write, deltas)
 
 
 def _write(flat: torch.Tensor, positions: torch.Tensor | None, deltas: torch.Tensor) -> None:
@@ -464,6 +467,7 @@ def distinct_tensors(weights: TensorSet, names: Iterable[str]) -> list[str]:
 
 def follow_aliases(weights: TensorSet, names: Iterable[str], digest: StateDigest) -> None:
     """Give each alias the sums of the tensor it shares memory with (the same bytes)."""
+    digest.settle()  # moves still on a device (a GPU's apply) first
     for alias, name in aliases(weights, names).items():
         digest.sums[alias] = digest.sums[name]
 

@@ -98,6 +98,17 @@ def flat_bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(bits_dtype(t.dtype))
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor bound for a GPU goes through pinned memory, so the
+    copy is queued rather than waited for (a copy from pageable memory waits for the work
+    queued before it on the device's stream, every thread's)."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def layout_of(tensors: TensorSet) -> Layout:
     """The layout of a tensor set, sorted by name (the canonical order of every digest)."""
     specs = []

@@ -64,3 +64,34 @@ def test_gpu_format2_encodes_and_applies_in_place_like_the_host(tiny_versions) -
     apply_frames(ga, memoryview(host), codec.read_header(host), digest)
     assert digest.hash() == state_hash(b)
     assert bit_equal({k: v.cpu() for k, v in ga.items()}, b)
+
+
+def test_gpu_apply_in_small_blocks_and_threads_keeps_the_digest_exact(
+    tiny_versions, monkeypatch
+) -> None:
+    """Sums moved on the device across many blocks (``track_on_device``), several threads,
+    read back per tensor: the digest equals the host's after every version."""
+    from p2p_sync.restore import apply_frames
+    from p2p_sync.statehash import StateDigest
+
+    monkeypatch.setattr(codec, "BLOCK", 64)
+    weights = on_gpu(clone_set(tiny_versions[0]))
+    digest = StateDigest.of(weights)
+    for a, b in zip(tiny_versions, tiny_versions[1:4]):
+        data = codec.encode(diff(a, b))
+        apply_frames(weights, memoryview(data), codec.read_header(data), digest, workers=4)
+        assert not digest.moved and digest.hash() == state_hash(b)
+    assert bit_equal({k: v.cpu() for k, v in weights.items()}, tiny_versions[3])
+
+
+def test_gpu_weights_cap_the_apply_threads_by_coding(tiny_versions) -> None:
+    from p2p_sync.restore import GPU_APPLY_THREADS, apply_threads
+
+    a, b = tiny_versions[0], tiny_versions[1]
+    plain = codec.read_header(codec.encode(diff(a, b)))
+    classed = codec.read_header(codec.encode(diff(a, b), base=a))
+    assert any(r.coding == codec.CLASSED for r in classed.rows)
+    gpu = on_gpu(a)
+    assert apply_threads(gpu, plain, 16) == GPU_APPLY_THREADS[False] < 16
+    assert apply_threads(gpu, classed, 16) == GPU_APPLY_THREADS[True] < 16
+    assert apply_threads(gpu, classed, 2) == 2

@@ -80,6 +80,50 @@ def test_word_sums_are_the_terms_of_those_words(t: torch.Tensor, data: st.DataOb
         assert statehash._terms_torch(w.body[idx], idx) == statehash.word_sums(t, idx)
 
 
+@st.composite
+def whole_word_tensors(draw: st.DrawFn) -> torch.Tensor:
+    """Mostly whole 64-bit words (the device path proper); some with a tail (its fallback)."""
+    dtype, numel = draw(st.sampled_from(DTYPES)), draw(st.sampled_from([8, 64, 520, 4000, 4001]))
+    return random_bits((numel,), dtype, draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(whole_word_tensors(), st.data())
+def test_device_tracking_moves_the_sums_exactly_without_reading_back(
+    t: torch.Tensor, data: st.DataObject
+) -> None:
+    """The GPU's way of tracking a patch (``track_on_device``: sums moved on the device, read
+    back once at ``settle``; repeated words masked), run on CPU tensors: after any blocks of
+    sorted distinct positions, in one tensor or a view of it, the settled sums are a full
+    re-hash's; before ``settle`` nothing was read back into ``sums``."""
+    if data.draw(st.booleans()):  # a view of whole words, maybe unaligned (the fallback)
+        k = data.draw(st.integers(0, 7))
+        t = t.reshape(-1)[k : k + (t.numel() - 8) // 8 * 8]
+    flat = flat_bits(t)
+    n = flat.numel()
+    spec = layout_of({"t": t})[0]
+    digest = StateDigest.of({"t": t})
+    start = digest.sums["t"]
+    for _ in range(data.draw(st.integers(1, 3))):
+        lo = data.draw(st.integers(0, max(n - 1, 0)))  # crowded: words with several changes
+        hi = data.draw(st.sampled_from([min(n - 1, lo + 24), n - 1]))
+        picked = sorted(data.draw(st.sets(st.integers(lo, max(hi, lo)), max_size=40))) if n else []
+        at = torch.tensor(picked, dtype=torch.int64)
+        deltas = torch.tensor(
+            data.draw(st.lists(st.integers(-3, 3), min_size=len(picked), max_size=len(picked))),
+            dtype=torch.int64,
+        ).to(flat.dtype)
+
+        def write(at: torch.Tensor = at, deltas: torch.Tensor = deltas) -> None:
+            flat[at] += deltas
+
+        statehash.track_on_device(digest, spec, flat, at, write)
+    if digest.moved:
+        assert digest.sums["t"] == start  # moved on the device only
+    digest.settle()
+    assert not digest.moved and digest.sums == StateDigest.of({"t": t}).sums
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(version_pairs())
 def test_incremental_hashes_equal_full_rehash(pair: tuple[dict, dict]) -> None:
@@ -268,3 +312,13 @@ def test_blocked_host_kernels_equal_plain_python_and_the_definition(
         assert applied == statehash.tensor_sums(flat)
         runs[name] = deltas
     assert np.array_equal(runs["numba"], runs["python"])
+
+
+def test_host_weights_keep_every_apply_thread(tiny_versions: list) -> None:
+    """The GPU's thread cap (``restore.GPU_APPLY_THREADS``) leaves host weights alone: there
+    each thread decodes and adds on its own core."""
+    from p2p_sync.restore import apply_threads
+
+    a, b = tiny_versions[0], tiny_versions[1]
+    for data in (codec.encode(diff(a, b)), codec.encode(diff(a, b), base=a)):
+        assert apply_threads(a, codec.read_header(data), 16) == 16
