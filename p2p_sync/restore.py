@@ -112,9 +112,10 @@ def apply_artifact(
 
 # Threads that decode into GPU weights, by whether a patch has class-coded frames (format 2).
 # More threads launch more small kernels into one device queue and wait on each other. 7B on an
-# H100, 3.3% changed, decode + apply in place (benchmarks/device.py --sweep; three sweeps over
-# two sessions agree): plain frames 1.39 s with 4 threads, 1.87-1.92 s with 8-16; class-coded
-# 2.31 s with 8, 2.50 s with 16, 3.38 s with 4 (their host-side decoding wants more threads).
+# H100, 3.3% changed, decode + apply in place (benchmarks/device.py --sweep): plain frames
+# 1.39 s with 4 threads, 1.87-1.92 s with 8-16 (4 was fastest in all three sweeps, two
+# sessions); class-coded 2.31 s with 8, 2.50 s with 16, 3.38 s with 4 (their host-side
+# decoding wants more threads; 8 was fastest in both sweeps of 2026-11-27).
 GPU_APPLY_THREADS = {False: 4, True: 8}
 
 

@@ -462,7 +462,7 @@ class StateDigest:
     layout: Layout
     sums: dict[str, Sums] = field(default_factory=dict)
     # moves of sums still on a device (``move``): added into ``sums`` by ``settle``
-    moved: dict[str, torch.Tensor] = field(default_factory=dict)
+    moved: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, tensors: TensorSet, workers: int = 1) -> StateDigest:
@@ -546,8 +546,9 @@ def track_on_device(
     are read back once per tensor (``StateDigest.settle``), not once per block. A read back
     waits for every thread's queued work on the device's one stream: at 7B on an H100, 4-5
     read backs per block of 2**18 positions made applying a patch slower with more threads
-    (format 1: 2.1 s with 4, 2.7-4.1 s with 16). Repeated words (neighbouring positions in
-    one word) are masked rather than removed, which would need their count on the host."""
+    (format 1: 2.1 s with 4, 2.9 s with 16; now 1.4 and 1.9 s). Repeated words (neighbouring
+    positions in one word) are masked rather than removed, which needs their count on the
+    host."""
     w = _words(flat)
     if w.tail is not None or (w.body.numel() and w.body.data_ptr() != flat.data_ptr()):
         words = touched_words(positions, spec.itemsize, flat.device)  # a copy, or a tail word
