@@ -151,6 +151,21 @@ def test_v2_picks_coding_3_on_real_weights(tiny_versions: list) -> None:
     assert bit_equal(weights, new)
 
 
+def test_coding_3_is_left_out_where_it_saves_too_little(monkeypatch) -> None:
+    """Every element rewritten at random: coding 3 comes out a fraction of a percent smaller
+    and costs twice the decoding, so the encoder writes version-1 frames; with no minimum
+    saving it would take coding 3 there (the rule is what decides)."""
+    gen = torch.Generator().manual_seed(3)
+    words = [torch.randint(0, 2**16, (200_000,), generator=gen) & 0xBFFF for _ in range(2)]
+    base, new = ({"w": w.to(torch.int16).view(torch.bfloat16)} for w in words)
+    patch = diff(base, new)
+    info = codec.read_header(codec.encode(patch, base=base))
+    assert info.version == 1 and not any(r.coding == codec.CLASSED for r in info.rows)
+    monkeypatch.setattr(codec, "CLASSED_MIN_SAVING", 0.0)
+    info = codec.read_header(codec.encode(patch, base=base))
+    assert any(r.coding == codec.CLASSED for r in info.rows)
+
+
 def test_numba_and_numpy_scans_agree(tiny_versions: list, monkeypatch) -> None:
     base, new = tiny_versions[0], tiny_versions[4]
     patch = diff(base, new)
