@@ -41,7 +41,7 @@ import torch
 import xxhash
 
 from p2p_sync import jit
-from p2p_sync.tensors import Layout, TensorSet, TensorSpec, layout_of, spec_record
+from p2p_sync.tensors import Layout, TensorSet, TensorSpec, layout_of, spec_record, to_device
 from p2p_sync.threads import map_workers
 
 DOMAIN = b"p2psync state hash v2\x00"
@@ -556,7 +556,7 @@ def track_on_device(
         write()
         digest.replace(spec.name, before, word_sums(flat, words))
         return
-    at = positions.to(flat.device, non_blocking=True)
+    at = to_device(positions, flat.device)  # already there from add_delta: no copy
     words = at >> _SHIFT[spec.itemsize]
     keep = torch.ones_like(words, dtype=torch.bool)
     torch.ne(words[1:], words[:-1], out=keep[1:])  # sorted: a word's repeats are neighbours
