@@ -120,17 +120,19 @@ class Learner:
         """A chunk behind an announcement (from ``url``'s host: the data plane checked)."""
         if url not in self.node.peering.banned:
             self.pushed.put(url, digest, index, data)
-            self._adopt(digest)
+            if self._adopt(digest):
+                self.node.view.notify_have()  # once: every held long poll answers the news
 
-    def _adopt(self, digest: str) -> None:
+    def _adopt(self, digest: str) -> bool:
         """Store the chunks pushed of ``digest`` at once, verified, once its manifest is
         here, whether or not a download wants them now: the trainer counts them fetched by
         this node, so the swarm asks this node for them (a follower still catching up would
         otherwise hold them back until the seed lets them starve, ``starve_after_s``). The
-        download of ``digest`` still takes them from the inbox, for its scheduler."""
+        download of ``digest`` still takes them from the inbox, for its scheduler. Whether it
+        stored any."""
         m, stored = self.node.store.manifest(digest), False
         if m is None:
-            return
+            return False
         for url, index, data in self.pushed.held(digest):
             if index >= len(m.chunks) or self.node.store.has_chunk(m.chunks[index]):
                 continue
@@ -141,8 +143,16 @@ class Learner:
                 continue
             self.node.store.put_chunk(data, m.chunks[index])
             stored = True
-        if stored:
-            self.node.view.notify_have()  # once: every held long poll answers the news
+        return stored
+
+    def _keep(self, manifest: Manifest, data: bytes) -> None:
+        """Store an accepted manifest, take the chunks pushed of it, and wake the have feeds
+        held for it (``GET /have`` of a manifest not here waits for it: peers that heard of
+        the version first are already following this node)."""
+        self.node.store.put_manifest(manifest, data)
+        self.node.timeline.note(manifest.digest, "learned")
+        self._adopt(manifest.digest)
+        self.node.view.notify_have()
 
     async def learn(
         self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
@@ -183,9 +193,7 @@ class Learner:
             node.ban(peer, f"offered a bad manifest ({exc})")
             return None
         node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
-        node.store.put_manifest(manifest, data)
-        node.timeline.note(digest, "learned")
-        self._adopt(digest)
+        self._keep(manifest, data)
         if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
             node.p2p.gate.learned_elsewhere([digest])
         return manifest
@@ -402,9 +410,7 @@ class Learner:
         stored = []
         for m, raw in self.node.trusted.fresh_inline(decision):
             if not self.node.store.has_manifest(m.digest):
-                self.node.store.put_manifest(m, raw)
-                self.node.timeline.note(m.digest, "learned")
-                self._adopt(m.digest)
+                self._keep(m, raw)
                 stored.append(m.digest)
         return stored
 

@@ -849,6 +849,54 @@ def test_a_have_feed_answers_each_chunk_on_one_open_response_and_ends_when_quiet
     assert out["bad feed"] == 400
 
 
+async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
+    """A follower opens a have feed on a rollout that has not learned the manifest yet (it
+    heard of the version first); the rollout then learns it, pushed inline. A feed on a
+    digest nobody announces is answered 404 once ``have_wait_s`` passes."""
+    key = SigningKey.generate()
+    policy = SwarmPolicy("t", (key.public,))
+    cfg = NodeConfig(
+        role="rollout", data_dir=tmp_path, trust=("x",), directory=PeerLimits(poll_interval_s=60)
+    )
+    node = Node(replace(cfg, http=replace(cfg.http, have_wait_s=3.0)), policy, Store.open(tmp_path))
+    url = await node.start()
+    payload = random.Random(2).randbytes(40 * 1024)
+    m = manifest_for(
+        payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT, target_state="00" * 16,
+        layout="00" * 16, now=int(time.time()), chunk_size=16 * 1024,
+    )
+    trainer = "http://127.0.0.1:9"
+    node.learner.on_pushed(trainer, m.digest, 0, payload[: 16 * 1024])  # before its manifest
+    client, out = DataClient(None), {}
+    try:
+        async with asyncio.timeout(30):
+            feed = client.get_feed(f"{url}/have/{m.digest}?feed=1")
+            first = asyncio.ensure_future(anext(feed))
+            out["held"] = await _held(node.transport.server.router, 1)
+            out["early"] = first.done()
+            await node.learner.learn(trainer, [m.digest], {m.digest: sign(m, [key])})
+            # woken by the manifest, not by the hold running out
+            out["first"] = await asyncio.wait_for(first, 2.5)
+            await feed.aclose()
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{url}/have/{HEX}?feed=1") as r:
+                    out["unknown"] = r.status
+    finally:
+        await client.close()
+        await node.stop()
+    return out
+
+
+def test_a_have_feed_asked_before_the_manifest_came_waits_for_it(tmp_path: Path) -> None:
+    """News spreads hop by hop: a follower that heard of a version first asks a peer that has
+    not learned it yet. Answered 404 at once, it backed off and asked again up to 0.6 s
+    later; held, it gets the answer as soon as the peer learns the manifest."""
+    out = asyncio.run(_feed_before_manifest(tmp_path))
+    assert out["held"] and not out["early"]
+    assert out["first"]["have"] == [0]
+    assert out["unknown"] == 404
+
+
 async def _hostile_feeds() -> dict[str, Any]:
     """A peer's have feed: good lines, then a line that is no JSON; one line without end
     that grows past the JSON limit; an answer without a newline (a server that answers
