@@ -862,8 +862,14 @@ async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
     url = await node.start()
     payload = random.Random(2).randbytes(40 * 1024)
     m = manifest_for(
-        payload, swarm=policy.swarm_id, version=0, kind=SNAPSHOT, target_state="00" * 16,
-        layout="00" * 16, now=int(time.time()), chunk_size=16 * 1024,
+        payload,
+        swarm=policy.swarm_id,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
     )
     trainer = "http://127.0.0.1:9"
     node.learner.on_pushed(trainer, m.digest, 0, payload[: 16 * 1024])  # before its manifest
