@@ -11,6 +11,7 @@ import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
+from functools import partial
 
 from node.runtime import Node
 from p2p_sync.manifest import Manifest
@@ -43,28 +44,21 @@ class _NodeSource(DataPlaneSource):
     """The node's chunk source: its usable peers in the order a download should follow them,
     noting when a have-map first offered a chunk."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, digest: str) -> None:
         assert node.client is not None
         super().__init__(node.client, node.peering.usable)
         self.timeline, self.known = node.timeline, node.peering.directory.known
         self.offer = node.learner.take_offer  # a have-map answer pushed with the announcement
         self.inbox = node.learner.pushed  # and the chunks sent behind it
-        self._rank: dict[str, float] = {}
-        self._rng = random.Random()
+        self.early_feeds = node.learner.early  # and the feeds asked while the manifest came
+        self._order = partial(node.learner.follow_order, digest)
         self.public = node.peer_url == node.url  # reachable (or no NAT to speak of)
 
     def peers(self) -> list[str]:
-        """Trusted peers (given, proven) first, then peers behind NAT (``p2p://``: only
-        public peers can fetch from them, so chunks they were handed would otherwise wait on
-        them), then the rest in this download's own random order: a download follows
-        ``max_sources`` of them, and rollouts that all followed the same first few would
-        queue at the same uploaders. The simulator orders its sources the same way."""
-
-        def key(url: str) -> tuple[bool, bool, float]:
-            entry, rank = self.known.get(url), self._rank.setdefault(url, self._rng.random())
-            return (entry is None or not entry.trusted, not url.startswith(SCHEME), rank)
-
-        return sorted(super().peers(), key=key)
+        """In the order ``node.early.follow_order`` gives (trusted, then behind NAT, then
+        this node's own order for this payload): the early feeds went to the first of them.
+        The simulator orders its sources the same way."""
+        return self._order()
 
     def usable(self, peer: str) -> bool:
         return peer in self.known  # what ``peering.usable`` lists
@@ -84,10 +78,20 @@ class _NodeSource(DataPlaneSource):
     def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
         return self.inbox.follow(m.digest)
 
-    async def have_feed(
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+        feed = self.early_feeds.take(m.digest, peer)
+        return None if feed is None else self._noted(m, feed)
+
+    def have_feed(
         self, peer: str, m: Manifest, since: HaveCursor
     ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
-        async with aclosing(super().have_feed(peer, m, since)) as answers:
+        return self._noted(m, super().have_feed(peer, m, since))
+
+    async def _noted(
+        self, m: Manifest, feed: AsyncIterator[tuple[list[int], HaveCursor]]
+    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
+        """``feed``'s answers, noting when one first offered a chunk."""
+        async with aclosing(feed) as answers:
             async for have, after in answers:
                 if have:
                     self.timeline.note(m.digest, "first_have")
@@ -109,5 +113,8 @@ async def fetch_payload(
     """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
     config = config or swarm_config(node)
     listener = _Listener(node, manifest, on_chunk)
-    await download(manifest, _NodeSource(node), node.store, listener, config)
+    try:
+        await download(manifest, _NodeSource(node, manifest.digest), node.store, listener, config)
+    finally:
+        node.learner.early.close(manifest.digest)  # the feeds it did not follow
     node.timeline.note(manifest.digest, "fetched")

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
+from node.early import EarlyFeeds, follow_order
 from node.pushed import PushedChunks
 from p2p_sync import announce
 from p2p_sync.bounded import remember
@@ -54,6 +55,8 @@ class Learner:
         # (peer, digest) -> the chunks of its offer it sends behind the announcement
         self._pushing: dict[tuple[str, str], list[int]] = {}
         self.pushed = PushedChunks()  # those chunks, until the download takes them
+        # have feeds opened while a manifest is fetched, for the download to take over
+        self.early = EarlyFeeds(lambda: node.client, 2 * node.cfg.http.have_wait_s)
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
         self._tasks: list[asyncio.Task[Any]] = []
         self._poller: asyncio.Task[None] | None = None
@@ -62,6 +65,7 @@ class Learner:
         self._started_at = node.accepted_version  # version at start
 
     async def stop(self) -> None:
+        self.early.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -165,16 +169,39 @@ class Learner:
                 continue
             self.node.timeline.note(digest, "heard")  # announced, polled or gossiped
             self._learning.add(digest)
+            data = (inline or {}).get(digest)
+            if data is None:
+                self._ask_early(digest)
             try:
-                manifest = await self._learn_one(peer, digest, (inline or {}).get(digest))
+                manifest = await self._learn_one(peer, digest, data)
             finally:
                 self._learning.discard(digest)
             if manifest is not None:
                 accepted.append(manifest)
+            else:
+                self.early.close(digest)
         if accepted:
             self.new_info.set()
             await self.announce([m.digest for m in accepted], exclude={peer})
         return accepted
+
+    def follow_order(self, digest: str) -> list[str]:
+        """The usable peers in the order a download of ``digest`` follows them."""
+        known = self.node.peering.directory.known
+
+        def trusted(url: str) -> bool:
+            entry = known.get(url)
+            return entry is not None and entry.trusted
+
+        return follow_order(self.node.peering.usable(), trusted, self.early.salt_for(digest))
+
+    def _ask_early(self, digest: str) -> None:
+        """A rollout asks the peers its download will follow for their have-maps of
+        ``digest`` while it fetches the manifest (``node.early``): the download then starts
+        with their answers instead of asking a round trip later."""
+        if self.node.cfg.role == "rollout":
+            peers = self.follow_order(digest)[: self.node.cfg.download.max_sources]
+            self.early.open(digest, peers)
 
     async def _learn_one(self, peer: str, digest: str, data: bytes | None) -> Manifest | None:
         node = self.node

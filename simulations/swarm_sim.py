@@ -8,7 +8,9 @@ shared links plus a one-way latency on every message and on the last byte of eve
 and the node's messaging, as follows.
 
 * Announcements: a version reaches a peer one latency per overlay hop after it is published
-  (announcements are relayed by every node), plus one round trip to fetch the manifest. The
+  (announcements are relayed by every node), plus one round trip to fetch the manifest; the
+  peer asks its have-map questions when it hears the digest, during that round trip
+  (``node.early``), and its download starts with their answers and takes their feeds over. The
   trainer's followers (rollouts that follow it: they fetched from it before, the steady state
   of a running swarm) get its announcement pushed instead, carrying the manifest inline and
   the chunks the trainer hands each one (``node.learning``: its first have-map answer without
@@ -150,6 +152,11 @@ class Peer:
     done_at: float | None = None
     pushed: bool = False  # the trainer pushed this version's news and its offer to it
     pushing: frozenset[int] = frozenset()  # and sent these chunks behind it
+    # have feeds asked while the manifest of ``early_art`` came (``node.early``): answers
+    # kept until the download starts (None: none kept now), and whom they asked
+    early: dict[int, set[int]] | None = None
+    early_art: Artifact | None = None
+    early_asked: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -402,11 +409,14 @@ class SwarmSim:
         behind = self._behind()
         for p in self.honest:
             p.done_at, p.pushed = None, False
+            p.early, p.early_art, p.early_asked = None, None, set()
             self._remaining += 1
             if TRAINER in p.follows:
                 self._announce_to(p, self.artifacts[-1], behind.get(p.idx, 0))
-            else:
-                clock.at(t0 + self.lat * (max(self.depth[p.idx], 1) + 2), self._learn, p)
+            else:  # hears the digest, asks its peers' have-maps and the manifest at once
+                heard = t0 + self.lat * max(self.depth[p.idx], 1)
+                clock.at(heard, self._hear, p, self.artifacts[-1])
+                clock.at(heard + 2 * self.lat, self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
         self._run(version, t0 + self.sc.time_limit_factor * nat_bound)
         up = self.net.bytes_sent[TRAINER] - up0
@@ -493,6 +503,36 @@ class SwarmSim:
         if p.online and p.sched is None and p.done_at is None:
             self._start_download(p)
 
+    def _hear(self, p: Peer, art: Artifact) -> None:
+        """``p`` hears of ``art`` from a relay (its digest only) and, while it fetches the
+        manifest, opens have feeds to the peers its download will follow (``node.early``)."""
+        if not p.online or p.sched is not None or p.done_at is not None:
+            return
+        p.early, p.early_art = {}, art
+        for q in p.neighbors:  # in the set's order, as ``_start_download``
+            if q in p.follows and q not in p.banned:
+                p.early_asked.add(q)
+                self.clock.after(self.lat, self._early_reached, p, q, art)
+
+    def _early_reached(self, p: Peer, q_idx: int, art: Artifact) -> None:
+        """The early question reaches ``q`` (which holds it until it knows the manifest: here
+        it answers what it holds, as ``_subscribed``), and ``q`` follows up with news."""
+        q = self.peers[q_idx]
+        if not q.online or not p.online or p.early_art is not art:
+            return
+        q.subscribers.add(p.idx)
+        shown = frozenset(self._visible(q, p, art))
+        self.clock.after(self.lat, self._early_answer, p, q_idx, art, shown)
+
+    def _early_answer(self, p: Peer, q_idx: int, art: Artifact, indices: frozenset[int]) -> None:
+        """An early answer: kept until the download starts, or handed to it."""
+        if not p.online or p.early_art is not art or q_idx in p.banned:
+            return
+        if p.early is not None:
+            p.early.setdefault(q_idx, set()).update(indices)
+        elif p.sched is not None and p.artifact is art:
+            self._feed(p, PeerHad(q_idx, indices, None, self._owed(p, q_idx)))
+
     def _behind(self) -> dict[int, int]:
         """How many chunks each follower gets behind its announcement, by the node's rule
         (``seeding.chunks_behind``) with what its trainer measures in a running swarm: a
@@ -566,11 +606,18 @@ class SwarmSim:
         if p.pushing and art is self.artifacts[-1]:  # behind the announcement: not asked
             self._feed(p, PeerPushes(TRAINER, p.pushing))
         p.pushing = frozenset()
+        early = p.early if p.early_art is art else None
+        asked = p.early_asked if early is not None else set()
+        p.early = None  # later early answers and news go to the scheduler
+        if early is None:
+            p.early_art = None
+        for q_idx, indices in (early or {}).items():  # taken over: their feeds go on
+            self._feed(p, PeerHad(q_idx, frozenset(indices), None, self._owed(p, q_idx)))
         if self.tree is not None:
             for s in range(self.tree.k):
                 self._push_subscribe(p, self.tree.parent[(p.idx, s)], s)
         for q in p.neighbors:  # in the set's order: runs stay reproducible
-            if q in p.follows and q not in p.banned:
+            if q in p.follows and q not in p.banned and q not in asked:
                 self._subscribe(p, q)
 
     def _arm(self, p: Peer) -> None:
@@ -699,6 +746,8 @@ class SwarmSim:
         p = self.peers[key[1]]
         if p.sched is not None and p.online and key[0] not in p.banned:
             self._feed(p, PeerHad(key[0], frozenset(indices), None, self._owed(p, key[0])))
+        elif p.early is not None and p.online:  # news on an early feed: kept
+            p.early.setdefault(key[0], set()).update(indices)
 
     def _owed(self, p: Peer, q_idx: int) -> bool:
         """``q``'s uplink is one few can use (the node's ``ChunkSource.owed``): it is behind
@@ -711,6 +760,8 @@ class SwarmSim:
         for s in q.subscribers:
             p = self.peers[s]
             if p.artifact is art and p.sched is not None and index in p.sched.missing:
+                self._push_have(q, s, index)
+            elif p.early is not None and p.early_art is art:
                 self._push_have(q, s, index)
 
     # ------------------------------------------------------------ requests
@@ -1016,7 +1067,11 @@ class SwarmSim:
             r = self.peers[s]
             if not silent and r.sched is not None:
                 self.clock.after(self.lat, self._lost, r, p.idx, r.generation)
+            elif r.early is not None:  # an early feed ended: the download asks again
+                r.early.pop(p.idx, None)
+                r.early_asked.discard(p.idx)
         p.subscribers.clear()
+        p.early, p.early_art, p.early_asked = None, None, set()
         self._drop_streams(p)
         self.clock.after(downtime, self._rejoin, p, p.generation)
 

@@ -660,7 +660,10 @@ async def _source_order(tmp_path: Path) -> list[str]:
         node = await swarm.node("r0", peers=("http://given.mem:1",))
         for url in [*public[:3], *nat, *public[3:]]:
             node.add_peer(url, Source.HEARSAY)
-        return _NodeSource(node).peers()
+        order = _NodeSource(node, "ab" * 32).peers()
+        assert order == _NodeSource(node, "ab" * 32).peers()  # the early feeds' order
+        assert order == node.learner.follow_order("ab" * 32)
+        return order
 
 
 def test_a_download_follows_trusted_peers_then_peers_behind_nat_then_the_rest(

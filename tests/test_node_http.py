@@ -903,6 +903,73 @@ def test_a_have_feed_asked_before_the_manifest_came_waits_for_it(tmp_path: Path)
     assert out["unknown"] == 404
 
 
+async def _early_feeds(tmp_path: Path) -> dict[str, Any]:
+    """Rollout B hears a digest from rollout A (the digest alone, as a relay sends it): it
+    asks A's have-map while it fetches the manifest from A, and a download takes that feed.
+    Then a digest A cannot serve: the early feeds for it close once the manifest fails."""
+    key = SigningKey.generate()
+    policy = SwarmPolicy("t", (key.public,))
+    nodes = []
+    for name in ("a", "b"):
+        cfg = NodeConfig(
+            role="rollout",
+            data_dir=tmp_path / name,
+            trust=("x",),
+            directory=PeerLimits(poll_interval_s=60),
+        )
+        nodes.append(Node(cfg, policy, Store.open(tmp_path / name)))
+    a, b = nodes
+    payload = random.Random(3).randbytes(40 * 1024)
+    m = manifest_for(
+        payload,
+        swarm=policy.swarm_id,
+        version=0,
+        kind=SNAPSHOT,
+        target_state="00" * 16,
+        layout="00" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
+    a.store.put_manifest(m, sign(m, [key]))
+    a.store.put_chunk(payload[16 * 1024 : 32 * 1024])
+    out: dict[str, Any] = {}
+    try:
+        url_a, _ = await a.start(), await b.start()
+        b.add_peer(url_a)
+        async with asyncio.timeout(30):
+            b.learner.on_announce(url_a, [m.digest])
+            await asyncio.sleep(0)  # one turn: the learning task runs to its manifest fetch
+            out["open while fetching"] = b.learner.early.open_digests()
+            await b.learner.settled()
+            out["manifest"] = b.store.has_manifest(m.digest)
+            feed = b.learner.early.take(m.digest, url_a)
+            out["taken"] = feed is not None and await anext(feed)
+            out["again"] = b.learner.early.take(m.digest, url_a)
+            if feed is not None:
+                await feed.aclose()
+            b.learner.on_announce(url_a, [HEX])  # nobody has it: a 404 from A
+            await asyncio.sleep(0)
+            out["bogus open"] = b.learner.early.open_digests()
+            await b.learner.settled()
+            out["bogus after"] = b.learner.early.open_digests()
+    finally:
+        await a.stop()
+        await b.stop()
+    return out
+
+
+def test_a_rollout_asks_have_maps_while_it_fetches_a_relayed_manifest(tmp_path: Path) -> None:
+    """A relayed announcement names digests only: fetching the manifest is a round trip, and
+    the download's have-map questions were a second one after it. Both need only the digest,
+    so they go out together; a digest whose manifest does not come closes its feeds."""
+    out = asyncio.run(_early_feeds(tmp_path))
+    assert out["manifest"]
+    assert len(out["open while fetching"]) == 1  # before the manifest was here
+    assert out["taken"][0] == [1]  # A's have-map: chunk 1
+    assert out["again"] is None  # taken once
+    assert out["bogus open"] == [HEX] and out["bogus after"] == []
+
+
 async def _hostile_feeds() -> dict[str, Any]:
     """A peer's have feed: good lines, then a line that is no JSON; one line without end
     that grows past the JSON limit; an answer without a newline (a server that answers

@@ -114,6 +114,8 @@ class _Source:
         self.push: dict[str, list[int]] = {}  # have-maps pushed with the announcement
         self.pushing: dict[str, list[int]] = {}  # chunks of them sent behind it
         self.sent: list[tuple[str, int, bytes]] = []  # those chunks as they come
+        # have feeds opened before the download (answers, then the feed ends)
+        self.early_feeds: dict[str, list[tuple[list[int], HaveCursor]]] = {}
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -148,6 +150,17 @@ class _Source:
             await asyncio.sleep(0)
             yield item
         await asyncio.Event().wait()
+
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+        answers = self.early_feeds.pop(peer, None)
+        return None if answers is None else self._early(answers)
+
+    async def _early(
+        self, answers: list[tuple[list[int], HaveCursor]]
+    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
+        for answer in answers:
+            await asyncio.sleep(0)
+            yield answer
 
     async def have_feed(
         self, peer: str, m: Manifest, since: HaveCursor
@@ -197,13 +210,16 @@ async def _download(
     peers: tuple[str, ...] = ("p1", "p2"),
     push: dict[str, list[int]] | None = None,
     sent: dict[str, dict[int, bytes | None]] | None = None,
+    early: dict[str, list[tuple[list[int], HaveCursor]]] | None = None,
     **settings: int,
 ) -> tuple[_Sink, _Source, _Banning, float]:
-    """``sent``: chunks each peer sends behind its announcement (None: the true bytes)."""
+    """``sent``: chunks each peer sends behind its announcement (None: the true bytes);
+    ``early``: answers of have feeds opened before the download."""
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Banning()
     source.push = dict(push or {})
+    source.early_feeds = dict(early or {})
     for peer, chunks in (sent or {}).items():
         source.pushing[peer] = list(chunks)
         for i, data in chunks.items():
@@ -233,6 +249,19 @@ def test_a_pushed_have_map_is_the_first_answer_and_the_peer_is_only_long_polled(
     assert ("p1", -1) not in source.asked and ("p1", 2) in source.asked  # no round trip
     assert ("p2", -1) in source.asked  # nothing pushed: asked as before
     assert source.push == {}  # taken once
+
+
+def test_a_have_feed_opened_before_the_download_is_taken_over_and_asked_on_from_its_end() -> None:
+    """The node asked p1's have-map while the manifest came: the download takes that feed's
+    answers (two, the second only news) instead of asking, and once it ends asks p1 again
+    from where it left off."""
+    log = "0123456789abcdef"
+    early = {"p1": [([0, 3], HaveCursor(2, log)), ([4], HaveCursor(3, log))]}
+    sink, source, _, _ = asyncio.run(_download(set(), ("p1", "p2"), early=early))
+    assert len(sink.chunks) == 5
+    assert ("p1", -1) not in source.asked and ("p1", 3) in source.asked  # asked on from 3
+    assert ("p2", -1) in source.asked
+    assert source.early_feeds == {}  # taken once
 
 
 def test_chunks_sent_behind_an_announcement_are_taken_and_never_requested() -> None:

@@ -119,6 +119,12 @@ class ChunkSource(Protocol):
         comes, unverified, until the caller stops iterating."""
         ...
 
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+        """A have feed of ``peer`` opened before ``m`` was here (the node heard of the version
+        and asked its peers' have-maps while it fetched the manifest), if there is one: its
+        answers so far, then each later one, as :meth:`have_feed` gives them; taken once."""
+        ...
+
 
 class ChunkSink(Protocol):
     """Where verified chunks go (the store)."""
@@ -161,6 +167,9 @@ class DataPlaneSource:
         return  # nothing is pushed to a bare client
         yield
 
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+        return None  # a bare client hears of nothing before it is given the manifest
+
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
         return await self.client.get_bytes(
@@ -184,11 +193,11 @@ class DataPlaneSource:
         url = f"{peer}/have/{m.digest}{since.query()}"
         async with aclosing(self.client.get_feed(url)) as answers:
             async for res in answers:
-                have, since = self._answer(peer, res, since)
+                have, since = self.answer(peer, res, since)
                 yield have, since
 
     @staticmethod
-    def _answer(peer: str, res: Any, since: HaveCursor) -> tuple[list[int], HaveCursor]:
+    def answer(peer: str, res: Any, since: HaveCursor) -> tuple[list[int], HaveCursor]:
         """One have-map answer, judged: its indices and where the next one starts."""
         if not (isinstance(res, dict) and isinstance(res.get("have"), list)):
             raise PeerError(f"{peer}: malformed have-map")
@@ -297,6 +306,12 @@ class Download:
         if pushed is not None:  # no round trip measured: the chunk replies will measure it
             since = HaveCursor(len(pushed))
             self.events.put_nowait(PeerHad(peer, frozenset(pushed), None, owed))
+        early = self.source.early(peer, self.m)
+        if early is not None:  # asked while the manifest came: its answers, then ours
+            try:
+                since, _ = await self._consume(peer, early, since, owed, None)
+            except PeerError:
+                pass  # asked again below, from where it left us
         while not self.done.is_set() and failures < self.config.have_failures:
             if not self.source.usable(peer):
                 break
@@ -314,12 +329,26 @@ class Download:
     async def _feed(self, peer: str, since: HaveCursor, owed: bool) -> tuple[HaveCursor, int]:
         """Follow one have feed of ``peer`` until it ends, we are done or ``peer`` is no
         longer usable; where it left us, and how many answers it brought."""
-        asked, answers = time.monotonic(), 0
-        async with aclosing(self.source.have_feed(peer, self.m, since)) as feed:
-            async for have, after in feed:
+        asked = time.monotonic() if since.known < 0 else None  # answered at once: a round trip
+        feed = self.source.have_feed(peer, self.m, since)
+        return await self._consume(peer, feed, since, owed, asked)
+
+    async def _consume(
+        self,
+        peer: str,
+        feed: AsyncIterator[tuple[list[int], HaveCursor]],
+        since: HaveCursor,
+        owed: bool,
+        asked: float | None,
+    ) -> tuple[HaveCursor, int]:
+        """Turn one feed's answers into events until it ends, we are done or ``peer`` is no
+        longer usable (``asked``: when the question went out, if its first answer times a
+        round trip); where it left us, and how many answers it brought."""
+        answers = 0
+        async with aclosing(feed) as answers_in:
+            async for have, after in answers_in:
                 answers += 1
-                # answered at once (the first ask): a round trip
-                rtt = time.monotonic() - asked if since.known < 0 else None
+                rtt = time.monotonic() - asked if asked is not None and answers == 1 else None
                 since = after
                 # what it held before stays claimed (PeerHad adds): only the news is sent
                 self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))

@@ -1,0 +1,121 @@
+"""Have feeds opened while a manifest is on its way: a relayed version's first round trip.
+
+A peer that hears of a version from a relay (the announcement names digests only) fetches
+the manifest from the relay, a round trip; its download then asked each peer it follows for
+its have-map, a second round trip, before it could request a chunk. Both questions need only
+the digest, so the node asks them at once: it opens its have feeds to the peers the download
+will follow when it hears the digest (``Learner.learn``), and the download takes each feed
+over, with its answers so far, when it starts (``ChunkSource.early``). A peer that has not
+learned the manifest yet holds the question until it has (``DataRouter._manifest_learned``).
+
+Bounds, since an HTTP announcement is not signed and anyone may name a digest: feeds for at
+most ``MAX_DIGESTS`` digests at a time, closed at once when the manifest cannot be had, and
+those no download took closed ``2 * have_wait_s`` after they opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator, Callable, Collection
+from contextlib import aclosing
+
+from p2p_sync.errors import PeerError
+from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.transport.download import DataPlaneSource, HaveCursor
+from p2p_sync.transport.streams import SCHEME
+
+MAX_DIGESTS = 2  # digests with early feeds at once (a version's patch, and one spare)
+Answer = tuple[list[int], HaveCursor]
+
+
+def follow_order(urls: Collection[str], trusted: Callable[[str], bool], salt: str) -> list[str]:
+    """The order in which a download follows peers: trusted ones (given, proven) first, then
+    peers behind NAT (``p2p://``: only public peers can fetch from them, so chunks they were
+    handed would otherwise wait on them), then the rest in an order of this node's and this
+    payload's own (``salt``): a download follows ``max_sources`` of them, and rollouts that
+    all followed the same first few would queue at the same uploaders. The early feeds and
+    the download take the same order, so the download follows the peers already asked."""
+
+    def key(url: str) -> tuple[bool, bool, bytes]:
+        rank = hashlib.blake2b(f"{salt}\n{url}".encode(), digest_size=8).digest()
+        return (not trusted(url), not url.startswith(SCHEME), rank)
+
+    return sorted(urls, key=key)
+
+
+class _Feed:
+    """One peer's have feed for one digest, read into a queue until a download takes it."""
+
+    def __init__(self, client: PeerClient, peer: str, digest: str) -> None:
+        self.answers: asyncio.Queue[Answer | None] = asyncio.Queue()
+        self.task = asyncio.create_task(self._read(client, peer, digest))
+
+    async def _read(self, client: PeerClient, peer: str, digest: str) -> None:
+        since = HaveCursor()
+        try:
+            async with aclosing(client.get_feed(f"{peer}/have/{digest}{since.query()}")) as lines:
+                async for res in lines:
+                    have, since = DataPlaneSource.answer(peer, res, since)
+                    self.answers.put_nowait((have, since))
+        except PeerError:
+            pass  # the download asks again itself
+        finally:
+            self.answers.put_nowait(None)
+
+    async def follow(self) -> AsyncIterator[Answer]:
+        """Its answers so far, then each later one, until the feed ends; closing stops it."""
+        try:
+            while (answer := await self.answers.get()) is not None:
+                yield answer
+        finally:
+            self.task.cancel()
+
+
+class EarlyFeeds:
+    """The node's early feeds, by digest and peer."""
+
+    def __init__(self, client: Callable[[], PeerClient | None], hold_s: float) -> None:
+        self._client, self.hold_s = client, hold_s
+        self._feeds: dict[str, dict[str, _Feed]] = {}
+        self._expiry: dict[str, asyncio.TimerHandle] = {}
+        self.salt = f"{random.getrandbits(64):016x}"  # this node's follow order
+
+    def salt_for(self, digest: str) -> str:
+        return f"{self.salt}:{digest}"
+
+    def open(self, digest: str, peers: list[str]) -> bool:
+        """Open feeds for ``digest`` to ``peers`` (the first the download will follow), unless
+        they are open or ``MAX_DIGESTS`` digests have feeds already."""
+        client = self._client()
+        if client is None or digest in self._feeds or len(self._feeds) >= MAX_DIGESTS:
+            return False
+        self._feeds[digest] = {p: _Feed(client, p, digest) for p in peers}
+        loop = asyncio.get_running_loop()
+        self._expiry[digest] = loop.call_later(self.hold_s, self.close, digest)
+        return True
+
+    def take(self, digest: str, peer: str) -> AsyncIterator[Answer] | None:
+        """``peer``'s feed for ``digest``, for a download to follow from here on; once."""
+        feeds = self._feeds.get(digest, {})
+        feed = feeds.pop(peer, None)
+        if not feeds:
+            self.close(digest)  # all taken: its slot is free
+        return None if feed is None else feed.follow()
+
+    def close(self, digest: str) -> None:
+        """Stop the feeds of ``digest`` no download took (the manifest did not come, the
+        download started without them, or they were never taken)."""
+        handle = self._expiry.pop(digest, None)
+        if handle is not None:
+            handle.cancel()
+        for feed in self._feeds.pop(digest, {}).values():
+            feed.task.cancel()
+
+    def stop(self) -> None:
+        for digest in list(self._feeds):
+            self.close(digest)
+
+    def open_digests(self) -> list[str]:
+        return list(self._feeds)
