@@ -1,0 +1,85 @@
+"""How soon a rollout two hops from the trainer can ask for its first chunk: early have feeds.
+
+A rollout that hears of a version from a relay gets the digest alone and fetches the manifest
+from the relay (a round trip); its download then asked every peer it follows for its have-map
+(a second round trip) before its first request. With early feeds (``node.early``) it asks the
+have-maps while the manifest comes. This runs real nodes (trainer, rollout A that follows it,
+rollout B that never talks to the trainer, so it hears every version from A's relay) over the
+in-memory network with a one-way latency on every message (``MemoryNetwork(latency_s)``), publishes
+versions of the tiny model, and prints B's steps per version (``node.timeline``: heard,
+learned, first have-map offering a chunk, first chunk) in one-way latencies after it heard,
+with early feeds and without (``node.early.MAX_DIGESTS = 0``: none opened).
+
+    python benchmarks/relay_start.py [--latency-ms 20] [--versions 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import node.early  # noqa: E402
+from p2p_sync.workloads import Workload  # noqa: E402
+from tests.nodebase import MemorySwarm  # noqa: E402
+
+STEPS = ("learned", "first_have", "first_chunk", "fetched")
+
+
+async def _run(latency_s: float, versions: int, early: bool) -> list[dict[str, float]]:
+    """B's steps after it heard, per version after v0, in seconds."""
+    node.early.MAX_DIGESTS = 2 if early else 0
+    tensors = list(Workload("tiny", lr=1e-4, seed=1).versions(versions + 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        async with MemorySwarm(Path(tmp), latency_s=latency_s) as swarm:
+            trainer = await swarm.start_trainer()
+            a = await swarm.start_rollout("a")
+            b = await swarm.start_rollout("b", peers=(a.url,))
+            # out of the trainer's reach (as beyond its peer list in a large swarm): B hears
+            # of each version only from A's relay, the digest alone
+            b.ban(trainer.url or "", "benchmark: two hops from the trainer")
+            rows = []
+            for v, weights in enumerate(tensors):
+                published = await swarm.publish(weights)
+                await swarm.converge(v, timeout=60)
+                steps = b.timeline.of(published[0].digest)
+                if v > 0 and "heard" in steps:
+                    rows.append({s: steps[s] - steps["heard"] for s in STEPS if s in steps})
+            return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--versions", type=int, default=4)
+    args = ap.parse_args(argv)
+    lat = args.latency_ms / 1000
+    table = Table(
+        title=f"rollout B, two hops from the trainer: one-way latencies ({args.latency_ms:g} ms)"
+        " after it heard"
+    )
+    table.add_column("early feeds")
+    for step in STEPS:
+        table.add_column(f"{step} (median, range)", justify="right")
+    for early in (False, True):
+        rows = asyncio.run(_run(lat, args.versions, early))
+        cells = []
+        for step in STEPS:
+            got = [r[step] / lat for r in rows if step in r]
+            cells.append(
+                f"{statistics.median(got):.2f} ({min(got):.2f}-{max(got):.2f})" if got else "-"
+            )
+        table.add_row("on" if early else "off", *cells)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
