@@ -113,9 +113,12 @@ class EarlyFeeds:
         for feed in self._feeds.pop(digest, {}).values():
             feed.task.cancel()
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        """Close every feed no download took, and wait for them to end."""
+        tasks = [f.task for feeds in self._feeds.values() for f in feeds.values()]
         for digest in list(self._feeds):
             self.close(digest)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def open_digests(self) -> list[str]:
         return list(self._feeds)

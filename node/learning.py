@@ -65,7 +65,7 @@ class Learner:
         self._started_at = node.accepted_version  # version at start
 
     async def stop(self) -> None:
-        self.early.stop()
+        await self.early.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
