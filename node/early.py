@@ -18,16 +18,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import aclosing
+from typing import Any
 
 from p2p_sync.errors import PeerError
 from p2p_sync.transport.dataplane import PeerClient
-from p2p_sync.transport.download import DataPlaneSource, HaveCursor
+from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed
 from p2p_sync.transport.streams import SCHEME
 
 MAX_DIGESTS = 2  # digests with early feeds at once (a version's patch, and one spare)
-Answer = tuple[list[int], HaveCursor]
+Answer = Timed
 
 
 def follow_order(urls: Collection[str], trusted: Callable[[str], bool], salt: str) -> list[str]:
@@ -45,6 +47,15 @@ def follow_order(urls: Collection[str], trusted: Callable[[str], bool], salt: st
     return sorted(urls, key=key)
 
 
+def _round_trip(res: Any, took: float) -> float | None:
+    """The round trip a first answer took, less the time its peer held it waiting for the
+    manifest (``held_ms``; None if that is not a count of milliseconds within ``took``)."""
+    held = res.get("held_ms", 0) if isinstance(res, dict) else 0
+    if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held <= took * 1000:
+        return None
+    return took - held / 1000
+
+
 class _Feed:
     """One peer's have feed for one digest, read into a queue until a download takes it."""
 
@@ -53,12 +64,13 @@ class _Feed:
         self.task = asyncio.create_task(self._read(client, peer, digest))
 
     async def _read(self, client: PeerClient, peer: str, digest: str) -> None:
-        since = HaveCursor()
+        since, asked = HaveCursor(), time.monotonic()
         try:
             async with aclosing(client.get_feed(f"{peer}/have/{digest}{since.query()}")) as lines:
                 async for res in lines:
+                    rtt = _round_trip(res, time.monotonic() - asked) if since.known < 0 else None
                     have, since = DataPlaneSource.answer(peer, res, since)
-                    self.answers.put_nowait((have, since))
+                    self.answers.put_nowait((have, since, rtt))
         except PeerError:
             pass  # the download asks again itself
         finally:

@@ -12,12 +12,15 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
+from typing import Any, TypeVar
 
 from node.runtime import Node
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import SwarmConfig
-from p2p_sync.transport.download import DataPlaneSource, HaveCursor, download
+from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed, download
 from p2p_sync.transport.streams import SCHEME
+
+A = TypeVar("A", bound=tuple[Any, ...])  # a have-map answer: its indices first
 
 
 class _Listener:
@@ -78,7 +81,7 @@ class _NodeSource(DataPlaneSource):
     def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
         return self.inbox.follow(m.digest)
 
-    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         feed = self.early_feeds.take(m.digest, peer)
         return None if feed is None else self._noted(m, feed)
 
@@ -87,15 +90,14 @@ class _NodeSource(DataPlaneSource):
     ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
         return self._noted(m, super().have_feed(peer, m, since))
 
-    async def _noted(
-        self, m: Manifest, feed: AsyncIterator[tuple[list[int], HaveCursor]]
-    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
-        """``feed``'s answers, noting when one first offered a chunk."""
+    async def _noted(self, m: Manifest, feed: AsyncIterator[A]) -> AsyncIterator[A]:
+        """``feed``'s answers (each with the indices first), noting when one first offered
+        a chunk."""
         async with aclosing(feed) as answers:
-            async for have, after in answers:
-                if have:
+            async for answer in answers:
+                if answer[0]:
                     self.timeline.note(m.digest, "first_have")
-                yield have, after
+                yield answer
 
 
 def swarm_config(node: Node) -> SwarmConfig:

@@ -531,7 +531,7 @@ class SwarmSim:
         if p.early is not None:
             p.early.setdefault(q_idx, set()).update(indices)
         elif p.sched is not None and p.artifact is art:
-            self._feed(p, PeerHad(q_idx, indices, None, self._owed(p, q_idx)))
+            self._feed(p, PeerHad(q_idx, indices, 2 * self.lat, self._owed(p, q_idx)))
 
     def _behind(self) -> dict[int, int]:
         """How many chunks each follower gets behind its announcement, by the node's rule
@@ -612,7 +612,8 @@ class SwarmSim:
         if early is None:
             p.early_art = None
         for q_idx, indices in (early or {}).items():  # taken over: their feeds go on
-            self._feed(p, PeerHad(q_idx, frozenset(indices), None, self._owed(p, q_idx)))
+            rtt = 2 * self.lat
+            self._feed(p, PeerHad(q_idx, frozenset(indices), rtt, self._owed(p, q_idx)))
         if self.tree is not None:
             for s in range(self.tree.k):
                 self._push_subscribe(p, self.tree.parent[(p.idx, s)], s)

@@ -18,6 +18,7 @@ import pytest
 
 from node.cli import main
 from node.config import ConfigError, NodeConfig, load
+from node.early import _round_trip
 from node.localswarm import ROOT
 from node.runtime import Node
 from p2p_sync.chunks import manifest_for
@@ -900,6 +901,7 @@ def test_a_have_feed_asked_before_the_manifest_came_waits_for_it(tmp_path: Path)
     out = asyncio.run(_feed_before_manifest(tmp_path))
     assert out["held"] and not out["early"]
     assert out["first"]["have"] == [0]
+    assert out["first"]["held_ms"] >= 0  # the asker takes the hold from the round trip
     assert out["unknown"] == 404
 
 
@@ -966,8 +968,27 @@ def test_a_rollout_asks_have_maps_while_it_fetches_a_relayed_manifest(tmp_path: 
     assert out["manifest"]
     assert len(out["open while fetching"]) == 1  # before the manifest was here
     assert out["taken"][0] == [1]  # A's have-map: chunk 1
+    assert out["taken"][2] is not None and out["taken"][2] >= 0  # a round trip, timed
     assert out["again"] is None  # taken once
     assert out["bogus open"] == [HEX] and out["bogus after"] == []
+
+
+@pytest.mark.parametrize(
+    ("answer", "took", "rtt"),
+    [
+        ({"have": []}, 0.05, 0.05),  # answered at once
+        ({"have": [], "held_ms": 30}, 0.05, 0.02),  # held 30 ms for the manifest
+        ({"have": [], "held_ms": 80}, 0.05, None),  # held longer than the whole wait: a lie
+        ({"have": [], "held_ms": -1}, 0.05, None),
+        ({"have": [], "held_ms": "9"}, 0.05, None),
+        ({"have": [], "held_ms": True}, 0.05, None),
+    ],
+)
+def test_an_early_feed_times_its_round_trip_less_the_hold(
+    answer: dict[str, Any], took: float, rtt: float | None
+) -> None:
+    got = _round_trip(answer, took)
+    assert got == pytest.approx(rtt) if rtt is not None else got is None
 
 
 async def _hostile_feeds() -> dict[str, Any]:

@@ -35,7 +35,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.download import Download, HaveCursor, download
+from p2p_sync.transport.download import Download, HaveCursor, Timed, download
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 
@@ -151,16 +151,14 @@ class _Source:
             yield item
         await asyncio.Event().wait()
 
-    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         answers = self.early_feeds.pop(peer, None)
         return None if answers is None else self._early(answers)
 
-    async def _early(
-        self, answers: list[tuple[list[int], HaveCursor]]
-    ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
-        for answer in answers:
+    async def _early(self, answers: list[tuple[list[int], HaveCursor]]) -> AsyncIterator[Timed]:
+        for at, (have, cursor) in enumerate(answers):
             await asyncio.sleep(0)
-            yield answer
+            yield have, cursor, (0.04 if at == 0 else None)
 
     async def have_feed(
         self, peer: str, m: Manifest, since: HaveCursor

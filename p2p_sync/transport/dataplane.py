@@ -44,7 +44,8 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             first answer alone. A feed for a manifest not here yet
                             waits for it (up to ``have_wait_s``: the node learns manifests
                             hop by hop, so a follower may hear of one first), then
-                            answers; 404 if it does not come
+                            answers with "held_ms": how long it waited (the asker takes
+                            it from the round trip it times); 404 if it does not come
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...], and
                             optionally "offers": {digest: [chunk indices]}, what the sender's
@@ -531,28 +532,33 @@ class DataRouter:
     async def _have(self, req: Request, digest: str) -> Reply:
         _hex(digest, "digest")
         known, log, feed = _have_query(req.query)
-        if feed:
-            await self._manifest_learned(digest, req.peer)
+        held = await self._manifest_learned(digest, req.peer) if feed else 0.0
         doc, _ = await self._have_answer(digest, req.peer, known, log)
         if doc is None:
             raise Refused(404, "no such manifest here")
+        if held:
+            doc["held_ms"] = int(held * 1000)
         if not feed:
             return _json(doc)
         return Reply(200, _line(doc), FEED, feed=self._have_feed(digest, req.peer, doc))
 
-    async def _manifest_learned(self, digest: str, peer: str | None) -> None:
+    async def _manifest_learned(self, digest: str, peer: str | None) -> float:
         """Hold a have feed for a manifest this node has not learned yet until it has, at
         most ``have_wait_s``. News spreads hop by hop, so a follower often hears of a
         version before some of the peers it follows: answered 404 at once, it backed off
         (``have_poll_s``, doubling) and asked again up to 0.6 s later, while this node would
         learn the manifest a latency or two after the question (the simulator's have feeds
-        never had that gap)."""
-        deadline = time.monotonic() + self.limits.have_wait_s
+        never had that gap). How long it held (0.0: the manifest was here)."""
+        if self.node.have(digest, peer) is not None:
+            return 0.0
+        start = time.monotonic()
+        deadline = start + self.limits.have_wait_s
         while self.node.have(digest, peer) is None and not self._closing.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                return 0.0  # a 404 follows
             await self._news_or_close(left, peer)
+        return time.monotonic() - start
 
     async def _have_answer(
         self, digest: str, peer: str | None, known: int | None, log: str | None

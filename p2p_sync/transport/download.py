@@ -50,6 +50,20 @@ from p2p_sync.swarm import (
 )
 from p2p_sync.transport.dataplane import CHUNK_ROUTE, MAX_RUN, PeerClient, chunks_url
 
+Timed = tuple[list[int], "HaveCursor", float | None]  # an answer, and the round trip it took
+
+
+async def timed(
+    feed: AsyncIterator[tuple[list[int], HaveCursor]], first: bool
+) -> AsyncIterator[Timed]:
+    """``feed``'s answers, the first timed as a round trip when it answers a first ask
+    (``first``: answered at once; a later ask is held until there is news)."""
+    asked = time.monotonic()
+    async with aclosing(feed) as answers:
+        async for have, after in answers:
+            yield have, after, time.monotonic() - asked if first else None
+            first = False
+
 
 @dataclass(frozen=True)
 class HaveCursor:
@@ -119,10 +133,11 @@ class ChunkSource(Protocol):
         comes, unverified, until the caller stops iterating."""
         ...
 
-    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         """A have feed of ``peer`` opened before ``m`` was here (the node heard of the version
         and asked its peers' have-maps while it fetched the manifest), if there is one: its
-        answers so far, then each later one, as :meth:`have_feed` gives them; taken once."""
+        answers so far, then each later one, as :meth:`have_feed` gives them, the first with
+        the round trip it took (less the time ``peer`` held it: ``held_ms``); taken once."""
         ...
 
 
@@ -167,7 +182,7 @@ class DataPlaneSource:
         return  # nothing is pushed to a bare client
         yield
 
-    def early(self, peer: str, m: Manifest) -> AsyncIterator[tuple[list[int], HaveCursor]] | None:
+    def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         return None  # a bare client hears of nothing before it is given the manifest
 
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
@@ -309,7 +324,8 @@ class Download:
         early = self.source.early(peer, self.m)
         if early is not None:  # asked while the manifest came: its answers, then ours
             try:
-                since, _ = await self._consume(peer, early, since, owed, None)
+                got, _ = await self._consume(peer, early, owed)
+                since = got or since
             except PeerError:
                 pass  # asked again below, from where it left us
         while not self.done.is_set() and failures < self.config.have_failures:
@@ -329,26 +345,19 @@ class Download:
     async def _feed(self, peer: str, since: HaveCursor, owed: bool) -> tuple[HaveCursor, int]:
         """Follow one have feed of ``peer`` until it ends, we are done or ``peer`` is no
         longer usable; where it left us, and how many answers it brought."""
-        asked = time.monotonic() if since.known < 0 else None  # answered at once: a round trip
-        feed = self.source.have_feed(peer, self.m, since)
-        return await self._consume(peer, feed, since, owed, asked)
+        feed = timed(self.source.have_feed(peer, self.m, since), since.known < 0)
+        got_since, answers = await self._consume(peer, feed, owed)
+        return got_since or since, answers
 
     async def _consume(
-        self,
-        peer: str,
-        feed: AsyncIterator[tuple[list[int], HaveCursor]],
-        since: HaveCursor,
-        owed: bool,
-        asked: float | None,
-    ) -> tuple[HaveCursor, int]:
+        self, peer: str, feed: AsyncIterator[Timed], owed: bool
+    ) -> tuple[HaveCursor | None, int]:
         """Turn one feed's answers into events until it ends, we are done or ``peer`` is no
-        longer usable (``asked``: when the question went out, if its first answer times a
-        round trip); where it left us, and how many answers it brought."""
-        answers = 0
+        longer usable; where it left us (None: no answer), and how many answers it brought."""
+        answers, since = 0, None
         async with aclosing(feed) as answers_in:
-            async for have, after in answers_in:
+            async for have, after, rtt in answers_in:
                 answers += 1
-                rtt = time.monotonic() - asked if asked is not None and answers == 1 else None
                 since = after
                 # what it held before stays claimed (PeerHad adds): only the news is sent
                 self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
