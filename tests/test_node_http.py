@@ -850,19 +850,17 @@ def test_a_have_feed_answers_each_chunk_on_one_open_response_and_ends_when_quiet
     assert out["bad feed"] == 400
 
 
-async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
-    """A follower opens a have feed on a rollout that has not learned the manifest yet (it
-    heard of the version first); the rollout then learns it, pushed inline. A feed on a
-    digest nobody announces is answered 404 once ``have_wait_s`` passes."""
-    key = SigningKey.generate()
-    policy = SwarmPolicy("t", (key.public,))
+def _trusting_rollout(data_dir: Path, policy: SwarmPolicy, **http: float) -> Node:
+    """A rollout that trusts ``policy``'s key (so it admits manifests signed by it)."""
     cfg = NodeConfig(
-        role="rollout", data_dir=tmp_path, trust=("x",), directory=PeerLimits(poll_interval_s=60)
+        role="rollout", data_dir=data_dir, trust=("x",), directory=PeerLimits(poll_interval_s=60)
     )
-    node = Node(replace(cfg, http=replace(cfg.http, have_wait_s=3.0)), policy, Store.open(tmp_path))
-    url = await node.start()
-    payload = random.Random(2).randbytes(40 * 1024)
-    m = manifest_for(
+    return Node(replace(cfg, http=replace(cfg.http, **http)), policy, Store.open(data_dir))
+
+
+def _swarm_snapshot(policy: SwarmPolicy, payload: bytes) -> Manifest:
+    """Version 0 of ``policy``'s swarm carrying ``payload`` in 16 KiB chunks (unsigned)."""
+    return manifest_for(
         payload,
         swarm=policy.swarm_id,
         version=0,
@@ -872,6 +870,18 @@ async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
         now=int(time.time()),
         chunk_size=16 * 1024,
     )
+
+
+async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
+    """A follower opens a have feed on a rollout that has not learned the manifest yet (it
+    heard of the version first); the rollout then learns it, pushed inline. A feed on a
+    digest nobody announces is answered 404 once ``have_wait_s`` passes."""
+    key = SigningKey.generate()
+    policy = SwarmPolicy("t", (key.public,))
+    node = _trusting_rollout(tmp_path, policy, have_wait_s=3.0)
+    url = await node.start()
+    payload = random.Random(2).randbytes(40 * 1024)
+    m = _swarm_snapshot(policy, payload)
     trainer = "http://127.0.0.1:9"
     node.learner.on_pushed(trainer, m.digest, 0, payload[: 16 * 1024])  # before its manifest
     client, out = DataClient(None), {}
@@ -911,27 +921,9 @@ async def _early_feeds(tmp_path: Path) -> dict[str, Any]:
     Then a digest A cannot serve: the early feeds for it close once the manifest fails."""
     key = SigningKey.generate()
     policy = SwarmPolicy("t", (key.public,))
-    nodes = []
-    for name in ("a", "b"):
-        cfg = NodeConfig(
-            role="rollout",
-            data_dir=tmp_path / name,
-            trust=("x",),
-            directory=PeerLimits(poll_interval_s=60),
-        )
-        nodes.append(Node(cfg, policy, Store.open(tmp_path / name)))
-    a, b = nodes
+    a, b = (_trusting_rollout(tmp_path / name, policy) for name in ("a", "b"))
     payload = random.Random(3).randbytes(40 * 1024)
-    m = manifest_for(
-        payload,
-        swarm=policy.swarm_id,
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
+    m = _swarm_snapshot(policy, payload)
     a.store.put_manifest(m, sign(m, [key]))
     a.store.put_chunk(payload[16 * 1024 : 32 * 1024])
     out: dict[str, Any] = {}
