@@ -29,7 +29,6 @@ from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed
 from p2p_sync.transport.streams import SCHEME
 
 MAX_DIGESTS = 2  # digests with early feeds at once (a version's patch, and one spare)
-Answer = Timed
 
 
 def follow_order(urls: Collection[str], trusted: Callable[[str], bool], salt: str) -> list[str]:
@@ -60,7 +59,7 @@ class _Feed:
     """One peer's have feed for one digest, read into a queue until a download takes it."""
 
     def __init__(self, client: PeerClient, peer: str, digest: str) -> None:
-        self.answers: asyncio.Queue[Answer | None] = asyncio.Queue()
+        self.answers: asyncio.Queue[Timed | None] = asyncio.Queue()
         self.task = asyncio.create_task(self._read(client, peer, digest))
 
     async def _read(self, client: PeerClient, peer: str, digest: str) -> None:
@@ -76,7 +75,7 @@ class _Feed:
         finally:
             self.answers.put_nowait(None)
 
-    async def follow(self) -> AsyncIterator[Answer]:
+    async def follow(self) -> AsyncIterator[Timed]:
         """Its answers so far, then each later one, until the feed ends; closing stops it."""
         try:
             while (answer := await self.answers.get()) is not None:
@@ -108,7 +107,7 @@ class EarlyFeeds:
         self._expiry[digest] = loop.call_later(self.hold_s, self.close, digest)
         return True
 
-    def take(self, digest: str, peer: str) -> AsyncIterator[Answer] | None:
+    def take(self, digest: str, peer: str) -> AsyncIterator[Timed] | None:
         """``peer``'s feed for ``digest``, for a download to follow from here on; once."""
         feeds = self._feeds.get(digest, {})
         feed = feeds.pop(peer, None)
