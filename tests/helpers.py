@@ -25,11 +25,12 @@ from p2p_sync.tensors import flat_bits
 from p2p_sync.transport.dataplane import HttpLimits
 
 
-def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024) -> Manifest:
-    """Version 0 of swarm "t" carrying ``payload`` (unsigned; no tensors behind it)."""
+def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024, swarm: str = "t") -> Manifest:
+    """Version 0 of ``swarm`` carrying ``payload`` (unsigned; no tensors behind it). A node
+    admits it only with a real swarm id (``SwarmPolicy.swarm_id``); "t" suits the store."""
     return manifest_for(
         payload,
-        swarm="t",
+        swarm=swarm,
         version=0,
         kind=SNAPSHOT,
         target_state="00" * 16,

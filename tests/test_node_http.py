@@ -858,20 +858,6 @@ def _trusting_rollout(data_dir: Path, policy: SwarmPolicy, **http: float) -> Nod
     return Node(replace(cfg, http=replace(cfg.http, **http)), policy, Store.open(data_dir))
 
 
-def _swarm_snapshot(policy: SwarmPolicy, payload: bytes) -> Manifest:
-    """Version 0 of ``policy``'s swarm carrying ``payload`` in 16 KiB chunks (unsigned)."""
-    return manifest_for(
-        payload,
-        swarm=policy.swarm_id,
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
-
-
 async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
     """A follower opens a have feed on a rollout that has not learned the manifest yet (it
     heard of the version first); the rollout then learns it, pushed inline. A feed on a
@@ -881,7 +867,7 @@ async def _feed_before_manifest(tmp_path: Path) -> dict[str, Any]:
     node = _trusting_rollout(tmp_path, policy, have_wait_s=3.0)
     url = await node.start()
     payload = random.Random(2).randbytes(40 * 1024)
-    m = _swarm_snapshot(policy, payload)
+    m = snapshot_manifest(payload, swarm=policy.swarm_id)
     trainer = "http://127.0.0.1:9"
     node.learner.on_pushed(trainer, m.digest, 0, payload[: 16 * 1024])  # before its manifest
     client, out = DataClient(None), {}
@@ -923,7 +909,7 @@ async def _early_feeds(tmp_path: Path) -> dict[str, Any]:
     policy = SwarmPolicy("t", (key.public,))
     a, b = (_trusting_rollout(tmp_path / name, policy) for name in ("a", "b"))
     payload = random.Random(3).randbytes(40 * 1024)
-    m = _swarm_snapshot(policy, payload)
+    m = snapshot_manifest(payload, swarm=policy.swarm_id)
     a.store.put_manifest(m, sign(m, [key]))
     a.store.put_chunk(payload[16 * 1024 : 32 * 1024])
     out: dict[str, Any] = {}

@@ -549,11 +549,12 @@ class DataRouter:
         (``have_poll_s``, doubling) and asked again up to 0.6 s later, while this node would
         learn the manifest a latency or two after the question (the simulator's have feeds
         never had that gap). How long it held (0.0: the manifest was here)."""
-        if self.node.have(digest, peer) is not None:
+        # the manifest's presence, not ``have``: on a seed that computes its offer
+        if self.node.manifest_bytes(digest) is not None:
             return 0.0
         start = time.monotonic()
         deadline = start + self.limits.have_wait_s
-        while self.node.have(digest, peer) is None and not self._closing.is_set():
+        while self.node.manifest_bytes(digest) is None and not self._closing.is_set():
             left = deadline - time.monotonic()
             if left <= 0:
                 return 0.0  # a 404 follows
