@@ -242,10 +242,10 @@ class Learner:
         skip = exclude | (self._p2p_urls - followers)
         peers = [p for p in node.peering.usable() if p not in skip]
         # a relay's: the digests alone
-        extra: list[tuple[dict[str, Any], list[bytes]]] = [({}, []) for _ in peers]
+        extra: list[tuple[dict[str, Any], list[bytes], bytes]] = [({}, [], b"") for _ in peers]
         if own:
             texts = {d: b.decode() for d in digests if (b := node.store.manifest_bytes(d))}
-            packed = pack_manifests(texts)  # once: ~35 KB for 763 chunks (JSON: ~56 KB)
+            packed = pack_manifests(texts)  # once: ~52 KB for 1,526 chunks (JSON: ~107 KB)
             inline = (packed, len(json.dumps(texts)))  # what it unpacks to: within the limit
             behind = self._behind(digests, peers, followers)
             extra = [self._extra(p, digests, followers, inline, behind) for p in peers]
@@ -257,14 +257,19 @@ class Learner:
         await pushes
 
     async def _push(
-        self, peer: str, digests: list[str], extra: dict[str, Any], chunks: list[bytes]
+        self,
+        peer: str,
+        digests: list[str],
+        extra: dict[str, Any],
+        chunks: list[bytes],
+        manifests: bytes,
     ) -> None:
-        """``POST /announce`` (framed, with ``chunks`` behind it, when it carries some); a
-        follower it fails to reach gives back the chunks handed to it (else they would wait
-        ``reseed_after_s`` for a peer that is gone)."""
+        """``POST /announce`` (framed, with the packed ``manifests`` and ``chunks`` behind
+        it, when it carries either); a follower it fails to reach gives back the chunks
+        handed to it (else they would wait ``reseed_after_s`` for a peer that is gone)."""
         assert self.node.client is not None
         try:
-            await self.node.client.announce(peer, digests, extra, chunks)
+            await self.node.client.announce(peer, digests, extra, chunks, manifests)
         except PeerError:
             if "offers" in extra:
                 self.node.view.withdraw(peer)
@@ -277,18 +282,18 @@ class Learner:
         peer: str,
         digests: list[str],
         followers: set[str],
-        inline: tuple[str, int],
+        inline: tuple[bytes, int],
         behind: dict[str, int],
-    ) -> tuple[dict[str, Any], list[bytes]]:
+    ) -> tuple[dict[str, Any], list[bytes], bytes]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
         the chunks we hand it (its first have-map answer, ahead of its question) and, unless
         gossip reaches it, the manifests (``inline``: packed, ``pack_manifests``, and the
-        size they unpack to; it would fetch them from us right after), when that stays within the
-        receiver's body limit; and whether the news also went out by gossip (a node on the
-        mesh then takes the manifests from it: our view of who is on the mesh is not
-        complete, so a follower we think off the mesh may be on it); and, to a follower over
-        HTTP with the manifests inline, the first ``behind[peer]`` chunks handed to it, sent
-        behind the JSON (returned apart: the framed body carries them)."""
+        size they unpack to; it would fetch them from us right after), when that stays within
+        the receiver's limit (returned apart: the framed body carries them); and whether the
+        news also went out by gossip (a node on the mesh then takes the manifests from it: our
+        view of who is on the mesh is not complete, so a follower we think off the mesh may be
+        on it); and, to a follower over HTTP with the manifests inline, the first
+        ``behind[peer]`` chunks handed to it, sent behind them (returned apart too)."""
         assert self.node.client is not None
         view, extra = self.node.view, {}
         if peer in followers:
@@ -297,19 +302,19 @@ class Learner:
         if self.node.p2p is not None:
             extra["gossiped"] = True
         packed, size = inline
+        manifests = b""
         if peer in followers and peer not in self._p2p_urls:
-            room = self.node.client.limits.max_request_bytes - 1024 - len(json.dumps(extra))
-            if size <= room:
-                extra["manifests_zstd"] = packed
+            if size <= self.node.client.limits.max_request_bytes:
+                manifests = packed
         chunks: list[bytes] = []
-        if "manifests_zstd" in extra and behind.get(peer):
+        if manifests and behind.get(peer):
             digest = self._push_digest(digests)
             budget = self.node.client.limits.max_push_bytes
             sent = view.pushable(digest, peer, behind[peer], budget)
             if sent:
                 extra["pushing"] = [[digest, i, len(data)] for i, data in sent]
                 chunks = [data for _, data in sent]
-        return extra, chunks
+        return extra, chunks, manifests
 
     def _behind(self, digests: list[str], peers: list[str], followers: set[str]) -> dict[str, int]:
         """How many chunks each follower over HTTP gets behind the announcement: what our

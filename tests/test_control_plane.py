@@ -5,7 +5,6 @@ peers does. Real stores, gates, directories, drivers and routers; only the wire 
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from pathlib import Path
 
@@ -407,10 +406,9 @@ def test_the_trainer_sends_a_follower_its_first_chunks_behind_the_news_and_they_
     assert out["trainer uploaded"] >= sum(patch.chunk_length(i) for i in pushed)
 
 
-def _bomb() -> str:
-    """``manifests_zstd`` whose frame unpacks to 100 MB of JSON (one long string)."""
-    frame = zstandard.ZstdCompressor(level=3).compress(b'"' + b"a" * 100_000_000 + b'"')
-    return base64.b64encode(frame).decode()
+def _bomb() -> bytes:
+    """Packed manifests whose frame unpacks to 100 MB of JSON (one long string)."""
+    return zstandard.ZstdCompressor(level=3).compress(b'"' + b"a" * 100_000_000 + b'"')
 
 
 async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
@@ -420,20 +418,21 @@ async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
         m, data, _ = _manifest(swarm.policy.swarm_id, SigningKey.generate(), 5)
         url, gets = rollout.url or "", swarm.network.requests["manifest"]
         refused = []
-        for extra in (
-            {"offers": {"ab" * 32: [0]}},  # a digest it did not announce
-            {"offers": {m.digest: [-1]}},
-            {"offers": {m.digest: "all"}},
-            {"manifests": {m.digest: 7}},
-            {"manifests": {"cd" * 32: "{}"}},
-            {"manifests_zstd": 7},
-            {"manifests_zstd": "not base64!"},
-            {"manifests_zstd": base64.b64encode(b"not a zstd frame").decode()},
-            {"manifests_zstd": pack_manifests({"cd" * 32: "{}"})},  # a digest not announced
-            {"manifests_zstd": _bomb()},  # 3 KB that would unpack to 100 MB: a 413
+        nothing: dict = {}
+        for extra, packed in (
+            ({"offers": {"ab" * 32: [0]}}, b""),  # a digest it did not announce
+            ({"offers": {m.digest: [-1]}}, b""),
+            ({"offers": {m.digest: "all"}}, b""),
+            ({"manifests": {m.digest: 7}}, b""),
+            ({"manifests": {"cd" * 32: "{}"}}, b""),
+            (nothing, b"not a zstd frame"),
+            (nothing, zstandard.ZstdCompressor().compress(b"not JSON")),
+            (nothing, pack_manifests({m.digest: 7})),  # type: ignore[dict-item]
+            (nothing, pack_manifests({"cd" * 32: "{}"})),  # a digest not announced
+            (nothing, _bomb()),  # 3 KB that would unpack to 100 MB: a 413
         ):
             try:
-                await evil.client.announce(url, [m.digest], extra)
+                await evil.client.announce(url, [m.digest], extra, None, packed)
             except PeerError as exc:
                 refused.append(str(exc))
         assert not rollout.peering.banned  # malformed: refused at the door, nothing judged
@@ -444,8 +443,9 @@ async def _pushed_forgery(tmp_path: Path, versions: list) -> dict:
         posed, _ = rollout.learner.take_offer(swarm.trainer.url or "", m.digest)
         framed = set(rollout.peering.banned)
         evil.client.self_url = evil_url
-        packed = {"offers": inline["offers"], "manifests_zstd": pack_manifests(inline["manifests"])}
-        await evil.client.announce(url, [m.digest], packed)  # as itself: well formed, forged
+        packed = pack_manifests(inline["manifests"])
+        offers = {"offers": inline["offers"]}
+        await evil.client.announce(url, [m.digest], offers, None, packed)  # well formed, forged
         await rollout.learner.settled()
         return {
             "refused": refused,

@@ -663,7 +663,12 @@ def test_a_have_map_keeps_its_log_across_news_even_while_empty(tmp_path: Path) -
 
 async def _framed_announcements(node: Node) -> dict[str, Any]:
     """Framed ``POST /announce`` bodies (JSON, then chunks) sent to a real node over HTTP."""
-    from p2p_sync.transport.dataplane import ANNOUNCE_TYPE, DataRouter, frame_announce
+    from p2p_sync.transport.dataplane import (
+        ANNOUNCE_MAGIC,
+        ANNOUNCE_TYPE,
+        DataRouter,
+        frame_announce,
+    )
 
     url = await node.start()
     m = _store_snapshot(node, SigningKey.generate())
@@ -682,10 +687,16 @@ async def _framed_announcements(node: Node) -> dict[str, Any]:
         return {"url": sender, "digests": [m.digest], "pushing": pushing}
 
     limits, big = HttpLimits(), HttpLimits().max_push_bytes
+    too_long = (limits.max_request_bytes + 1).to_bytes(4, "big")
+    head = frame_announce(doc([]), [])[:-4]  # up to the manifests' length
     bodies = {
         "bad magic": b"p2pX" + frame_announce(doc([]), [])[4:],
-        "head too long": b"p2pA" + (limits.max_request_bytes + 1).to_bytes(4, "big"),
+        "the old form": b"p2pA" + frame_announce(doc([]), [])[4:],  # manifests in its JSON
+        "head too long": ANNOUNCE_MAGIC + too_long,
         "head cut short": frame_announce(doc([]), [])[:20],
+        "manifests too long": head + too_long,
+        "manifests cut short": frame_announce(doc([]), [], b"x" * 50)[:-10],
+        "manifests not zstd": frame_announce(doc([]), [], b"x" * 50),
         "pushing not announced": frame_announce(doc([[HEX, 0, 3]]), [b"abc"]),
         "pushing twice": frame_announce(doc([[m.digest, 0, 1], [m.digest, 0, 1]]), [b"a", b"a"]),
         "pushing bad length": frame_announce(doc([[m.digest, 0, 0]]), []),
@@ -727,7 +738,8 @@ def test_framed_announcements_keep_whole_chunks_and_refuse_bad_framing(tmp_path:
     # the first chunk came whole and is kept (unverified: the download checks it), the
     # second was cut by the dropped connection
     assert out.pop("kept") == [("http://127.0.0.1:9", 0, b"z" * 100)]
-    assert out.pop("head too long") == 413 and out.pop("pushing too much") == 413
+    for name in ("head too long", "manifests too long", "pushing too much"):
+        assert out.pop(name) == 413, name
     for name, code in out.items():
         assert code == 400, (name, code)
 

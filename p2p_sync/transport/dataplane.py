@@ -57,25 +57,30 @@ POST /announce              {"url": sender base URL or null, "digests": [...], a
                             every rollout fetch everything from the trainer), "manifests": {digest:
                             signed manifest text} (no ``GET /manifest`` round trip; each one
                             passes the receiver's trust gate as if fetched from ``url``: so
-                            kept only when the request came from its host too), or the same
-                            packed, "manifests_zstd": base64 of that object's JSON
-                            zstd-compressed (``pack_manifests``; 0.6x), "gossiped":
+                            kept only when the request came from its host too; the trainer
+                            sends them packed in the framed form, below), "gossiped":
                             true (the same news went out by gossip, manifests inline: a node
                             on the gossip mesh keeps the offers and the inline manifests and
                             takes the other manifests from gossip, not from ``url`` by a
                             round trip over the trainer's uplink), "pushing": [[digest,
                             index, length], ...]: chunks of the offer sent in the same body
                             after the JSON (below)} -> 202
-                            **Framed, with chunks**: a body that starts with
-                            ``ANNOUNCE_MAGIC`` (Content-Type ``ANNOUNCE_TYPE``) is the magic,
-                            the JSON's length (4 bytes, big-endian, at most
-                            ``max_request_bytes``), the JSON, then the chunks "pushing" names,
-                            back to back in that order (at most ``MAX_PUSHED`` of them and
-                            ``max_push_bytes`` in all). The trainer sends a follower the first
-                            chunks it hands it right behind the manifest, on the same
-                            connection, so its uplink carries chunks during the round trip
-                            the follower's first request takes (idle otherwise, at every
-                            version's start). The receiver reads the JSON first and acts on it
+                            **Framed, with packed manifests and chunks**: a body that starts
+                            with ``ANNOUNCE_MAGIC`` (Content-Type ``ANNOUNCE_TYPE``) is the
+                            magic, the JSON's length (4 bytes, big-endian, at most
+                            ``max_request_bytes``), the JSON, the packed manifests' length (4
+                            bytes, big-endian, at most ``max_request_bytes``; 0: none), the
+                            packed manifests (``pack_manifests``: {digest: signed manifest
+                            text} as JSON, one zstd frame, unpacking to at most
+                            ``max_request_bytes``; 34 B a 64 KiB chunk, 0.3x the text: the
+                            trainer pushes one to each follower ahead of any chunk), then the
+                            chunks "pushing" names, back to back in that order (at most
+                            ``MAX_PUSHED`` of them and ``max_push_bytes`` in all). The
+                            trainer sends a follower the first chunks it hands it right
+                            behind the manifest, on the same connection, so its uplink
+                            carries chunks during the round trip the follower's first
+                            request takes (idle otherwise, at every version's start). The
+                            receiver reads the JSON and the manifests first and acts on them
                             while the chunks are on their way; each chunk is verified
                             against the signed manifest and stored as it lands (once that
                             manifest is in: the sender counts it fetched, so peers will ask
@@ -115,7 +120,6 @@ so a control-plane test in memory exercises exactly what a real node serves.
 from __future__ import annotations
 
 import asyncio
-import base64
 import ipaddress
 import json
 import re
@@ -151,9 +155,10 @@ CHUNK_ROUTE = "/chunk/"
 CHUNKS_ROUTE = "/chunks/"
 MAX_RUN = 64  # chunks one /chunks request may name
 MAX_UPLOADED = 1 << 14  # chunks whose upload counts a data plane remembers (~3 MB)
-# ``POST /announce`` with chunks behind its JSON (the route table): how such a body starts,
-# its Content-Type, and how many chunks it may carry
-ANNOUNCE_MAGIC = b"p2pA"
+# ``POST /announce`` with packed manifests and chunks behind its JSON (the route table): how
+# such a body starts ("p2pA" was the form with manifests in the JSON, base64: refused now, as
+# its chunks would be misread), its Content-Type, and how many chunks it may carry
+ANNOUNCE_MAGIC = b"p2pB"
 ANNOUNCE_TYPE = "application/x-p2psync-announce"
 MAX_PUSHED = 64
 
@@ -174,8 +179,8 @@ class HttpLimits:
     """Bounds of the data plane, on both sides."""
 
     max_concurrent_uploads: int = 16
-    # a POST body; room for an announcement carrying a manifest inline (~73 bytes a chunk:
-    # ~56 KB for the 768 chunks of a large payload)
+    # a POST body, and what an announcement's packed manifests may unpack to (~70 bytes a
+    # chunk: ~107 KB for the 1,536 chunks of a large payload)
     max_request_bytes: int = 256 * 1024
     max_json_bytes: int = 16 * 2**20
     max_chunk_bytes: int = 64 * 2**20
@@ -631,7 +636,7 @@ class DataRouter:
         return _json({"peers": self.node.peer_urls()})
 
     async def _announce(self, req: Request, _: str) -> Reply:
-        head, rest = split_announce(req, self.limits)
+        head, packed, rest = split_announce(req, self.limits)
         doc = _json_doc(head, self.limits)
         url, digests = doc.get("url"), doc.get("digests")
         if not (url is None or isinstance(url, str)) or not isinstance(digests, list):
@@ -642,9 +647,9 @@ class DataRouter:
             raise Refused(400, "url must be http://host:port or p2p://<peer id>")
         offers = _by_digest(doc, "offers", digests, _indices, "chunk indices")
         texts = _by_digest(doc, "manifests", digests, _is_str, "manifest text")
-        if "manifests_zstd" in doc:
-            packed = {"manifests_zstd": _unpack_manifests(doc["manifests_zstd"], self.limits)}
-            texts |= _by_digest(packed, "manifests_zstd", digests, _is_str, "manifest text")
+        if packed:
+            inline = {"packed manifests": _unpack_manifests(packed, self.limits)}
+            texts |= _by_digest(inline, "packed manifests", digests, _is_str, "manifest text")
         manifests = {d: text.encode() for d, text in texts.items()}
         pushing = _pushing(doc, digests, self.limits)
         if url is None or not same_host(url, req.remote):  # anyone may claim to be the trainer
@@ -723,32 +728,30 @@ def _indices(have: Any) -> bool:
     return isinstance(have, list) and all(type(i) is int and 0 <= i < 2**31 for i in have)
 
 
-def pack_manifests(texts: Mapping[str, str]) -> str:
-    """``POST /announce``'s ``manifests_zstd``: {digest: signed manifest text} as JSON,
-    zstd-compressed, base64. A manifest is mostly hex chunk digests (4 bits in 8): packed it
-    is 0.6x the JSON text (55 KB -> 35 KB at 763 chunks), and the trainer pushes one to each
-    follower in the first milliseconds of a version, ahead of any chunk. Packed once per
-    version (~1 ms at 763 chunks), the same bytes for every follower."""
+def pack_manifests(texts: Mapping[str, str]) -> bytes:
+    """A framed ``POST /announce``'s packed manifests: {digest: signed manifest text} as JSON,
+    one zstd frame. A manifest is mostly hex chunk digests (4 bits in 8), which zstd's entropy
+    coder takes back to ~34 B a chunk (0.3x the text, 0.75x the base64 an earlier form put in
+    the JSON); the trainer pushes it to each follower in the first milliseconds of a version,
+    ahead of any chunk. Packed once per version (~1 ms), the same bytes for every follower."""
     raw = json.dumps(dict(texts), separators=(",", ":")).encode()
-    return base64.b64encode(zstandard.ZstdCompressor(level=1).compress(raw)).decode()
+    return zstandard.ZstdCompressor(level=1).compress(raw)
 
 
-def _unpack_manifests(packed: Any, limits: HttpLimits) -> Any:
-    """The JSON inside ``manifests_zstd``: a 400 if malformed, a 413 if it would unpack to
-    more than a request may carry (a small frame must not inflate without bound)."""
-    if not isinstance(packed, str):
-        raise Refused(400, "manifests_zstd must be base64 text")
+def _unpack_manifests(packed: bytes, limits: HttpLimits) -> Any:
+    """The JSON of a framed announcement's packed manifests: a 400 if malformed, a 413 if it
+    would unpack to more than a request may carry (a small frame must not inflate without
+    bound)."""
     try:
-        frame = base64.b64decode(packed, validate=True)
-        reader = zstandard.ZstdDecompressor().stream_reader(frame)
+        reader = zstandard.ZstdDecompressor().stream_reader(packed)
         raw = bytearray()
         while piece := reader.read(PIECE):
             raw += piece
             if len(raw) > limits.max_request_bytes:
-                raise Refused(413, "manifests_zstd unpacks to more than the request limit")
+                raise Refused(413, "packed manifests unpack to more than the request limit")
         return json.loads(raw)
-    except (ValueError, zstandard.ZstdError):  # binascii.Error and JSONDecodeError are both
-        raise Refused(400, "manifests_zstd must be base64 of a zstd frame of JSON") from None
+    except (ValueError, zstandard.ZstdError):  # JSONDecodeError and UnicodeDecodeError too
+        raise Refused(400, "packed manifests must be a zstd frame of JSON") from None
 
 
 def announce_doc(url: str | None, digests: list[str], extra: Mapping[str, Any] | None) -> dict:
@@ -756,35 +759,54 @@ def announce_doc(url: str | None, digests: list[str], extra: Mapping[str, Any] |
     return {"url": url, "digests": digests, **(extra or {})}
 
 
-def frame_announce(doc: Mapping[str, Any], chunks: list[bytes]) -> bytes:
-    """A framed ``POST /announce`` body: the JSON, then ``chunks`` (``doc``'s "pushing")."""
+def frame_announce(doc: Mapping[str, Any], chunks: list[bytes], manifests: bytes = b"") -> bytes:
+    """A framed ``POST /announce`` body: the JSON, the packed ``manifests``
+    (``pack_manifests``), then ``chunks`` (``doc``'s "pushing")."""
     head = json.dumps(doc).encode()
-    return b"".join([ANNOUNCE_MAGIC, len(head).to_bytes(4, "big"), head, *chunks])
+    sizes = (len(head).to_bytes(4, "big"), len(manifests).to_bytes(4, "big"))
+    return b"".join([ANNOUNCE_MAGIC, sizes[0], head, sizes[1], manifests, *chunks])
 
 
-def split_announce(req: Request, limits: HttpLimits) -> tuple[bytes, BodyReader | None]:
-    """A ``POST /announce`` body's JSON and, when framed, a reader of the chunks behind it."""
+def announce_body(doc: Mapping[str, Any], chunks: list[bytes] | None, manifests: bytes) -> bytes:
+    """A ``POST /announce`` body for transports that send whole bodies: framed when it
+    carries packed manifests or chunks, else the JSON alone."""
+    if chunks or manifests:
+        return frame_announce(doc, chunks or [], manifests)
+    return json.dumps(doc).encode()
+
+
+def split_announce(req: Request, limits: HttpLimits) -> tuple[bytes, bytes, BodyReader | None]:
+    """A ``POST /announce`` body's JSON, its packed manifests (empty: none) and, when framed, a
+    reader of the chunks behind them; a 400 if the frame is malformed."""
     body = req.body
     if not body.startswith(ANNOUNCE_MAGIC):
-        return body, None
-    n = int.from_bytes(body[4:8], "big") if len(body) >= 8 else -1
-    if not 0 <= n <= limits.max_request_bytes or len(body) < 8 + n:
-        raise Refused(400, "framed announcement: bad JSON length")
-    head = body[8 : 8 + n]
-    return head, req.rest if req.rest is not None else BytesReader(body[8 + n :])
+        return body, b"", None
+    at, parts = 4, []
+    for _ in range(2):  # the JSON, then the packed manifests: each a length, then its bytes
+        n = int.from_bytes(body[at : at + 4], "big") if len(body) >= at + 4 else -1
+        if not 0 <= n <= limits.max_request_bytes or len(body) < at + 4 + n:
+            raise Refused(400, "framed announcement: bad JSON or manifests length")
+        parts.append(body[at + 4 : at + 4 + n])
+        at += 4 + n
+    return parts[0], parts[1], req.rest if req.rest is not None else BytesReader(body[at:])
 
 
 async def read_announce_head(reader: BodyReader, limits: HttpLimits) -> bytes:
-    """A framed announcement's magic, length and JSON off a stream, the chunks left unread
-    (the aiohttp server's part of ``split_announce``): a 400 if malformed, a 413 if long."""
+    """A framed announcement's magic, JSON and packed manifests off a stream, the chunks left
+    unread (the aiohttp server's part of ``split_announce``): a 400 if malformed, a 413 if
+    the JSON or the manifests are over the request limit."""
     try:
-        prefix = await reader.readexactly(8)
-        if not prefix.startswith(ANNOUNCE_MAGIC):
+        magic = await reader.readexactly(4)
+        if magic != ANNOUNCE_MAGIC:
             raise Refused(400, "framed announcement: bad magic")
-        n = int.from_bytes(prefix[4:], "big")
-        if n > limits.max_request_bytes:
-            raise Refused(413, "body over the request limit")
-        return prefix + await reader.readexactly(n)
+        head = [magic]
+        for _ in range(2):
+            size = await reader.readexactly(4)
+            n = int.from_bytes(size, "big")
+            if n > limits.max_request_bytes:
+                raise Refused(413, "framed announcement: JSON or manifests over the request limit")
+            head += [size, await reader.readexactly(n)]
+        return b"".join(head)
     except asyncio.IncompleteReadError:
         raise Refused(400, "framed announcement: body ends early") from None
 
@@ -860,9 +882,11 @@ class PeerClient(Protocol):
         digests: list[str],
         extra: Mapping[str, Any] | None = None,
         chunks: list[bytes] | None = None,
+        manifests: bytes = b"",
     ) -> None:
         """``POST /announce``; ``extra``: its optional fields (offers, manifests); with
-        ``chunks`` (those ``extra["pushing"]`` names) the framed body, the chunks after."""
+        packed ``manifests`` (``pack_manifests``) or ``chunks`` (those ``extra["pushing"]``
+        names) the framed body, those after the JSON."""
         ...
 
     async def close(self) -> None: ...

@@ -255,12 +255,13 @@ class DataClient:
         digests: list[str],
         extra: Mapping[str, Any] | None = None,
         chunks: list[bytes] | None = None,
+        manifests: bytes = b"",
     ) -> None:
         doc = announce_doc(self.self_url, digests, extra)
-        if not chunks:
+        if not (chunks or manifests):
             await self._post(f"{peer}/announce", doc, 202)
             return
-        body = {"data": frame_announce(doc, chunks), "timeout": self._bulk}
+        body = {"data": frame_announce(doc, chunks or [], manifests), "timeout": self._bulk}
         await self._post(f"{peer}/announce", None, 202, body, {"Content-Type": ANNOUNCE_TYPE})
 
     async def _post(

@@ -26,9 +26,9 @@ from p2p_sync.transport.dataplane import (
     DataRouter,
     HttpLimits,
     Request,
+    announce_body,
     announce_doc,
     check_reply,
-    frame_announce,
     parse_json,
     split_parts,
 )
@@ -175,9 +175,10 @@ class MemoryClient:
         digests: list[str],
         extra: Mapping[str, Any] | None = None,
         chunks: list[bytes] | None = None,
+        manifests: bytes = b"",
     ) -> None:
         doc = announce_doc(self.self_url, digests, extra)
-        body = frame_announce(doc, chunks) if chunks else json.dumps(doc).encode()
+        body = announce_body(doc, chunks, manifests)
         await self._request("POST", f"{peer}/announce", 1024, body, 202)
 
     async def close(self) -> None:

@@ -61,10 +61,10 @@ from p2p_sync.transport.dataplane import (
     PeerClient,
     Reply,
     Request,
+    announce_body,
     announce_doc,
     check_reply,
     chunk_path,
-    frame_announce,
     parse_json,
     split_parts,
 )
@@ -446,9 +446,10 @@ class FramedClient:
         digests: list[str],
         extra: Mapping[str, Any] | None = None,
         chunks: list[bytes] | None = None,
+        manifests: bytes = b"",
     ) -> None:
         doc = announce_doc(self.self_url, digests, extra)
-        body = frame_announce(doc, chunks) if chunks else json.dumps(doc).encode()
+        body = announce_body(doc, chunks, manifests)
         await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", body, 202)
 
     async def close(self) -> None:
@@ -554,8 +555,9 @@ class RoutedClient:
         digests: list[str],
         extra: Mapping[str, Any] | None = None,
         chunks: list[bytes] | None = None,
+        manifests: bytes = b"",
     ) -> None:
-        await self._routed(peer, lambda c, u: c.announce(u, digests, extra, chunks))
+        await self._routed(peer, lambda c, u: c.announce(u, digests, extra, chunks, manifests))
 
     async def close(self) -> None:
         if self.lan is not None:
