@@ -1,4 +1,4 @@
-"""How soon a rollout two hops from the trainer can ask for its first chunk: early have feeds.
+"""How soon a rollout two hops from the trainer gets its first chunk: early have feeds, forwarding.
 
 A rollout that hears of a version from a relay gets the digest alone and fetches the manifest
 from the relay (a round trip); its download then asked every peer it follows for its have-map
@@ -7,8 +7,10 @@ have-maps while the manifest comes. This runs real nodes (trainer, rollout A tha
 rollout B that never talks to the trainer, so it hears every version from A's relay) over the
 in-memory network with a one-way latency on every message (``MemoryNetwork(latency_s)``), publishes
 versions of the tiny model, and prints B's steps per version (``node.timeline``: heard,
-learned, first have-map offering a chunk, first chunk) in one-way latencies after it heard,
-with early feeds and without (``node.early.MAX_DIGESTS = 0``: none opened).
+learned, first have-map offering a chunk, first chunk) in one-way latencies after it heard:
+with neither, with early feeds alone, and with early feeds and A forwarding the chunks the
+trainer hands it (``[download] forward_seed_chunks``, ``node.forwarding``; the default), and
+how many chunks A forwarded.
 
     python benchmarks/relay_start.py [--latency-ms 20] [--versions 4]
 """
@@ -20,6 +22,7 @@ import asyncio
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,16 +35,26 @@ from p2p_sync.workloads import Workload  # noqa: E402
 from tests.nodebase import MemorySwarm  # noqa: E402
 
 STEPS = ("learned", "first_have", "first_chunk", "fetched")
+RUNS = {  # name: (early feeds, A forwards)
+    "neither": (False, False),
+    "early feeds": (True, False),
+    "early feeds + forwarding": (True, True),
+}
 
 
-async def _run(latency_s: float, versions: int, early: bool) -> list[dict[str, float]]:
-    """B's steps after it heard, per version after v0, in seconds."""
+async def _run(
+    latency_s: float, versions: int, early: bool, forward: bool
+) -> tuple[list[dict[str, float]], int]:
+    """B's steps after it heard, per version after v0, in seconds; chunks A forwarded."""
     node.early.MAX_DIGESTS = 2 if early else 0
     tensors = list(Workload("tiny", lr=1e-4, seed=1).versions(versions + 1))
     with tempfile.TemporaryDirectory() as tmp:
         async with MemorySwarm(Path(tmp), latency_s=latency_s) as swarm:
             trainer = await swarm.start_trainer()
-            a = await swarm.start_rollout("a")
+            download = swarm.config("a", "rollout").download
+            a = await swarm.start_rollout(
+                "a", download=replace(download, forward_seed_chunks=4 if forward else 0)
+            )
             b = await swarm.start_rollout("b", peers=(a.url,))
             # out of the trainer's reach (as beyond its peer list in a large swarm): B hears
             # of each version only from A's relay, the digest alone
@@ -53,7 +66,7 @@ async def _run(latency_s: float, versions: int, early: bool) -> list[dict[str, f
                 steps = b.timeline.of(published[0].digest)
                 if v > 0 and "heard" in steps:
                     rows.append({s: steps[s] - steps["heard"] for s in STEPS if s in steps})
-            return rows
+            return rows, a.learner.forwarder.sent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,18 +79,19 @@ def main(argv: list[str] | None = None) -> None:
         title=f"rollout B, two hops from the trainer: one-way latencies ({args.latency_ms:g} ms)"
         " after it heard"
     )
-    table.add_column("early feeds")
+    table.add_column("B's start")
     for step in STEPS:
         table.add_column(f"{step} (median, range)", justify="right")
-    for early in (False, True):
-        rows = asyncio.run(_run(lat, args.versions, early))
+    table.add_column("A forwarded", justify="right")
+    for name, (early, forward) in RUNS.items():
+        rows, forwarded = asyncio.run(_run(lat, args.versions, early, forward))
         cells = []
         for step in STEPS:
             got = [r[step] / lat for r in rows if step in r]
             cells.append(
                 f"{statistics.median(got):.2f} ({min(got):.2f}-{max(got):.2f})" if got else "-"
             )
-        table.add_row("on" if early else "off", *cells)
+        table.add_row(name, *cells, str(forwarded))
     Console().print(table)
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 
 MAX_LOGS = 64  # have logs kept (one per payload being served; the oldest forgotten)
+MAX_FOLLOWING = 256  # peers remembered per payload as following its have-map here
 SERVES = 512  # the seed's recent chunk serves its uplink rate is measured over
 
 
@@ -38,6 +39,8 @@ class DataView:
         self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self._have_memo: dict[str, list[int]] = {}  # have-maps computed since that news
         self._logs: dict[str, HaveLog] = {}  # digest -> its have-map in arrival order
+        # digest -> the peers that asked its have-map here, the latest asker last
+        self._following: dict[str, dict[str, None]] = {}
 
     def manifest_index(self) -> list[dict[str, Any]]:
         return [
@@ -85,6 +88,16 @@ class DataView:
         """``digest``'s have-map in arrival order, as of the last :meth:`have` (which the
         data plane asks first): a long poll is answered only what it lacks."""
         return self._logs.get(digest)
+
+    def followed(self, digest: str, peer: str) -> None:
+        peers = self._following.get(digest, {})
+        remember(peers, peer, None, MAX_FOLLOWING)
+        remember(self._following, digest, peers, MAX_LOGS)
+
+    def following(self, digest: str) -> list[str]:
+        """The peers that asked our have-map of ``digest`` (a manifest held here), the latest
+        asker last: those following this node for that payload."""
+        return list(self._following.get(digest, ()))
 
     def offer(self, digest: str, peer: str) -> list[int] | None:
         """What to push ``peer`` with our news: what ``have`` would answer it."""

@@ -32,6 +32,7 @@ class _Listener:
         self.node, self.digest, self.on_chunk = node, manifest.digest, on_chunk
 
     def served(self, peer: str, nbytes: int) -> None:
+        self.node.timeline.note(self.digest, "first_have")  # a pushed chunk offered itself
         self.node.timeline.note(self.digest, "first_chunk")
         self.node.peering.served(peer)
         self.node.view.notify_have()
@@ -41,6 +42,9 @@ class _Listener:
 
     def misbehaved(self, peer: str, reason: str) -> None:
         self.node.ban(peer, reason)
+
+    def forward(self, index: int, data: bytes, source: str) -> None:
+        self.node.learner.forwarder.forward(self.digest, index, data, source)
 
 
 class _NodeSource(DataPlaneSource):
@@ -54,6 +58,7 @@ class _NodeSource(DataPlaneSource):
         self.offer = node.learner.take_offer  # a have-map answer pushed with the announcement
         self.inbox = node.learner.pushed  # and the chunks sent behind it
         self.early_feeds = node.learner.early  # and the feeds asked while the manifest came
+        self.seeds = node.learner.seeds  # peers whose announcements carried offers
         self._order = partial(node.learner.follow_order, digest)
         self.public = node.peer_url == node.url  # reachable (or no NAT to speak of)
 
@@ -80,6 +85,9 @@ class _NodeSource(DataPlaneSource):
 
     def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
         return self.inbox.follow(m.digest)
+
+    def seed(self, peer: str) -> bool:
+        return peer in self.seeds
 
     def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         feed = self.early_feeds.take(m.digest, peer)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from node.early import EarlyFeeds, follow_order
+from node.forwarding import Forwarder
 from node.pushed import PushedChunks
 from p2p_sync import announce
 from p2p_sync.bounded import remember
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2psync.node")
 _SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
 MAX_OFFERS = 256  # chunk offers pushed with announcements, kept until a download asks
+MAX_SEEDS = 16  # peers remembered as seeds (their announcements carried offers)
 
 
 class Learner:
@@ -55,6 +57,8 @@ class Learner:
         # (peer, digest) -> the chunks of its offer it sends behind the announcement
         self._pushing: dict[tuple[str, str], list[int]] = {}
         self.pushed = PushedChunks()  # those chunks, until the download takes them
+        self.seeds: dict[str, None] = {}  # peers that pushed offers: seeds (the trainer)
+        self.forwarder = Forwarder(node)  # what the seeds hand us, passed on unasked
         # have feeds opened while a manifest is fetched, for the download to take over
         self.early = EarlyFeeds(lambda: node.client, 2 * node.cfg.http.have_wait_s)
         self._p2p_urls: set[str] = set()  # peers reachable by gossip (no HTTP push needed)
@@ -66,6 +70,7 @@ class Learner:
 
     async def stop(self) -> None:
         await self.early.stop()
+        await self.forwarder.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -105,6 +110,8 @@ class Learner:
             return
         for digest, have in pushed.offers.items():
             remember(self._offers, (url, digest), have, MAX_OFFERS)
+        if pushed.offers:  # only a seed hands out offers (kept only from ``url``'s host)
+            remember(self.seeds, url, None, MAX_SEEDS)
         for digest, indices in pushed.pushing.items():
             remember(self._pushing, (url, digest), indices, MAX_OFFERS)
         mesh = node.p2p is not None and node.p2p.status().get("mesh_peers", 0) > 0

@@ -287,4 +287,5 @@ class Node:
             "reverse": self.transport.reverse_status(self),
             "tcp": self.transport.tcp_status(),
             "lan": self._lan_status(),
+            "forwarded": self.learner.forwarder.status(),
         }

@@ -8,7 +8,8 @@ steps of the last version handed off (``last_update.timeline``).
 
 Steps, in the order they happen at a rollout: ``heard`` (first announcement naming the
 manifest, HTTP or gossip), ``learned`` (the manifest verified and stored), ``first_have`` (the
-first have-map answer offering a chunk of it), ``first_chunk`` (first chunk verified),
+first have-map answer offering a chunk of it, or the first chunk pushed unasked: forwarded
+by a peer, ``node.forwarding``), ``first_chunk`` (first chunk verified),
 ``fetched`` (every chunk verified), ``applied`` (weights updated and checked), ``handed_off``
 (exported, when asked, and reported).
 """

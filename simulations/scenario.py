@@ -157,7 +157,9 @@ def check(s: Scenario) -> Scenario:
     if s.push_tree and s.nat_fraction > 0:
         raise _bad("push_tree", "push trees are not modelled behind NAT yet (nat_fraction > 0)")
     try:
-        check_numbers("download", s.download, frozenset({"seed", "request_bytes"}))
+        check_numbers(
+            "download", s.download, frozenset({"seed", "request_bytes", "forward_seed_chunks"})
+        )
     except ValueError as exc:
         raise ScenarioError(f"scenario: {exc}") from None
     return s

@@ -924,15 +924,44 @@ class SwarmSim:
         self._accept(p, art, event)
 
     def _accept(self, p: Peer, art: Artifact, event: Event) -> bool:
-        """``p`` got a chunk (pulled or pushed): keep and announce it if new, tell its
-        scheduler; ``True`` if it was new."""
+        """``p`` got a chunk (pulled or pushed): keep and announce it if new, pass it on if
+        the trainer handed it over, tell its scheduler; ``True`` if it was new."""
         new = False
         if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
             new = True
             p.have[art.ident].add(event.index)
             self._announce_chunk(p, art, event.index)
+            if event.peer == TRAINER and p.role == HONEST and not p.nat:
+                self._forward(p, art, event.index)
         self._feed(p, event)
         return new
+
+    def _forward(self, p: Peer, art: Artifact, index: int) -> None:
+        """``p`` pushes a chunk the trainer handed it to ``forward_seed_chunks`` of the peers
+        following its have-map, unasked (the node's ``node.forwarding``: a framed ``POST
+        /announce`` to each, over HTTP only: not to NATed peers, and not from a NATed ``p``,
+        whose pushes receivers drop), whether or not they hold it by now (the node cannot
+        know: a copy they hold is wasted bytes, counted as such)."""
+        n = self.sc.download.forward_seed_chunks
+        takers = [
+            s
+            for s in sorted(p.subscribers)
+            if s != TRAINER
+            and not self.peers[s].nat
+            and self.peers[s].online
+            and self.peers[s].artifact is art
+        ]
+        if n <= 0 or not takers:
+            return
+        for s in random.Random(p.idx * 1_000_003 + index).sample(takers, min(n, len(takers))):
+            c = self.peers[s]
+            p.uploaded[(art.ident, index)] += 1
+            done = partial(self._forwarded, p, c, art, index, c.generation)
+            self.net.start(p.idx, s, self._chunk_size(art, index), done)
+
+    def _forwarded(self, p: Peer, c: Peer, art: Artifact, index: int, gen: int) -> None:
+        """A forwarded chunk left ``p``'s uplink: ``c`` has it a latency later."""
+        self.clock.after(self.lat, self._push_arrived, c, art, gen, self._checked(p, art, index))
 
     def _reoffer(self, p: Peer, art: Artifact) -> None:
         """The trainer served ``p`` one of its chunks: top up what it shows ``p``."""

@@ -191,7 +191,10 @@ async def _gossip(tmp_path: Path, versions: list) -> dict:
             "blacklists": [r.p2p.blacklist for r in rollouts],
             "weights": [swarm.weights(r) for r in rollouts],
             "latency": [r.learner.announce_latency_ms for r in rollouts],
-            "announce posts": swarm.network.requests["announce"],
+            # less the posts that forwarded chunks (node.forwarding): no news in them
+            "announce posts": swarm.network.requests["announce"]
+            - sum(n.learner.forwarder.posts for n in [*rollouts, attacker]),
+            "forwarded": sum(r.learner.forwarder.sent for r in rollouts),
         }
 
 
@@ -203,6 +206,7 @@ def test_gossip_alone_carries_versions_above_the_floor_and_blacklists_forgers(
     # the nodes that asked it for a have-map before (v1 and v2: at most the 3 rollouts and
     # the attacker's node, whose early feeds asked while it fetched the manifests)
     assert out["announce posts"] <= 2 * 4
+    assert out["forwarded"] > 0  # the chunks the trainer handed out went on by push too
     for weights in out["weights"]:
         assert bit_equal(weights, tiny_versions[2])
     assert not any(out["stale stored"]), "a stale announcement's manifest got past the floor"

@@ -963,6 +963,67 @@ def test_a_rollout_asks_have_maps_while_it_fetches_a_relayed_manifest(tmp_path: 
     assert out["bogus open"] == [HEX] and out["bogus after"] == []
 
 
+async def _forwarding(tmp_path: Path) -> dict[str, Any]:
+    """Rollout A holds a payload; rollout B follows A's have-map (a feed, its own URL in the
+    peer header), a third party claims to follow it under another host's URL. A forwards a
+    chunk (as its download does with one from a seed): it goes to B alone, over a framed
+    ``POST /announce``, and B stores it verified. Then B is gone: the push fails, and B is not
+    tried again for that payload."""
+    key = SigningKey.generate()
+    policy = SwarmPolicy("t", (key.public,))
+    a, b = (_trusting_rollout(tmp_path / name, policy) for name in ("a", "b"))
+    payload = random.Random(4).randbytes(48 * 1024)
+    m = snapshot_manifest(payload, swarm=policy.swarm_id)
+    for node in (a, b):
+        node.store.put_manifest(m, sign(m, [key]))
+    a.store.put_chunk(payload[: 16 * 1024])
+    out: dict[str, Any] = {}
+    try:
+        url_a, url_b = await a.start(), await b.start()
+        async with asyncio.timeout(30):
+            assert b.client is not None
+            b.client.self_url = url_b  # as reachability names it (no peers to ask here)
+            feed = b.client.get_feed(f"{url_a}/have/{m.digest}?feed=1")
+            out["b saw"] = (await anext(feed))["have"]
+            await feed.aclose()
+            out["unnamed"] = a.learner.forwarder.targets(m.digest, "http://127.0.0.1:9")
+            assert a.client is not None
+            a.client.self_url = url_a
+            async with aiohttp.ClientSession() as s:  # a URL whose host is not the asker's
+                headers = {PEER: "http://10.9.9.9:4000"}
+                async with s.get(f"{url_a}/have/{m.digest}", headers=headers) as r:
+                    out["claim"] = r.status
+            out["following"] = a.view.following(m.digest)
+            forwarder = a.learner.forwarder
+            out["targets"] = forwarder.targets(m.digest, "http://127.0.0.1:9")
+            out["not to its source"] = forwarder.targets(m.digest, url_b)
+            forwarder.forward(m.digest, 0, payload[: 16 * 1024], "http://127.0.0.1:9")
+            await asyncio.gather(*forwarder._tasks)
+            out["sent"] = forwarder.sent
+            out["b has"] = b.store.have_indices(m)
+            await b.stop()
+            forwarder.forward(m.digest, 1, payload[16 * 1024 : 32 * 1024], "http://x:1")
+            await asyncio.gather(*forwarder._tasks)
+            out["after failure"] = (forwarder.sent, forwarder.targets(m.digest, "http://x:1"))
+    finally:
+        await a.stop()
+        await b.stop()
+    out["url b"] = url_b
+    return out
+
+
+def test_a_chunk_from_a_seed_is_forwarded_to_the_peers_following_our_have_map(
+    tmp_path: Path,
+) -> None:
+    out = asyncio.run(_forwarding(tmp_path))
+    assert out["unnamed"] == []  # A names no URL of its own yet: a push would be dropped
+    assert out["b saw"] == [0] and out["claim"] == 200
+    assert out["following"] == [out["url b"]]  # the claimed URL of another host is not kept
+    assert out["targets"] == [out["url b"]] and out["not to its source"] == []
+    assert out["sent"] == 1 and out["b has"] == [0]  # pushed, verified, stored
+    assert out["after failure"] == (1, [])  # B gone: the push failed, B not tried again
+
+
 @pytest.mark.parametrize(
     ("answer", "took", "rtt"),
     [

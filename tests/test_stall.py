@@ -116,6 +116,8 @@ class _Source:
         self.sent: list[tuple[str, int, bytes]] = []  # those chunks as they come
         # have feeds opened before the download (answers, then the feed ends)
         self.early_feeds: dict[str, list[tuple[list[int], HaveCursor]]] = {}
+        self.seeds: set[str] = set()  # peers known as seeds (their announcements had offers)
+        self.logs: dict[str, str] = {}  # peers whose have-maps are logs (rollouts'), by log id
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -151,6 +153,9 @@ class _Source:
             yield item
         await asyncio.Event().wait()
 
+    def seed(self, peer: str) -> bool:
+        return peer in self.seeds
+
     def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         answers = self.early_feeds.pop(peer, None)
         return None if answers is None else self._early(answers)
@@ -165,17 +170,21 @@ class _Source:
     ) -> AsyncIterator[tuple[list[int], HaveCursor]]:
         self.followed.append(peer)
         self.asked.append((peer, since.known))
-        if since.known < 0:
-            yield list(range(len(m.chunks))), HaveCursor(len(m.chunks))
+        if since.known < 0:  # a whole list (a seed's offer) unless it keeps a log
+            yield list(range(len(m.chunks))), HaveCursor(len(m.chunks), self.logs.get(peer))
         await asyncio.Event().wait()  # nothing new will come
 
 
 class _Counting:
     def __init__(self) -> None:
         self.bytes = 0
+        self.forwarded: list[tuple[int, str]] = []  # (index, source) passed on
 
     def served(self, peer: str, nbytes: int) -> None:
         self.bytes += nbytes
+
+    def forward(self, index: int, data: bytes, source: str) -> None:
+        self.forwarded.append((index, source))
 
     def misbehaved(self, peer: str, reason: str) -> None:
         raise AssertionError(f"{peer} banned: {reason}")
@@ -209,15 +218,19 @@ async def _download(
     push: dict[str, list[int]] | None = None,
     sent: dict[str, dict[int, bytes | None]] | None = None,
     early: dict[str, list[tuple[list[int], HaveCursor]]] | None = None,
+    logs: dict[str, str] | None = None,
+    seeds: set[str] | None = None,
     **settings: int,
 ) -> tuple[_Sink, _Source, _Banning, float]:
     """``sent``: chunks each peer sends behind its announcement (None: the true bytes);
-    ``early``: answers of have feeds opened before the download."""
+    ``early``: answers of have feeds opened before the download; ``logs``: peers whose
+    have-maps are logs (else offers, as a seed's), ``seeds``: peers known as seeds."""
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Banning()
     source.push = dict(push or {})
     source.early_feeds = dict(early or {})
+    source.logs, source.seeds = dict(logs or {}), set(seeds or ())
     for peer, chunks in (sent or {}).items():
         source.pushing[peer] = list(chunks)
         for i, data in chunks.items():
@@ -282,6 +295,33 @@ def test_a_chunk_promised_behind_an_announcement_that_never_comes_is_pulled() ->
     sink, source, listener, _ = asyncio.run(_download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent))
     assert len(sink.chunks) == 5 and not listener.banned
     assert 0 in {i for _, i in source.requests}  # requested once the push was overdue
+
+
+def test_chunks_from_a_seed_are_passed_on_and_no_others() -> None:
+    """p1 answers whole lists (a seed's offers), p2 keeps a have log (a rollout): what came
+    from p1 is forwarded, each chunk once, what came from p2 is not; with
+    ``forward_seed_chunks = 0`` nothing is."""
+    logs = {"p2": "0123456789abcdef"}
+    sink, source, listener, _ = asyncio.run(_download(set(), ("p1", "p2"), logs=logs))
+    assert len(sink.chunks) == 5
+    forwarded = [i for i, _ in listener.forwarded]
+    assert forwarded and len(set(forwarded)) == len(forwarded)  # each at most once
+    assert set(forwarded) <= {i for p, i in source.requests if p == "p1"}
+    assert {p for _, p in listener.forwarded} == {"p1"}
+    _, _, quiet, _ = asyncio.run(_download(set(), ("p1", "p2"), logs=logs, forward_seed_chunks=0))
+    assert quiet.forwarded == []
+
+
+def test_chunks_a_known_seed_sent_behind_its_announcement_are_passed_on() -> None:
+    """p1 keeps a have log but its announcement carried an offer (``ChunkSource.seed``):
+    the chunks it sent behind the announcement are forwarded as they are taken."""
+    logs = {"p1": "0123456789abcdef", "p2": "fedcba9876543210"}
+    sent = {"p1": {0: None, 1: None}}
+    _, _, listener, _ = asyncio.run(
+        _download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent, logs=logs, seeds={"p1"})
+    )
+    assert {0, 1} <= {i for i, p in listener.forwarded if p == "p1"}
+    assert all(p == "p1" for _, p in listener.forwarded)
 
 
 def test_a_download_follows_at_most_max_sources_peers_the_preferred_first() -> None:

@@ -254,6 +254,11 @@ class NodeView(Protocol):
     def metrics_text(self) -> bytes: ...
     def count_upload(self, nbytes: int) -> None: ...
     def upload_contact(self, requester: str, pending: bool) -> None: ...
+    def followed(self, digest: str, peer: str) -> None:
+        """``peer`` (its URL's host is where the request came from) asked our have-map of
+        ``digest``: it follows us for that payload (chunks may be forwarded to it)."""
+        ...
+
     def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None: ...
     def on_pushed(self, url: str, digest: str, index: int, data: bytes) -> None:
         """A chunk pushed behind an announcement from ``url`` (unverified: the download
@@ -541,6 +546,8 @@ class DataRouter:
         doc, _ = await self._have_answer(digest, req.peer, known, log)
         if doc is None:
             raise Refused(404, "no such manifest here")
+        if req.peer is not None and same_host(req.peer, req.remote):
+            self.node.followed(digest, req.peer)
         if held:
             doc["held_ms"] = int(held * 1000)
         if not feed:

@@ -133,6 +133,12 @@ class ChunkSource(Protocol):
         comes, unverified, until the caller stops iterating."""
         ...
 
+    def seed(self, peer: str) -> bool:
+        """Whether ``peer`` is known to hand out chunks as a seed does (its announcement
+        carried an offer); the driver also counts a peer whose have-map answers are offers
+        (whole lists, no log) as one."""
+        ...
+
     def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         """A have feed of ``peer`` opened before ``m`` was here (the node heard of the version
         and asked its peers' have-maps while it fetched the manifest), if there is one: its
@@ -152,11 +158,17 @@ class ChunkSink(Protocol):
 
 
 class DownloadListener(Protocol):
-    """What the node learns from a download: who served verified bytes, who cheated."""
+    """What the node learns from a download: who served verified bytes, who cheated, and
+    the chunks a seed handed it, to pass on (``SwarmConfig.forward_seed_chunks``)."""
 
     def served(self, peer: str, nbytes: int) -> None: ...
 
     def misbehaved(self, peer: str, reason: str) -> None: ...
+
+    def forward(self, index: int, data: bytes, source: str) -> None:
+        """Chunk ``index`` (verified, stored) came from ``source``, a seed: push it unasked
+        to some of the peers following us. Must not block: the driver's loop calls it."""
+        ...
 
 
 class DataPlaneSource:
@@ -184,6 +196,9 @@ class DataPlaneSource:
 
     def early(self, peer: str, m: Manifest) -> AsyncIterator[Timed] | None:
         return None  # a bare client hears of nothing before it is given the manifest
+
+    def seed(self, peer: str) -> bool:
+        return False  # only its have-map answers tell
 
     async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
@@ -245,6 +260,8 @@ class Download:
         self.followers: dict[str, asyncio.Task[None]] = {}
         self.done = asyncio.Event()
         self.stalled: frozenset[int] | None = None
+        self.seeds: set[str] = set()  # peers whose have-map answers were offers
+        self.forwarded: set[int] = set()  # chunks passed on (each once)
 
     async def _get(self, peer: str, index: int) -> None:
         try:
@@ -311,6 +328,10 @@ class Download:
         self.sink.put_chunk(data, self.m.chunks[index])
         self.listener.served(peer, len(data))
         self.events.put_nowait(ChunkVerified(peer, index, len(data)))
+        if self.config.forward_seed_chunks and index not in self.forwarded:
+            if peer in self.seeds or self.source.seed(peer):
+                self.forwarded.add(index)
+                self.listener.forward(index, data, peer)
 
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
@@ -359,6 +380,8 @@ class Download:
             async for have, after, rtt in answers_in:
                 answers += 1
                 since = after
+                if after.log is None:  # a whole list: a seed's offer
+                    self.seeds.add(peer)
                 # what it held before stays claimed (PeerHad adds): only the news is sent
                 self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
                 if self.done.is_set() or not self.source.usable(peer):
