@@ -12,9 +12,13 @@ their URL names (``DataRouter._have``): one forwarded chunk costs this node's up
 request for it would, and the peers it goes to would pull it from someone anyway. Simulated
 (1,000 peers, 100 MB, 1 Gbit/s, 20 ms): see ``simulations/README.md``.
 
-Best effort and bounded: at most ``MAX_IN_FLIGHT`` pushes at once (beyond that a chunk is
-not passed on: the uplink is busy serving requests, which pull the chunk anyway); a push that
-fails is dropped (the peer pulls), and the peer is not tried again for that payload.
+Best effort and bounded: a chunk is passed on only while the node serves no more than
+``forward_seed_chunks`` uploads (a busy uplink serves requests, which pull the chunk anyway;
+pushes beside them slowed them: 32 rollouts on 100 Mbit/s with 1 MiB chunks sent 216 MB for
+nothing instead of 154, simulated), and only if none of the other peers the download follows
+claims it (``Download._rare_from_seed``: the seed hands some chunks out again, and those are
+out in the swarm already); at most ``MAX_IN_FLIGHT`` pushes at once; a push that fails is
+dropped (the peer pulls), and the peer is not tried again for that payload.
 """
 
 from __future__ import annotations
@@ -40,12 +44,17 @@ class Forwarder:
         self.node = node
         self.sent = 0  # chunks forwarded (pushes that were accepted)
         self.posts = 0  # pushes tried (sent, and those that failed)
-        self.skipped = 0  # chunks not forwarded: too many pushes in flight
+        self.skipped = 0  # chunks not forwarded: the uplink busy, or too many pushes in flight
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: dict[tuple[str, str], None] = {}
 
     def forward(self, digest: str, index: int, data: bytes, source: str) -> None:
-        """Push chunk ``index`` of ``digest`` (verified here) to some of its followers."""
+        """Push chunk ``index`` of ``digest`` (verified here) to some of its followers, unless
+        this node serves more than ``forward_seed_chunks`` uploads now: its uplink is busy
+        with requests, which the pushes would slow (and peers pull the chunk anyway)."""
+        if self.node.transport.uploads_busy() > self.node.cfg.download.forward_seed_chunks:
+            self.skipped += 1
+            return
         for peer in self.targets(digest, source):
             if len(self._tasks) >= MAX_IN_FLIGHT:
                 self.skipped += 1
@@ -88,7 +97,7 @@ class Forwarder:
 
     def status(self) -> dict[str, int]:
         """``/status``'s "forwarded": chunks passed on, pushes that failed, and chunks not
-        passed on (too many pushes in flight)."""
+        passed on (the uplink busy, or too many pushes in flight)."""
         return {"chunks": self.sent, "failed": self.posts - self.sent, "skipped": self.skipped}
 
     async def stop(self) -> None:

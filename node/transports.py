@@ -104,6 +104,10 @@ class HttpTransport:
         channels, accepted = (sorted(hub.channels), hub.accepted) if hub else ([], 0)
         return node.links.status() | {"channels": channels, "accepted": accepted}
 
+    def uploads_busy(self) -> int:
+        """Chunk uploads in progress now (``node.forwarding`` pushes only beside few)."""
+        return 0 if self.server is None else self.server.router.uploads_busy
+
     def tcp_status(self) -> dict[str, Any] | None:
         """The data plane's congestion control and whether idle connections restart in slow
         start (``transport.tcp``)."""
@@ -120,9 +124,11 @@ class MemoryTransport:
     def __init__(self, network: MemoryNetwork, name: str) -> None:
         self.network, self.name = network, name
         self.url: str | None = None
+        self.router: DataRouter | None = None
 
     async def serve(self, node: Node) -> str:
-        self.url = self.network.listen(DataRouter(node.view, node.cfg.http), self.name)
+        self.router = DataRouter(node.view, node.cfg.http)
+        self.url = self.network.listen(self.router, self.name)
         return self.url
 
     def client(self, node: Node) -> PeerClient:
@@ -143,6 +149,9 @@ class MemoryTransport:
         )
         await host.start()
         return host
+
+    def uploads_busy(self) -> int:
+        return 0 if self.router is None else self.router.uploads_busy
 
     def tcp_status(self) -> None:
         return None  # no sockets

@@ -932,17 +932,24 @@ class SwarmSim:
             p.have[art.ident].add(event.index)
             self._announce_chunk(p, art, event.index)
             if event.peer == TRAINER and p.role == HONEST and not p.nat:
-                self._forward(p, art, event.index)
+                self._forward(p, art, event.index)  # if no other peer it follows has it
         self._feed(p, event)
         return new
 
     def _forward(self, p: Peer, art: Artifact, index: int) -> None:
-        """``p`` pushes a chunk the trainer handed it to ``forward_seed_chunks`` of the peers
-        following its have-map, unasked (the node's ``node.forwarding``: a framed ``POST
-        /announce`` to each, over HTTP only: not to NATed peers, and not from a NATed ``p``,
+        """``p`` pushes a chunk the trainer handed it, and that none of the other peers it
+        follows claims, while it serves no more than ``forward_seed_chunks`` uploads, to that
+        many of the peers following its have-map, unasked (the node's ``node.forwarding``: a
+        framed ``POST /announce`` to each, over HTTP only: not to NATed peers, and not from a
+        NATed ``p``,
         whose pushes receivers drop), whether or not they hold it by now (the node cannot
         know: a copy they hold is wasted bytes, counted as such)."""
-        n = self.sc.download.forward_seed_chunks
+        n, sched = self.sc.download.forward_seed_chunks, p.sched
+        holders = None if sched is None else sched.holders.get(index)
+        if holders is None or holders - {TRAINER}:  # not rare (``Download._rare_from_seed``)
+            return
+        if p.slots.busy > n:  # its uplink is busy serving requests (``Forwarder.forward``)
+            return
         takers = [
             s
             for s in sorted(p.subscribers)

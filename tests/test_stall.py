@@ -118,6 +118,7 @@ class _Source:
         self.early_feeds: dict[str, list[tuple[list[int], HaveCursor]]] = {}
         self.seeds: set[str] = set()  # peers known as seeds (their announcements had offers)
         self.logs: dict[str, str] = {}  # peers whose have-maps are logs (rollouts'), by log id
+        self.claims: dict[str, list[int]] = {}  # what a peer's have-map lists (else every chunk)
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -171,7 +172,8 @@ class _Source:
         self.followed.append(peer)
         self.asked.append((peer, since.known))
         if since.known < 0:  # a whole list (a seed's offer) unless it keeps a log
-            yield list(range(len(m.chunks))), HaveCursor(len(m.chunks), self.logs.get(peer))
+            have = self.claims.get(peer, list(range(len(m.chunks))))
+            yield have, HaveCursor(len(have), self.logs.get(peer))
         await asyncio.Event().wait()  # nothing new will come
 
 
@@ -220,17 +222,20 @@ async def _download(
     early: dict[str, list[tuple[list[int], HaveCursor]]] | None = None,
     logs: dict[str, str] | None = None,
     seeds: set[str] | None = None,
+    claims: dict[str, list[int]] | None = None,
     **settings: int,
 ) -> tuple[_Sink, _Source, _Banning, float]:
     """``sent``: chunks each peer sends behind its announcement (None: the true bytes);
     ``early``: answers of have feeds opened before the download; ``logs``: peers whose
-    have-maps are logs (else offers, as a seed's), ``seeds``: peers known as seeds."""
+    have-maps are logs (else offers, as a seed's), ``seeds``: peers known as seeds,
+    ``claims``: what a peer's have-map lists (else every chunk)."""
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Banning()
     source.push = dict(push or {})
     source.early_feeds = dict(early or {})
     source.logs, source.seeds = dict(logs or {}), set(seeds or ())
+    source.claims = dict(claims or {})
     for peer, chunks in (sent or {}).items():
         source.pushing[peer] = list(chunks)
         for i, data in chunks.items():
@@ -297,18 +302,23 @@ def test_a_chunk_promised_behind_an_announcement_that_never_comes_is_pulled() ->
     assert 0 in {i for _, i in source.requests}  # requested once the push was overdue
 
 
-def test_chunks_from_a_seed_are_passed_on_and_no_others() -> None:
-    """p1 answers whole lists (a seed's offers), p2 keeps a have log (a rollout): what came
-    from p1 is forwarded, each chunk once, what came from p2 is not; with
+def test_rare_chunks_from_a_seed_are_passed_on_and_no_others() -> None:
+    """p1 answers whole lists (a seed's offers), p2 keeps a have log (a rollout) listing
+    chunks 3 and 4: what came from p1 and p2 does not claim is forwarded, each chunk once;
+    nothing from p2, nothing p2 holds too (out in the swarm already); with
     ``forward_seed_chunks = 0`` nothing is."""
-    logs = {"p2": "0123456789abcdef"}
-    sink, source, listener, _ = asyncio.run(_download(set(), ("p1", "p2"), logs=logs))
+    logs, claims = {"p2": "0123456789abcdef"}, {"p2": [3, 4]}
+    sink, source, listener, _ = asyncio.run(
+        _download(set(), ("p1", "p2"), logs=logs, claims=claims)
+    )
     assert len(sink.chunks) == 5
     forwarded = [i for i, _ in listener.forwarded]
     assert forwarded and len(set(forwarded)) == len(forwarded)  # each at most once
-    assert set(forwarded) <= {i for p, i in source.requests if p == "p1"}
+    assert set(forwarded) <= {0, 1, 2} & {i for p, i in source.requests if p == "p1"}
     assert {p for _, p in listener.forwarded} == {"p1"}
-    _, _, quiet, _ = asyncio.run(_download(set(), ("p1", "p2"), logs=logs, forward_seed_chunks=0))
+    _, _, quiet, _ = asyncio.run(
+        _download(set(), ("p1", "p2"), logs=logs, claims=claims, forward_seed_chunks=0)
+    )
     assert quiet.forwarded == []
 
 
@@ -316,9 +326,9 @@ def test_chunks_a_known_seed_sent_behind_its_announcement_are_passed_on() -> Non
     """p1 keeps a have log but its announcement carried an offer (``ChunkSource.seed``):
     the chunks it sent behind the announcement are forwarded as they are taken."""
     logs = {"p1": "0123456789abcdef", "p2": "fedcba9876543210"}
-    sent = {"p1": {0: None, 1: None}}
+    sent, claims = {"p1": {0: None, 1: None}}, {"p2": [2, 3, 4]}
     _, _, listener, _ = asyncio.run(
-        _download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent, logs=logs, seeds={"p1"})
+        _download(set(), ("p1", "p2"), {"p1": [0, 1]}, sent, logs=logs, seeds={"p1"}, claims=claims)
     )
     assert {0, 1} <= {i for i, p in listener.forwarded if p == "p1"}
     assert all(p == "p1" for _, p in listener.forwarded)

@@ -411,6 +411,11 @@ class DataRouter:
         finally:
             release()
 
+    @property
+    def uploads_busy(self) -> int:
+        """Chunk uploads in progress now (requests served, not waiting for a slot)."""
+        return self._slots.busy
+
     def sent(self, reply: Reply) -> None:
         """The transport delivered ``reply`` whole: count the chunk bytes uploaded."""
         if reply.upload:

@@ -328,10 +328,20 @@ class Download:
         self.sink.put_chunk(data, self.m.chunks[index])
         self.listener.served(peer, len(data))
         self.events.put_nowait(ChunkVerified(peer, index, len(data)))
-        if self.config.forward_seed_chunks and index not in self.forwarded:
-            if peer in self.seeds or self.source.seed(peer):
-                self.forwarded.add(index)
-                self.listener.forward(index, data, peer)
+        if self.config.forward_seed_chunks and self._rare_from_seed(peer, index):
+            self.forwarded.add(index)
+            self.listener.forward(index, data, peer)
+
+    def _rare_from_seed(self, peer: str, index: int) -> bool:
+        """Whether chunk ``index`` (verified, its event not handled yet) came from a seed and
+        none of the other peers we follow claims it: a fresh hand-out, worth forwarding. A
+        chunk the seed hands out again (a slow swarm gets many) is one peers here already
+        hold; pushing those would be wasted uplink (16 rollouts with 10 Mbit/s uplinks, 2 MiB
+        chunks: x6.2 of the bound, against x1.6 without forwarding)."""
+        holders = self.sched.holders.get(index)  # None: not missing (a second copy)
+        if holders is None or index in self.forwarded or holders - {peer}:
+            return False
+        return peer in self.seeds or self.source.seed(peer)
 
     async def _follow(self, peer: str) -> None:
         """Long-poll one peer's have-map: each answer comes as soon as it holds more."""
