@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{statistics.median(got):.2f} ({min(got):.2f}-{max(got):.2f})" if got else "-"
             )
         table.add_row(name, *cells, str(forwarded))
-    Console().print(table)
+    Console(width=150).print(table)
 
 
 if __name__ == "__main__":

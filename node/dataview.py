@@ -39,8 +39,9 @@ class DataView:
         self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self._have_memo: dict[str, list[int]] = {}  # have-maps computed since that news
         self._logs: dict[str, HaveLog] = {}  # digest -> its have-map in arrival order
-        # digest -> the peers that asked its have-map here, the latest asker last
-        self._following: dict[str, dict[str, None]] = {}
+        # digest -> the peers following its have-map here: when each last asked or was
+        # answered on a feed (monotonic), the latest last
+        self._following: dict[str, dict[str, float]] = {}
 
     def manifest_index(self) -> list[dict[str, Any]]:
         return [
@@ -91,13 +92,16 @@ class DataView:
 
     def followed(self, digest: str, peer: str) -> None:
         peers = self._following.get(digest, {})
-        remember(peers, peer, None, MAX_FOLLOWING)
+        remember(peers, peer, time.monotonic(), MAX_FOLLOWING)
         remember(self._following, digest, peers, MAX_LOGS)
 
     def following(self, digest: str) -> list[str]:
-        """The peers that asked our have-map of ``digest`` (a manifest held here), the latest
-        asker last: those following this node for that payload."""
-        return list(self._following.get(digest, ()))
+        """The peers following our have-map of ``digest`` (a manifest held here) now: those
+        that asked it, or had an answer on a feed, within twice ``have_wait_s`` (a live feed
+        is answered at least that often: news, or its end and the next question); one that
+        is done stops asking and drops out. The latest last."""
+        recent = time.monotonic() - 2 * self.node.cfg.http.have_wait_s
+        return [p for p, at in self._following.get(digest, {}).items() if at >= recent]
 
     def offer(self, digest: str, peer: str) -> list[int] | None:
         """What to push ``peer`` with our news: what ``have`` would answer it."""

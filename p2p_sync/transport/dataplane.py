@@ -256,7 +256,8 @@ class NodeView(Protocol):
     def upload_contact(self, requester: str, pending: bool) -> None: ...
     def followed(self, digest: str, peer: str) -> None:
         """``peer`` (its URL's host is where the request came from) asked our have-map of
-        ``digest``: it follows us for that payload (chunks may be forwarded to it)."""
+        ``digest``, or its have feed carried an answer now: it follows us for that payload
+        (chunks may be forwarded to it)."""
         ...
 
     def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None: ...
@@ -551,13 +552,15 @@ class DataRouter:
         doc, _ = await self._have_answer(digest, req.peer, known, log)
         if doc is None:
             raise Refused(404, "no such manifest here")
-        if req.peer is not None and same_host(req.peer, req.remote):
-            self.node.followed(digest, req.peer)
+        follower = req.peer if req.peer is not None and same_host(req.peer, req.remote) else None
+        if follower is not None:
+            self.node.followed(digest, follower)
         if held:
             doc["held_ms"] = int(held * 1000)
         if not feed:
             return _json(doc)
-        return Reply(200, _line(doc), FEED, feed=self._have_feed(digest, req.peer, doc))
+        feed_ = self._have_feed(digest, req.peer, doc, follower)
+        return Reply(200, _line(doc), FEED, feed=feed_)
 
     async def _manifest_learned(self, digest: str, peer: str | None) -> float:
         """Hold a have feed for a manifest this node has not learned yet until it has, at
@@ -604,14 +607,15 @@ class DataRouter:
         return {"have": indices, "from": start, "log": record.ident}, news
 
     async def _have_feed(
-        self, digest: str, peer: str | None, doc: dict[str, Any]
+        self, digest: str, peer: str | None, doc: dict[str, Any], follower: str | None
     ) -> AsyncIterator[bytes]:
         """The answers after ``doc`` on one open response, each as soon as there is news:
         news reaches the follower one latency after it is verified. A long poll per answer
         left the follower blind for a round trip after each one (the answer's way back, the
         next question's way here): news waited two latencies on average, three at worst.
         Ends after ``have_wait_s`` without news, after ``have_feed_s``, when the node closes
-        or the manifest is gone (the follower asks again where it stands)."""
+        or the manifest is gone (the follower asks again where it stands). Each answer tells
+        the node that ``follower`` (when its URL's host asked) still follows."""
         end = time.monotonic() + self.limits.have_feed_s
         while time.monotonic() < end and not self._closing.is_set():
             log = doc.get("log")
@@ -620,6 +624,8 @@ class DataRouter:
             if answer is None or not news:
                 return
             doc = answer
+            if follower is not None:
+                self.node.followed(digest, follower)
             yield _line(doc)
 
     def _unchanged(self, digest: str, have: list[int], known: int, log: str | None) -> bool:
