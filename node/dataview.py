@@ -42,6 +42,8 @@ class DataView:
         # digest -> the peers following its have-map here: when each last asked or was
         # answered on a feed (monotonic), the latest last
         self._following: dict[str, dict[str, float]] = {}
+        # (digest, peer) -> chunks forwarded to that peer unasked (``node.forwarding``)
+        self._pushing: dict[tuple[str, str], set[int]] = {}
 
     def manifest_index(self) -> list[dict[str, Any]]:
         return [
@@ -94,6 +96,16 @@ class DataView:
         peers = self._following.get(digest, {})
         remember(peers, peer, time.monotonic(), MAX_FOLLOWING)
         remember(self._following, digest, peers, MAX_LOGS)
+
+    def pushing(self, digest: str, peer: str, index: int) -> None:
+        """Chunk ``index`` of ``digest`` is forwarded to ``peer`` now: say so in the have-map
+        answers to ``peer`` from here on (``pushing_to``)."""
+        pushed = self._pushing.get((digest, peer), set())
+        pushed.add(index)
+        remember(self._pushing, (digest, peer), pushed, MAX_LOGS * MAX_FOLLOWING // 16)
+
+    def pushing_to(self, digest: str, peer: str) -> set[int]:
+        return self._pushing.get((digest, peer), set())
 
     def following(self, digest: str) -> list[str]:
         """The peers following our have-map of ``digest`` (a manifest held here) now: those

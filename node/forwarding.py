@@ -59,6 +59,7 @@ class Forwarder:
             if len(self._tasks) >= MAX_IN_FLIGHT:
                 self.skipped += 1
                 return
+            self.node.view.pushing(digest, peer, index)  # before the news leaves: with it
             task = asyncio.create_task(self._push(peer, digest, index, data))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

@@ -132,8 +132,9 @@ class SwarmConfig:
     # driver: each chunk a seed handed us (its offer), pushed unasked to this many of the peers
     # following our have-map (0: none). Pull costs a relay hop three latencies (have-map news,
     # request, bytes); the seed hands each chunk to one rollout first, so its first hop from
-    # there is the swarm's slowest. Simulated, 1,000 peers at 20 ms / 1 Gbit/s: 4 x1.404
-    # against x1.430 without (README, "Forwarding the seed's chunks")
+    # there is the swarm's slowest. Only a chunk no other followed peer claims, and only
+    # beside at most this many uploads (``node.forwarding``). Simulated, 1,000 peers at 20 ms
+    # / 1 Gbit/s: x1.387 against x1.425 without (simulations/README.md, "forwarded")
     forward_seed_chunks: int = 4
 
 

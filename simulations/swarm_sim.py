@@ -223,6 +223,8 @@ class SwarmSim:
         self.pushing: set[tuple[int, int]] = set()  # streams with a chunk on the wire
         self.pushed_chunks = 0  # verified chunks that reached an honest rollout pushed
         self.sent_behind = 0  # chunks the trainer sent behind its announcements
+        # (forwarder, receiver) -> chunks forwarded, named in the next have news as pushed
+        self.promised: dict[tuple[int, int], set[int]] = {}
         self.published_at = 0.0
 
     # ------------------------------------------------------------ set-up
@@ -746,7 +748,10 @@ class SwarmSim:
     def _flush_have(self, key: tuple[int, int]) -> None:
         indices = self.pending_have.pop(key)
         p = self.peers[key[1]]
+        promised = self.promised.pop(key, set()) & indices  # forwarded: said in the answer
         if p.sched is not None and p.online and key[0] not in p.banned:
+            if promised:
+                self._feed(p, PeerPushes(key[0], frozenset(promised)))
             self._feed(p, PeerHad(key[0], frozenset(indices), None, self._owed(p, key[0])))
         elif p.early is not None and p.online:  # news on an early feed: kept
             p.early.setdefault(key[0], set()).update(indices)
@@ -963,6 +968,7 @@ class SwarmSim:
         for s in random.Random(p.idx * 1_000_003 + index).sample(takers, min(n, len(takers))):
             c = self.peers[s]
             p.uploaded[(art.ident, index)] += 1
+            self.promised.setdefault((p.idx, s), set()).add(index)
             done = partial(self._forwarded, p, c, art, index, c.generation)
             self.net.start(p.idx, s, self._chunk_size(art, index), done)
 

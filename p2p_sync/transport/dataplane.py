@@ -45,7 +45,12 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             waits for it (up to ``have_wait_s``: the node learns manifests
                             hop by hop, so a follower may hear of one first), then
                             answers with "held_ms": how long it waited (the asker takes
-                            it from the round trip it times); 404 if it does not come
+                            it from the round trip it times); 404 if it does not come. An
+                            answer listing chunks this node forwards to the asker unasked
+                            (``node.forwarding``: a framed ``POST /announce``) names them
+                            in "pushed": the asker waits for the push and does not request
+                            them (the news and the push leave together; a request sent on
+                            the news alone fetched every forwarded chunk twice)
 GET  /peers                 {"peers": [base URLs this node knows]}
 POST /announce              {"url": sender base URL or null, "digests": [...], and
                             optionally "offers": {digest: [chunk indices]}, what the sender's
@@ -254,6 +259,12 @@ class NodeView(Protocol):
     def metrics_text(self) -> bytes: ...
     def count_upload(self, nbytes: int) -> None: ...
     def upload_contact(self, requester: str, pending: bool) -> None: ...
+    def pushing_to(self, digest: str, peer: str) -> set[int]:
+        """Chunks of ``digest`` this node forwards to ``peer`` unasked (``node.forwarding``):
+        a have-map answer to ``peer`` that lists one says so ("pushed"), so it waits for the
+        push instead of requesting the chunk too."""
+        ...
+
     def followed(self, digest: str, peer: str) -> None:
         """``peer`` (its URL's host is where the request came from) asked our have-map of
         ``digest``, or its have feed carried an answer now: it follows us for that payload
@@ -604,7 +615,11 @@ class DataRouter:
         if record is None:  # a seed's offer: the whole list each time
             return {"have": have}, news
         start, indices = record.since(log, -1 if known is None else known)
-        return {"have": indices, "from": start, "log": record.ident}, news
+        doc: dict[str, Any] = {"have": indices, "from": start, "log": record.ident}
+        pushing = self.node.pushing_to(digest, peer) if peer is not None else set()
+        if pushing and (pushed := [i for i in indices if i in pushing]):
+            doc["pushed"] = pushed
+        return doc, news
 
     async def _have_feed(
         self, digest: str, peer: str | None, doc: dict[str, Any], follower: str | None

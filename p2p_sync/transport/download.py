@@ -72,6 +72,9 @@ class HaveCursor:
 
     known: int = -1
     log: str | None = None
+    # carried along, not a position: what the answer that led here said the peer pushes
+    # us (its "pushed": forwarded chunks on their way, not to be requested)
+    pushed: frozenset[int] = frozenset()
 
     def query(self) -> str:
         """``GET /have``'s query, a feed: answered at once on the first ask, else once there
@@ -237,7 +240,10 @@ class DataPlaneSource:
             return have, HaveCursor(len(have))
         if not (isinstance(log, str) and LOG_ID.match(log)) or start not in (0, since.known):
             raise PeerError(f"{peer}: malformed have-map (log {log!r} from {start!r})")
-        return have, HaveCursor(start + len(have), log)
+        pushed = res.get("pushed")
+        listed = pushed if isinstance(pushed, list) else []
+        promised = frozenset(i for i in listed if type(i) is int) & frozenset(have)
+        return have, HaveCursor(start + len(have), log, promised)
 
 
 class Download:
@@ -392,6 +398,8 @@ class Download:
                 since = after
                 if after.log is None:  # a whole list: a seed's offer
                     self.seeds.add(peer)
+                if after.pushed:  # on their way, forwarded: wait for them, do not ask
+                    self.events.put_nowait(PeerPushes(peer, after.pushed))
                 # what it held before stays claimed (PeerHad adds): only the news is sent
                 self.events.put_nowait(PeerHad(peer, frozenset(have), rtt, owed))
                 if self.done.is_set() or not self.source.usable(peer):
