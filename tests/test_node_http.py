@@ -1001,6 +1001,10 @@ async def _forwarding(tmp_path: Path) -> dict[str, Any]:
             await asyncio.gather(*forwarder._tasks)
             out["sent"] = forwarder.sent
             out["b has"] = b.store.have_indices(m)
+            out["answer to b"] = await b.client.get_json(f"{url_a}/have/{m.digest}")
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{url_a}/have/{m.digest}") as r:
+                    out["answer to others"] = await r.json()
             later = time.monotonic() + 2 * a.cfg.http.have_wait_s + 1
             with pytest.MonkeyPatch.context() as patch:  # B stopped asking that long ago
                 patch.setattr("node.dataview.time.monotonic", lambda: later)
@@ -1025,6 +1029,8 @@ def test_a_chunk_from_a_seed_is_forwarded_to_the_peers_following_our_have_map(
     assert out["following"] == [out["url b"]]  # the claimed URL of another host is not kept
     assert out["targets"] == [out["url b"]] and out["not to its source"] == []
     assert out["sent"] == 1 and out["b has"] == [0]  # pushed, verified, stored
+    # the answers to B say chunk 0 comes by push (B does not request it); to others not
+    assert out["answer to b"]["pushed"] == [0] and "pushed" not in out["answer to others"]
     assert out["after B stopped asking"] == []  # done with it, or gone: no longer followed
     assert out["after failure"] == (1, [])  # B gone: the push failed, B not tried again
 

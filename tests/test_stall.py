@@ -12,6 +12,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.download import Download, HaveCursor, Timed, download
+from p2p_sync.transport.download import DataPlaneSource, Download, HaveCursor, Timed, download
 from p2p_sync.versions import PublishPolicy
 from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 
@@ -119,6 +120,8 @@ class _Source:
         self.seeds: set[str] = set()  # peers known as seeds (their announcements had offers)
         self.logs: dict[str, str] = {}  # peers whose have-maps are logs (rollouts'), by log id
         self.claims: dict[str, list[int]] = {}  # what a peer's have-map lists (else every chunk)
+        self.promised: dict[str, list[int]] = {}  # what its answer says it pushes us ("pushed")
+        self.push_delay_s = 0.0
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -150,7 +153,7 @@ class _Source:
 
     async def pushes(self, m: Manifest) -> AsyncIterator[tuple[str, int, bytes]]:
         for item in self.sent:  # chunks behind the announcements, then nothing more
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.push_delay_s)  # a push's way here
             yield item
         await asyncio.Event().wait()
 
@@ -173,7 +176,8 @@ class _Source:
         self.asked.append((peer, since.known))
         if since.known < 0:  # a whole list (a seed's offer) unless it keeps a log
             have = self.claims.get(peer, list(range(len(m.chunks))))
-            yield have, HaveCursor(len(have), self.logs.get(peer))
+            pushed = frozenset(self.promised.get(peer, ()))
+            yield have, HaveCursor(len(have), self.logs.get(peer), pushed)
         await asyncio.Event().wait()  # nothing new will come
 
 
@@ -223,21 +227,26 @@ async def _download(
     logs: dict[str, str] | None = None,
     seeds: set[str] | None = None,
     claims: dict[str, list[int]] | None = None,
+    promised: dict[str, list[int]] | None = None,
+    delay: float = 0.0,
     **settings: int,
 ) -> tuple[_Sink, _Source, _Banning, float]:
     """``sent``: chunks each peer sends behind its announcement (None: the true bytes);
     ``early``: answers of have feeds opened before the download; ``logs``: peers whose
     have-maps are logs (else offers, as a seed's), ``seeds``: peers known as seeds,
-    ``claims``: what a peer's have-map lists (else every chunk)."""
+    ``claims``: what a peer's have-map lists (else every chunk), ``promised``: what its
+    answer says it pushes us, ``delay``: how long each push takes to come."""
     payload = random.Random(0).randbytes(5 * CHUNK)
     m = _manifest(payload)
     sink, source, listener = _Sink(), _Source(payload, list(peers), lost), _Banning()
     source.push = dict(push or {})
     source.early_feeds = dict(early or {})
     source.logs, source.seeds = dict(logs or {}), set(seeds or ())
-    source.claims = dict(claims or {})
+    source.claims, source.promised = dict(claims or {}), dict(promised or {})
+    source.push_delay_s = delay
     for peer, chunks in (sent or {}).items():
-        source.pushing[peer] = list(chunks)
+        if not promised:  # behind an announcement (else forwarded: the answers say so)
+            source.pushing[peer] = list(chunks)
         for i, data in chunks.items():
             if data != b"":  # b"": promised, never sent
                 true = payload[i * CHUNK : (i + 1) * CHUNK]
@@ -320,6 +329,32 @@ def test_rare_chunks_from_a_seed_are_passed_on_and_no_others() -> None:
         _download(set(), ("p1", "p2"), logs=logs, claims=claims, forward_seed_chunks=0)
     )
     assert quiet.forwarded == []
+
+
+def test_a_chunk_a_have_map_answer_says_is_pushed_is_waited_for_not_requested() -> None:
+    """p1's answer lists chunk 0 as "pushed" (it forwards it to us, unasked; it takes 0.15 s
+    to come, less than the push wait's floor): the download waits for it and asks nobody
+    for chunk 0, though p1 and p2 both list it."""
+    logs = {"p1": "0123456789abcdef", "p2": "fedcba9876543210"}
+    source_push = {"p1": {0: None}}
+    sink, source, listener, _ = asyncio.run(
+        _download(
+            set(), ("p1", "p2"), sent=source_push, logs=logs, promised={"p1": [0]}, delay=0.15
+        )
+    )
+    assert len(sink.chunks) == 5 and not listener.banned
+    assert 0 not in {i for _, i in source.requests}  # on its way: never requested
+
+
+@pytest.mark.parametrize(
+    ("pushed", "promised"),
+    [([0, 2], {0, 2}), ([0, 9], {0}), ("0", set()), ([True, "1", 1.0, None], set()), (None, set())],
+)
+def test_a_have_map_answer_promises_only_chunks_it_lists(pushed: Any, promised: set) -> None:
+    """ "pushed" names chunks of the answer's own list; anything else in it is ignored."""
+    res = {"have": [0, 1, 2], "from": 0, "log": "0123456789abcdef", "pushed": pushed}
+    _, after = DataPlaneSource.answer("p1", res, HaveCursor())
+    assert after.pushed == frozenset(promised)
 
 
 def test_chunks_a_known_seed_sent_behind_its_announcement_are_passed_on() -> None:
