@@ -97,11 +97,15 @@ class DataView:
         remember(peers, peer, time.monotonic(), MAX_FOLLOWING)
         remember(self._following, digest, peers, MAX_LOGS)
 
-    def pushing(self, digest: str, peer: str, index: int) -> None:
+    def pushing(self, digest: str, peer: str, index: int, on: bool = True) -> None:
         """Chunk ``index`` of ``digest`` is forwarded to ``peer`` now: say so in the have-map
-        answers to ``peer`` from here on (``pushing_to``)."""
+        answers to ``peer`` from here on (``pushing_to``); ``on=False``: the push failed,
+        say no more (``peer`` requests it as any chunk)."""
         pushed = self._pushing.get((digest, peer), set())
-        pushed.add(index)
+        if on:
+            pushed.add(index)
+        else:
+            pushed.discard(index)
         remember(self._pushing, (digest, peer), pushed, MAX_LOGS * MAX_FOLLOWING // 16)
 
     def pushing_to(self, digest: str, peer: str) -> set[int]:

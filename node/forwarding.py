@@ -92,6 +92,7 @@ class Forwarder:
             await self.node.client.announce(peer, [digest], pushing, [data])
         except PeerError:
             remember(self._failed, (digest, peer), None, MAX_FAILED)
+            self.node.view.pushing(digest, peer, index, on=False)
             return
         self.sent += 1
         self.node.view.count_upload(len(data))

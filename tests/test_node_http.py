@@ -1013,6 +1013,7 @@ async def _forwarding(tmp_path: Path) -> dict[str, Any]:
             forwarder.forward(m.digest, 1, payload[16 * 1024 : 32 * 1024], "http://x:1")
             await asyncio.gather(*forwarder._tasks)
             out["after failure"] = (forwarder.sent, forwarder.targets(m.digest, "http://x:1"))
+            out["still said pushed"] = a.view.pushing_to(m.digest, url_b)
     finally:
         await a.stop()
         await b.stop()
@@ -1033,6 +1034,7 @@ def test_a_chunk_from_a_seed_is_forwarded_to_the_peers_following_our_have_map(
     assert out["answer to b"]["pushed"] == [0] and "pushed" not in out["answer to others"]
     assert out["after B stopped asking"] == []  # done with it, or gone: no longer followed
     assert out["after failure"] == (1, [])  # B gone: the push failed, B not tried again
+    assert out["still said pushed"] == {0}  # the one that arrived; not the failed one
 
 
 @pytest.mark.parametrize(
