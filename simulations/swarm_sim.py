@@ -946,10 +946,11 @@ class SwarmSim:
         follows claims, while it serves no more than ``forward_seed_chunks`` uploads, to that
         many of the peers following its have-map, unasked (the node's ``node.forwarding``: a
         framed ``POST /announce`` to each, over HTTP only: not to NATed peers, and not from a
-        NATed ``p``,
-        whose pushes receivers drop), whether or not they hold it by now (the node cannot
-        know: a copy they hold is wasted bytes, counted as such)."""
+        NATed ``p``, whose pushes receivers drop), whether or not they hold it by now (the
+        node cannot know: a copy they hold is wasted bytes, counted as such)."""
         n, sched = self.sc.download.forward_seed_chunks, p.sched
+        if n <= 0:
+            return
         holders = None if sched is None else sched.holders.get(index)
         if holders is None or holders - {TRAINER}:  # not rare (``Download._rare_from_seed``)
             return
@@ -963,7 +964,7 @@ class SwarmSim:
             and self.peers[s].online
             and self.peers[s].artifact is art
         ]
-        if n <= 0 or not takers:
+        if not takers:
             return
         for s in random.Random(p.idx * 1_000_003 + index).sample(takers, min(n, len(takers))):
             c = self.peers[s]
