@@ -17,6 +17,11 @@ corrupt, stalling nor lying):
   that did not churn (a peer away for part of the version finishes late by construction)
 * ``redundant_bytes``: bytes honest rollouts received beyond one payload each (cancelled
   endgame copies, corrupt chunks, transfers cut by churn)
+* ``lag_s``: per version, where the honest peers' time went beyond the payload at their
+  downlink's rate (``swarm_sim.Lag``: ``start``, before a peer's first chunk; ``filling``,
+  lost while the trainer's chunks were still coming; ``tail``, lost after the swarm first
+  held every chunk, at ``full_s`` after the publication): ``median`` (of each phase over the
+  honest peers) and ``last`` (the last honest peer's own three)
 * ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
 * ``uploaded_bytes_per_peer``, ``wall_clock_s``, ``events``, ``scenario`` (every knob)
 * ``nat`` (only when ``nat_fraction`` > 0; over honest rollouts): ``nat_peers``,
@@ -65,6 +70,7 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
         "trainer_upload_bytes": {"per_version": up, "total": sum(up)},
         "trainer_upload_ratio": max(up) / payload,
         "redundant_bytes": sum(r.received_bytes - r.useful_bytes for r in res),
+        "lag_s": [lag_section(r) for r in res],
         "churned_per_version": [r.churned for r in res],
         "stayed_online_completion_s": [r.stayed_online_last_s for r in res],
         "bans": len(sim.bans),
@@ -77,6 +83,19 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
         "wall_clock_s": wall_clock_s,
         "events": sim.clock.events_run,
         **({"nat": nat_section(sim, last)} if sim.sc.nat_fraction > 0 else {}),
+    }
+
+
+def lag_section(r: VersionResult) -> dict[str, Any]:
+    """One version's ``lag_s`` (empty phases when no honest peer converged)."""
+    phases = ("start", "filling", "tail")
+    lags = r.lags
+    if not lags:
+        return {"full_s": r.full_s, "median": {}, "last": {}}
+    return {
+        "full_s": r.full_s,
+        "median": {k: statistics.median(getattr(x, k) for x in lags) for k in phases},
+        "last": dataclasses.asdict(lags[-1]),
     }
 
 
@@ -144,9 +163,32 @@ def summary_md(report: dict[str, Any]) -> str:
         f"- bans: {report['bans']} (false bans: {report['false_bans']})",
         f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events",
         *(_nat_lines(report) if "nat" in report else []),
+        *_lag_lines(report),
         "",
     ]
     return "\n".join(lines)
+
+
+def _lag_lines(report: dict[str, Any]) -> list[str]:
+    """Where the time went, per version: the median and the last honest peer."""
+    lines = [
+        "",
+        "Where the time went beyond the payload at each peer's downlink rate (ms lost: before "
+        "its first chunk / while the trainer's chunks came / in the tail after the swarm held "
+        "them all):",
+        "",
+        "| version | swarm held every chunk (s) | median peer | last peer |",
+        "|---|---|---|---|",
+    ]
+    for i, lag in enumerate(report["lag_s"]):
+        cells = [
+            " / ".join(f"{1e3 * part[k]:.0f}" for k in ("start", "filling", "tail"))
+            if part
+            else "-"
+            for part in (lag["median"], lag["last"])
+        ]
+        lines.append(f"| {i + 1} | {lag['full_s']:.3f} | {cells[0]} | {cells[1]} |")
+    return lines
 
 
 def _nat_lines(report: dict[str, Any]) -> list[str]:

@@ -37,6 +37,11 @@ and the node's messaging, as follows.
   (the node's connection carries the rest of the run); the run ends once nothing in it is
   wanted.
 * Churn, adversaries: see ``scenario.py``.
+* Where the time went (:class:`Lag`, the report's ``lag_s``): each honest peer's completion
+  beyond the payload at its downlink's rate, split at its first chunk and at the moment the
+  swarm first held every chunk. Measured this way, a swarm whose links all match the
+  trainer's (the 1,000-peer scenarios) can never make up time it lost: no peer fetches
+  faster than the trainer publishes, so a late start stays a backlog to the end.
 * Push trees (``push_tree``, a dissemination the node does not run yet): see ``pushtree.py``.
   Each rollout subscribes to its parent of every stripe (one latency), which then streams it
   the stripe's chunks, one at a time, as it gets them; the download is told with
@@ -158,6 +163,29 @@ class Peer:
     early: dict[int, set[int]] | None = None
     early_art: Artifact | None = None
     early_asked: set[int] = field(default_factory=set)
+    # where its time went this version (``Lag``): when its first new chunk landed, the
+    # bytes of new chunks it holds, and those it held when the swarm first held every chunk
+    first_at: float | None = None
+    got_bytes: float = 0.0
+    got_at_full: float = 0.0
+
+
+@dataclass(frozen=True)
+class Lag:
+    """Where one honest peer's time went in a version, beyond ``F / d`` (the payload at its
+    downlink's rate, what it would take were its downlink never idle): seconds its downlink
+    did not carry a new chunk of the version, in three phases split by the moment its first
+    new chunk landed and the moment the honest swarm first held every chunk (the trainer's
+    last fresh chunk at its first holder). ``start`` is everything before its first chunk
+    (the announcement, manifest, have-maps, request and first byte); ``filling`` is lost
+    while chunks were still coming from the trainer (no new chunk it could fetch in reach,
+    downtime, duplicates, corrupt bytes, a downlink shared with a churned source's cut
+    transfers); ``tail`` is lost after that (the last chunks spreading, the endgame). The
+    three add up to its completion time minus ``F / d`` exactly."""
+
+    start: float
+    filling: float
+    tail: float
 
 
 @dataclass
@@ -176,6 +204,8 @@ class VersionResult:
     nat_bound_s: float  # the lower bound once NATed peers can fetch only from public ones
     last_nat_s: float  # last honest NATed peer (nan: none)
     last_public_s: float  # last honest public rollout (nan: none)
+    full_s: float = float("nan")  # when the honest swarm first held every chunk (nan: never)
+    lags: list[Lag] = field(default_factory=list)  # per converged honest peer, in finish order
 
 
 @dataclass
@@ -410,9 +440,12 @@ class SwarmSim:
         rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
         self._remaining = 0
         behind = self._behind()
+        self._unheld = set(range(self._n_chunks(self.artifacts[-1])))
+        self.full_at: float | None = None
         for p in self.honest:
             p.done_at, p.pushed = None, False
             p.early, p.early_art, p.early_asked = None, None, set()
+            p.first_at, p.got_bytes, p.got_at_full = None, 0.0, 0.0
             self._remaining += 1
             if TRAINER in p.follows:
                 self._announce_to(p, self.artifacts[-1], behind.get(p.idx, 0))
@@ -466,6 +499,7 @@ class SwarmSim:
         """The version's figures: ``bounds`` (Kumar-Ross, star, NAT-aware), ``up_rx`` (the
         trainer's upload, the honest rollouts' download) and when each honest peer finished."""
         took = {p.idx: p.done_at - t0 for p in self.honest if p.done_at is not None}
+        done = sorted((p for p in self.honest if p.done_at is not None), key=lambda p: p.done_at)
         stayed = [t for idx, t in took.items() if idx not in churned]
         kind = {k: [t for i, t in took.items() if self.peers[i].nat is k] for k in (True, False)}
         nan = float("nan")
@@ -484,6 +518,8 @@ class SwarmSim:
             bounds[2],
             max(kind[True], default=nan),
             max(kind[False], default=nan),
+            nan if self.full_at is None else self.full_at - t0,
+            [self._lag(p) for p in done if p.first_at is not None],
         )
 
     def _settle_version(self) -> None:
@@ -935,11 +971,34 @@ class SwarmSim:
         if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
             new = True
             p.have[art.ident].add(event.index)
+            if p.role == HONEST and art is self.artifacts[-1]:
+                self._count_new(p, event.index, event.nbytes)
             self._announce_chunk(p, art, event.index)
             if event.peer == TRAINER and p.role == HONEST and not p.nat:
                 self._forward(p, art, event.index)  # if no other peer it follows has it
         self._feed(p, event)
         return new
+
+    def _count_new(self, p: Peer, index: int, nbytes: int) -> None:
+        """Book a new chunk of the version at honest ``p`` for its :class:`Lag`."""
+        if p.first_at is None:
+            p.first_at = self.clock.now
+        p.got_bytes += nbytes
+        self._unheld.discard(index)
+        if not self._unheld and self.full_at is None:  # the swarm holds every chunk now
+            self.full_at = self.clock.now
+            for q in self.honest:
+                q.got_at_full = q.got_bytes
+
+    def _lag(self, p: Peer) -> Lag:
+        """Where converged honest ``p``'s time went (:class:`Lag`)."""
+        assert p.done_at is not None and p.first_at is not None and self.full_at is not None
+        d, t0 = p.downlink, self.published_at
+        full = max(self.full_at, p.first_at)  # its first chunk came after the swarm had all
+        start = p.first_at - t0
+        filling = (full - p.first_at) - p.got_at_full / d
+        tail = (p.done_at - full) - (p.got_bytes - p.got_at_full) / d
+        return Lag(start, filling, tail)
 
     def _forward(self, p: Peer, art: Artifact, index: int) -> None:
         """``p`` pushes a chunk the trainer handed it, and that none of the other peers it

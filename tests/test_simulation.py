@@ -240,6 +240,51 @@ def test_churn_every_honest_peer_still_converges() -> None:
     assert rep["honest_converged_fraction"] == 1.0
 
 
+def test_where_the_time_went_adds_up_to_each_peers_lag() -> None:
+    """Each converged honest peer's three phases (``swarm_sim.Lag``) add up, exactly, to its
+    completion time beyond the payload at its downlink's rate, with churn and corrupt peers in
+    the swarm; no peer's first chunk lands before a latency has passed; the report carries the
+    median and the last peer's phases."""
+    lat = 0.005
+    sc = scenario(
+        peers=30,
+        payload_mb=2.0,
+        churn_fraction=0.3,
+        corrupt_fraction=0.1,
+        request_timeout_s=0.5,
+        latency_ms=lat * 1e3,
+    )
+    sim, rep = simulate(sc)
+    r = sim.results[0]
+    assert r.converged == r.honest == len(r.lags) > 0
+    own = sc.payload_bytes / sim.honest[0].downlink  # every rollout has the same downlink
+    for lag, took in zip(r.lags, r.completion_s, strict=True):
+        assert lag.start + lag.filling + lag.tail == pytest.approx(took - own, abs=1e-9)
+        assert lag.start >= lat
+    assert r.full_s <= r.completion_s[0]  # nobody finishes before the swarm holds every chunk
+    section = rep["lag_s"][0]
+    assert section["last"]["tail"] == pytest.approx(r.lags[-1].tail)
+    starts = sorted(x.start for x in r.lags)
+    assert len(starts) % 2 == 1
+    assert section["median"]["start"] == pytest.approx(starts[len(starts) // 2])
+
+
+def test_a_slow_trainer_shows_as_time_lost_while_the_swarm_fills() -> None:
+    """Where the trainer's uplink is what limits (10 Mbit/s against rollouts' 100), a peer
+    could take the payload in a tenth of the bound: the rest is spent waiting for the
+    trainer's chunks (its first ones, shared by every follower, then the others), and the lag
+    says so: it is lost before the first chunk and while the swarm fills, not in the tail."""
+    sc = scenario(
+        peers=20, payload_mb=2.0, uplink_mbps=100.0, downlink_mbps=100.0, trainer_uplink_mbps=10.0
+    )
+    sim, rep = simulate(sc)
+    median = rep["lag_s"][0]["median"]
+    bound = rep["lower_bound_s"][0]
+    assert median["start"] + median["filling"] > 0.8 * bound
+    assert median["filling"] > 0.5 * bound
+    assert 0 < median["tail"] < 0.1 * (median["start"] + median["filling"])
+
+
 def test_runs_of_chunks_survive_adversaries_and_churn() -> None:
     """Every request a run of up to 8 chunks (``request_s`` of a second: any measured source
     gets ``request_bytes``): runs cut short by a peer lacking a chunk, queued behind others,
@@ -444,12 +489,16 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
         "redundant_bytes",
         "bans",
         "false_bans",
+        "lag_s",
     ):
         assert key in rep, key
     assert len(rep["completion_time_s"]["per_version"]) == 2
     assert (out / "completion_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "upload_per_peer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| version |" in (out / "summary.md").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| version |" in summary
+    assert "Where the time went" in summary and summary.count("| 2 |") == 2
+    assert set(rep["lag_s"][1]["median"]) == {"start", "filling", "tail"}
 
 
 def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
