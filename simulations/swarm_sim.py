@@ -256,6 +256,8 @@ class SwarmSim:
         # (forwarder, receiver) -> chunks forwarded, named in the next have news as pushed
         self.promised: dict[tuple[int, int], set[int]] = {}
         self.published_at = 0.0
+        self._unheld: set[int] = set()  # this version's chunks no honest rollout holds yet
+        self.full_at: float | None = None  # when the last of them landed (``Lag``)
 
     # ------------------------------------------------------------ set-up
 
@@ -440,8 +442,7 @@ class SwarmSim:
         rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
         self._remaining = 0
         behind = self._behind()
-        self._unheld = set(range(self._n_chunks(self.artifacts[-1])))
-        self.full_at: float | None = None
+        self._unheld, self.full_at = set(range(self._n_chunks(self.artifacts[-1]))), None
         for p in self.honest:
             p.done_at, p.pushed = None, False
             p.early, p.early_art, p.early_asked = None, None, set()
