@@ -44,7 +44,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from simulations.swarm_sim import HONEST, SwarmSim, VersionResult
+from simulations.swarm_sim import HONEST, Lag, SwarmSim, VersionResult
+
+PHASES = tuple(f.name for f in dataclasses.fields(Lag))  # start, filling, tail
 
 
 def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
@@ -88,13 +90,12 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
 
 def lag_section(r: VersionResult) -> dict[str, Any]:
     """One version's ``lag_s`` (empty phases when no honest peer converged)."""
-    phases = ("start", "filling", "tail")
     lags = r.lags
     if not lags:
         return {"full_s": r.full_s, "median": {}, "last": {}}
     return {
         "full_s": r.full_s,
-        "median": {k: statistics.median(getattr(x, k) for x in lags) for k in phases},
+        "median": {k: statistics.median(getattr(x, k) for x in lags) for k in PHASES},
         "last": dataclasses.asdict(lags[-1]),
     }
 
@@ -182,9 +183,7 @@ def _lag_lines(report: dict[str, Any]) -> list[str]:
     ]
     for i, lag in enumerate(report["lag_s"]):
         cells = [
-            " / ".join(f"{1e3 * part[k]:.0f}" for k in ("start", "filling", "tail"))
-            if part
-            else "-"
+            " / ".join(f"{1e3 * part[k]:.0f}" for k in PHASES) if part else "-"
             for part in (lag["median"], lag["last"])
         ]
         lines.append(f"| {i + 1} | {lag['full_s']:.3f} | {cells[0]} | {cells[1]} |")
