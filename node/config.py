@@ -122,7 +122,6 @@ _ZERO_OK = {
     "download.seed",
     "download.request_bytes",  # 0: one chunk a request
     "download.forward_seed_chunks",  # 0: pass nothing on unasked
-    "download.remembered_peers",  # 0: every download starts cold
     "publish.chunk_size",  # 0: picked from each payload's size
     "publish.seed_uploads",  # 0: download.max_sources
     "publish.push_chunks",  # 0: no chunk behind an announcement

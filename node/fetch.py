@@ -123,10 +123,8 @@ async def fetch_payload(
     """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
     config = config or swarm_config(node)
     listener = _Listener(node, manifest, on_chunk)
-    source = _NodeSource(node, manifest.digest)
     try:
-        await download(manifest, source, node.store, listener, config, node.memory)
+        await download(manifest, _NodeSource(node, manifest.digest), node.store, listener, config)
     finally:
         node.learner.early.close(manifest.digest)  # the feeds it did not follow
-        node.save_memory()  # also when stopped: a restart starts from what this one measured
     node.timeline.note(manifest.digest, "fetched")

@@ -35,11 +35,8 @@ from node.peering import Peering
 from node.reachability import ReachabilityCheck
 from node.timeline import Timeline
 from node.transports import HttpTransport, MemoryTransport
-from p2p_sync.atomic import atomic_write_bytes
-from p2p_sync.errors import PeerMemoryError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.peermemory import PeerMemory
 from p2p_sync.peers import PeerDirectory, PeerEntry, Source
 from p2p_sync.reachability import Verdict
 from p2p_sync.store import AcceptedState, Store
@@ -49,7 +46,6 @@ from p2p_sync.transport.streams import RoutedClient, peer_url
 from p2p_sync.trusted import TrustedSet
 
 log = logging.getLogger("p2psync.node")
-MEMORY_FILE = "peer-memory.json"  # in the data dir: ``Node.save_memory``
 Transport = HttpTransport | MemoryTransport
 
 
@@ -137,7 +133,6 @@ class Node:
         self.learner = Learner(self)
         self.reach = ReachabilityCheck(self)
         self.view = self.view_class(self)
-        self.memory = self._load_memory()  # what its downloads measured of its peers
         self._check_store()
 
     def _check_store(self) -> None:
@@ -146,28 +141,6 @@ class Node:
         self.metrics.version.set(self.accepted_version if self.store.state else -1)
         for digest, why in self.store.drop_refused(self.trusted.admit_stored):
             log.warning("dropped stored manifest %s: %s", digest[:16], why)
-
-    def _load_memory(self) -> PeerMemory:
-        """The peer memory the last run left in the data dir (``p2p_sync.peermemory``): a
-        restarted node's first download starts from it. Unreadable: logged, started cold."""
-        limit, path = self.cfg.download.remembered_peers, self.store.root / MEMORY_FILE
-        try:
-            return PeerMemory.loads(path.read_bytes(), limit) if limit else PeerMemory(0)
-        except FileNotFoundError:
-            return PeerMemory(limit)
-        except (OSError, PeerMemoryError) as e:
-            log.warning("%s: %s; starting without it", path, e)
-            return PeerMemory(limit)
-
-    def save_memory(self) -> None:
-        """Write the peer memory to the data dir (after each download: a few KiB, not
-        fsynced; a file torn by a power loss is a cold start, nothing else)."""
-        if not self.memory.limit:
-            return
-        try:
-            atomic_write_bytes(self.store.root / MEMORY_FILE, self.memory.dumps(), durable=False)
-        except OSError as e:  # a full disk: the store's own writes will say so
-            log.warning("peer memory not saved: %s", e)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -173,11 +173,6 @@ class StoreFormatError(StoreError):
     version 0, which its peers refuse as a rollback. It is refused whole instead."""
 
 
-class PeerMemoryError(StoreError):
-    """The data dir's peer-memory file is not one this node wrote (truncated, edited, another
-    format): a hint only, so the node logs it and starts without (``p2p_sync.peermemory``)."""
-
-
 class KeyFileError(P2PSyncError):
     """A key file or key text is missing, malformed or not Ed25519."""
 

@@ -64,9 +64,6 @@ Policy:
 * endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
   ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
 * per-peer score: an EWMA of measured throughput, divided by (1 + failures);
-* a download starts from what the node's earlier ones measured (``known``, ``chunk_time``:
-  :class:`p2p_sync.peermemory.PeerMemory`): each peer's round trip and rate, so its depth,
-  and the typical chunk time, so its time-outs; measuring goes on from there;
 * a peer whose chunk fails its hash is banned at once (only the peer that served it: the
   scheduler knows exactly who sent which bytes). Timeouts and errors only lower a peer's score
   (and an error drops the chunk from its claimed have-map): a slow honest peer that is the
@@ -86,7 +83,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from p2p_sync.pushes import PushWait
@@ -97,7 +94,7 @@ from p2p_sync.pushes import PushWait
 @dataclass(frozen=True)
 class SwarmConfig:
     """Every limit of one download (``[download]`` in a node's config; a simulation scenario
-    embeds the same table): the scheduler's, and its driver's (marked "driver")."""
+    embeds the same table): the scheduler's, and its driver's (the last five)."""
 
     # Requests in flight per source follow its bandwidth-delay product (delivery rate x round
     # trip / chunk size, plus one), within these bounds; before the first measurement a source
@@ -132,10 +129,6 @@ class SwarmConfig:
     max_sources: int = 32
     have_failures: int = 3  # driver: have-map errors in a row before a peer counts as lost
     max_attempts: int = 3  # driver: downloads of one payload when stored chunks rot on disk
-    # driver: peers whose rate and round trip the node keeps for its next download (a new
-    # version, a restart), least recently measured dropped first (0: each starts cold;
-    # ``p2p_sync.peermemory``)
-    remembered_peers: int = 256
     # driver: each chunk a seed handed us (its offer), pushed unasked to this many of the peers
     # following our have-map (0: none). Pull costs a relay hop three latencies (have-map news,
     # request, bytes); the seed hands each chunk to one rollout first, so its first hop from
@@ -303,10 +296,6 @@ class Scheduler:
     config: SwarmConfig = field(default_factory=SwarmConfig)
     have: Iterable[int] = ()
     chunk_bytes: int = 0  # the manifest's chunk size (0: unknown, one chunk a request)
-    # what earlier downloads measured (``PeerMemory.recall``): each peer's rate and round
-    # trip, and the typical chunk time of chunks this size (None: not measured)
-    known: Mapping[str, PeerStats] = field(default_factory=dict)
-    chunk_time: float | None = None
 
     def __post_init__(self) -> None:
         self.missing: set[int] = set(range(self.n_chunks)) - set(self.have)
@@ -318,13 +307,13 @@ class Scheduler:
         self._unordered = False  # a request started before an older one: times went back
         self.peer_inflight: dict[str, set[int]] = {}
         self.banned: set[str] = set()
-        self.stats = {p: PeerStats(st.throughput, rtt=st.rtt) for p, st in self.known.items()}
+        self.stats: dict[str, PeerStats] = {}
         self.busy_until: dict[str, float] = {}
         self.owed: set[str] = set()  # peers whose uplink few others can use (PeerHad.owed)
         self._n_inflight = 0
         c = self.config
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
-        self._chunk_time = self.chunk_time  # EWMA of request-to-verified seconds
+        self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._chunk_bytes = float(self.chunk_bytes or 1)  # mean size of those verified
         self._depths: dict[str, tuple[int, int]] = {}  # (depth, run), until inputs move
         self._open: set[str] = set()  # peers with fewer requests in flight than their depth
@@ -347,11 +336,6 @@ class Scheduler:
 
     def requests_in_flight(self) -> int:
         return self._n_inflight
-
-    @property
-    def typical_chunk_time(self) -> float | None:
-        """Request to verified, seconds (EWMA; None until measured): what time-outs follow."""
-        return self._chunk_time
 
     def next_timer(self, now: float) -> float | None:
         """When the scheduler next needs a :class:`TimerFired`: the oldest request's timeout,
@@ -481,6 +465,8 @@ class Scheduler:
         ct = self._chunk_time
         self._chunk_time = took if ct is None else a * took + (1 - a) * ct
         rate = ev.nbytes / max(now - max(started, stats.last_delivery), 1e-6)
+        # the first measured rate is taken whole, even after chunks that came unasked (pushed:
+        # verified, but no request to time), else the EWMA started from nothing
         stats.throughput = a * rate + (1 - a) * stats.throughput if stats.throughput else rate
         stats.last_delivery = now
         self._samples += 1

@@ -157,8 +157,9 @@ def check(s: Scenario) -> Scenario:
     if s.push_tree and s.nat_fraction > 0:
         raise _bad("push_tree", "push trees are not modelled behind NAT yet (nat_fraction > 0)")
     try:
-        zero_ok = {"seed", "request_bytes", "forward_seed_chunks", "remembered_peers"}
-        check_numbers("download", s.download, frozenset(zero_ok))
+        check_numbers(
+            "download", s.download, frozenset({"seed", "request_bytes", "forward_seed_chunks"})
+        )
     except ValueError as exc:
         raise ScenarioError(f"scenario: {exc}") from None
     return s

@@ -81,7 +81,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from p2p_sync.peermemory import PeerMemory
 from p2p_sync.seeding import SuperSeeder, chunks_behind
 from p2p_sync.swarm import (
     CancelRequest,
@@ -169,7 +168,6 @@ class Peer:
     first_at: float | None = None
     got_bytes: float = 0.0
     got_at_full: float = 0.0
-    memory: PeerMemory = field(default_factory=PeerMemory)  # what its downloads measured
 
 
 @dataclass(frozen=True)
@@ -296,7 +294,6 @@ class SwarmSim:
                 nat=nat[i],
                 punchable=punch[i],
                 state=state0,
-                memory=PeerMemory(sc.download.remembered_peers),
             )
             for i in range(n)
         ]
@@ -643,7 +640,7 @@ class SwarmSim:
         have = p.have.setdefault(art.ident, set())
         seed = self.sc.seed * 1_000_003 + p.idx * 1009 + art.version
         config = self.sc.swarm_config(seed)
-        p.sched = p.memory.scheduler(self._n_chunks(art), config, have, self.sc.chunk_bytes)
+        p.sched = Scheduler(self._n_chunks(art), config, have, self.sc.chunk_bytes)
         p.timer_at = None
         self._feed(p, TimerFired())
         if p.pushing and art is self.artifacts[-1]:  # behind the announcement: not asked
@@ -705,9 +702,8 @@ class SwarmSim:
         self._arm(p)
 
     def _completed(self, p: Peer) -> None:
-        assert p.artifact is not None and p.sched is not None
+        assert p.artifact is not None
         p.state = p.state.after(p.artifact)  # the real planner's rule: only onto its base
-        p.memory.learn(p.sched)
         self._drop_download(p)
         self._start_download(p)  # next step of the plan, or done
 
@@ -1162,8 +1158,6 @@ class SwarmSim:
         if not p.online:
             return
         p.online, p.silent_crash = False, silent
-        if not silent and p.sched is not None:  # an exit: the download's measurements kept
-            p.memory.learn(p.sched)
         self._drop_download(p)
         for r_idx, run in p.slots.clear():  # queued requests die with it
             r = self.peers[r_idx]

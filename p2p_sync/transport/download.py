@@ -29,7 +29,6 @@ from p2p_sync.chunks import verify_chunk
 from p2p_sync.errors import ChunkError, DownloadStalledError, PeerBusyError, PeerError, StoreError
 from p2p_sync.havelog import LOG_ID
 from p2p_sync.manifest import Manifest
-from p2p_sync.peermemory import PeerMemory
 from p2p_sync.swarm import (
     Action,
     CancelRequest,
@@ -257,15 +256,10 @@ class Download:
         sink: ChunkSink,
         listener: DownloadListener,
         config: SwarmConfig,
-        memory: PeerMemory | None = None,
     ) -> None:
         self.m, self.source, self.sink, self.listener = m, source, sink, listener
-        self.config, self.memory = config, memory
-        have = sink.have_indices(m)
-        if memory is None:
-            self.sched = Scheduler(len(m.chunks), config, have, m.chunk_size)
-        else:  # starts from what the node's earlier downloads measured
-            self.sched = memory.scheduler(len(m.chunks), config, have, m.chunk_size)
+        self.config = config
+        self.sched = Scheduler(len(m.chunks), config, sink.have_indices(m), m.chunk_size)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         # every request in flight, by (peer, chunk): a run of chunks asked at once shares a task
         self.requests: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -491,8 +485,6 @@ class Download:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-            if self.memory is not None:  # finished, stalled or stopped: measured all the same
-                self.memory.learn(self.sched)
         if self.stalled is not None:
             raise DownloadStalledError(
                 f"{self.m.digest[:16]} v{self.m.version}: {len(self.stalled)} chunk(s) with no "
@@ -508,13 +500,10 @@ async def download(
     sink: ChunkSink,
     listener: DownloadListener,
     config: SwarmConfig,
-    memory: PeerMemory | None = None,
 ) -> None:
-    """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified.
-    ``memory``: what earlier downloads measured of the peers; this one starts from it and
-    leaves what it measured there."""
+    """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified."""
     for _attempt in range(config.max_attempts):
-        await Download(m, source, sink, listener, config, memory).run()
+        await Download(m, source, sink, listener, config).run()
         if await asyncio.to_thread(sink.verify_pack, m):
             return
         # a stored chunk vanished or rotted on disk: fetch what is missing again
