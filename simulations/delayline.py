@@ -22,6 +22,12 @@ of the deque is due; it never sends a frame early. It runs at nice -10 (``set_ni
 
 It prints ``ready`` on stdout once every port is bound, runs until SIGTERM or SIGINT, and then
 prints its counters on stderr. Needs CAP_NET_RAW in the namespace that holds the ports.
+
+Outages (``--cut NAME``, any number): SIGUSR1 cuts those ports' hosts off and SIGUSR2 joins them
+again. While cut, a frame from or to such a port is dropped (counted ``cut``), also one that
+was in flight when the cut began and falls due during it: a Wi-Fi or home-line blip as the
+hosts see it (silence, no reset; TCP retransmits into it), whose time the emulation driver
+picks (``simulations.emulated``, ``--outage-s``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Counters:
     drops: int = 0  # sends refused by a full port queue
     truncated: int = 0  # frames larger than MAX_FRAME (dropped)
     rx_dropped: int = 0  # frames the kernel dropped because our receive buffer was full
+    cut: int = 0  # frames (and flooded copies) dropped at a port that was cut off
     wakeups: int = 0  # turns of the event loop
 
     def line(self) -> str:
@@ -119,11 +126,13 @@ class DelayLine:
     socks: list[socket.socket]
     delay_s: float
     counters: Counters = field(default_factory=Counters)
+    cuttable: frozenset[str] = frozenset()  # ports ``cut_off`` cuts (``--cut``)
 
     def __post_init__(self) -> None:
         self.table = {p.mac: s for p, s in zip(self.ports, self.socks, strict=True)}
         self.flood = {s.fileno(): tuple(o for o in self.socks if o is not s) for s in self.socks}
         self.by_fd = {s.fileno(): s for s in self.socks}
+        self.cut: frozenset[socket.socket] = frozenset()  # ports cut off now
         # (due time, out sockets, frame); due times never decrease, so the head is next
         self.queue: collections.deque[tuple[float, tuple[socket.socket, ...], bytes]] = (
             collections.deque()
@@ -153,6 +162,9 @@ class DelayLine:
             if len(frame) > MAX_FRAME:
                 c.truncated += 1
                 continue
+            if sock in self.cut:
+                c.cut += 1
+                continue
             c.frames += 1
             c.bytes += len(frame) - VNET_HDR_LEN
             self.queue.append((clock() + delay, self.route(sock, frame), frame))
@@ -163,6 +175,9 @@ class DelayLine:
         while queue and queue[0][0] <= now:
             _, outs, frame = queue.popleft()
             for sock in outs:
+                if sock in self.cut:
+                    c.cut += 1
+                    continue
                 try:
                     sock.send(frame)
                     c.sent += 1
@@ -175,17 +190,34 @@ class DelayLine:
         """Seconds until the head is due (None: nothing queued, wait for frames)."""
         return max(0.0, self.queue[0][0] - now) if self.queue else None
 
+    def cut_off(self, on: bool) -> None:
+        """Cut the ``cuttable`` ports' hosts off (``on``), or join them again."""
+        self.cut = frozenset(
+            s for p, s in zip(self.ports, self.socks, strict=True) if on and p.name in self.cuttable
+        )
+
+    def signalled(self, signums: bytes) -> bool:
+        """Act on the signals ``signal.set_wakeup_fd`` wrote: whether to stop."""
+        for signum in signums:
+            if signum in (signal.SIGUSR1, signal.SIGUSR2):
+                self.cut_off(signum == signal.SIGUSR1)
+            else:
+                return True  # SIGTERM, SIGINT
+        return False
+
     def run(self, wake: socket.socket) -> None:
-        """Forward until ``wake`` turns readable (a signal arrived)."""
+        """Forward until SIGTERM or SIGINT reaches ``wake``; SIGUSR1 / SIGUSR2 cut the
+        ``cuttable`` ports off and join them again."""
         with select.epoll() as poller:
             for fd in [*self.by_fd, wake.fileno()]:
                 poller.register(fd, select.EPOLLIN)
             while True:
                 self.counters.wakeups += 1
                 for fd, _ in wait(poller, self.timeout(time.monotonic())):
-                    if fd == wake.fileno():
+                    if fd != wake.fileno():
+                        self.receive(self.by_fd[fd])
+                    elif self.signalled(wake.recv(64)):
                         return
-                    self.receive(self.by_fd[fd])
                 self.flush(time.monotonic())
 
     def stats(self) -> Counters:
@@ -204,13 +236,13 @@ def wait(poller: select.epoll, timeout: float | None) -> list[tuple[int, int]]:
 
 
 def stop_on_signals() -> tuple[socket.socket, socket.socket]:
-    """A socket pair whose first end turns readable on SIGTERM or SIGINT
-    (``signal.set_wakeup_fd``); keep both open while it matters."""
+    """A socket pair whose first end turns readable on SIGTERM, SIGINT, SIGUSR1 or SIGUSR2,
+    each writing its number (``signal.set_wakeup_fd``); keep both open while it matters."""
     rd, wr = socket.socketpair()
     for s in (rd, wr):
         s.setblocking(False)
     signal.set_wakeup_fd(wr.fileno(), warn_on_full_buffer=False)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda *_: None)  # the C handler writes to wr; nothing else to do
     return rd, wr
 
@@ -233,7 +265,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--delay-ms", type=float, required=True, help="one-way delay, >= 0")
     ap.add_argument("--port", type=parse_port, action="append", required=True, metavar="NAME=MAC")
     ap.add_argument("--nice", type=int, default=-10, help="scheduling priority (default -10)")
+    ap.add_argument(
+        "--cut", action="append", default=[], metavar="NAME", help="a port SIGUSR1 cuts off"
+    )
     args = ap.parse_args(argv)
+    unknown = set(args.cut) - {p.name for p in args.port}
+    if unknown:
+        ap.error(f"--cut: no port {sorted(unknown)[0]}")
     if not 0 <= args.delay_ms <= 60_000:
         ap.error(f"--delay-ms must be within 0..60000, not {args.delay_ms:g}")
     if len({p.name for p in args.port}) != len(args.port):
@@ -252,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"delayline: error: port {port.name}: {exc.strerror}", file=sys.stderr)
         return 1
-    line = DelayLine(args.port, socks, args.delay_ms / 1000)
+    line = DelayLine(args.port, socks, args.delay_ms / 1000, cuttable=frozenset(args.cut))
     print("ready", flush=True)
     try:
         line.run(wake)

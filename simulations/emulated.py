@@ -98,6 +98,11 @@ class EmulationConfig:
     trainer_nat: int = 0
     node_args: tuple[str, ...] = ()  # more flags for every node
     seed: int = 0
+    # An outage in every version: the last rollout's host is cut off the network (every frame
+    # from or to it lost, silently: a Wi-Fi or home-line blip; the node keeps running) for
+    # ``outage_s``, ``outage_after_s`` after the trainer published (0: none). Needs delay_ms.
+    outage_s: float = 0.0
+    outage_after_s: float = 0.5
 
     @property
     def payload_bytes(self) -> int:
@@ -128,6 +133,12 @@ class EmulationConfig:
             raise ValueError(f"nat has {len(self.nat)} entries for {self.rollouts} rollouts")
         if (any(self.nat) or self.trainer_nat) and not self.bootstrap:
             raise ValueError("rollouts behind NAT serve over libp2p: they need the bootstrap")
+        if self.outage_s < 0 or self.outage_after_s < 0:
+            raise ValueError("outage_s and outage_after_s must be >= 0")
+        if self.outage_s and not (self.delay_ms and not self.nat_of(self.rollouts - 1)):
+            raise ValueError(
+                "an outage needs delay_ms > 0 (the delay line) and a public last rollout"
+            )
 
     def link(self) -> LinkShape:
         return LinkShape(self.mbps, None, self.burst_bytes, self.latency_ms)
@@ -135,7 +146,10 @@ class EmulationConfig:
     def topology(self) -> TopologyConfig:
         """The trainer and the bootstrap public, each rollout where ``nat`` puts it."""
         nat = (self.trainer_nat, 0, *self.nat) if any(self.nat) or self.trainer_nat else ()
-        return TopologyConfig(self.hosts, self.link(), delay_ms=self.delay_ms, nat=nat)
+        cut = (self.hosts - 1,) if self.outage_s else ()
+        return TopologyConfig(
+            self.hosts, self.link(), delay_ms=self.delay_ms, nat=nat, cut_hosts=cut
+        )
 
 
 @dataclass(frozen=True)
@@ -151,6 +165,9 @@ class VersionResult:
     rollouts_down: int  # sum of rollouts' chunk download during this version
     relayed: int = 0  # bytes that public nodes relayed (circuit relay v2) during this version
     steps: dict[str, float] = field(default_factory=dict)  # STEPS: median rollout's seconds
+    # with an outage: (cut, joined again, the cut rollout had the version, the last of the
+    # others had it), seconds after the trainer published
+    outage: tuple[float, float, float, float] | None = None
 
     @property
     def ratio(self) -> float:
@@ -421,10 +438,19 @@ def _one_version(
     relayed0 = _relayed(relays)
     seen, reached = _arrivals(swarm, [trainer, *rollouts], v)
     t0 = time.monotonic()
-    swarm.publish(weights)
-    wait_for(reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s)
+    cut: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        if cfg.outage_s:
+            outage = pool.submit(_outage, topo, seen, trainer.name, cfg, cut)
+        swarm.publish(weights)
+        wait_for(reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s)
+        if cfg.outage_s:
+            outage.result(timeout=cfg.version_timeout_s)  # its errors are the run's
     done = max(seen.values())
     payload = _payload_of(trainer, v)
+    published, last = seen[trainer.name], rollouts[-1].name
+    others = max(t for name, t in seen.items() if name != last)
+    after = [t - published for t in (*cut, seen[last], others)]
     return VersionResult(
         version=v,
         payload=payload,
@@ -435,7 +461,29 @@ def _one_version(
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
         relayed=_relayed(relays) - relayed0,
         steps=_steps(trainer, rollouts, v),
+        outage=(after[0], after[1], after[2], after[3]) if cut else None,
     )
+
+
+def _outage(
+    topo: Topology, seen: dict[str, float], trainer: str, cfg: EmulationConfig, cut: list[float]
+) -> None:
+    """Cut the last rollout off ``outage_after_s`` after the trainer showed the version
+    (``seen``, polled by the caller), for ``outage_s``; note both moments in ``cut``. Bounded
+    by the version's timeout; a version every rollout had first is a failed run."""
+    deadline = time.monotonic() + cfg.version_timeout_s
+    while trainer not in seen:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the trainer did not publish within {cfg.version_timeout_s:g} s")
+        time.sleep(cfg.poll_s / 2)
+    time.sleep(max(0.0, seen[trainer] + cfg.outage_after_s - time.monotonic()))
+    topo.cut_off(True)
+    cut.append(time.monotonic())
+    try:
+        time.sleep(cfg.outage_s)
+    finally:
+        topo.cut_off(False)
+        cut.append(time.monotonic())
 
 
 def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
@@ -574,6 +622,14 @@ def table(result: EmulationResult) -> str:
     for r in result.versions:
         cells = [f"{r.steps[n] * 1000:.0f}" if n in r.steps else "-" for n in names]
         lines.append("  ".join(f"{x:>10}" for x in [f"v{r.version}", *cells]))
+    for r in result.versions:
+        if r.outage is not None:
+            a, b, got, others = r.outage
+            lines.append(
+                f"v{r.version} outage: the last rollout cut off {a:.2f}-{b:.2f} s after publish, "
+                f"had the version at {got:.2f} s ({got / r.lower_bound_s:.2f}x the bound); "
+                f"the other rollouts by {others:.2f} s ({others / r.lower_bound_s:.2f}x)"
+            )
     lines.extend(uploads(result) if result.rollouts else [])
     if result.delay_line is not None:
         lines.append(result.delay_line)
@@ -625,6 +681,18 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="every node's TCP congestion control (--tcp-congestion; default: the host's)",
     )
+    ap.add_argument(
+        "--outage-s",
+        type=float,
+        default=d.outage_s,
+        help="cut the last rollout off the network this long in every version (needs --delay-ms)",
+    )
+    ap.add_argument(
+        "--outage-after-s",
+        type=float,
+        default=d.outage_after_s,
+        help="seconds after the trainer published that the outage begins",
+    )
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
     return ap.parse_args(argv)
 
@@ -646,7 +714,14 @@ def main(argv: list[str] | None = None) -> int:
         punch_wait_s=args.punch_wait,
         trainer_nat=args.trainer_nat,
         node_args=("--tcp-congestion", args.tcp_congestion) if args.tcp_congestion else (),
+        outage_s=args.outage_s,
+        outage_after_s=args.outage_after_s,
     )
+    try:
+        cfg.check()
+    except ValueError as exc:
+        print(f"emulated: error: {exc}", file=sys.stderr)
+        return 2
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         result = run(cfg, args.keep)

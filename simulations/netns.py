@@ -122,6 +122,8 @@ class TopologyConfig:
     # nat[i]: host i's NAT group; 0: public, k in 1..255: behind NAT router k (192.168.k.0/24),
     # shared by every host of group k. Hosts beyond len(nat) are public.
     nat: tuple[int, ...] = ()
+    # hosts (public ones, behind the delay line) that ``Topology.cut_off`` cuts off: an outage
+    cut_hosts: tuple[int, ...] = ()
 
     def shape_of(self, index: int) -> LinkShape:
         return self.shapes[index] if index < len(self.shapes) else self.shape
@@ -477,6 +479,9 @@ class Topology:
         ]
         if not 0 <= self.cfg.delay_ms <= 60_000:
             raise ValueError(f"delay_ms must be within 0..60000, not {self.cfg.delay_ms}")
+        for i in self.cfg.cut_hosts:  # the delay line holds their ports
+            if not (self.cfg.delay_ms and 0 <= i < self.cfg.hosts and not self.cfg.nat_of(i)):
+                raise ValueError(f"cut_hosts: host {i} is not a public host behind a delay line")
         self.delay_line: subprocess.Popen[bytes] | None = None
         # (exit status, stderr: its counters) of the delay line once stopped
         self.delay_line_exit: tuple[int, str] | None = None
@@ -555,6 +560,7 @@ class Topology:
     def _delay_line_argv(self) -> list[str]:
         ports = [arg for h in self.hosts if not h.nat for arg in ("--port", f"b{h.index}={h.mac}")]
         ports += [arg for r in self.routers.values() for arg in ("--port", f"{r.port}={r.mac}")]
+        ports += [arg for i in self.cfg.cut_hosts for arg in ("--cut", f"b{i}")]
         return [
             *_exec_prefix(self.switch),
             sys.executable,
@@ -564,6 +570,13 @@ class Topology:
             repr(float(self.cfg.delay_ms)),
             *ports,
         ]
+
+    def cut_off(self, on: bool) -> None:
+        """Cut the ``cut_hosts`` off the network (``on``: every frame from or to them is
+        lost, silently) or join them again (the delay line's SIGUSR1 / SIGUSR2)."""
+        if self.delay_line is None or self.delay_line.poll() is not None:
+            raise NetnsError("no delay line runs: an outage needs delay_ms > 0")
+        self.delay_line.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
 
     def _veth(self, ns: str, dev: str, mac: str, peer_ns: str, peer: str) -> None:
         """A veth pair, both ends created directly inside their namespaces: never in the root

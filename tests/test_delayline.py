@@ -8,6 +8,7 @@ delay over real namespaces is checked in ``tests/test_emulated.py``.
 from __future__ import annotations
 
 import errno
+import signal
 import socket
 import subprocess
 import sys
@@ -122,6 +123,46 @@ def test_a_port_that_went_away_drops_its_frames_without_stopping_the_line(wired)
     line.flush(time.monotonic())
     assert received(hosts[1]) == [sent]
     assert (line.counters.sent, line.counters.drops) == (1, 1)
+
+
+def test_a_cut_port_loses_every_frame_both_ways_until_joined_again(wired) -> None:
+    """SIGUSR1 cuts b1's host off: what it sends, what is sent to it, and what was on its way
+    to it when the cut began are dropped; SIGUSR2 joins it again. Other ports carry on."""
+    line, hosts = wired
+    line.cuttable = frozenset({"b1"})
+    to_1, from_1, to_2 = frame(MACS[1], MACS[0]), frame(MACS[0], MACS[1]), frame(MACS[2], MACS[0])
+    hosts[0].send(to_1)
+    line.receive(line.socks[0])  # on its way when the cut begins
+    assert not line.signalled(bytes([signal.SIGUSR1]))
+    hosts[0].send(to_1)
+    hosts[0].send(to_2)
+    hosts[1].send(from_1)
+    hosts[1].send(frame(b"\xff" * 6, MACS[1]))  # a broadcast from the cut host
+    line.receive(line.socks[0])
+    line.receive(line.socks[1])
+    line.flush(time.monotonic() + 1)
+    assert [received(h) for h in hosts] == [[], [], [to_2]]
+    assert line.counters.cut == 4 and line.counters.drops == 0
+    assert not line.signalled(bytes([signal.SIGUSR2]))
+    hosts[0].send(to_1)
+    hosts[1].send(from_1)
+    line.receive(line.socks[0])
+    line.receive(line.socks[1])
+    line.flush(time.monotonic() + 1)
+    assert [received(h) for h in hosts] == [[from_1], [to_1], []]
+    assert line.signalled(bytes([signal.SIGUSR1, signal.SIGTERM]))  # cut, then told to stop
+
+
+def test_cutting_a_port_it_does_not_have_is_a_usage_error() -> None:
+    argv = ["--delay-ms", "20", "--port", "b0=02:00:00:00:00:01", "--cut", "b7"]
+    done = subprocess.run(
+        [sys.executable, "-m", "simulations.delayline", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done
+    assert done.stderr.strip().splitlines()[-1].endswith("error: --cut: no port b7")
 
 
 @pytest.mark.parametrize(

@@ -82,6 +82,33 @@ def test_swarm_in_namespaces_converges_within_bounds(own_prefix: str, tmp_path: 
     assert leftovers(own_prefix) == []
 
 
+def test_a_rollout_cut_off_mid_version_catches_up_once_joined_again(
+    own_prefix: str, tmp_path: Path
+) -> None:
+    """The last rollout loses its network (every frame lost, its node running on) 0.3 s into
+    a version whose bound is ~1.6 s, for 0.6 s: it cannot have the version before it is
+    joined again, and has it after; the others are not held up by it."""
+    cfg = replace(
+        SWARM, hosts=3, mbps=20.0, versions=1, delay_ms=5.0, outage_s=0.6, outage_after_s=0.3
+    )
+    with Topology(cfg.topology()) as topo:
+        result = run_in(topo, tmp_path, cfg)
+        topo.destroy()  # stops the delay line: its counters
+        counters = (topo.delay_line_exit or (None, ""))[1]
+    print(table(result), counters)
+    assert result.converged
+    (v,) = result.versions
+    assert v.outage is not None, v
+    cut, joined, got, others = v.outage
+    assert 0.3 <= cut and joined - cut >= 0.6, v.outage
+    assert got > joined, v.outage  # nothing comes through a cut link
+    assert others < got, v.outage
+    cut_frames = int(counters.split(" cut=")[1].split()[0])
+    assert cut_frames > 0, counters
+    assert f"v0 outage: the last rollout cut off {cut:.2f}-{joined:.2f} s" in table(result)
+    assert leftovers(own_prefix) == []
+
+
 def test_failure_inside_still_deletes_namespaces_and_kills_processes(own_prefix: str) -> None:
     with pytest.raises(RuntimeError, match="forced"):
         with Topology(TopologyConfig(hosts=3)) as topo:
@@ -251,6 +278,12 @@ def test_the_nat_layout_keeps_trainer_and_bootstrap_public() -> None:
         (EmulationConfig(hosts=3, nat=(0, 1)), "need the bootstrap"),
         (EmulationConfig(hosts=4, bootstrap=True, nat=(0, 1, 1)), "3 entries for 2 rollouts"),
         (EmulationConfig(hosts=2, bootstrap=True), "no rollout"),
+        (EmulationConfig(outage_s=0.5), "an outage needs delay_ms > 0"),
+        (
+            EmulationConfig(hosts=5, nat=(0, 0, 1), bootstrap=True, outage_s=1.0, delay_ms=5.0),
+            "public last rollout",
+        ),
+        (EmulationConfig(delay_ms=5.0, outage_s=1.0, outage_after_s=-1.0), "must be >= 0"),
     ],
 )
 def test_a_run_that_cannot_be_built_is_refused_naming_why(
