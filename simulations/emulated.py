@@ -39,6 +39,13 @@ one is seen, so the later versions show the swarm as long-running volunteers hav
 
     python -m simulations.emulated --nat 1,2 --mbps 40 --payload-mb 4 --punch-wait 20
 
+Outages: ``--outage-s 0.4 --outage-after-s 0.5`` cuts the last rollout off the network for 0.4 s,
+0.5 s into every version (the delay line drops every frame from or to it, so it needs
+``--delay-ms``); its node runs on, as through a Wi-Fi or home-line blip. The report says when it
+had each version against the other rollouts, to set beside the simulator's churn::
+
+    python -m simulations.emulated --mbps 25 --payload-mb 5 --delay-ms 20 --outage-s 0.4
+
 Needs root and iproute2 (see ``simulations.netns``).
 """
 
