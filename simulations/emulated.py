@@ -56,6 +56,7 @@ import concurrent.futures
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,6 +161,16 @@ class EmulationConfig:
 
 
 @dataclass(frozen=True)
+class Outage:
+    """One version's outage, in seconds after the trainer published."""
+
+    cut_s: float  # the last rollout cut off
+    joined_s: float  # and joined again
+    got_s: float  # it had the version
+    others_s: float  # the last of the other rollouts had it
+
+
+@dataclass(frozen=True)
 class VersionResult:
     """Figures of one version (times in seconds, sizes in bytes)."""
 
@@ -172,9 +183,7 @@ class VersionResult:
     rollouts_down: int  # sum of rollouts' chunk download during this version
     relayed: int = 0  # bytes that public nodes relayed (circuit relay v2) during this version
     steps: dict[str, float] = field(default_factory=dict)  # STEPS: median rollout's seconds
-    # with an outage: (cut, joined again, the cut rollout had the version, the last of the
-    # others had it), seconds after the trainer published
-    outage: tuple[float, float, float, float] | None = None
+    outage: Outage | None = None  # the last rollout's (``EmulationConfig.outage_s``)
 
     @property
     def ratio(self) -> float:
@@ -447,17 +456,20 @@ def _one_version(
     t0 = time.monotonic()
     cut: list[float] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stop = threading.Event()
         if cfg.outage_s:
-            outage = pool.submit(_outage, topo, seen, trainer.name, cfg, cut)
-        swarm.publish(weights)
-        wait_for(reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s)
+            outage = pool.submit(_outage, topo, seen, trainer.name, cfg, (stop, cut))
+        try:
+            swarm.publish(weights)
+            wait_for(
+                reached, cfg.version_timeout_s, f"every rollout to reach v{v}", step=cfg.poll_s
+            )
+        finally:
+            stop.set()  # a run failing before the outage began: none begins
         if cfg.outage_s:
-            outage.result(timeout=cfg.version_timeout_s)  # its errors are the run's
+            outage.result()  # its errors are the run's
     done = max(seen.values())
     payload = _payload_of(trainer, v)
-    published, last = seen[trainer.name], rollouts[-1].name
-    others = max(t for name, t in seen.items() if name != last)
-    after = [t - published for t in (*cut, seen[last], others)]
     return VersionResult(
         version=v,
         payload=payload,
@@ -468,22 +480,26 @@ def _one_version(
         rollouts_down=sum(_counters(rollouts, "bytes_downloaded")) - sum(down0),
         relayed=_relayed(relays) - relayed0,
         steps=_steps(trainer, rollouts, v),
-        outage=(after[0], after[1], after[2], after[3]) if cut else None,
+        outage=_outcome(seen, trainer.name, rollouts[-1].name, cut) if cut else None,
     )
 
 
 def _outage(
-    topo: Topology, seen: dict[str, float], trainer: str, cfg: EmulationConfig, cut: list[float]
+    topo: Topology,
+    seen: dict[str, float],
+    trainer: str,
+    cfg: EmulationConfig,
+    stop_cut: tuple[threading.Event, list[float]],
 ) -> None:
     """Cut the last rollout off ``outage_after_s`` after the trainer showed the version
-    (``seen``, polled by the caller), for ``outage_s``; note both moments in ``cut``. Bounded
-    by the version's timeout; a version every rollout had first is a failed run."""
-    deadline = time.monotonic() + cfg.version_timeout_s
+    (``seen``, polled by the caller), for ``outage_s``, noting both moments; none if
+    ``stop`` is set first (the version ended or failed)."""
+    stop, cut = stop_cut
     while trainer not in seen:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the trainer did not publish within {cfg.version_timeout_s:g} s")
-        time.sleep(cfg.poll_s / 2)
-    time.sleep(max(0.0, seen[trainer] + cfg.outage_after_s - time.monotonic()))
+        if stop.wait(cfg.poll_s / 2):
+            return
+    if stop.wait(max(0.0, seen[trainer] + cfg.outage_after_s - time.monotonic())):
+        return
     topo.cut_off(True)
     cut.append(time.monotonic())
     try:
@@ -491,6 +507,13 @@ def _outage(
     finally:
         topo.cut_off(False)
         cut.append(time.monotonic())
+
+
+def _outcome(seen: dict[str, float], trainer: str, last: str, cut: list[float]) -> Outage:
+    """The outage's moments and who had the version when, after the trainer published."""
+    t0 = seen[trainer]
+    others = max((t for name, t in seen.items() if name not in (trainer, last)), default=t0)
+    return Outage(cut[0] - t0, cut[1] - t0, seen[last] - t0, others - t0)
 
 
 def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
@@ -630,12 +653,12 @@ def table(result: EmulationResult) -> str:
         cells = [f"{r.steps[n] * 1000:.0f}" if n in r.steps else "-" for n in names]
         lines.append("  ".join(f"{x:>10}" for x in [f"v{r.version}", *cells]))
     for r in result.versions:
-        if r.outage is not None:
-            a, b, got, others = r.outage
+        if (o := r.outage) is not None:
+            bound = r.lower_bound_s
             lines.append(
-                f"v{r.version} outage: the last rollout cut off {a:.2f}-{b:.2f} s after publish, "
-                f"had the version at {got:.2f} s ({got / r.lower_bound_s:.2f}x the bound); "
-                f"the other rollouts by {others:.2f} s ({others / r.lower_bound_s:.2f}x)"
+                f"v{r.version} outage: the last rollout cut off {o.cut_s:.2f}-{o.joined_s:.2f} s "
+                f"after publish, had the version at {o.got_s:.2f} s ({o.got_s / bound:.2f}x the "
+                f"bound); the other rollouts by {o.others_s:.2f} s ({o.others_s / bound:.2f}x)"
             )
     lines.extend(uploads(result) if result.rollouts else [])
     if result.delay_line is not None:
