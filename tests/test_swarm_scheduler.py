@@ -288,18 +288,6 @@ def test_an_unmeasured_source_gets_the_initial_depth_within_the_bounds() -> None
     assert len(actions) == 3
 
 
-def test_a_chunk_that_came_unasked_does_not_halve_the_first_measured_rate() -> None:
-    """A pushed or forwarded chunk is verified with no request to time; the first reply
-    that can be timed then sets the peer's rate whole (an EWMA from zero took 30% of it, so
-    the peer ranked and pipelined as a third of itself until later replies caught up)."""
-    s = Scheduler(10, SwarmConfig(initial_requests_per_peer=2), (), 1000)
-    asked = [a.index for a in s.handle(PeerHad("p", frozenset(range(10))), 0.0)]
-    unasked = next(i for i in range(10) if i not in asked)
-    s.handle(ChunkVerified("p", unasked, 1000), 0.05)  # pushed: nothing to time
-    s.handle(ChunkVerified("p", asked[0], 1000), 0.1)
-    assert s.stats["p"].throughput == pytest.approx(1000 / 0.1)
-
-
 def test_a_shorter_round_trip_lowers_the_depth_at_once() -> None:
     """A have-map answered faster than any chunk so far lowers the source's bandwidth-delay
     product: the scheduler must not refill the old, deeper pipe when a request ends."""
