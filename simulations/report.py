@@ -15,6 +15,10 @@ corrupt, stalling nor lying):
   over the payload
 * ``churned_per_version``; ``stayed_online_completion_s``: the last honest peer among those
   that did not churn (a peer away for part of the version finishes late by construction)
+* ``ratio_to_own_bound``: per version and worst, the worst honest peer's completion over its
+  own bound, ``swarm_sim.own_bound``: the Kumar-Ross bound, or for a churned peer its payload
+  at its downlink's rate plus its time offline if that is later. Equal to ``ratio_to_bound``
+  when nothing churns; with churn it is what the protocol lost, not what the churn took
 * ``redundant_bytes``: bytes honest rollouts received beyond one payload each (cancelled
   endgame copies, corrupt chunks, transfers cut by churn)
 * ``lag_s``: per version, where the honest peers' time went beyond the payload at their
@@ -75,6 +79,10 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
         "lag_s": [lag_section(r) for r in res],
         "churned_per_version": [r.churned for r in res],
         "stayed_online_completion_s": [r.stayed_online_last_s for r in res],
+        "ratio_to_own_bound": {
+            "per_version": [r.own_bound_ratio for r in res],
+            "worst": max(r.own_bound_ratio for r in res),
+        },
         "bans": len(sim.bans),
         "false_bans": len(false_bans),
         "ban_reasons": sorted({b.reason.split(" chunk")[0] for b in sim.bans}),
@@ -160,6 +168,8 @@ def summary_md(report: dict[str, Any]) -> str:
         "",
         f"- honest peers converged: {report['honest_converged_fraction']:.1%}",
         f"- worst completion / lower bound: {report['ratio_to_bound']['worst']:.2f}",
+        f"- worst peer / its own bound (time offline added for churned peers): "
+        f"{report['ratio_to_own_bound']['worst']:.2f}",
         f"- redundant bytes: {report['redundant_bytes'] / 1e6:.1f} MB",
         f"- bans: {report['bans']} (false bans: {report['false_bans']})",
         f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events",

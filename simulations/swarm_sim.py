@@ -168,6 +168,9 @@ class Peer:
     first_at: float | None = None
     got_bytes: float = 0.0
     got_at_full: float = 0.0
+    # this version's time offline before it finished (churn), and when it last left
+    away: float = 0.0
+    left_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class VersionResult:
     useful_bytes: float
     churned: int
     stayed_online_last_s: float  # last honest peer among those that did not churn
+    own_bound_ratio: float  # worst honest peer against its own bound (``own_bound``; inf: not all)
     nat_bound_s: float  # the lower bound once NATed peers can fetch only from public ones
     last_nat_s: float  # last honest NATed peer (nan: none)
     last_public_s: float  # last honest public rollout (nan: none)
@@ -447,6 +451,7 @@ class SwarmSim:
             p.done_at, p.pushed = None, False
             p.early, p.early_art, p.early_asked = None, None, set()
             p.first_at, p.got_bytes, p.got_at_full = None, 0.0, 0.0
+            p.away, p.left_at = 0.0, None
             self._remaining += 1
             if TRAINER in p.follows:
                 self._announce_to(p, self.artifacts[-1], behind.get(p.idx, 0))
@@ -516,11 +521,23 @@ class SwarmSim:
             float(self.sc.payload_bytes) * len(took),
             len(churned),
             max(stayed, default=nan),
+            self._own_bound_ratio(took, bounds[0]),
             bounds[2],
             max(kind[True], default=nan),
             max(kind[False], default=nan),
             nan if self.full_at is None else self.full_at - t0,
             [self._lag(p) for p in done if p.first_at is not None],
+        )
+
+    def _own_bound_ratio(self, took: dict[int, float], bound: float) -> float:
+        """The worst honest peer's completion over :func:`own_bound` (inf: one never finished)."""
+        if len(took) < len(self.honest):
+            return float("inf")
+        size = self.sc.payload_bytes
+        return max(
+            (t / own_bound(bound, size, self.peers[i].downlink, self.peers[i].away)
+             for i, t in took.items()),
+            default=float("nan"),
         )
 
     def _settle_version(self) -> None:
@@ -1158,6 +1175,7 @@ class SwarmSim:
         if not p.online:
             return
         p.online, p.silent_crash = False, silent
+        p.left_at = self.clock.now
         self._drop_download(p)
         for r_idx, run in p.slots.clear():  # queued requests die with it
             r = self.peers[r_idx]
@@ -1198,6 +1216,8 @@ class SwarmSim:
         if p.online or p.generation != gen:
             return
         p.online, p.silent_crash = True, False
+        if p.done_at is None and p.left_at is not None:  # time it could not download
+            p.away += self.clock.now - p.left_at
         if p.done_at is None and p.sched is None and p.state.version is not None:
             if p.state.version < self.peers[TRAINER].state.version:  # type: ignore[operator]
                 self._start_download(p)
@@ -1207,6 +1227,19 @@ class SwarmSim:
                 continue
             if s not in p.banned and p.idx not in r.banned:
                 self._subscribe(r, p.idx)
+
+
+def own_bound(bound: float, payload: float, downlink: float, away: float) -> float:
+    """The lower bound for one peer that was offline ``away`` seconds before it finished:
+    ``max(bound, payload / downlink + away)``.
+
+    Kumar-Ross bounds the last peer of a swarm whose peers are online throughout. A churned
+    peer also needs ``payload / downlink`` seconds online to receive the payload, and the
+    seconds it was away do not count, so it cannot finish before the sum; where its downlink
+    sets the swarm's bound (symmetric links, as in ``scale-1k-hostile``), that is the bound
+    plus its time away. A peer that never left gets ``bound``, so the worst ratio over peers
+    is the usual last-peer ratio when nothing churns."""
+    return max(bound, payload / downlink + away)
 
 
 def _spread(

@@ -22,7 +22,7 @@ from simulations.network import Network
 from simulations.pushtree import TreeLayout
 from simulations.run import simulate
 from simulations.scenario import ScenarioError, from_dict, load
-from simulations.swarm_sim import SwarmSim
+from simulations.swarm_sim import SwarmSim, own_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 DOWNLOAD = {f.name for f in fields(SwarmConfig)}
@@ -238,6 +238,37 @@ def test_churn_every_honest_peer_still_converges() -> None:
     _, rep = simulate(sc)
     assert rep["churned_per_version"] == [12, 12]
     assert rep["honest_converged_fraction"] == 1.0
+
+
+def test_each_peer_is_measured_against_its_own_bound_its_time_offline_added() -> None:
+    """A churned peer is away ``churn_downtime`` of the bound before it finishes (or left
+    after finishing and loses nothing); no honest peer beats its own bound (the payload at
+    its downlink's rate plus its time away: physics the simulator must obey), and the report's
+    worst ratio is taken over exactly those bounds, no higher than the swarm-bound ratio and
+    no lower than the peers that stayed online. Without churn both ratios are the same."""
+    assert own_bound(1.0, 100.0, 50.0, 0.5) == 2.5  # 2 s online, 0.5 away
+    assert own_bound(3.0, 100.0, 50.0, 0.5) == 3.0  # the swarm's bound is later
+    sc = scenario(peers=30, payload_mb=2.0, churn_fraction=0.3, request_timeout_s=0.5)
+    sim, rep = simulate(sc)
+    r, bound = sim.results[0], rep["lower_bound_s"][0]
+    left = [p for p in sim.honest if p.left_at is not None]
+    assert len(left) == r.churned == round(0.3 * len(sim.honest))
+    t0 = sim.published_at
+    ratios = []
+    for p in sim.honest:
+        assert p.done_at is not None
+        before = p.left_at is not None and p.left_at < p.done_at
+        away = bound * sc.churn_downtime if before else 0.0
+        assert p.away == pytest.approx(away, abs=1e-9)
+        took = p.done_at - t0
+        assert took >= sc.payload_bytes / p.downlink + p.away
+        ratios.append(took / own_bound(bound, sc.payload_bytes, p.downlink, p.away))
+    assert any(p.away > 0 for p in left)
+    worst = rep["ratio_to_own_bound"]["worst"]
+    assert worst == pytest.approx(max(ratios))
+    assert rep["stayed_online_completion_s"][0] / bound <= worst <= rep["ratio_to_bound"]["worst"]
+    _, calm = simulate(replace(sc, churn_fraction=0.0))
+    assert calm["ratio_to_own_bound"]["worst"] == calm["ratio_to_bound"]["worst"]
 
 
 def test_where_the_time_went_adds_up_to_each_peers_lag() -> None:
