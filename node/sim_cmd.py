@@ -27,8 +27,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         progress = _progress_reporter(bar)
         on_version = _version_reporter(bar, sc, progress)
         rep = simulate_to(sc, args.out, not args.no_plots, on_version, progress)
+    own = rep["ratio_to_own_bound"]["worst"]
+    churn = f" (x{own:.2f} of each peer's own, its time offline added)" if sc.churn_fraction else ""
     print(
-        f"{sc.name}: worst x{rep['ratio_to_bound']['worst']:.2f} of the lower bound, "
+        f"{sc.name}: worst x{rep['ratio_to_bound']['worst']:.2f} of the lower bound{churn}, "
         f"{rep['honest_converged_fraction']:.1%} honest converged, {rep['false_bans']} false "
         f"bans; report in {args.out / 'report.json'}"
     )

@@ -503,6 +503,7 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
     scen = tmp_path / "s.toml"
     scen.write_text(
         "peers = 12\npayload_mb = 1.0\nchunk_kb = 64\nversions = 2\ncorrupt_fraction = 0.1\n"
+        "churn_fraction = 0.2\n"
     )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "node", "simulate", str(scen), "--out", str(out), "--quiet"]
@@ -521,13 +522,17 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
         "bans",
         "false_bans",
         "lag_s",
+        "ratio_to_own_bound",
     ):
         assert key in rep, key
+    own = rep["ratio_to_own_bound"]["worst"]
+    assert f"of the lower bound (x{own:.2f} of each peer's own" in res.stdout
     assert len(rep["completion_time_s"]["per_version"]) == 2
     assert (out / "completion_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "upload_per_peer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
     assert "| version |" in summary
+    assert f"its own bound (time offline added for churned peers): {own:.2f}" in summary
     assert "Where the time went" in summary and summary.count("| 2 |") == 2
     assert set(rep["lag_s"][1]["median"]) == {"start", "filling", "tail"}
 
