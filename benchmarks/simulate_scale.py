@@ -39,6 +39,7 @@ def one(path: Path, label: str, **overrides: object) -> dict:
         "lower_bound_s": rep["lower_bound_s"][0],
         "ratio": rep["ratio_to_bound"]["worst"],
         "ratio_stayed_online": rep["stayed_online_completion_s"][0] / rep["lower_bound_s"][0],
+        "ratio_own_bound": rep["ratio_to_own_bound"]["worst"],
         "trainer_upload_x": rep["trainer_upload_ratio"],
         "converged": rep["honest_converged_fraction"],
         "false_bans": rep["false_bans"],
@@ -53,7 +54,8 @@ def one(path: Path, label: str, **overrides: object) -> dict:
         f"{label:<28} {sc.peers:>6} peers {sc.payload_mb:>5g} MB:"
         f" last {row['completion_s']:.3f} s"
         f" (p50 {row['p50_s']:.3f}) / bound {row['lower_bound_s']:.3f} s = x{row['ratio']:.2f}"
-        f" (peers that stayed online: x{row['ratio_stayed_online']:.2f});"
+        f" (peers that stayed online: x{row['ratio_stayed_online']:.2f}; worst peer against its"
+        f" own bound, time offline added: x{row['ratio_own_bound']:.2f});"
         f" trainer {row['trainer_upload_x']:.2f}x; converged {row['converged']:.1%};"
         f" bans {row['bans']} (false {row['false_bans']}); wall {wall:.0f} s ="
         f" {row['wall_ms_per_peer']:.0f} ms/peer, {row['wall_us_per_peer_chunk']:.0f} us per"
