@@ -17,6 +17,12 @@ nearly incompressible: the worst case for the network, and a known F.
 
     python -m simulations.emulated --hosts 8 --mbps 100 --payload-mb 20 --versions 3 [--delay-ms 20]
 
+Every host is a process on this machine, so the CPUs can set the pace instead of the links:
+the table's "CPU busy" column is the share of the machine's cores busy while each version
+spread (from the trainer's publication to the last rollout holding it). Near 100%, the row
+measures the CPUs; the same bound at a lower rate and payload (``--mbps 25 --payload-mb 5``
+against 100 and 20) keeps the protocol's timing and asks a quarter of the CPU per second.
+
 ``--delay-ms`` adds a one-way propagation delay between every two hosts (``simulations.delayline``
 forwards the frames instead of a bridge); the lower bound ignores it (it is a bandwidth bound).
 
@@ -62,6 +68,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from p2p_sync.statehash import state_hash
@@ -184,6 +191,7 @@ class VersionResult:
     relayed: int = 0  # bytes that public nodes relayed (circuit relay v2) during this version
     steps: dict[str, float] = field(default_factory=dict)  # STEPS: median rollout's seconds
     outage: Outage | None = None  # the last rollout's (``EmulationConfig.outage_s``)
+    cpu_busy: float = float("nan")  # share of this machine's cores busy while distributed
 
     @property
     def ratio(self) -> float:
@@ -419,10 +427,12 @@ def _steps(trainer: Proc, rollouts: list[Proc], v: int) -> dict[str, float]:
 
 def _arrivals(
     swarm: Swarm, procs: list[Proc], v: int
-) -> tuple[dict[str, float], Callable[[], bool]]:
-    """When each node first showed version ``v`` (filled in by the returned poll, which says
-    whether all have it); a node process that exits meanwhile fails the run, naming its log."""
+) -> tuple[dict[str, float], dict[str, tuple[float, float]], Callable[[], bool]]:
+    """When each node first showed version ``v``, and the machine's ``cpu_clock`` then (filled
+    in by the returned poll, which says whether all have it); a node process that exits
+    meanwhile fails the run, naming its log."""
     seen: dict[str, float] = {}
+    cpu: dict[str, tuple[float, float]] = {}
 
     def reached() -> bool:
         now = time.monotonic()
@@ -433,10 +443,28 @@ def _arrivals(
                     f"see {swarm.root / p.name}.log"
                 )
             if p.name not in seen and (p.status() or {}).get("version") == v:
-                seen[p.name] = now
+                seen[p.name], cpu[p.name] = now, cpu_clock()
         return len(seen) == len(procs)
 
-    return seen, reached
+    return seen, cpu, reached
+
+
+def cpu_clock() -> tuple[float, float]:
+    """This machine's CPU seconds so far, over all its cores: (busy, total).
+
+    Every emulated host is a process on this machine, so a version whose cores were busy
+    throughout measured the CPUs, not the links: the table's "CPU busy" column says which.
+    Linux counts guest time inside user time, so the guest fields are left out of the sum."""
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = t.user + t.nice + t.system + t.idle
+    total += sum(getattr(t, k, 0.0) for k in ("iowait", "irq", "softirq", "steal"))
+    return total - idle, total
+
+
+def _busy_since(start: tuple[float, float]) -> float:
+    busy, total = (b - a for a, b in zip(start, cpu_clock(), strict=True))
+    return busy / total if total > 0 else float("nan")
 
 
 def _one_version(
@@ -452,7 +480,7 @@ def _one_version(
     """Publish ``weights`` as version ``v``, time it until every rollout holds it."""
     up0, down0 = _counters([trainer], "bytes_uploaded")[0], _counters(rollouts, "bytes_downloaded")
     relayed0 = _relayed(relays)
-    seen, reached = _arrivals(swarm, [trainer, *rollouts], v)
+    seen, cpu, reached = _arrivals(swarm, [trainer, *rollouts], v)
     t0 = time.monotonic()
     cut: list[float] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -466,6 +494,7 @@ def _one_version(
             )
         finally:
             stop.set()  # a run failing before the outage began: none begins
+        cpu_busy = _busy_since(cpu[trainer.name])  # while it was distributed
         if cfg.outage_s:
             outage.result()  # its errors are the run's
     done = max(seen.values())
@@ -481,6 +510,7 @@ def _one_version(
         relayed=_relayed(relays) - relayed0,
         steps=_steps(trainer, rollouts, v),
         outage=_outcome(seen, trainer.name, rollouts[-1].name, cut) if cut else None,
+        cpu_busy=cpu_busy,
     )
 
 
@@ -572,6 +602,7 @@ _HEAD = (
     "trainer up/F",
     "rollouts down/F",
     "relayed/F",
+    "CPU busy",
 )
 
 
@@ -586,6 +617,7 @@ def _row(r: VersionResult) -> str:
         f"{r.trainer_up / r.payload:.2f}",
         f"{r.rollouts_down / r.payload:.2f}",
         f"{r.relayed / r.payload:.2f}",
+        f"{r.cpu_busy:.0%}",
     )
     return "  ".join(f"{x:>12}" for x in cells)
 

@@ -535,8 +535,10 @@ class SwarmSim:
             return float("inf")
         size = self.sc.payload_bytes
         return max(
-            (t / own_bound(bound, size, self.peers[i].downlink, self.peers[i].away)
-             for i, t in took.items()),
+            (
+                t / own_bound(bound, size, self.peers[i].downlink, self.peers[i].away)
+                for i, t in took.items()
+            ),
             default=float("nan"),
         )
 

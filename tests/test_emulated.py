@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from simulations.emulated import (
     STEPS,
     EmulationConfig,
     EmulationResult,
+    cpu_clock,
     kumar_ross,
     lower_bound,
     main,
@@ -78,7 +80,10 @@ def test_swarm_in_namespaces_converges_within_bounds(own_prefix: str, tmp_path: 
         # where the time went, from the nodes' own clocks: every step, in order
         assert list(v.steps) == [name for name, _, _ in STEPS] + ["last"], why
         assert all(s >= 0 for s in v.steps.values()), why
+        assert 0 < v.cpu_busy <= 1, why  # eight node processes: never idle, never over 100%
+        assert f"{v.cpu_busy:.0%}" in table(result)
         assert v.steps["chunks"] < v.steps["last"] <= v.end_to_end_s, why
+    assert "CPU busy" in table(result)
     assert leftovers(own_prefix) == []
 
 
@@ -263,6 +268,19 @@ def _run(cfg: EmulationConfig, tmp_path: Path) -> EmulationResult:
         result = run_in(topo, tmp_path, cfg)
     print(table(result))
     return result
+
+
+def test_the_cpu_clock_counts_this_process_as_busy() -> None:
+    """The table's "CPU busy" comes from the machine's CPU clock: 0.2 s of this process's
+    CPU must show as at least most of that in busy seconds, never more busy than total."""
+    busy0, total0 = cpu_clock()
+    start = time.process_time()
+    for _ in range(10**8):  # bounded: stops after 0.2 s of CPU, or the count
+        if time.process_time() - start >= 0.2:
+            break
+    busy1, total1 = cpu_clock()
+    assert busy1 - busy0 >= 0.15
+    assert total1 - total0 >= busy1 - busy0
 
 
 def test_the_nat_layout_keeps_trainer_and_bootstrap_public() -> None:
