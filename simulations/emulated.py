@@ -17,11 +17,11 @@ nearly incompressible: the worst case for the network, and a known F.
 
     python -m simulations.emulated --hosts 8 --mbps 100 --payload-mb 20 --versions 3 [--delay-ms 20]
 
-Every host is a process on this machine, so the CPUs can set the pace instead of the links:
-the table's "CPU busy" column is the share of the machine's cores busy while each version
-spread (from the trainer's publication to the last rollout holding it). Near 100%, the row
-measures the CPUs; the same bound at a lower rate and payload (``--mbps 25 --payload-mb 5``
-against 100 and 20) keeps the protocol's timing and asks a quarter of the CPU per second.
+Every host is a process on this machine, so the CPUs can set the pace instead of the links.
+While each version spread (from the trainer's publication to the last rollout holding it) the
+table reports the share of the machine's cores busy ("CPU busy") and how long each node
+waited, runnable, for a core ("CPU wait s", the mean over the trainer and the rollouts): the
+time the CPUs, not the links, took from the version (``CpuSample``).
 
 ``--delay-ms`` adds a one-way propagation delay between every two hosts (``simulations.delayline``
 forwards the frames instead of a bridge); the lower bound ignores it (it is a bandwidth bound).
@@ -192,6 +192,7 @@ class VersionResult:
     steps: dict[str, float] = field(default_factory=dict)  # STEPS: median rollout's seconds
     outage: Outage | None = None  # the last rollout's (``EmulationConfig.outage_s``)
     cpu_busy: float = float("nan")  # share of this machine's cores busy while distributed
+    cpu_wait_s: float = float("nan")  # meanwhile, each node's mean wait for a core (CpuSample)
 
     @property
     def ratio(self) -> float:
@@ -427,12 +428,13 @@ def _steps(trainer: Proc, rollouts: list[Proc], v: int) -> dict[str, float]:
 
 def _arrivals(
     swarm: Swarm, procs: list[Proc], v: int
-) -> tuple[dict[str, float], dict[str, tuple[float, float]], Callable[[], bool]]:
-    """When each node first showed version ``v``, and the machine's ``cpu_clock`` then (filled
-    in by the returned poll, which says whether all have it); a node process that exits
-    meanwhile fails the run, naming its log."""
+) -> tuple[dict[str, float], dict[str, CpuSample], Callable[[], bool]]:
+    """When each node first showed version ``v``, and a :class:`CpuSample` of ``procs`` then
+    (filled in by the returned poll, which says whether all have it); a node process that
+    exits meanwhile fails the run, naming its log."""
     seen: dict[str, float] = {}
-    cpu: dict[str, tuple[float, float]] = {}
+    cpu: dict[str, CpuSample] = {}
+    pids = [p.popen.pid for p in procs]
 
     def reached() -> bool:
         now = time.monotonic()
@@ -443,28 +445,58 @@ def _arrivals(
                     f"see {swarm.root / p.name}.log"
                 )
             if p.name not in seen and (p.status() or {}).get("version") == v:
-                seen[p.name], cpu[p.name] = now, cpu_clock()
+                seen[p.name], cpu[p.name] = now, CpuSample.take(pids)
         return len(seen) == len(procs)
 
     return seen, cpu, reached
 
 
-def cpu_clock() -> tuple[float, float]:
-    """This machine's CPU seconds so far, over all its cores: (busy, total).
+@dataclass(frozen=True)
+class CpuSample:
+    """The machine's CPU seconds so far over all its cores (busy, total), and how long the
+    node processes have waited, runnable, for a core (their threads' run-queue delay).
 
-    Every emulated host is a process on this machine, so a version whose cores were busy
-    throughout measured the CPUs, not the links: the table's "CPU busy" column says which.
-    Linux counts guest time inside user time, so the guest fields are left out of the sum."""
-    t = psutil.cpu_times()
-    idle = t.idle + getattr(t, "iowait", 0.0)
-    total = t.user + t.nice + t.system + t.idle
-    total += sum(getattr(t, k, 0.0) for k in ("iowait", "irq", "softirq", "steal"))
-    return total - idle, total
+    Every emulated host is a process on this machine, so the CPUs can set the pace instead of
+    the links. Busy cores alone do not prove it (a node with work to spare keeps them busy
+    without delaying anything); run-queue delay does: a node that waited a second for a core
+    during a version lost that second. Linux counts guest time inside user time, so the guest
+    fields are left out of the sum; run-queue delay is read from ``/proc/PID/task/*/schedstat``
+    (nan where the kernel does not keep it)."""
+
+    busy: float
+    total: float
+    waited: float
+
+    @classmethod
+    def take(cls, pids: list[int]) -> CpuSample:
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        total = t.user + t.nice + t.system + t.idle
+        total += sum(getattr(t, k, 0.0) for k in ("iowait", "irq", "softirq", "steal"))
+        return cls(total - idle, total, sum(_run_queue_wait(pid) for pid in pids))
+
+    def since(self, start: CpuSample, nodes: int) -> tuple[float, float]:
+        """Share of the cores busy from ``start`` to this sample, and the mean seconds each
+        of ``nodes`` node processes waited for a core meanwhile."""
+        total = self.total - start.total
+        busy = (self.busy - start.busy) / total if total > 0 else float("nan")
+        return busy, (self.waited - start.waited) / nodes
 
 
-def _busy_since(start: tuple[float, float]) -> float:
-    busy, total = (b - a for a, b in zip(start, cpu_clock(), strict=True))
-    return busy / total if total > 0 else float("nan")
+def _run_queue_wait(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a core."""
+    tasks = Path(f"/proc/{pid}/task")
+    try:
+        files = [t / "schedstat" for t in tasks.iterdir()]
+    except OSError:
+        return float("nan")
+    waited = 0.0
+    for f in files:
+        try:
+            waited += int(f.read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return waited
 
 
 def _one_version(
@@ -494,7 +526,10 @@ def _one_version(
             )
         finally:
             stop.set()  # a run failing before the outage began: none begins
-        cpu_busy = _busy_since(cpu[trainer.name])  # while it was distributed
+        procs = [trainer, *rollouts]  # from publication to the last one's hand-off:
+        cpu_busy, cpu_wait = CpuSample.take([p.popen.pid for p in procs]).since(
+            cpu[trainer.name], len(procs)
+        )
         if cfg.outage_s:
             outage.result()  # its errors are the run's
     done = max(seen.values())
@@ -511,6 +546,7 @@ def _one_version(
         steps=_steps(trainer, rollouts, v),
         outage=_outcome(seen, trainer.name, rollouts[-1].name, cut) if cut else None,
         cpu_busy=cpu_busy,
+        cpu_wait_s=cpu_wait,
     )
 
 
@@ -603,6 +639,7 @@ _HEAD = (
     "rollouts down/F",
     "relayed/F",
     "CPU busy",
+    "CPU wait s",
 )
 
 
@@ -618,6 +655,7 @@ def _row(r: VersionResult) -> str:
         f"{r.rollouts_down / r.payload:.2f}",
         f"{r.relayed / r.payload:.2f}",
         f"{r.cpu_busy:.0%}",
+        f"{r.cpu_wait_s:.2f}",
     )
     return "  ".join(f"{x:>12}" for x in cells)
 

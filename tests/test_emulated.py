@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,9 +19,9 @@ from node.localswarm import wait_for
 from simulations import netns
 from simulations.emulated import (
     STEPS,
+    CpuSample,
     EmulationConfig,
     EmulationResult,
-    cpu_clock,
     kumar_ross,
     lower_bound,
     main,
@@ -270,17 +269,38 @@ def _run(cfg: EmulationConfig, tmp_path: Path) -> EmulationResult:
     return result
 
 
-def test_the_cpu_clock_counts_this_process_as_busy() -> None:
-    """The table's "CPU busy" comes from the machine's CPU clock: 0.2 s of this process's
-    CPU must show as at least most of that in busy seconds, never more busy than total."""
-    busy0, total0 = cpu_clock()
-    start = time.process_time()
-    for _ in range(10**8):  # bounded: stops after 0.2 s of CPU, or the count
-        if time.process_time() - start >= 0.2:
-            break
-    busy1, total1 = cpu_clock()
-    assert busy1 - busy0 >= 0.15
-    assert total1 - total0 >= busy1 - busy0
+SPIN = """
+import sys, time
+start = time.process_time()
+for _ in range(10**9):  # bounded: 0.4 s of CPU, or the count
+    if time.process_time() - start >= 0.4:
+        break
+print("done", flush=True)
+sys.stdin.read()  # held until the test has sampled it
+"""
+
+
+def test_cpu_samples_count_busy_cores_and_the_wait_for_one() -> None:
+    """The table's CPU columns: three processes that each want 0.4 s of CPU on this 2-core
+    machine keep cores busy for at least most of their 1.2 s, and at least one of them waits,
+    runnable, for a core; never more busy than total."""
+    spin = [sys.executable, "-c", SPIN]
+    kids = [subprocess.Popen(spin, stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in "abc"]
+    try:
+        pids = [k.pid for k in kids]
+        start = CpuSample.take(pids)
+        for k in kids:
+            assert k.stdout is not None and k.stdout.readline() == b"done\n"
+        end = CpuSample.take(pids)
+    finally:
+        for k in kids:
+            k.communicate(timeout=30)
+    assert end.busy - start.busy >= 0.9
+    assert end.total - start.total >= end.busy - start.busy
+    busy, wait = end.since(start, len(pids))
+    assert 0 < busy <= 1
+    if (os.cpu_count() or 1) < len(kids):  # more takers than cores: someone waited
+        assert wait * len(pids) > 0.05
 
 
 def test_the_nat_layout_keeps_trainer_and_bootstrap_public() -> None:
