@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from p2p_sync.bounded import remember, trim
 from p2p_sync.havelog import HaveLog
 from p2p_sync.seeding import SuperSeeder
+from p2p_sync.store import HaveMark
 from p2p_sync.transport.dataplane import Pushed
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class DataView:
         self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self._have_memo: dict[str, list[int]] = {}  # have-maps computed since that news
         self._logs: dict[str, HaveLog] = {}  # digest -> its have-map in arrival order
+        self._held: dict[str, tuple[HaveMark, list[int]]] = {}  # digest -> its last listing
         # digest -> the peers following its have-map here: when each last asked or was
         # answered on a feed (monotonic), the latest last
         self._following: dict[str, dict[str, float]] = {}
@@ -74,17 +76,25 @@ class DataView:
     def have(self, digest: str, requester: str | None) -> list[int] | None:
         """The chunks of ``digest`` held here. Computed once per news: every chunk that
         lands wakes every long poll held here (up to one per peer following this node), and
-        each would list the whole manifest again: O(followers x chunks) per chunk. Callers
-        only read the list. A chunk dropped from the store without news (found corrupt on
-        disk) stays listed until the next news; a request for it gets a 404."""
+        each would list the whole manifest again: O(followers x chunks) per chunk. Each news
+        adds only the chunks that arrived since the last listing (``Store.held_since``): a
+        whole listing per chunk made a version O(chunks^2). Callers only read the list. A
+        chunk dropped from the store is dropped from the list at the next news."""
         m = self.node.store.manifest(digest)
         if m is None:
             return None
         have = self._have_memo.get(digest)
         if have is None:
-            have = self._have_memo[digest] = self.node.store.have_indices(m)
+            mark, held = self._held.get(digest, (None, []))
+            mark, got = self.node.store.held_since(m, mark)
             log = self._logs.get(digest)  # (an empty log is falsy: no ``or`` here)
-            remember(self._logs, digest, (HaveLog() if log is None else log).sync(have), MAX_LOGS)
+            if mark.whole or log is None:
+                have, log = got, (HaveLog() if log is None else log).sync(got)
+            else:
+                have, log = held + got, log.grow(got)
+            self._have_memo[digest] = have
+            remember(self._held, digest, (mark, have), MAX_LOGS)
+            remember(self._logs, digest, log, MAX_LOGS)
         return have
 
     def have_log(self, digest: str) -> HaveLog | None:

@@ -58,6 +58,15 @@ class HaveLog:
             self.members = now
         return self
 
+    def grow(self, arrived: Sequence[int]) -> HaveLog:
+        """This log with ``arrived`` (chunks newly held, in arrival order) at its end: what
+        :meth:`sync` does when nothing left, without listing the whole map again."""
+        for i in arrived:
+            if i not in self.members:
+                self.members.add(i)
+                self.order.append(i)
+        return self
+
     def since(self, ident: str | None, known: int) -> tuple[int, list[int]]:
         """``(start, indices)``: what a follower holding the first ``known`` entries of log
         ``ident`` lacks, from position ``start``; the whole log (start 0) when it names

@@ -49,6 +49,19 @@ def test_a_follower_applying_the_answers_always_sees_the_whole_map(life: list) -
         assert sent == len(held)
 
 
+@given(st.lists(st.lists(st.integers(0, 63), max_size=8), max_size=20))
+def test_growing_a_log_by_arrivals_is_syncing_it_with_the_whole_map(arrivals: list) -> None:
+    """``grow`` (the chunks that arrived, in order) keeps the log ``sync`` would, under the
+    same name, each index once, in arrival order."""
+    grown, synced, held = HaveLog(), HaveLog(), []
+    for batch in arrivals:
+        held += [i for i in dict.fromkeys(batch) if i not in held]
+        grown = grown.grow(batch)
+        synced = synced.sync(held)
+        assert grown.order == held == synced.order and grown.members == set(held)
+    assert grown.ident == grown.grow([]).ident
+
+
 def test_a_chunk_leaving_starts_a_new_log_and_old_followers_get_the_whole_map() -> None:
     log = HaveLog().sync([0, 1, 2])
     first = log.ident

@@ -26,7 +26,7 @@ from p2p_sync.errors import PeerError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
 from p2p_sync.peers import PeerLimits
-from p2p_sync.store import Store
+from p2p_sync.store import HaveMark, Store
 from p2p_sync.transport.dataplane import PEER_HEADER as PEER
 from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataClient
@@ -415,21 +415,27 @@ async def _held(router, n: int) -> bool:
     return False
 
 
-async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int, bool]:
+async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], tuple[int, int], bool]:
     """``k`` peers long-poll a 2-chunk have-map of which the node holds chunk 0; chunk 1
-    lands. Returns their answers and how many times the store listed the have-map for them."""
+    lands. Returns their answers and how many times the store was asked for the have-map's
+    growth for them, and listed it whole."""
     url = await node.start()
     payload = b"a" * 16 * 1024 + b"b" * 16 * 1024
     m = snapshot_manifest(payload)
     node.store.put_manifest(m, sign(m, [SigningKey.generate()]))
     node.store.put_chunk(payload[: 16 * 1024])
-    listed, have_indices = [0], node.store.have_indices
+    listed, have_indices, held_since = [0, 0], node.store.have_indices, node.store.held_since
 
     def counted(manifest: Manifest) -> list[int]:
-        listed[0] += 1
+        listed[1] += 1
         return have_indices(manifest)
 
+    def asked(manifest: Manifest, mark: HaveMark | None) -> tuple[HaveMark, list[int]]:
+        listed[0] += 1
+        return held_since(manifest, mark)
+
     node.store.have_indices = counted  # type: ignore[method-assign]
+    node.store.held_since = asked  # type: ignore[method-assign]
     try:
         async with asyncio.timeout(30), aiohttp.ClientSession() as s:
             async with s.get(f"{url}/have/{m.digest}") as first:  # the whole map, and its log
@@ -440,7 +446,7 @@ async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int
                 for i in range(k)
             ]
             held = await _held(node.transport.server.router, k)
-            listed[0] = 0
+            listed[:] = [0, 0]
             node.store.put_chunk(payload[16 * 1024 :])
             node.view.notify_have()
             answers = []
@@ -449,19 +455,20 @@ async def _polls_woken_by_one_chunk(node: Node, k: int) -> tuple[list[dict], int
                     answers.append(await resp.json())
     finally:
         await node.stop()
-    return answers, listed[0], held
+    return answers, (listed[0], listed[1]), held
 
 
 def test_one_chunk_landing_lists_the_have_map_once_for_every_poll(tmp_path: Path) -> None:
     """Every chunk that lands wakes every long poll held (a peer following this node each):
-    the have-map is listed once for all of them, not once per poll (O(followers x chunks)
-    per chunk), and each gets the news, only the news (its log past what it knew)."""
+    the have-map is updated once for all of them, not once per poll (O(followers x chunks)
+    per chunk), by the chunk that arrived, not by a whole listing (O(chunks) per chunk), and
+    each poll gets the news, only the news (its log past what it knew)."""
     node = make_node(tmp_path)
     node.cfg = replace(node.cfg, http=replace(node.cfg.http, have_wait_s=600.0))
-    answers, listed, held = asyncio.run(_polls_woken_by_one_chunk(node, 6))
+    answers, (asked, whole), held = asyncio.run(_polls_woken_by_one_chunk(node, 6))
     log = answers[0]["log"]
     assert held and answers == [{"have": [1], "from": 1, "log": log}] * 6
-    assert listed == 1
+    assert (asked, whole) == (1, 0)
 
 
 async def _have_log_polls(tmp_path: Path) -> dict[str, Any]:

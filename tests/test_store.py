@@ -7,6 +7,7 @@ import multiprocessing
 import random
 import signal
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,12 +15,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy, parse, sign
+from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, parse, sign
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
-from p2p_sync.store import AcceptedState, Store, StoreError, StoreFormatError, StoreLimits
+from p2p_sync.store import (
+    AcceptedState,
+    HaveMark,
+    Store,
+    StoreError,
+    StoreFormatError,
+    StoreLimits,
+)
 from tests import store_writer
+from tests.helpers import snapshot_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = SigningKey.generate()
@@ -375,3 +385,60 @@ def test_have_indices_lists_every_chunk_held_in_any_pack(
                 store.put_chunk(blocks[b])
         for m, layout in ms:
             assert store.have_indices(m) == [i for i, b in enumerate(layout) if b in stored]
+
+
+def _twins() -> tuple[list[bytes], Manifest, list[bytes], Manifest]:
+    """Version 0 of 8 chunks (2 and 5 alike) and version 1 sharing its first four."""
+    one = [bytes([i]) * 16 * 1024 for i in (0, 1, 2, 3, 4, 2, 6, 7)]
+    two = one[:4] + [bytes([i]) * 16 * 1024 for i in (10, 11, 12, 13)]
+    m1 = snapshot_manifest(b"".join(one))
+    m2 = manifest_for(
+        b"".join(two),
+        swarm="t",
+        version=1,
+        kind=SNAPSHOT,
+        target_state="11" * 16,
+        layout="00" * 16,
+        now=m1.created,
+        chunk_size=16 * 1024,
+    )
+    return one, m1, two, m2
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["put1", "put2", "rot", "twin"]), st.integers(0, 7)), max_size=40
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS)
+def test_a_have_map_grown_by_arrivals_is_the_whole_listing(ops: list[tuple[str, int]]) -> None:
+    """``held_since`` against ``have_indices`` under chunks landing (in either of two
+    manifests that share chunks, one chunk twice in a manifest), a slot rotting on disk and a
+    second manifest arriving: a map kept by adding what ``held_since`` answers always lists
+    exactly the held chunks, once each, and after a chunk merely landed the answer is the
+    growth, not a whole listing."""
+    one, m1, two, m2 = _twins()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.open(tmp)
+        store.put_manifest(m1, sign(m1, [KEY]))
+        kept: dict[str, tuple[HaveMark | None, list[int]]] = {}
+        for op, i in ops:
+            known = [m1] if store.manifest(m2.digest) is None else [m1, m2]
+            if op == "put1" or (op == "put2" and m2 in known):
+                store.put_chunk((one if op == "put1" else two)[i])
+            elif (
+                op == "rot" and i in store.have_indices(m1) and store.pack_path(m1.digest).exists()
+            ):
+                rot(store, m1, i)
+                store.verify_pack(m1)
+            elif op == "twin":
+                store.put_manifest(m2, sign(m2, [KEY]))
+            for m in [m1] if store.manifest(m2.digest) is None else [m1, m2]:
+                mark, held = kept.get(m.digest, (None, []))
+                new, got = store.held_since(m, mark)
+                held = got if new.whole else held + got
+                assert sorted(held) == store.have_indices(m) and len(set(held)) == len(held)
+                if op.startswith("put") and mark is not None and m in known:
+                    assert not new.whole, (op, i)
+                kept[m.digest] = (new, held)
