@@ -143,6 +143,42 @@ def test_stopping_a_node_answers_held_long_polls_at_once(tmp_path: Path) -> None
     assert held and status == 200 and body["have"] == [0] and body["from"] == 0
 
 
+async def _seed_poll_across_stop(trainer: Node, m: Manifest) -> tuple[int, dict, bool]:
+    """A rollout long-polls its offer from the seed (2 chunks, already known to it); the
+    trainer stops meanwhile."""
+    url = await trainer.start()
+    async with aiohttp.ClientSession() as s:
+        get = f"{url}/have/{m.digest}?known=2"
+        poll = asyncio.create_task(s.get(get, headers={PEER: "http://127.0.0.1:1"}))
+        held = await _held(trainer.transport.server.router, 1)
+        await trainer.stop()
+        async with await poll as resp:
+            return resp.status, await resp.json(), held
+
+
+def test_stopping_a_trainer_answers_a_rollouts_held_offer_poll_at_once(tmp_path: Path) -> None:
+    """A seed's polls wait on their requester's own news; stopping wakes those too (a
+    server waits for its handlers before it closes: 600 s here, without the wake)."""
+    from node.trainer import TrainerNode
+    from p2p_sync.versions import PublishPolicy
+
+    key = SigningKey.generate()
+    payload = b"".join(bytes([i]) * 16 * 1024 for i in range(8))
+    m = snapshot_manifest(payload)
+    tcfg = trainer_config(tmp_path, p2p=False, publish=PublishPolicy(seed_outstanding=2))
+    trainer = TrainerNode(tcfg, SwarmPolicy("t", (key.public,)), Store.open(tcfg.data_dir))
+    trainer.cfg = replace(trainer.cfg, http=replace(trainer.cfg.http, have_wait_s=600.0))
+    trainer.store.put_payload(m, payload)
+    trainer.store.put_manifest(m, sign(m, [key]))
+
+    async def bounded() -> tuple[int, dict, bool]:
+        async with asyncio.timeout(30):
+            return await _seed_poll_across_stop(trainer, m)
+
+    status, body, held = asyncio.run(bounded())
+    assert held and status == 200 and len(body["have"]) == 2
+
+
 async def _poll_woken_before_it_waits(node: Node) -> dict:
     """A 2-chunk manifest of which the node holds chunk 0; a peer long-polls with known=1,
     and chunk 1 lands (and the node says so) in the instant between the router's check and
