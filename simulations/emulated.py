@@ -20,8 +20,8 @@ nearly incompressible: the worst case for the network, and a known F.
 Every host is a process on this machine, so the CPUs can set the pace instead of the links.
 While each version spread (from the trainer's publication to the last rollout holding it) the
 table reports the share of the machine's cores busy ("CPU busy") and how long each node
-waited, runnable, for a core ("CPU wait s", the mean over the trainer and the rollouts): the
-time the CPUs, not the links, took from the version (``CpuSample``).
+waited, runnable, for a core ("CPU wait s", the mean over the trainer and the rollouts): at
+most what the CPUs, not the links, took from the version (``CpuSample``).
 
 ``--delay-ms`` adds a one-way propagation delay between every two hosts (``simulations.delayline``
 forwards the frames instead of a bridge); the lower bound ignores it (it is a bandwidth bound).
@@ -457,11 +457,14 @@ class CpuSample:
     node processes have waited, runnable, for a core (their threads' run-queue delay).
 
     Every emulated host is a process on this machine, so the CPUs can set the pace instead of
-    the links. Busy cores alone do not prove it (a node with work to spare keeps them busy
-    without delaying anything); run-queue delay does: a node that waited a second for a core
-    during a version lost that second. Linux counts guest time inside user time, so the guest
-    fields are left out of the sum; run-queue delay is read from ``/proc/PID/task/*/schedstat``
-    (nan where the kernel does not keep it)."""
+    the links. Busy cores alone do not show it (work that could wait keeps them busy too);
+    run-queue delay shows how long the nodes wanted a core and had none, an upper bound on
+    what the CPUs took from the version (whether a wait delayed it depends on whether the
+    waiting node was on its critical path: at 25 Mbit/s the nodes wait ~1.2 s of a 2.3 s
+    version and still agree with the simulator within 20%). Linux counts guest time inside
+    user time, so the guest fields are left out of the sum; run-queue delay is read from
+    ``/proc/PID/task/*/schedstat`` (nan where the kernel does not keep it; a thread that
+    ends between two samples takes its share with it)."""
 
     busy: float
     total: float
