@@ -88,18 +88,20 @@ async def worker(args: argparse.Namespace) -> None:
 
 
 def _requests(args: argparse.Namespace) -> dict[str, float]:
-    """The ``[download]`` request settings given on the command line (else the shipped ones)."""
+    """The ``[download]`` settings given on the command line (else the shipped ones)."""
     out: dict[str, float] = {}
     if args.request_kb is not None:
         out["request_bytes"] = int(args.request_kb) * 1024
     if args.request_ms is not None:
         out["request_s"] = float(args.request_ms) / 1e3
+    if args.forward_seed_chunks is not None:
+        out["forward_seed_chunks"] = int(args.forward_seed_chunks)
     return out
 
 
 def _request_flags(args: argparse.Namespace) -> list[str]:
     flags = []
-    for name in ("request_kb", "request_ms"):
+    for name in ("request_kb", "request_ms", "forward_seed_chunks"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return flags
@@ -206,6 +208,9 @@ def main() -> int:
         "--request-kb", type=int, help="rollouts' [download] request_bytes, KiB (0: a chunk each)"
     )
     parser.add_argument("--request-ms", type=float, help="rollouts' [download] request_s, ms")
+    parser.add_argument(
+        "--forward-seed-chunks", type=int, help="rollouts' [download] forward_seed_chunks (0: off)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--trainer", "--digest", "--pubkey", "--data-dir"):
         parser.add_argument(name, help=argparse.SUPPRESS)
