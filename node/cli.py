@@ -2,7 +2,8 @@
 
 Every failure a user can cause (a bad file, a patch for another base, a bad flag) ends with
 ``p2psync: error: <what is wrong>`` on stderr and a non-zero exit: 2 for usage errors (argparse's
-convention), 1 for everything else. Tracebacks are for bugs only.
+convention) and for a node that could not start (a port in use, a bad setting, an unreadable
+key, a missing watch dir), 1 for everything else. Tracebacks are for bugs only.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except node_cmd.StartupError as exc:
+        print(f"p2psync: error: {exc}", file=sys.stderr)
+        return 2
     except P2PSyncError as exc:
         print(f"p2psync: error: {exc}", file=sys.stderr)
         return 1

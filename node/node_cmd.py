@@ -34,16 +34,52 @@ def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
         raise ConfigError(f"config: threshold: {exc}") from None
 
 
+class StartupError(P2PSyncError):
+    """The node could not start: a port in use, a key it cannot read, a data dir it may not
+    write, a watch dir that is not there. The CLI prints one line and exits 2, as for a bad
+    flag: nothing ran, so nothing is lost."""
+
+
+def check_files(cfg: NodeConfig) -> None:
+    """Refuse paths that cannot work before anything starts (a mistyped ``--watch`` would
+    otherwise be created empty, and the trainer would wait on it for ever)."""
+    if cfg.role == "trainer" and cfg.watch is not None and not cfg.watch.is_dir():
+        what = "is not a directory" if cfg.watch.exists() else "does not exist"
+        raise StartupError(f"--watch {cfg.watch} {what} (create it, or fix the path)")
+
+
+async def start_node(cfg: NodeConfig) -> tuple[Node, object | None]:
+    """Open the store and start the node's servers; any failure is one :class:`StartupError`
+    naming it (the OS's reason for a bind or a file, the library's for a key or a store)."""
+    try:
+        check_files(cfg)
+        policy, key = policy_for(cfg)
+        store = await asyncio.to_thread(Store.open, cfg.data_dir, cfg.store)
+        node_cls = TrainerNode if cfg.role == "trainer" else Node
+        node = node_cls(cfg, policy, store)
+        node.signer = key  # the trainer signs its gossip announcements with its manifest key
+        await node.start()
+    except StartupError:
+        raise
+    except P2PSyncError as exc:
+        raise StartupError(str(exc)) from None
+    except OSError as exc:
+        raise StartupError(f"cannot start the {cfg.role}: {_os_reason(exc)}") from None
+    return node, key
+
+
+def _os_reason(exc: OSError) -> str:
+    """One line: asyncio's bind error already names the address; others name their file."""
+    text = str(exc) if exc.filename is None else f"{exc.filename}: {exc.strerror}"
+    return " ".join(text.split())
+
+
 async def run_node(cfg: NodeConfig, stop: asyncio.Event) -> None:
-    policy, key = policy_for(cfg)
-    store = await asyncio.to_thread(Store.open, cfg.data_dir, cfg.store)
-    node_cls = TrainerNode if cfg.role == "trainer" else Node
-    node = node_cls(cfg, policy, store)
-    node.signer = key  # the trainer signs its gossip announcements with its manifest key
-    url = await node.start()
+    node, key = await start_node(cfg)
+    state = node.store.state
     print(
-        f"p2psync {cfg.role} listening on {url} (swarm {policy.swarm_id[:16]}, "
-        f"version {store.state.version if store.state else 'none'})",
+        f"p2psync {cfg.role} listening on {node.url} (swarm {node.policy.swarm_id[:16]}, "
+        f"version {state.version if state else 'none'})",
         flush=True,
     )
     print(f"p2psync libp2p {node.multiaddr or 'off (HTTP peers only)'}", flush=True)
@@ -62,7 +98,6 @@ async def _run_role(node: Node, key: object | None, cfg: NodeConfig, stop: async
         publisher = await asyncio.to_thread(Publisher, node, key)
         refresher = asyncio.create_task(publisher.refresh_loop(stop))
         if cfg.watch is not None:
-            cfg.watch.mkdir(parents=True, exist_ok=True)
             await watch(publisher, cfg.watch, stop, cfg.publish.watch_interval_s)
         else:
             await stop.wait()
@@ -79,6 +114,7 @@ _FLAGS = {
     "role": "role",
     "data_dir": "data_dir",
     "listen": "listen",
+    "advertise_host": "advertise_host",
     "key": "key",
     "trust": "trust",
     "peers": "peers",
@@ -102,7 +138,10 @@ _FLAGS = {
 def cmd_node(args: argparse.Namespace) -> int:
     overrides = {setting: getattr(args, dest) for dest, setting in _FLAGS.items()}
     overrides["p2p"] = False if args.no_p2p else None
-    cfg = load(args.config, overrides)
+    try:
+        cfg = load(args.config, overrides)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s", stream=sys.stderr
     )
@@ -139,60 +178,87 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default(setting: str) -> str:
+    """A setting's built-in default as ``--help`` shows it, read off :class:`NodeConfig`."""
+    value: object = NodeConfig()
+    for part in setting.split("."):
+        value = getattr(value, part)
+    if value in (None, (), ""):
+        return "none"
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def _flag(parser: argparse.ArgumentParser, flag: str, text: str, **kwargs: object) -> None:
+    """A flag whose help ends with its default (the config setting it overrides)."""
+    dest = flag.lstrip("-").replace("-", "_")
+    setting = _FLAGS.get(dest)
+    shown = _default(setting) if setting else "none"
+    parser.add_argument(flag, help=f"{text} (default: {shown})", **kwargs)  # type: ignore[arg-type]
+
+
 def _add_node_files(node: argparse.ArgumentParser) -> None:
-    node.add_argument("--role", choices=["trainer", "rollout", "bootstrap"])
-    node.add_argument("--config", type=Path, help="TOML file; flags override it")
-    node.add_argument("--data-dir", type=Path)
-    node.add_argument("--key", type=Path, help="trainer: signing key file (p2psync keygen)")
-    node.add_argument("--trust", action="append", help="trusted public key or .pub (repeatable)")
-    node.add_argument("--watch", type=Path, help="trainer: publish *.safetensors appearing here")
-    node.add_argument("--export", type=Path, help="rollout: write model.safetensors here")
-    node.add_argument("--on-update", help="rollout: shell command run after each new version")
-    node.add_argument("--swarm", help="swarm name (default: default)")
-    node.add_argument("--device", help="cpu, cuda or auto")
+    _flag(node, "--role", "what this node does", choices=["trainer", "rollout", "bootstrap"])
     node.add_argument(
-        "--workers", type=int, help="threads for per-tensor work (default 0: one per usable core)"
+        "--config", type=Path, help="TOML file of settings; flags override it (default: none)"
     )
-    node.add_argument("--chunk-size", type=int, help="trainer: bytes per chunk")
-    node.add_argument(
+    _flag(node, "--data-dir", "the node's store: keys, chunks, weights, log", type=Path)
+    _flag(node, "--key", "trainer: signing key file (p2psync keygen)", type=Path)
+    _flag(node, "--trust", "trusted public key or .pub file (repeatable)", action="append")
+    _flag(node, "--watch", "trainer: publish *.safetensors renamed into this dir", type=Path)
+    _flag(node, "--export", "rollout: write model.safetensors and version.json here", type=Path)
+    _flag(node, "--on-update", "rollout: shell command run after each new version")
+    _flag(node, "--swarm", "swarm name")
+    _flag(node, "--device", "cpu, cuda or auto")
+    _flag(node, "--workers", "threads for per-tensor work; 0: one per usable core", type=int)
+    _flag(node, "--chunk-size", "trainer: bytes per chunk; 0: picked from the payload", type=int)
+    _flag(
+        node,
         "--patch-format",
+        "trainer: 2 codes positions by the base's exponents, smaller; 1 is faster to code on a CPU",
         type=int,
         choices=[1, 2],
-        help="trainer: 2 (default) codes positions by the base's exponents, "
-        "smaller; 1 is faster to code on a CPU",
     )
-    node.add_argument(
-        "--checkpoint-every",
-        type=int,
-        help="write full weights every N versions (default 10; else a log line)",
-    )
+    _flag(node, "--checkpoint-every", "write full weights every N versions", type=int)
 
 
 def _add_node_network(node: argparse.ArgumentParser) -> None:
-    node.add_argument(
+    _flag(
+        node,
         "--listen",
-        help="HOST:PORT for HTTP: the data plane (bootstrap: status and "
-        "metrics only); port 0: any free",
+        "HOST:PORT for HTTP: the data plane (bootstrap: status and metrics only); port 0: any free",
     )
-    node.add_argument("--peers", help="comma-separated http://host:port of known peers")
-    node.add_argument("--max-upload-mbps", type=float, help="cap on chunk upload (Mbit/s)")
-    node.add_argument(
+    _flag(
+        node,
+        "--advertise-host",
+        "the host or address peers should dial, when it differs from --listen's (a public "
+        "address in front of a forwarded port)",
+    )
+    _flag(node, "--peers", "comma-separated http://host:port (or p2p://<peer id>) of known peers")
+    _flag(node, "--max-upload-mbps", "cap on chunk upload in Mbit/s; 0: none", type=float)
+    _flag(
+        node,
         "--tcp-congestion",
-        help='TCP congestion control of the data plane\'s sockets, e.g. "bbr" on fast, long '
-        "links (default: the host's)",
+        'TCP congestion control of the data plane\'s sockets, e.g. "bbr" on fast, long links; '
+        "none: the host's",
     )
-    node.add_argument(
+    _flag(
+        node,
         "--bootstrap",
+        "libp2p multiaddr .../p2p/<peer-id> of a bootstrap node (repeatable)",
         action="append",
-        help="libp2p multiaddr .../p2p/<peer-id> of a bootstrap node (repeatable)",
     )
-    node.add_argument("--p2p-listen", help="libp2p multiaddr (default: free port, --listen host)")
-    node.add_argument("--no-p2p", action="store_true", help="no libp2p: HTTP peers from --peers")
+    _flag(node, "--p2p-listen", "libp2p multiaddr; none: a free port on the --listen host")
     node.add_argument(
+        "--no-p2p",
+        action="store_true",
+        help="no libp2p: HTTP peers from --peers only (default: libp2p on)",
+    )
+    _flag(
+        node,
         "--reachability",
+        "auto: peers dial back to tell; public: this address is reachable (a server, a "
+        "forwarded port); private: behind NAT, serve over libp2p only",
         choices=["auto", "public", "private"],
-        help="auto (default): peers dial back to tell; public: this address is reachable "
-        "(a server, a forwarded port); private: behind NAT, serve over libp2p only",
     )
 
 
@@ -204,5 +270,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     status = sub.add_parser("status", help="print a node's status")
     status.add_argument("url", help="http://host:port of the node")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="the whole /status document as JSON")
     status.set_defaults(func=cmd_status)

@@ -331,7 +331,7 @@ def test_sections_come_from_the_file_and_flags_override_one_field(tmp_path: Path
 
 
 def test_cli_bad_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
-    assert main(["node", "--role", "rollout", "--data-dir", str(tmp_path)]) == 1
+    assert main(["node", "--role", "rollout", "--data-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("p2psync: error: config: trust:") and err.count("\n") == 1
     assert main(["status", "http://127.0.0.1:9"]) == 1

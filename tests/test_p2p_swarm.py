@@ -219,5 +219,5 @@ TRUST = ("--trust", "ed25519:" + "00" * 32)
 def test_bad_p2p_flags_get_a_one_line_error(argv, message, capsys, tmp_path: Path) -> None:
     code = main(["node", "--data-dir", str(tmp_path / "d"), *argv])
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("p2psync: error: ") and message in err
+    assert code == 2 and err.startswith("p2psync: error: ") and message in err
     assert err.count("\n") == 1
