@@ -68,6 +68,15 @@ class Update:
     timeline: dict[str, float] = field(default_factory=dict)  # node.timeline: its steps
 
 
+def hook_env(version: int, state_hash: str, export: Path | None) -> dict[str, str]:
+    """The ``--on-update`` hook's environment. ``P2PSYNC_EXPORT`` is absolute: the hook may
+    hand it to an engine with another working directory (SGLang's ``model_path``)."""
+    env = {**os.environ, "P2PSYNC_VERSION": str(version), "P2PSYNC_STATE_HASH": state_hash}
+    if export is not None:
+        env["P2PSYNC_EXPORT"] = str(export.resolve())
+    return env
+
+
 class Follower:
     """Keeps one node's weights at the swarm's head."""
 
@@ -321,13 +330,7 @@ class Follower:
     async def _hook(self, m: Manifest) -> None:
         if not self.cmd:
             return
-        env = {
-            **os.environ,
-            "P2PSYNC_VERSION": str(m.version),
-            "P2PSYNC_STATE_HASH": m.target_state,
-        }
-        if self.export is not None:
-            env["P2PSYNC_EXPORT"] = str(self.export)
+        env = hook_env(m.version, m.target_state, self.export)
         proc = await asyncio.create_subprocess_shell(self.cmd, env=env)
         try:
             rc = await asyncio.wait_for(proc.wait(), 300)

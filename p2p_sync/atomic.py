@@ -15,6 +15,7 @@ took 0.37 s after 480 MB of such files on this machine (0.001 s without the reop
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -29,18 +30,39 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _temp_beside(target: Path, mode: int | None) -> tuple[int, Path]:
+    """An open, new temp file beside ``target``: private (0600, ``mkstemp``'s) when ``mode`` is
+    None, else created with ``mode`` so that the process umask applies, as for any file a
+    program writes for others to read."""
+    if mode is None:
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        return fd, Path(name)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, flags, mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temp name beside {target}")
+
+
 def atomic_write_with(
-    path: str | os.PathLike[str], write: Callable[[BinaryIO], None], durable: bool = True
+    path: str | os.PathLike[str],
+    write: Callable[[BinaryIO], None],
+    durable: bool = True,
+    mode: int | None = None,
 ) -> None:
     """Call ``write(f)`` on the open temp file to produce it, then move it to ``path``
     atomically.
 
     ``durable=False`` skips the fsyncs: still all-or-nothing if the process dies, but after a
     power loss the file may be empty. Only for files that are verified on every read anyway.
+    ``mode``: None keeps the file private (0600); else the umask applies to it (0o666: files an
+    engine running as another user reads).
     """
     target = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp = Path(tmp_name)
+    fd, tmp = _temp_beside(target, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

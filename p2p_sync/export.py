@@ -28,7 +28,9 @@ match the state.
 The first export writes both buffers (the same version twice, after the link points at the first):
 a join is slow anyway (it downloads the model), where a fresh buffer at the next version cost that
 version 2-5 s at 1B. Disk: two copies of the model in the export directory. Engines glob
-``*.safetensors`` in it; the buffers sit in a hidden subdirectory, out of that glob.
+``*.safetensors`` in it; the buffers sit in a hidden subdirectory, out of that glob. The files
+follow the process umask (readable by an engine running as another user under the usual 022;
+``umask 077`` keeps them private).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 LINK = "model.safetensors"
 INFO = "version.json"
 BUFFERS = (".p2psync/a.safetensors", ".p2psync/b.safetensors")
+SHARED = 0o666  # export files follow the umask: an engine may run as another user
 
 
 def write_export(
@@ -66,11 +69,11 @@ def write_export(
     how = "rewritten in place"
     if not rewrite_in_place(target, tensors):
         how = "written afresh (held by a reader, or new)"
-        save_weights(target, tensors, None, durable=False)
+        save_weights(target, tensors, None, durable=False, mode=SHARED)
     _point(directory, LINK, target)
     if info is not None:
         beside = target.with_suffix(".json")
-        fd = os.open(beside, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(beside, os.O_WRONLY | os.O_CREAT, SHARED)
         try:
             os.pwrite(fd, info, 0)
             os.ftruncate(fd, len(info))
@@ -79,7 +82,7 @@ def write_export(
         _point(directory, INFO, beside)
     spare = directory / spare_buffer(directory)
     if not spare.exists():  # the first export: the other buffer now, so no version makes one
-        save_weights(spare, tensors, None, durable=False)
+        save_weights(spare, tensors, None, durable=False, mode=SHARED)
         how += ", and the spare buffer created"
     log.info("export %s %s in %.2fs", target.name, how, time.perf_counter() - t0)
     return target

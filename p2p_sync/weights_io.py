@@ -105,9 +105,11 @@ def save_weights(
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str] | None = None,
     durable: bool = True,
+    mode: int | None = None,
 ) -> None:
-    """Write ``tensors`` to ``path`` atomically (old file or new, never a mix), streaming."""
-    atomic_write_with(path, lambda f: write_to(f, tensors, metadata), durable)
+    """Write ``tensors`` to ``path`` atomically (old file or new, never a mix), streaming;
+    ``mode`` as :func:`p2p_sync.atomic.atomic_write_with` takes it (None: private)."""
+    atomic_write_with(path, lambda f: write_to(f, tensors, metadata), durable, mode)
 
 
 def _parse_entry(name: str, info: object, data_size: int) -> Entry:

@@ -121,3 +121,29 @@ def test_version_json_follows_the_weights_by_a_link_swap(tmp_path: Path) -> None
         inodes.append(beside.stat().st_ino)
     assert inodes[0] == inodes[2] and inodes[1] == inodes[3]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".p2psync", LINK, "version.json"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_files_follow_the_umask(
+    tmp_path: Path, umask: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine running as another user reads the export under the usual umask 022; 077
+    keeps it private. Both buffers and version.json, first export and fresh files alike."""
+    old = os.umask(umask)
+    try:
+        write_export(tmp_path, weights(1), b'{"version": 1}')
+        monkeypatch.setattr(export, "unused", lambda path: False)  # a reader holds the spare
+        write_export(tmp_path, weights(2), b'{"version": 2}')
+    finally:
+        os.umask(old)
+    files = [tmp_path / b for b in BUFFERS] + [(tmp_path / b).with_suffix(".json") for b in BUFFERS]
+    assert {oct(f.stat().st_mode & 0o777) for f in files} == {oct(0o666 & ~umask)}
+
+
+def test_the_hook_gets_the_export_dir_as_an_absolute_path(tmp_path: Path, monkeypatch) -> None:
+    from node.rollout import hook_env
+
+    monkeypatch.chdir(tmp_path)
+    env = hook_env(3, "ab" * 32, Path("w1/"))
+    assert env["P2PSYNC_EXPORT"] == str(tmp_path / "w1") and env["P2PSYNC_VERSION"] == "3"
+    assert "P2PSYNC_EXPORT" not in hook_env(3, "ab" * 32, None)
