@@ -5,8 +5,9 @@ three rollouts follow from the start and a fourth joins late and catches up from
 snapshot. Per version it prints how long after the file appeared in the trainer's watch dir
 every running rollout had applied it (verified, in memory, logged) and had exported it
 (``--export``: the whole model written for an engine that reloads from disk), how many bytes
-the trainer vs the rollouts uploaded, then checks that every rollout's exported
-weights are bit-identical to the trainer's.
+the trainer vs the rollouts uploaded (a line as each version lands, the table at the end, a
+legend for its columns), what the late rollout fetched and from whom, then checks that every
+rollout's exported weights are bit-identical to the trainer's.
 """
 
 from __future__ import annotations
@@ -29,28 +30,61 @@ def uploaded(procs: list[Proc]) -> int:
     return sum((p.status() or {}).get("bytes_uploaded", 0) for p in procs)
 
 
+LEGEND = (
+    "artifacts: what the trainer published for the version: a patch (the changed elements "
+    "of one step), an anchor (the whole model, every 4th version, for newcomers)",
+    "applied at all: seconds from the file landing in the trainer's watch dir until the last "
+    "rollout held the version in memory, verified bit for bit",
+    "exported at all: until the last rollout had also written model.safetensors for an engine "
+    "that reloads from disk (--export)",
+    "trainer sent / rollouts sent: chunk bytes uploaded during the version by the trainer and "
+    "by all rollouts together (rollouts relay what they hold to each other)",
+)
+
+
 def run(
     root: Path, size: str, n_versions: int, late_at: int, console: Console, patch_format: int = 1
 ) -> bool:
     """Publish ``n_versions`` versions to three rollouts, a fourth joining at ``late_at``;
-    print a row per version. True when every rollout ends bit-identical to the trainer."""
+    print a line per version as it lands, then the table. True when every rollout ends
+    bit-identical to the trainer."""
     swarm = Swarm(root, chunk_size=64 * 1024)
     table = _version_table()
     try:
+        console.print("starting a trainer and 3 rollouts (each loads torch and the codec) ...")
         trainer = swarm.start_trainer(anchor_every=4, extra=("--patch-format", str(patch_format)))
         rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url]) for i in range(3)]
         console.print(f"trainer {trainer.url}; rollouts " + ", ".join(r.url for r in rollouts))
+        for line in LEGEND:
+            console.print(f"  [dim]{line}[/]")
         last = None
         for v, weights in enumerate(Workload(size, lr=1e-6).versions(n_versions)):
             if v == late_at:
                 rollouts.append(swarm.start_rollout("rollout-late", [rollouts[0].url]))
                 console.print(f"rollout-late joins at v{v} ({rollouts[-1].url})")
-            table.add_row(*_publish_version(swarm, trainer, rollouts, v, weights))
+            row = _publish_version(swarm, trainer, rollouts, v, weights)
+            table.add_row(*row)
+            console.print(f"v{v} {row[1]}: applied by all in {row[2]}, exported in {row[3]}")
             last = weights
         console.print(table)
+        if late_at < n_versions:
+            console.print(_late_joiner(trainer, rollouts))
         return _check(swarm, rollouts, last, console)
     finally:
         swarm.stop()
+
+
+def _late_joiner(trainer: Proc, rollouts: list[Proc]) -> str:
+    """What the late rollout fetched and from whom (its verified bytes by source)."""
+    names = {p.url: p.name for p in [trainer, *rollouts]}
+    status = rollouts[-1].status() or {}
+    by = sorted((status.get("bytes_downloaded_from") or {}).items(), key=lambda kv: -kv[1])
+    parts = ", ".join(f"{names.get(url, url)} {n / 1e6:.1f} MB" for url, n in by)
+    total = status.get("bytes_downloaded", 0) / 1e6
+    return (
+        f"rollout-late fetched {total:.1f} MB (the newest anchor, then the patches after it; "
+        f"the trainer's row at its version counts the anchor it sent): {parts or 'nothing'}"
+    )
 
 
 def _version_table() -> Table:

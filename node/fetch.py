@@ -36,7 +36,7 @@ class _Listener:
         self.node.timeline.note(self.digest, "first_chunk")
         self.node.peering.served(peer)
         self.node.view.notify_have()
-        self.node.metrics.count_download(nbytes)
+        self.node.metrics.count_download(nbytes, peer)
         if self.on_chunk is not None:
             self.on_chunk(nbytes)
 

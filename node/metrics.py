@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+SOURCES_KEPT = 64  # peers whose downloaded bytes are kept apart; the rest add up as "other"
+
 
 class Metrics:
-    """What a node counts: bytes each way, its version, its peers, its bans."""
+    """What a node counts: bytes each way (downloads also by source), its version, its peers,
+    its bans."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -22,14 +25,19 @@ class Metrics:
         self.version.set(-1)
         self.bytes_uploaded = 0
         self.bytes_downloaded = 0
+        self.downloaded_from: dict[str, int] = {}  # verified bytes by the peer that served them
 
     def count_upload(self, nbytes: int) -> None:
         self.bytes_uploaded += nbytes
         self.uploaded.inc(nbytes)
 
-    def count_download(self, nbytes: int) -> None:
+    def count_download(self, nbytes: int, source: str | None = None) -> None:
         self.bytes_downloaded += nbytes
         self.downloaded.inc(nbytes)
+        if source is not None:
+            full = len(self.downloaded_from) >= SOURCES_KEPT
+            key = "other" if full and source not in self.downloaded_from else source
+            self.downloaded_from[key] = self.downloaded_from.get(key, 0) + nbytes
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -277,6 +277,7 @@ class Node:
             "banned": sorted(self.peering.banned),
             "bytes_uploaded": self.metrics.bytes_uploaded,
             "bytes_downloaded": self.metrics.bytes_downloaded,
+            "bytes_downloaded_from": self.metrics.downloaded_from,
             "manifests": self.store.manifest_count(),
             "multiaddr": self.multiaddr,
             "p2p": p2p,
