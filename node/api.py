@@ -11,6 +11,11 @@ so each class has two faces over one node:
 Settings are the node's (``node.config.NodeConfig``): a TOML file, keyword arguments, or both
 (keywords win), checked the same way as the command line's, with the same error messages.
 
+Both report as the CLI does: one line per version (and the node's warnings) on stderr, through
+the ``p2psync`` logger, unless the program has configured logging itself (then its handlers
+get them) or passes ``report=False``. The root logger is left alone. ``status()`` is the node's
+``/status`` document: version, peers, bans, bytes.
+
 A rollout in the engine's process keeps the engine's live tensors at the swarm's head: pass
 ``model=`` (a ``torch.nn.Module`` or a state dict). The node fetches and verifies new versions
 in the background and holds them; the engine applies them in place when it chooses
@@ -20,7 +25,9 @@ in the background and holds them; the engine applies them in place when it choos
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Coroutine, Mapping
@@ -40,6 +47,32 @@ from p2p_sync.manifest import Manifest
 from p2p_sync.store import Store
 
 T = TypeVar("T")
+log = logging.getLogger("p2psync.node")
+
+
+class _ReportHandler(logging.StreamHandler):
+    """The node's lines on stderr, as the CLI prints them, while the program has configured
+    no logging of its own (once it has, its root handlers get the same records)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+        self.setFormatter(logging.Formatter("%(asctime)s p2psync %(message)s", "%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            self.stream = sys.stderr  # as it is now (a test or a notebook may swap it)
+            super().emit(record)
+
+
+def _report(enabled: bool) -> None:
+    """Let the ``p2psync`` logger's INFO lines (one per version) reach stderr; never the root
+    logger's settings."""
+    logger = logging.getLogger("p2psync")
+    if not enabled or any(isinstance(h, _ReportHandler) for h in logger.handlers):
+        return
+    logger.addHandler(_ReportHandler())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _config(
@@ -83,8 +116,11 @@ class _Embedded:
 
     role = ""
 
-    def __init__(self, config: str | os.PathLike[str] | None, settings: dict[str, Any]) -> None:
+    def __init__(
+        self, config: str | os.PathLike[str] | None, settings: dict[str, Any], report: bool = True
+    ) -> None:
         self.cfg = _config(self.role, config, dict(settings))
+        self.report = report
         self.node: Node | None = None
         self._thread: _LoopThread | None = None
 
@@ -104,13 +140,30 @@ class _Embedded:
         state = self.node.store.state if self.node else None
         return state.version if state else None
 
+    def status(self) -> dict[str, Any]:
+        """Where the node stands: its ``/status`` document (version, peers, bans, bytes), or
+        ``{"role": ..., "running": False}`` before it is open."""
+        if self.node is None:
+            return {"role": self.role, "running": False}
+        if self._thread is not None:
+            return self._thread.run(self._astatus())
+        return self.node.status()
+
+    async def _astatus(self) -> dict[str, Any]:
+        assert self.node is not None
+        return self.node.status()
+
     async def _open_node(self, node_cls: type[Node]) -> Node:
+        _report(self.report)
         policy, key = policy_for(self.cfg)
         store = await asyncio.to_thread(Store.open, self.cfg.data_dir, self.cfg.store)
         node = node_cls(self.cfg, policy, store)
         node.signer = key
         await node.start()
         self.node, self._key = node, key
+        state, peers = store.state, ", ".join(self.cfg.peers) or "none given"
+        at = f"v{state.version}" if state else "no version yet"
+        log.info("%s listening on %s (%s; peers: %s)", self.role, node.url, at, peers)
         return node
 
     def _sync(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -176,8 +229,10 @@ class Trainer(_Embedded):
 
     role = "trainer"
 
-    def __init__(self, config: str | os.PathLike[str] | None = None, **settings: Any) -> None:
-        super().__init__(config, settings)
+    def __init__(
+        self, config: str | os.PathLike[str] | None = None, *, report: bool = True, **settings: Any
+    ) -> None:
+        super().__init__(config, settings, report)
         self.publisher: Publisher | None = None
 
     async def _astart(self) -> None:
@@ -237,9 +292,10 @@ class Rollout(_Embedded):
         model: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
         hold: bool | None = None,
         on_update: Any = None,
+        report: bool = True,
         **settings: Any,
     ) -> None:
-        super().__init__(config, settings)
+        super().__init__(config, settings, report)
         self._model = _tensors(model) if model is not None else None
         self.hold = hold if hold is not None else model is not None
         self.callback = on_update
