@@ -85,8 +85,9 @@ class SigningKey:
         )
 
 
-def write_keypair(key: SigningKey, path: Path, force: bool = False) -> Path:
+def write_keypair(key: SigningKey, path: str | os.PathLike[str], force: bool = False) -> Path:
     """Write ``path`` (private, mode 0600) and ``path.pub`` (one line); returns the .pub path."""
+    path = Path(path)
     pub = path.with_name(path.name + ".pub")
     if not force:
         for p in (path, pub):
