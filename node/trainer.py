@@ -33,6 +33,7 @@ from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.catchup import merge_steps
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
+from p2p_sync.errors import LayoutMismatchError, WeightsFileError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import (
@@ -58,7 +59,7 @@ from p2p_sync.tensors import (
 )
 from p2p_sync.threads import background_pool, map_workers
 from p2p_sync.versions import PublishPolicy, to_publish
-from p2p_sync.weights_io import load_weights, pread_into, read_index, write_to
+from p2p_sync.weights_io import load_weights, open_weights, pread_into, read_index, write_to
 
 log = logging.getLogger("p2psync.trainer")
 
@@ -234,7 +235,7 @@ class Publisher:
         version = self.next_version
         self.timings = PublishTimings(version)
         t0 = time.perf_counter()
-        with open(path, "rb") as f:
+        with open_weights(path) as f:
             entries, start = read_index(f, path)
             layout = layout_of_specs([(n, dt, shape) for n, dt, shape, _, _ in entries])
             check_layout(layout_of(self.prev), layout, f"{path}")
@@ -494,7 +495,10 @@ class Publisher:
 
     async def publish_file(self, path: Path) -> list[Manifest]:
         """Publish a safetensors file (``--watch``): streamed tensor by tensor into ``prev``
-        when there is one on the CPU to diff against, else loaded whole."""
+        when there is one on the CPU to diff against, else loaded whole. A file that cannot be
+        published raises ``WeightsFileError`` (gone, unreadable, not a regular file, not
+        safetensors, cut short, no tensors) or ``LayoutMismatchError`` (other tensor names,
+        shapes or dtypes than v0) and changes nothing."""
         prev = self.prev
         if (
             prev is None
@@ -502,6 +506,8 @@ class Publisher:
             or any(t.device.type != "cpu" or not t.is_contiguous() for t in prev.values())
         ):
             weights = await asyncio.to_thread(load_weights, path)
+            if not weights:  # a v0 of nothing would make every later file a layout mismatch
+                raise WeightsFileError(f"{path}: holds no tensors")
             return await self.publish(weights, owned=True)
         return await self._publish(lambda: self._build_file(path), None, True)
 
@@ -601,6 +607,79 @@ def _sizes(built: list[Built]) -> str:
     return ", ".join(one(m) for m, _, _ in built)
 
 
+REJECTED = "rejected"  # where --watch moves the files it cannot publish, inside the watch dir
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A ``*.safetensors`` name in the watch dir, as listed: size and mtime -1 where it could
+    not be stat'ed (gone, or a dangling link: opening it says which)."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> Listed:
+        try:
+            st = path.lstat()
+        except OSError:
+            return cls(path, -1, -1)
+        return cls(path, st.st_size, st.st_mtime_ns)
+
+
+def to_try(listed: list[Listed], published: set[str], refused: set[Listed]) -> list[Path]:
+    """The files to publish now, oldest first (by mtime, then name): neither published (by
+    name) nor refused and left in place unchanged (by name, size and mtime)."""
+    fresh = [e for e in listed if e.path.name not in published and e not in refused]
+    return [e.path for e in sorted(fresh, key=lambda e: (e.mtime_ns, e.path.name))]
+
+
+def aside(directory: Path, name: str, taken: Callable[[Path], bool], tries: int = 1000) -> Path:
+    """Where a refused file goes: ``directory/rejected/name``, or ``name.1``, ``name.2``...
+    when an earlier one holds the name (the last try is overwritten)."""
+    folder = directory / REJECTED
+    for n in range(tries):
+        dest = folder / (name if n == 0 else f"{name}.{n}")
+        if not taken(dest):
+            return dest
+    return dest
+
+
+class Spool:
+    """The ``--watch`` dir as a spool: files renamed in are published once, in order; one
+    that cannot be (``refuse``) is moved aside to ``rejected/``. Names published are kept in
+    the data dir (``watched.txt``), so a restart does not publish them again."""
+
+    def __init__(self, directory: Path, seen_path: Path) -> None:
+        self.directory, self.seen_path = directory, seen_path
+        self.published = set(seen_path.read_text().split("\n")) if seen_path.exists() else set()
+        self.refused: set[Listed] = set()  # refused but could not be moved: not retried as is
+
+    def fresh(self) -> list[Path]:
+        listed = [Listed.of(p) for p in self.directory.glob("*.safetensors")]
+        return to_try(listed, self.published, self.refused)
+
+    def done(self, path: Path) -> None:
+        self.published.add(path.name)
+        atomic_write_bytes(self.seen_path, "\n".join(sorted(self.published)).encode())
+
+    def refuse(self, path: Path, problem: Exception) -> str:
+        """Move ``path`` aside; the log line: the file, the problem, and where it went."""
+        what = str(problem) if path.name in str(problem) else f"{path}: {problem}"
+        listed = Listed.of(path)
+        try:
+            (self.directory / REJECTED).mkdir(exist_ok=True)
+            dest = aside(self.directory, path.name, os.path.lexists)
+            os.rename(path, dest)
+        except FileNotFoundError:
+            return f"{what}; not published (the file is gone)"
+        except OSError as exc:
+            self.refused.add(listed)
+            return f"{what}; not published, left in place (cannot move it aside: {exc.strerror})"
+        return f"{what}; not published, moved to {dest}"
+
+
 async def watch(
     publisher: Publisher, directory: Path, stop: asyncio.Event, interval: float = 0.2
 ) -> None:
@@ -608,15 +687,24 @@ async def watch(
 
     Files must appear by rename (written elsewhere, then moved in), so a file is never read half
     written. Names already published are remembered in the data dir across restarts.
+
+    A file that cannot be published (cut short or not safetensors, another layout or dtype than
+    v0, unreadable, a directory or a pipe) costs one log line naming it and the problem, and is
+    moved to ``directory/rejected/``; the trainer keeps serving and publishes the next file.
+    Moved rather than left in place: the watch dir is a spool, an operator finds every refused
+    file in one place, and none is read again at each restart. One that cannot be moved stays,
+    remembered by name, size and mtime until the process ends. Other failures (the store's
+    disk) are the node's, not the file's: they still stop the trainer.
     """
-    seen_path = publisher.node.store.root / "watched.txt"
-    seen = set(seen_path.read_text().split("\n")) if seen_path.exists() else set()
+    spool = Spool(directory, publisher.node.store.root / "watched.txt")
     while not stop.is_set():
-        fresh = [p for p in directory.glob("*.safetensors") if p.name not in seen]
-        for path in sorted(fresh, key=lambda p: (p.stat().st_mtime_ns, p.name)):
-            await publisher.publish_file(path)
-            seen.add(path.name)
-            atomic_write_bytes(seen_path, "\n".join(sorted(seen)).encode())
+        for path in spool.fresh():
+            try:
+                await publisher.publish_file(path)
+            except (WeightsFileError, LayoutMismatchError) as exc:
+                log.warning("watch: %s", spool.refuse(path, exc))
+                continue
+            spool.done(path)
         try:
             await asyncio.wait_for(stop.wait(), interval)
         except TimeoutError:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from typing import BinaryIO
@@ -160,24 +161,38 @@ def pread_into(fd: int, t: torch.Tensor, offset: int, path: object, name: str) -
     view = memoryview(flat_bits(t).numpy()).cast("B") if t.numel() else memoryview(b"")
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
+        try:
+            got = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            why = exc.strerror
+            raise WeightsFileError(f"{path}: cannot read tensor {name!r} ({why})") from None
         if got <= 0:
             raise WeightsFileError(f"{path}: truncated in tensor {name!r}")
         done += got
 
 
-def _open(path: str | os.PathLike[str]) -> BinaryIO:
+def open_weights(path: str | os.PathLike[str]) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file, else a :class:`WeightsFileError`
+    saying why not: gone, unreadable, or a directory, pipe or device. Opened non-blocking,
+    then checked, so a named pipe in a watched dir cannot hang the reader."""
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise WeightsFileError(f"{path}: no such file") from None
     except OSError as exc:
         raise WeightsFileError(f"{path}: cannot open ({exc.strerror})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise WeightsFileError(f"{path}: {what}, not a weights file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def load_weights(path: str | os.PathLike[str], device: str = "cpu") -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, on ``device``, read straight into its storage."""
-    with _open(path) as f:
+    with open_weights(path) as f:
         entries, base = read_index(f, path)
         out = {
             name: torch.empty(shape, dtype=dtype, device=device)
@@ -193,7 +208,7 @@ def load_into(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor])
     Every name, shape and dtype is checked before the first byte is written: a file that does
     not match is refused with the tensor it differs in, and ``tensors`` are left untouched.
     """
-    with _open(path) as f:
+    with open_weights(path) as f:
         entries, base = read_index(f, path)
         _check_entries(entries, tensors, path)
         _fill(f.fileno(), entries, base, tensors, path)
