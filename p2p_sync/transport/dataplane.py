@@ -203,6 +203,20 @@ class HttpLimits:
     # default). "bbr" resumes an idle connection at its measured rate, where Linux restarts
     # it in slow start otherwise (transport/tcp.py: fast, long paths need it)
     tcp_congestion: str = ""
+    # inbound connections held at once, in all and from one address (an IPv6 /64); one
+    # over either gets a 503 and is closed (``transport.connections``). The total never
+    # exceeds half the process's descriptor limit (RLIMIT_NOFILE): the other half is the
+    # node's own connections and files. A peer's client holds at most 100 connections to
+    # one node (chunk requests, have feeds, announcements): one address's cap leaves it room
+    max_connections: int = 4096
+    max_connections_per_address: int = 256
+    # a request header must be whole this long after its connection opened or its first
+    # byte came (a slow-loris client sends one byte a while); a keep-alive connection with no
+    # request in progress is closed after ``idle_timeout_s`` (more than the client's own
+    # 15 s: the client closes first). A long poll, a have feed or a chunk in progress is a
+    # request in progress, not idle
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0
 
     @property
     def read_patience_s(self) -> float:
