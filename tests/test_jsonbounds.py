@@ -23,7 +23,7 @@ JSON_VALUES = st.recursive(
     | st.floats(allow_nan=False, allow_infinity=False)
     | TRICKY,
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(TRICKY, inner, max_size=6),
-    max_leaves=60,
+    max_leaves=40,
 )
 
 
@@ -42,7 +42,7 @@ def nested(levels: int, leaf: str) -> str:
     return opens + leaf + closes
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(JSON_VALUES)
 def test_every_document_within_the_bounds_loads_as_json_does(value: Any) -> None:
     text = json.dumps(value)
