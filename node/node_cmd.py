@@ -17,6 +17,7 @@ from node.patch_cmd import pick_device
 from node.rollout import Follower
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode, watch
+from p2p_sync import jsonbounds
 from p2p_sync.errors import P2PSyncError
 from p2p_sync.keys import load_public_key, load_signing_key
 from p2p_sync.manifest import SwarmPolicy
@@ -163,7 +164,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             async with session.get(f"{args.url.rstrip('/')}/status") as resp:
                 resp.raise_for_status()
-                return await resp.json()
+                return jsonbounds.loads(await resp.read())
 
     try:
         doc = asyncio.run(fetch())

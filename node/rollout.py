@@ -33,6 +33,7 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from node.fetch import fetch_payload
 from node.runtime import Node
+from p2p_sync import jsonbounds
 from p2p_sync.errors import DownloadStalledError, LayoutMismatchError, NoPathError, PatchError
 from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
@@ -226,7 +227,7 @@ class Follower:
         if self.export is None or state is None or self.weights is None:
             return False
         try:
-            doc = json.loads((self.export / "version.json").read_bytes())
+            doc = jsonbounds.loads((self.export / "version.json").read_bytes())
         except (OSError, ValueError):
             doc = None
         return doc != {"version": state.version, "state_hash": state.state_hash}

@@ -45,13 +45,14 @@ known is ignored. So a captured announcement cannot be replayed to make peers ch
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2p_sync import jsonbounds
 from p2p_sync.errors import (  # the announcement errors live there; re-exported for callers
     AnnouncementError,  # noqa: F401
     MalformedAnnouncementError,
+    MalformedJsonError,
     MalformedManifestError,
     ManifestError,
     OversizedAnnouncementError,
@@ -183,9 +184,9 @@ def parse(data: bytes, limits: AnnounceLimits = AnnounceLimits()) -> tuple:
     if len(data) > limits.max_message_bytes:
         raise OversizedAnnouncementError(f"{len(data)} bytes, limit {limits.max_message_bytes}")
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedAnnouncementError(f"not JSON ({exc})") from None
+        doc = jsonbounds.loads(data)
+    except MalformedJsonError as exc:  # too deep or too long a number too (HostileJsonError)
+        raise MalformedAnnouncementError(str(exc)) from None
     if not isinstance(doc, dict) or set(doc) != {"signed", "signatures", "manifests"}:
         raise MalformedAnnouncementError("expected an object with signed, signatures, manifests")
     announcement = _check_signed(doc["signed"], limits)

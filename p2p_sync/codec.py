@@ -47,6 +47,16 @@ Frames
 For each row with coding != 0, in table order: one zstd frame of exactly ``frame_size`` bytes,
 written with content size and checksum. The file ends right after the last frame.
 
+**Expansion.** The table and every frame unpack to at most 64 times their compressed size
+(``CodecLimits.max_expansion``), so what a decoder allocates follows the bytes it was given,
+not the sizes they declare (zstd alone allows ~32,000x: a 64 KiB frame of run-length blocks
+declares 2 GiB). A decoder refuses a file where a row's count or shape needs more than that
+before it unpacks anything: a sparse frame holds at least 2 bytes per change (its gaps), a
+dense one half a byte per element. zstd reaches such ratios only on near-constant data (nearly
+every element changing by the same delta); an encoder then ends a zstd block every 256 bytes
+of input, and a block costs at least 4 bytes, which keeps the frame within 64x. Real frames
+stay under 4x, tables under 8x.
+
 Every element of a tensor of dtype width W bytes is treated as a W-byte integer bit pattern.
 Its *delta* is ``d = (new - old) mod 2^(8W)`` read as a signed W-byte integer (iW); applying it
 is ``old + d mod 2^(8W)``. Exact integer arithmetic: no floating-point rounding anywhere.
@@ -243,6 +253,13 @@ class CodecLimits:
     max_table_bytes: int = 256 * 2**20
     max_ndim: int = 32
     max_tensor_elements: int = 2**40
+    # bytes the table or a frame may unpack to per byte of it (the spec's "Expansion"): a
+    # decoder's memory follows the file's bytes, not what they declare. Encoders keep to 64.
+    max_expansion: int = 64
+
+
+# What an encoder keeps every frame and table within (a block ends each 4x this many bytes).
+MAX_EXPANSION = CodecLimits.max_expansion
 
 
 @dataclass(frozen=True)
@@ -573,14 +590,27 @@ def decode_positions(buf: memoryview, n: int, numel: int, name: str) -> np.ndarr
 
 
 def _compress(streams: list[bytes], level: int) -> bytes:
-    """One zstd frame; each stream ends a block, so it gets its own entropy tables."""
+    """One zstd frame; each stream ends a block, so it gets its own entropy tables. A frame
+    unpacking to more than :data:`MAX_EXPANSION` times its size (near-constant streams) is
+    made again with a block ended every ``4 * MAX_EXPANSION`` bytes: a block takes at least 4
+    bytes (a run-length one), so decoders, which refuse more, take it."""
+    frame = _compress_blocks(streams, level, None)
+    if sum(len(s) for s in streams) > MAX_EXPANSION * len(frame):
+        frame = _compress_blocks(streams, level, 4 * MAX_EXPANSION)
+    return frame
+
+
+def _compress_blocks(streams: list[bytes], level: int, block: int | None) -> bytes:
+    """One zstd frame ending a block after each stream and, if ``block``, every ``block``
+    bytes of one."""
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True)
     size = sum(len(s) for s in streams)
     obj = cctx.compressobj(size=size)
     out = []
     for stream in streams:
-        if stream:
-            out.append(obj.compress(stream))
+        step = block or max(len(stream), 1)
+        for at in range(0, len(stream), step):
+            out.append(obj.compress(stream[at : at + step]))
             out.append(obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
     out.append(obj.flush())
     return b"".join(out)
@@ -1567,7 +1597,9 @@ def _frames(delta: TensorDelta, level: int, base_bits: Bits | None) -> tuple[Fra
     return plain, plain
 
 
-def _decompress(frame: memoryview, bound: int, name: str) -> memoryview:
+def _decompress(frame: memoryview, bound: int, name: str, limits: CodecLimits) -> memoryview:
+    """The frame's bytes, unpacked only if it declares at most ``bound`` of them (what its row
+    allows) and at most ``max_expansion`` times its own size: the output is allocated whole."""
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as exc:
@@ -1575,6 +1607,11 @@ def _decompress(frame: memoryview, bound: int, name: str) -> memoryview:
     size = params.content_size
     if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR) or size > bound:
         raise MalformedPatchError(f"{name}: frame declares {size} bytes, at most {bound} possible")
+    if size > limits.max_expansion * len(frame):
+        raise MalformedPatchError(
+            f"{name}: a {len(frame)}-byte frame declares {size} bytes, more than "
+            f"{limits.max_expansion}x its size"
+        )
     try:
         return memoryview(zstandard.ZstdDecompressor().decompress(frame, max_output_size=size))
     except zstandard.ZstdError as exc:
@@ -1668,7 +1705,11 @@ def _position_blocks(
 
 
 def decode_frame_blocks(
-    row: FrameInfo, frame: memoryview, base_bits: Bits | None = None, block: int | None = None
+    row: FrameInfo,
+    frame: memoryview,
+    base_bits: Bits | None = None,
+    block: int | None = None,
+    limits: CodecLimits = CodecLimits(),
 ) -> Iterator[TensorDelta]:
     """:func:`decode_frame` as consecutive deltas of at most ``block`` positions each, for a
     caller that applies them one by one: a sparse frame's positions take 8 bytes per changed
@@ -1678,10 +1719,10 @@ def decode_frame_blocks(
     anything is applied. Other codings come whole. ``block``: :data:`BLOCK` when None."""
     block = block or BLOCK
     if row.coding != SPARSE or row.count <= block:
-        yield decode_frame(row, frame, base_bits)
+        yield decode_frame(row, frame, base_bits, limits)
         return
     spec, n = row.spec, row.count
-    raw = _decompress(frame, _frame_bound(row), spec.name)
+    raw = _decompress(frame, _frame_bound(row), spec.name, limits)
     body, n_esc, d = _sparse_bodies(raw, spec, n)
     _check_position_body(body, n, spec.numel, n_esc, spec.name)
     deltas = torch.from_numpy(d).view(bits_dtype(spec.dtype))
@@ -1697,9 +1738,14 @@ def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
     return TensorDelta(spec, None, torch.from_numpy(d).view(bits_dtype(spec.dtype)))
 
 
-def decode_frame(row: FrameInfo, frame: memoryview, base_bits: Bits | None = None) -> TensorDelta:
+def decode_frame(
+    row: FrameInfo,
+    frame: memoryview,
+    base_bits: Bits | None = None,
+    limits: CodecLimits = CodecLimits(),
+) -> TensorDelta:
     """Decode and fully validate one tensor's frame (coding 3 needs the base's bits)."""
-    raw = _decompress(frame, _frame_bound(row), row.spec.name)
+    raw = _decompress(frame, _frame_bound(row), row.spec.name, limits)
     if row.coding == CLASSED:
         if base_bits is None:
             raise MissingBaseError(f"{row.spec.name}: exponent-class frame needs the base weights")
@@ -1877,6 +1923,22 @@ def _check_row(
         raise CountMismatchError(f"{spec.name}: {count} changes in {spec.numel} elements")
     if (coding == UNCHANGED) != (count == 0) or (coding == UNCHANGED) != (size == 0):
         raise CountMismatchError(f"{spec.name}: coding {coding} with count {count}, size {size}")
+    if _least_content(spec, coding, count) > limits.max_expansion * size:
+        raise MalformedPatchError(
+            f"{spec.name}: {count} changes in {spec.numel} elements cannot be coded in "
+            f"{size} bytes (a frame unpacks to at most {limits.max_expansion}x its size)"
+        )
+
+
+def _least_content(spec: TensorSpec, coding: int, count: int) -> int:
+    """The fewest bytes a frame of this row unpacks to: 2 per change (the gap planes) for a
+    sparse frame, half a byte per element for a dense one (coding 3 needs the base, whose
+    size bounds it: 0 here)."""
+    if coding == SPARSE:
+        return 2 * count
+    if coding == DENSE:
+        return spec.numel // 2
+    return 0
 
 
 def _read_table(data: memoryview, n: int, zsize: int, rawsize: int, limits: CodecLimits) -> bytes:
@@ -1886,7 +1948,7 @@ def _read_table(data: memoryview, n: int, zsize: int, rawsize: int, limits: Code
         raise TruncatedPatchError(
             f"patch is {len(data)} bytes, its table ends at {HEADER_SIZE + zsize}"
         )
-    table = _decompress(data[HEADER_SIZE : HEADER_SIZE + zsize], rawsize, "tensor table")
+    table = _decompress(data[HEADER_SIZE : HEADER_SIZE + zsize], rawsize, "tensor table", limits)
     if len(table) != rawsize:
         raise MalformedPatchError(f"table is {len(table)} bytes, header says {rawsize}")
     return bytes(table)
@@ -1938,11 +2000,15 @@ def read_header(data: bytes | memoryview, limits: CodecLimits = CodecLimits()) -
 
 
 def _decode_rows(
-    data: memoryview, rows: list[FrameInfo], workers: int, base: TensorSet | None
+    data: memoryview,
+    rows: list[FrameInfo],
+    workers: int,
+    base: TensorSet | None,
+    limits: CodecLimits,
 ) -> list[TensorDelta]:
     def one(row: FrameInfo) -> TensorDelta:
         bits = _base_bits(base, row.spec) if row.coding == CLASSED else None
-        return decode_frame(row, data[row.offset : row.offset + row.size], bits)
+        return decode_frame(row, data[row.offset : row.offset + row.size], bits, limits)
 
     return map_workers(one, rows, workers)
 
@@ -1970,5 +2036,5 @@ def decode(
         _check_base(base, info.layout, info.base_hash, base_hash)
     else:
         base = None
-    deltas = _decode_rows(data, changed, workers, base)
+    deltas = _decode_rows(data, changed, workers, base, limits)
     return Patch(info.layout, info.base_hash, info.target_hash, {d.spec.name: d for d in deltas})

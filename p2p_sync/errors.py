@@ -160,6 +160,20 @@ class SmuggledManifestError(AnnouncementError):
     the signature."""
 
 
+# ---------------------------------------------------------------- JSON from peers and files
+
+
+class MalformedJsonError(P2PSyncError, ValueError):
+    """Bytes from a peer or a file are not one UTF-8 JSON document (``p2p_sync.jsonbounds``;
+    still a ValueError, as ``json.loads`` raised, for callers that catch that)."""
+
+
+class HostileJsonError(MalformedJsonError):
+    """JSON nested deeper, or with a longer number, than any p2psync document
+    (``jsonbounds.JsonLimits``): parsed, it would exhaust the parser's stack (RecursionError)
+    or its CPU (an integer of thousands of digits). Refused before ``json`` sees it."""
+
+
 # ---------------------------------------------------------------- local state and input
 
 

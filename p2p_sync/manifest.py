@@ -47,10 +47,12 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from p2p_sync import jsonbounds
 from p2p_sync.errors import (
     EndlessDataAttackError,
     ForgedSignatureError,
     FreezeAttackError,
+    MalformedJsonError,
     MalformedManifestError,
     MissingSignatureError,
     RollbackAttackError,
@@ -227,9 +229,9 @@ def parse(data: bytes, limits: ManifestLimits = ManifestLimits()) -> tuple[Manif
             f"manifest is {len(data)} bytes, limit {limits.max_manifest_bytes}"
         )
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedManifestError(f"not JSON ({exc})") from None
+        doc = jsonbounds.loads(data)
+    except MalformedJsonError as exc:  # too deep or too long a number too (HostileJsonError)
+        raise MalformedManifestError(str(exc)) from None
     if not isinstance(doc, dict) or set(doc) != {"signed", "signatures"}:
         raise MalformedManifestError("a manifest is an object with 'signed' and 'signatures'")
     _check_fields(doc["signed"])

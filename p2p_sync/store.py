@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Concatenate, ParamSpec, TypeVar
 
+from p2p_sync import jsonbounds
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with, fsync_dir
 from p2p_sync.chunks import chunk_hash
 from p2p_sync.errors import (  # noqa: F401 (re-exported)
@@ -194,7 +195,7 @@ class Store:
     def _check_format(self) -> None:
         """Refuse a data dir whose hashes follow another definition; mark a new one."""
         try:
-            found = json.loads(self.format_path.read_bytes()).get("state_hash")
+            found = jsonbounds.loads(self.format_path.read_bytes()).get("state_hash")
         except FileNotFoundError:
             old = ("checkpoint.json", "state.json", "log.jsonl", "manifests")
             found = 1 if any((self.root / n).exists() for n in old) else None
@@ -718,7 +719,7 @@ class Store:
         if not path.exists():
             return None
         try:
-            doc = json.loads(path.read_bytes())
+            doc = jsonbounds.loads(path.read_bytes())
             ckpt = Checkpoint(
                 int(doc["version"]), str(doc["state_hash"]), self.weights_dir / str(doc["weights"])
             )
@@ -752,7 +753,7 @@ class Store:
 
     def _parse_record(self, line: bytes) -> AcceptedState | None:
         try:
-            doc = json.loads(line)
+            doc = jsonbounds.loads(line)
             rec = AcceptedState(int(doc["version"]), str(doc["state_hash"]), str(doc["manifest"]))
         except (ValueError, KeyError, TypeError):
             return None

@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 import torch
 
+from p2p_sync import jsonbounds
 from p2p_sync.atomic import atomic_write_with
 from p2p_sync.errors import LayoutMismatchError, WeightsFileError
 from p2p_sync.tensors import flat_bits
@@ -145,7 +146,7 @@ def read_index(f: BinaryIO, path: object) -> tuple[list[Entry], int]:
         (n,) = struct.unpack("<Q", raw)
         if n > min(MAX_HEADER_BYTES, size - 8):
             raise ValueError(f"header of {n} bytes does not fit")
-        doc = json.loads(f.read(n))
+        doc = jsonbounds.loads(f.read(n))
         if not isinstance(doc, dict):
             raise ValueError("header is not an object")
         doc.pop("__metadata__", None)

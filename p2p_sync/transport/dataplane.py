@@ -115,7 +115,9 @@ A requester names its own data-plane URL in the ``X-P2PSync-Peer`` header: that 
 that only knew the trainer becomes known to everyone (via the trainer's ``/peers`` list).
 
 Everything a peer sends is untrusted: path parameters are validated before use, request bodies
-are capped (``max_request_bytes``), and any malformed request gets a 4xx without touching state.
+are capped (``max_request_bytes``), JSON is parsed within ``jsonbounds.JsonLimits`` (nesting,
+digits of a number), and any malformed request gets a 4xx without touching state: 413 for a
+body over its size limit, 422 for JSON past those bounds, 400 for the rest.
 
 Why a router of its own: the aiohttp server (``transport.http``) and the in-memory network
 (``transport.memory``, N nodes in one process for tests) answer requests with the same code,
@@ -137,8 +139,15 @@ from urllib.parse import urlsplit
 
 import zstandard
 
+from p2p_sync import jsonbounds
 from p2p_sync.bounded import remember
-from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError
+from p2p_sync.errors import (
+    HostileJsonError,
+    MalformedJsonError,
+    PeerBusyError,
+    PeerError,
+    PeerLacksError,
+)
 from p2p_sync.havelog import LOG_ID, HaveLog
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.uploads import Admission, UploadSlots
@@ -799,8 +808,8 @@ def _unpack_manifests(packed: bytes, limits: HttpLimits) -> Any:
             raw += piece
             if len(raw) > limits.max_request_bytes:
                 raise Refused(413, "packed manifests unpack to more than the request limit")
-        return json.loads(raw)
-    except (ValueError, zstandard.ZstdError):  # JSONDecodeError and UnicodeDecodeError too
+        return _parsed(raw, "packed manifests")
+    except (ValueError, zstandard.ZstdError):
         raise Refused(400, "packed manifests must be a zstd frame of JSON") from None
 
 
@@ -894,13 +903,21 @@ def _json_body(req: Request, limits: HttpLimits) -> dict[str, Any]:
 def _json_doc(body: bytes, limits: HttpLimits) -> dict[str, Any]:
     if len(body) > limits.max_request_bytes:
         raise Refused(413, "body over the request limit")
-    try:
-        doc = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise Refused(400, "body must be JSON") from None
+    doc = _parsed(body, "body")
     if not isinstance(doc, dict):
         raise Refused(400, "body must be a JSON object")
     return doc
+
+
+def _parsed(text: bytes | bytearray, what: str) -> Any:
+    """JSON from a request: a 422 if it nests too deep or holds too long a number (the
+    parser's stack and CPU), a 400 if it is not JSON."""
+    try:
+        return jsonbounds.loads(text)
+    except HostileJsonError as exc:
+        raise Refused(422, f"{what}: {exc}") from None
+    except MalformedJsonError:
+        raise Refused(400, f"{what} must be JSON") from None
 
 
 # ---------------------------------------------------------------- the client side
@@ -975,9 +992,12 @@ async def split_parts(body: Awaitable[bytes], url: str, sizes: list[int]) -> Asy
 
 
 def parse_json(url: str, body: bytes) -> Any:
+    """A peer's JSON answer; a PeerError if it is not JSON or past ``jsonbounds`` limits."""
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        return jsonbounds.loads(body)
+    except HostileJsonError as exc:
+        raise PeerError(f"{url}: {exc}") from None
+    except MalformedJsonError:
         raise PeerError(f"{url}: not JSON") from None
 
 

@@ -58,6 +58,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from p2p_sync import jsonbounds
 from p2p_sync.errors import ImpersonationError, PeerError
 from p2p_sync.transport import tcp
 from p2p_sync.transport.dataplane import (
@@ -156,7 +157,7 @@ def split_message(data: bytes, limit: int) -> tuple[dict[str, Any], bytes]:
     (n,) = _U32.unpack_from(data)
     if n > limit or _U32.size + n > len(data):
         raise ValueError(f"header of {n} bytes: over {limit} or past the message")
-    head = json.loads(data[_U32.size : _U32.size + n])
+    head = jsonbounds.loads(data[_U32.size : _U32.size + n])
     if not isinstance(head, dict) or not isinstance(head.get("id"), int):
         raise ValueError("header must be an object with an integer id")
     return head, data[_U32.size + n :]
@@ -295,7 +296,7 @@ class ReverseHub:
         challenge = secrets.token_hex(16)
         await ws.send_json({"challenge": challenge})
         async with asyncio.timeout(self.limits.connect_timeout_s):
-            doc = await ws.receive_json()
+            doc = await ws.receive_json(loads=jsonbounds.loads)
         peer_id, _ = verify(doc, challenge, lambda u: is_own_url(u, self.advertised(), sockname))
         await ws.send_json({"ok": True})
         return peer_id
@@ -433,11 +434,11 @@ class ReverseLinks:
                 self.open.discard(url)
 
     async def _prove(self, ws: aiohttp.ClientWebSocketResponse, url: str) -> None:
-        challenge = (await ws.receive_json()).get("challenge")
+        challenge = (await ws.receive_json(loads=jsonbounds.loads)).get("challenge")
         if not isinstance(challenge, str) or not HEX32.match(challenge):
             raise PeerError(f"{url}: no challenge on the reverse channel")
         await ws.send_json(prove(self.key_pair, self.peer_id, url, challenge))
-        if await ws.receive_json() != {"ok": True}:
+        if await ws.receive_json(loads=jsonbounds.loads) != {"ok": True}:
             raise PeerError(f"{url}: reverse channel refused")
 
     async def _answer_all(self, ws: aiohttp.ClientWebSocketResponse, url: str) -> None:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from p2p_sync.transport.lan import LanShortcuts
     from p2p_sync.transport.reverse import ReverseClient
 
+from p2p_sync import jsonbounds
 from p2p_sync.errors import PeerError, PeerUnreachableError
 from p2p_sync.transport.dataplane import (
     PEER_ID,
@@ -118,7 +119,7 @@ def _frame(doc: dict[str, Any]) -> bytes:
 
 def parse_request_header(raw: bytes, max_body: int) -> dict[str, Any]:
     """The request header, checked field by field; ValueError names what is wrong."""
-    return request_fields(json.loads(raw), max_body)
+    return request_fields(jsonbounds.loads(raw), max_body)
 
 
 def request_fields(doc: Any, max_body: int) -> dict[str, Any]:
@@ -140,7 +141,7 @@ def request_fields(doc: Any, max_body: int) -> dict[str, Any]:
 
 def parse_reply_header(raw: bytes) -> tuple[int, str, int]:
     """(status, content type, length); ValueError if malformed."""
-    return reply_fields(json.loads(raw))
+    return reply_fields(jsonbounds.loads(raw))
 
 
 def reply_fields(doc: Any) -> tuple[int, str, int]:
