@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -12,8 +13,12 @@ from rich.table import Table
 
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
-from p2p_sync.errors import BaseMismatchError, CommandError  # noqa: F401 (re-exported)
-from p2p_sync.patch import apply, diff
+from p2p_sync.errors import (  # noqa: F401 (CommandError re-exported)
+    BaseMismatchError,
+    CommandError,
+    PatchError,
+)
+from p2p_sync.patch import Patch, apply, diff
 from p2p_sync.statehash import state_hash
 from p2p_sync.weights_io import load_weights, save_weights
 
@@ -63,13 +68,50 @@ def cmd_apply(args: argparse.Namespace) -> int:
     try:  # decoding reads the base too: exponent-class positions are coded against it
         apply(weights, codec.decode(data, workers=args.workers, base=weights))
     except BaseMismatchError:
-        raise BaseMismatchError(
-            f"{args.patch} was made for base {info.base_hash.hex()}, "
-            f"but {args.base} hashes to {state_hash(weights).hex()}"
-        ) from None
+        raise BaseMismatchError(_which_is_wrong(args.patch, args.base, data, weights)) from None
     save_weights(args.out, weights)
     print(f"wrote {args.out}: state {info.target_hash.hex()}")
     return 0
+
+
+def _which_is_wrong(patch: Path, base: Path, data: bytes, weights: dict) -> str:
+    """A base hash mismatch: the weights are another base, or the patch's header is damaged
+    (it has no checksum of its own). Decoding against the weights anyway tells them apart:
+    reaching the header's target hash means only the header's base field changed."""
+    info, have = codec.read_header(data), state_hash(weights)
+    trial = {k: t.clone() for k, t in weights.items()}
+    try:
+        p = codec.decode(data, base=trial, base_hash=info.base_hash)
+        apply(trial, Patch(p.layout, have, p.target_hash, p.deltas))
+    except PatchError:
+        return (
+            f"{patch} was made for base {info.base_hash.hex()}, but {base} hashes to "
+            f"{have.hex()}: another base (or the patch is corrupt too)"
+        )
+    return (
+        f"{patch} is corrupt: its header names base {info.base_hash.hex()}, but its frames "
+        f"turn {base} (which hashes to {have.hex()}) into its target {info.target_hash.hex()}"
+    )
+
+
+def _verify(args: argparse.Namespace, data: bytes) -> str:
+    """--verify: decode every frame (against --base when given); without a base, what needs
+    none. Returns what was checked, for stderr; corruption raises."""
+    if args.base is None:
+        need = codec.check_without_base(data)
+        if need:
+            return (
+                f"verified without the base: checksums, structure and position codes; "
+                f"{len(need)} exponent-class frame(s) need --base to check their values"
+            )
+        codec.decode(data)
+        return "verified: every frame decoded"
+    weights = load_weights(args.base, "cpu")
+    try:
+        apply({k: t.clone() for k, t in weights.items()}, codec.decode(data, base=weights))
+    except BaseMismatchError:
+        raise BaseMismatchError(_which_is_wrong(args.file, args.base, data, weights)) from None
+    return f"verified against {args.base}: every frame decoded and the target hash reached"
 
 
 def _row_dict(row: codec.FrameInfo) -> dict:
@@ -161,17 +203,16 @@ def _rows_table(rows: list[dict]) -> Table:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    info = codec.read_header(read_patch_file(args.file))
-    base_path = getattr(args, "base", None)
-    needs_base = any(r.coding == codec.CLASSED for r in info.rows)
-    if args.verify and (base_path or not needs_base):  # such frames decode only against a base
-        base = load_weights(base_path, "cpu") if base_path else None
-        codec.decode(read_patch_file(args.file), base=base)
+    data = read_patch_file(args.file)
+    info = codec.read_header(data)
+    checked = _verify(args, data) if args.verify else None
     d = inspect_dict(info)
     if args.json:
         print(json.dumps(d, indent=2))
     else:
         _print_inspect(args.file, d, Console(width=140))
+    if checked:
+        print(f"{args.file}: {checked}", file=sys.stderr)
     return 0
 
 
@@ -226,6 +267,7 @@ def _add_inspect(psub: argparse._SubParsersAction) -> None:
     insp.add_argument(
         "--base",
         type=Path,
-        help="with --verify: the base weights (format 2 frames decode against them)",
+        help="with --verify: the base weights (exponent-class frames decode against them; "
+        "without it, everything else is checked)",
     )
     insp.set_defaults(func=cmd_inspect)

@@ -2013,6 +2013,26 @@ def _decode_rows(
     return map_workers(one, rows, workers)
 
 
+def check_without_base(data: bytes | memoryview, limits: CodecLimits = CodecLimits()) -> list[str]:
+    """Verify everything in a patch that needs no base: the header, the table, every frame's
+    zstd checksum and structure, sparse and dense frames in full, and the position codes of
+    exponent-class frames. Returns the names of those frames: which elements their codes
+    select, and their values, can only be checked against the base's bits."""
+    data = memoryview(data)
+    need: list[str] = []
+    for row in read_header(data, limits).rows:
+        frame = data[row.offset : row.offset + row.size]
+        if row.coding == UNCHANGED:
+            continue
+        if row.coding != CLASSED:
+            decode_frame(row, frame, None, limits)
+            continue
+        raw = _decompress(frame, _frame_bound(row), row.spec.name, limits)
+        _coded_ranks(raw, _classed_head(raw, row.spec), row.spec.numel, row.spec.name)
+        need.append(row.spec.name)
+    return need
+
+
 def decode(
     data: bytes | memoryview,
     limits: CodecLimits = CodecLimits(),

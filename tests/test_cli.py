@@ -175,3 +175,46 @@ def test_the_command_freezes_what_its_imports_made_and_collects_again_after() ->
     )
     assert done.stdout.split()[-4:] == ["0", "True", "True", "True"], done.stdout
     assert "usage:" in done.stdout  # the CLI ran (``python -m node`` starts every test node)
+
+
+def _flipped(path: Path, offset: int) -> Path:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    out = path.with_name(f"flipped-{offset}.patch")
+    out.write_bytes(bytes(data))
+    return out
+
+
+def test_inspect_verify_without_the_base_checks_what_needs_none(files, capsys) -> None:
+    """A format-2 patch: with one byte flipped inside a frame, --verify fails without --base
+    (checksums and structure); intact, it passes and says what only --base can check."""
+    from p2p_sync import codec
+
+    create(files, capsys)
+    info = codec.read_header(files["patch"].read_bytes())
+    assert info.version == 2 and any(r.coding == codec.CLASSED for r in info.rows)
+    code, _, err = run(capsys, "patch", "inspect", files["patch"], "--json", "--verify")
+    assert code == 0 and "need --base" in err
+    biggest = max(info.rows, key=lambda r: r.size)
+    bad = _flipped(files["patch"], biggest.offset + biggest.size // 2)
+    code, out, err = run(capsys, "patch", "inspect", bad, "--json", "--verify")
+    assert code == 1 and err.startswith("p2psync: error: ") and err.count("\n") == 1, err
+    assert biggest.spec.name in err and not out
+
+
+def test_a_damaged_header_is_told_apart_from_another_base(files, capsys) -> None:
+    """The header has no checksum: a flipped base-hash byte used to read as "made for another
+    base". Decoding against the given base tells which of the two is wrong."""
+    create(files, capsys)
+    bad = _flipped(files["patch"], 40)  # the header's base state hash
+    for cmd in (["inspect", bad, "--verify", "--base", files["v0"]],):
+        code, _, err = run(capsys, "patch", *cmd)
+        assert code == 1 and "is corrupt: its header names base" in err, err
+    code, _, err = run(
+        capsys, "patch", "inspect", files["patch"], "--verify", "--base", files["v2"]
+    )
+    assert code == 1 and "another base" in err, err
+    code, _, err = run(
+        capsys, "patch", "inspect", files["patch"], "--verify", "--base", files["v0"]
+    )
+    assert code == 0 and "target hash reached" in err, err
