@@ -207,9 +207,12 @@ def test_a_damaged_header_is_told_apart_from_another_base(files, capsys) -> None
     base". Decoding against the given base tells which of the two is wrong."""
     create(files, capsys)
     bad = _flipped(files["patch"], 40)  # the header's base state hash
-    for cmd in (["inspect", bad, "--verify", "--base", files["v0"]],):
-        code, _, err = run(capsys, "patch", *cmd)
-        assert code == 1 and "is corrupt: its header names base" in err, err
+    code, _, err = run(capsys, "patch", "inspect", bad, "--verify", "--base", files["v0"])
+    assert code == 1 and "is corrupt: its header names base" in err, err
+    out = files["v0"].with_name("out.safetensors")
+    argv = ["apply", "--base", files["v0"], "--patch", bad, "--out", out]
+    code, _, err = run(capsys, "patch", *argv)
+    assert code == 1 and "is corrupt" in err and not out.exists(), err
     code, _, err = run(
         capsys, "patch", "inspect", files["patch"], "--verify", "--base", files["v2"]
     )
