@@ -25,6 +25,7 @@ in the background and holds them; the engine applies them in place when it choos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -156,10 +157,15 @@ class _Embedded:
     async def _open_node(self, node_cls: type[Node]) -> Node:
         _report(self.report)
         policy, key = policy_for(self.cfg)
-        store = await asyncio.to_thread(Store.open, self.cfg.data_dir, self.cfg.store)
-        node = node_cls(self.cfg, policy, store)
-        node.signer = key
-        await node.start()
+        # locked while the node runs: a second node on this data dir is refused
+        store = await asyncio.to_thread(Store.open, self.cfg.data_dir, self.cfg.store, True)
+        try:
+            node = node_cls(self.cfg, policy, store)
+            node.signer = key
+            await node.start()
+        except BaseException:
+            store.close()
+            raise
         self.node, self._key = node, key
         state, peers = store.state, ", ".join(self.cfg.peers) or "none given"
         at = f"v{state.version}" if state else "no version yet"
@@ -187,6 +193,8 @@ class _Embedded:
         try:
             self._thread.run(self._astart())
         except BaseException:
+            with contextlib.suppress(Exception):  # a node started part-way: its data dir's lock
+                self._thread.run(self._astop(), timeout=60)
             self._thread.close()
             self._thread = None
             raise
@@ -208,7 +216,12 @@ class _Embedded:
         self.close()
 
     async def __aenter__(self) -> Any:
-        await self._astart()
+        try:
+            await self._astart()
+        except BaseException:
+            with contextlib.suppress(Exception):  # a node started part-way: its data dir's lock
+                await self._astop()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -28,6 +28,7 @@ from p2p_sync.errors import (
     ManifestError,
     PeerError,
     RollbackAttackError,
+    StoreFullError,
 )
 from p2p_sync.manifest import Manifest
 from p2p_sync.peers import PeerAnswered, PeerFailed
@@ -152,18 +153,26 @@ class Learner:
             except ChunkError:
                 self.node.ban(url, f"pushed chunk {index} of {digest[:16]} failing its hash")
                 continue
-            self.node.store.put_chunk(data, m.chunks[index])
+            try:
+                self.node.store.put_chunk(data, m.chunks[index])
+            except StoreFullError:  # logged by the store; the download takes them later
+                break
             stored = True
         return stored
 
-    def _keep(self, manifest: Manifest, data: bytes) -> None:
+    def _keep(self, manifest: Manifest, data: bytes) -> bool:
         """Store an accepted manifest, take the chunks pushed of it, and wake the have feeds
         held for it (``GET /have`` of a manifest not here waits for it: peers that heard of
-        the version first are already following this node)."""
-        self.node.store.put_manifest(manifest, data)
+        the version first are already following this node). False when the disk is full:
+        not learned, so the next poll of a peer's manifests offers it again."""
+        try:
+            self.node.store.put_manifest(manifest, data)
+        except StoreFullError:  # logged by the store
+            return False
         self.node.timeline.note(manifest.digest, "learned")
         self._adopt(manifest.digest)
         self.node.view.notify_have()
+        return True
 
     async def learn(
         self, peer: str, digests: list[str], inline: Mapping[str, bytes] | None = None
@@ -227,7 +236,8 @@ class Learner:
             node.ban(peer, f"offered a bad manifest ({exc})")
             return None
         node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
-        self._keep(manifest, data)
+        if not self._keep(manifest, data):
+            return None
         if node.p2p is not None:  # its gossip copy, if one comes, is still news to forward
             node.p2p.gate.learned_elsewhere([digest])
         return manifest
@@ -448,8 +458,7 @@ class Learner:
         """Store the fresh manifests an announcement carried inline; their digests."""
         stored = []
         for m, raw in self.node.trusted.fresh_inline(decision):
-            if not self.node.store.has_manifest(m.digest):
-                self._keep(m, raw)
+            if not self.node.store.has_manifest(m.digest) and self._keep(m, raw):
                 stored.append(m.digest)
         return stored
 

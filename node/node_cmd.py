@@ -55,11 +55,16 @@ async def start_node(cfg: NodeConfig) -> tuple[Node, object | None]:
     try:
         check_files(cfg)
         policy, key = policy_for(cfg)
-        store = await asyncio.to_thread(Store.open, cfg.data_dir, cfg.store)
-        node_cls = TrainerNode if cfg.role == "trainer" else Node
-        node = node_cls(cfg, policy, store)
-        node.signer = key  # the trainer signs its gossip announcements with its manifest key
-        await node.start()
+        # locked while the node runs: a second node on this data dir is refused, naming it
+        store = await asyncio.to_thread(Store.open, cfg.data_dir, cfg.store, True)
+        try:
+            node_cls = TrainerNode if cfg.role == "trainer" else Node
+            node = node_cls(cfg, policy, store)
+            node.signer = key  # the trainer signs its announcements with its manifest key
+            await node.start()
+        except BaseException:
+            store.close()
+            raise
     except StartupError:
         raise
     except P2PSyncError as exc:

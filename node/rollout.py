@@ -8,6 +8,12 @@ patch's pack plus one fsynced log line (``Store.record``); full weights are writ
 ``checkpoint_every`` versions and at clean shutdown. A restart rebuilds the head from the
 checkpoint and the logged patches (``p2p_sync.restore``).
 
+A full disk (``StoreFullError``, logged once by the store) pauses the loop, never ends it: the
+download stops where it is (its chunks stay), a version applied but not logged is rolled back
+to the logged state, a due checkpoint waits, and the loop tries again until the
+disk has room (``[store] full_retry_s``, or sooner when a manifest could be stored), then goes
+on from the logged state.
+
 Hand-off, best first: an engine in this process applies pending versions itself, between
 generation batches (``hold=True``: fetched versions wait in ``pending`` until
 ``apply_pending``); else the ``on_update`` callback; ``--export DIR`` (``model.safetensors``
@@ -18,6 +24,7 @@ reloading engine needs the file; ``p2p_sync.export``) and the ``--on-update CMD`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +41,13 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 from node.fetch import fetch_payload
 from node.runtime import Node
 from p2p_sync import jsonbounds
-from p2p_sync.errors import DownloadStalledError, LayoutMismatchError, NoPathError, PatchError
+from p2p_sync.errors import (
+    DownloadStalledError,
+    LayoutMismatchError,
+    NoPathError,
+    PatchError,
+    StoreFullError,
+)
 from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
@@ -109,6 +122,7 @@ class Follower:
         self.updates: list[Update] = []  # the last few hand-offs, newest last
         self._lock = asyncio.Lock()  # one apply at a time (engine call vs. the loop)
         self._checkpointing: asyncio.Task[None] | None = None
+        self.full = False  # paused by a full disk: the next applied version says it resumed
         node.reports_hand_off = True  # a stale export is rewritten (run) before it is reported
         node.handed_off = None if self._export_stale() else node.store.state
 
@@ -179,8 +193,9 @@ class Follower:
 
     async def _checkpoint_done(self) -> None:
         if self._checkpointing is not None:
-            await self._checkpointing
-            self._checkpointing = None
+            task, self._checkpointing = self._checkpointing, None
+            with contextlib.suppress(StoreFullError):  # logged by the store; due again later
+                await task
 
     async def _checkpoint(self, version: int, target: str) -> None:
         weights = self.weights
@@ -251,7 +266,11 @@ class Follower:
         self.weights = await asyncio.to_thread(self._apply_one, m)
         up.applied_at = time.time()
         t1 = time.perf_counter()
-        self.node.store.record(m.version, m.target_state, m.digest)  # one small fsynced line
+        try:
+            self.node.store.record(m.version, m.target_state, m.digest)  # one fsynced line
+        except StoreFullError:  # not accepted after all: back to the logged state
+            await asyncio.to_thread(self._rebuild, self.weights)
+            raise
         t2 = time.perf_counter()
         exported = await self._export(m.version, m.target_state)
         self._checkpoint_if_due(m)
@@ -272,6 +291,9 @@ class Follower:
         return up
 
     def _note(self, up: Update) -> None:
+        if self.full:
+            self.full = False
+            log.info("the data dir has room again: following the swarm from v%d", up.version)
         news, self.advanced = self.advanced, asyncio.Event()
         news.set()
         self.updates = [*self.updates[-15:], up]
@@ -310,6 +332,9 @@ class Follower:
                 except LayoutMismatchError:  # the engine's model does not fit: its error
                     self.pending.clear()
                     raise
+                except StoreFullError:  # logged by the store: the rest wait for room
+                    self.full = True
+                    break
                 except PatchError as exc:
                     log.error("v%d refused: %s; planning around it", m.version, exc)
                     self.refused.add(m.digest)
@@ -324,7 +349,8 @@ class Follower:
         if self.weights is None or state is None or not self.node.store.checkpoint_due(1):
             return
         if state_hash(self.weights).hex() == state.state_hash:  # never checkpoint a torn state
-            await self._checkpoint(state.version, state.state_hash)
+            with contextlib.suppress(StoreFullError):  # logged; the log still rebuilds it
+                await self._checkpoint(state.version, state.state_hash)
 
     # ------------------------------------------------------------ the loop
 
@@ -379,8 +405,12 @@ class Follower:
                         log.warning("%s; re-planning", exc)
                         self.stalled.add(exc.digest)
                         break
+                    except StoreFullError:  # logged by the store: try again later
+                        self.full = True
+                        break
+                wait = self.node.cfg.store.full_retry_s if self.full else 1.0
                 try:
-                    await asyncio.wait_for(self.node.learner.new_info.wait(), 1.0)
+                    await asyncio.wait_for(self.node.learner.new_info.wait(), wait)
                 except TimeoutError:
                     pass
         finally:

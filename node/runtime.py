@@ -180,6 +180,7 @@ class Node:
         if self.client is not None:
             await self.client.close()
         await self.transport.stop()
+        self.store.close()  # the data dir's lock: another node may use it now
 
     # ------------------------------------------------------------ peers and state
 

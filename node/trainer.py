@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -33,7 +34,7 @@ from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.catchup import merge_steps
 from p2p_sync.chunks import file_chunk_hashes, manifest_for
-from p2p_sync.errors import LayoutMismatchError, WeightsFileError
+from p2p_sync.errors import LayoutMismatchError, StoreFullError, WeightsFileError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, sign
 from p2p_sync.patch import (
@@ -166,8 +167,13 @@ class Publisher:
         """The anchor: written straight to a pack file one tensor at a time, hashed by reading
         it back block by block; the bytes never sit in memory as one payload."""
         fd, name = tempfile.mkstemp(prefix=".snapshot-", suffix=".tmp", dir=self.node.store.root)
-        with os.fdopen(fd, "wb") as f:
-            write_to(f, new)
+        with self.node.store.writing(f"the anchor of v{version}"):
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    write_to(f, new)
+            except BaseException:
+                os.unlink(name)  # a model's worth of a full disk, given back at once
+                raise
         chunks = file_chunk_hashes(name, self.policy.chunk_size)
         m = self._manifest(version, SNAPSHOT, target, layout, None, chunks=chunks)
         return m, sign(m, [self.key]), Path(name)
@@ -435,6 +441,8 @@ class Publisher:
             return
         try:
             await task
+        except StoreFullError:
+            pass  # logged by the store: the head is published, the next anchor comes later
         except Exception:
             log.exception("building catch-up patches failed")
 
@@ -552,7 +560,10 @@ class Publisher:
         """Checkpoint the head at clean shutdown, so a restart replays nothing."""
         state, store = self.node.store.state, self.node.store
         if state is not None and self.prev is not None and store.checkpoint_due(1):
-            store.set_checkpoint(state.version, state.state_hash, lambda f: write_to(f, self.prev))
+            with contextlib.suppress(StoreFullError):  # logged by the store; the log rebuilds it
+                store.set_checkpoint(
+                    state.version, state.state_hash, lambda f: write_to(f, self.prev)
+                )
 
     def refresh(self, now: int) -> list[Manifest]:
         """Re-sign the newest manifest of each (version, kind, base) once half its lifetime has
@@ -575,7 +586,10 @@ class Publisher:
 
     async def refresh_loop(self, stop: asyncio.Event, interval: float = 600.0) -> None:
         while not stop.is_set():
-            renewed = await asyncio.to_thread(self.refresh, int(time.time()))
+            try:
+                renewed = await asyncio.to_thread(self.refresh, int(time.time()))
+            except StoreFullError:  # logged by the store: the next round tries again
+                renewed = []
             if renewed:
                 log.info("re-signed %d manifest(s) nearing expiry", len(renewed))
                 await self.node.learner.announce([m.digest for m in renewed])
@@ -694,13 +708,18 @@ async def watch(
     Moved rather than left in place: the watch dir is a spool, an operator finds every refused
     file in one place, and none is read again at each restart. One that cannot be moved stays,
     remembered by name, size and mtime until the process ends. Other failures (the store's
-    disk) are the node's, not the file's: they still stop the trainer.
+    disk) are the node's, not the file's: a full one (``StoreFullError``) pauses the watch
+    until there is room, then the same file is published; the others stop the trainer.
     """
     spool = Spool(directory, publisher.node.store.root / "watched.txt")
     while not stop.is_set():
         for path in spool.fresh():
             try:
                 await publisher.publish_file(path)
+            except StoreFullError:  # logged by the store: this file again once there is room
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), publisher.node.cfg.store.full_retry_s)
+                break
             except (WeightsFileError, LayoutMismatchError) as exc:
                 log.warning("watch: %s", spool.refuse(path, exc))
                 continue

@@ -187,6 +187,17 @@ class StoreFormatError(StoreError):
     version 0, which its peers refuse as a rollback. It is refused whole instead."""
 
 
+class StoreFullError(StoreError):
+    """The data dir's filesystem is full (ENOSPC, or the user's quota): what was being written
+    is not kept, and everything written before stays. The node logs it once, keeps what it
+    accepted, and tries again later: it resumes by itself once there is room."""
+
+
+class DataDirInUseError(StoreError):
+    """Another running node holds the data dir (its lock file names the holder's pid). Two
+    nodes on one dir would share a libp2p peer id and write each other's log and packs."""
+
+
 class KeyFileError(P2PSyncError):
     """A key file or key text is missing, malformed or not Ed25519."""
 

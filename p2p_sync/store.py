@@ -10,6 +10,7 @@ Layout under the data dir::
     log.jsonl                        one line per accepted version past the checkpoint:
                                      {"version", "state_hash", "manifest"}
     format.json                      {"state_hash": 2}: how the recorded hashes were made
+    lock                             the running node's pid, ``flock``ed while it runs
 
 The accepted state is a database's: a **checkpoint plus a log**. The verified artifacts in the
 packs are the log's contents; ``log.jsonl`` records, per version, the state it reached and the
@@ -43,6 +44,16 @@ newest version (``put_payload``: the trainer's head patch and catch-up spans) ar
 the very bytes it built, whatever their size: every peer fetches them first, and an LRU a little
 smaller than the head patch misses on every chunk (each miss evicts a chunk not yet served).
 
+One node per data dir: a node opens its store ``exclusive`` (``fcntl.flock`` on ``lock``,
+which holds its pid), so a second node started on the same dir fails at once with
+:class:`DataDirInUseError` naming the holder, instead of sharing its libp2p identity and
+writing into its log. The OS drops the lock when the process dies, however it dies.
+
+A full disk (ENOSPC, or a quota) is :class:`StoreFullError`, logged once a minute at most:
+what was being written is not kept (a chunk is not marked held, a manifest not learned, a
+version not logged) and everything written before stays, so the caller tries again later
+and resumes once there is room. A short ``pwrite`` is finished, never left as a torn slot.
+
 The store trusts its caller to have verified manifests (``trusted.TrustedSet``) and chunks
 (``chunks.verify_chunk``) before putting them; it re-parses manifests on open, and its owner
 re-checks their signatures through the same gate (``drop_refused``).
@@ -59,13 +70,18 @@ waits for more than one chunk's worth of work.
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
+import fcntl
 import functools
 import json
+import logging
 import mmap
 import os
 import re
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Concatenate, ParamSpec, TypeVar
@@ -74,18 +90,25 @@ from p2p_sync import jsonbounds
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with, fsync_dir
 from p2p_sync.chunks import chunk_hash
 from p2p_sync.errors import (  # noqa: F401 (re-exported)
+    DataDirInUseError,
     ManifestError,
     StoreError,
     StoreFormatError,
+    StoreFullError,
 )
 from p2p_sync.manifest import SNAPSHOT, Manifest, ManifestLimits, parse
+from p2p_sync.ratelimit import RepeatedLine
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+log = logging.getLogger("p2psync.store")
 
 
 # The state hash definition the recorded hashes follow (p2p_sync.statehash; 1 was XXH3).
 STATE_HASH_FORMAT = 2
 MAX_DROPS_NOTED = 256  # entries of Store.dropped kept
+FULL_NOTED_EVERY_S = 60.0  # a full disk is logged at most this often (every write fails)
+LOCK_NAME = "lock"  # in the data dir: the running node's pid, flocked while it runs
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @dataclass(frozen=True)
@@ -95,6 +118,7 @@ class StoreLimits:
     max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
     checkpoint_every: int = 10  # full weights every N versions (else one log line each)
     memory_cache_bytes: int = 32 * 2**20  # recently stored or served chunks, kept verified
+    full_retry_s: float = 5.0  # a node paused by a full disk tries again this often
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -180,17 +204,82 @@ class Store:
         self.log: list[AcceptedState] = []  # records past the checkpoint, oldest first
         # what was removed and why (self-checks, eviction), the newest few, for logs and tests
         self.dropped: list[str] = []
+        self.refused_writes = 0  # writes a full disk refused (StoreFullError)
+        self._full_line = RepeatedLine(FULL_NOTED_EVERY_S)  # their log line, once a minute
+        self._lock_fd: int | None = None  # the data dir's lock, while this store holds it
         self._lock = threading.RLock()  # the one owner of everything above (module docstring)
 
     @classmethod
-    def open(cls, root: str | os.PathLike[str], limits: StoreLimits = StoreLimits()) -> Store:
+    def open(
+        cls,
+        root: str | os.PathLike[str],
+        limits: StoreLimits = StoreLimits(),
+        exclusive: bool = False,
+    ) -> Store:
+        """Open (creating) the data dir and check it. ``exclusive``: a node's store, locked
+        until :meth:`close` or the process ends (:class:`DataDirInUseError` while another
+        holds it); taken before the self-check, which removes files."""
         store = cls(Path(root), limits)
         store.root.mkdir(parents=True, exist_ok=True)
-        store._check_format()
-        for d in (store.pack_dir, store.manifest_dir, store.weights_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        store._check()
+        if exclusive:
+            store._take_lock()
+        try:
+            store._check_format()
+            for d in (store.pack_dir, store.manifest_dir, store.weights_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            store._check()
+        except BaseException:
+            store.close()
+            raise
         return store
+
+    def _take_lock(self) -> None:
+        """``flock`` the data dir's lock file and write our pid in it, or raise naming the
+        pid of the node holding it."""
+        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUseError(
+                f"data dir {self.root} is in use by another p2psync node (pid {holder}): "
+                f"give each node its own --data-dir"
+            ) from None
+        self._lock_fd = fd
+        with contextlib.suppress(OSError):  # a full disk: locked all the same, pid unsaid
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def close(self) -> None:
+        """Release the data dir's lock (a no-op for a store not opened ``exclusive``)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    @contextlib.contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """Turn a full disk's OSError while writing ``what`` into StoreFullError, logged once
+        a minute at most (every write fails until there is room: one line says it). Every
+        write into the data dir goes through it: the store's own, and the trainer's anchor
+        file, written beside the packs before it becomes one."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in _FULL:
+                raise
+            self.refused_writes += 1
+            count = self._full_line.hit(time.monotonic())
+            if count:
+                log.error(
+                    "data dir %s is full (%s): %s not written%s; nothing accepted is lost, and "
+                    "the node goes on once there is room",
+                    self.root,
+                    exc.strerror or exc,
+                    what,
+                    f" (nor {count - 1} more since the last such line)" if count > 1 else "",
+                )
+            raise StoreFullError(f"{self.root}: disk full writing {what}") from None
 
     def _check_format(self) -> None:
         """Refuse a data dir whose hashes follow another definition; mark a new one."""
@@ -202,9 +291,10 @@ class Store:
         except (ValueError, AttributeError) as exc:
             raise StoreError(f"{self.format_path}: unreadable ({exc})") from None
         if found is None:
-            atomic_write_bytes(
-                self.format_path, json.dumps({"state_hash": STATE_HASH_FORMAT}).encode()
-            )
+            with self.writing("format.json"):
+                atomic_write_bytes(
+                    self.format_path, json.dumps({"state_hash": STATE_HASH_FORMAT}).encode()
+                )
         elif found != STATE_HASH_FORMAT:
             raise StoreFormatError(
                 f"{self.root}: written with state hash format {found}; this p2psync uses "
@@ -310,9 +400,19 @@ class Store:
         return self._where.get(digest, [])
 
     def _write_slot(self, m: Manifest, offset: int, data: bytes | memoryview) -> None:
-        fd = os.open(self.pack_path(m.digest), os.O_WRONLY | os.O_CREAT, 0o644)
+        with self.writing(f"a chunk of {m.digest[:16]}"):
+            self._pwrite(self.pack_path(m.digest), offset, data)
+
+    @staticmethod
+    def _pwrite(path: Path, offset: int, data: bytes | memoryview) -> None:
+        """``data`` into ``path`` at ``offset``, all of it: a write cut short (a disk filling
+        up) goes on from where it stopped, so it ends whole or with the OSError."""
+        view = memoryview(data).cast("B")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
-            os.pwrite(fd, data, offset)
+            while view:
+                done = os.pwrite(fd, view, offset)
+                view, offset = view[done:], offset + done
         finally:
             os.close(fd)
 
@@ -324,7 +424,12 @@ class Store:
             raise ValueError(
                 f"payload is {len(payload)} bytes, manifest says {manifest.payload_size}"
             )
-        self._write_slot(manifest, 0, payload)  # a pack nobody names yet: no lock needed
+        try:
+            self._write_slot(manifest, 0, payload)  # a pack nobody names yet: no lock needed
+        except StoreFullError:
+            if manifest.digest not in self._valid:  # what it holds of it goes: room back
+                self.pack_path(manifest.digest).unlink(missing_ok=True)
+            raise
         with self._lock:
             self._valid[manifest.digest] = set(range(len(manifest.chunks)))
             self._index(manifest)
@@ -351,8 +456,13 @@ class Store:
         by rename: a multi-GB snapshot is never copied. Same order rule as ``put_payload``."""
         if os.stat(path).st_size != manifest.payload_size:
             raise ValueError(f"{path} is not {manifest.payload_size} bytes")
+        with self._lock, self.writing(f"the pack of {manifest.digest[:16]}"):
+            try:
+                os.replace(path, self.pack_path(manifest.digest))
+            except OSError:
+                path.unlink(missing_ok=True)  # adopted or not, it is the store's now
+                raise
         with self._lock:
-            os.replace(path, self.pack_path(manifest.digest))
             self._valid[manifest.digest] = set(range(len(manifest.chunks)))
             self._index(manifest)
             self._have_changed()
@@ -471,9 +581,24 @@ class Store:
 
     @_locked
     def put_manifest(self, manifest: Manifest, data: bytes) -> None:
-        """Keep a verified manifest (its exact signed bytes, so it can be served onward)."""
-        atomic_write_bytes(self.manifest_dir / f"{manifest.digest}.json", data)
+        """Keep a verified manifest (its exact signed bytes, so it can be served onward). On a
+        full disk a pack stored for it first (``put_payload``) goes at once, as on open: a
+        trainer's anchor is a model's worth of the space the disk lacks."""
+        try:
+            with self.writing(f"manifest {manifest.digest[:16]}"):
+                atomic_write_bytes(self.manifest_dir / f"{manifest.digest}.json", data)
+        except StoreFullError:
+            if manifest.digest not in self._manifests:
+                self._forget_unnamed(manifest)
+            raise
         self._register(manifest, data)
+
+    def _forget_unnamed(self, manifest: Manifest) -> None:
+        """Drop the pack of ``manifest``, which no stored manifest names, and its index."""
+        if self.pack_path(manifest.digest).exists():
+            self._drop(self.pack_path(manifest.digest), "its manifest found the disk full")
+        self._valid.pop(manifest.digest, None)
+        self._unindex(manifest)
 
     def _register(self, manifest: Manifest, data: bytes) -> None:
         self._manifests[manifest.digest] = (manifest, data)
@@ -504,13 +629,16 @@ class Store:
         if self.pack_path(digest).exists():
             self._drop(self.pack_path(digest), why)
         manifest, _ = self._manifests.pop(digest)
+        self._unindex(manifest)
+        self._drop(self.manifest_dir / f"{digest}.json", why)
+
+    def _unindex(self, manifest: Manifest) -> None:
         for c in manifest.chunks:
-            where = [w for w in self._where.get(c, []) if w[0] != digest]
+            where = [w for w in self._where.get(c, []) if w[0] != manifest.digest]
             if where:
                 self._where[c] = where
             else:
                 self._where.pop(c, None)
-        self._drop(self.manifest_dir / f"{digest}.json", why)
 
     @_locked
     def manifests(self) -> list[Manifest]:
@@ -619,11 +747,27 @@ class Store:
         if manifest_digest not in self._manifests:
             raise StoreError(f"no known manifest {manifest_digest} to log for v{version}")
         rec = AcceptedState(version, state_hash, manifest_digest)
-        with open(self.log_path, "ab") as f:
-            f.write(_log_line(rec))
-            f.flush()
-            os.fsync(f.fileno())
+        with self.writing(f"the log record of v{version}"):
+            self._append_log(_log_line(rec))
         self.log.append(rec)
+
+    def _append_log(self, line: bytes) -> None:
+        """One ``write`` + fsync. A write that fails part-way (a full disk) is cut back off,
+        so the next record starts a line of its own; a line torn by a crash is dropped on
+        open."""
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except OSError:
+                os.ftruncate(fd, size)
+                raise
+        finally:
+            os.close(fd)
 
     def set_checkpoint(
         self, version: int, state_hash: str, write: Callable[[BinaryIO], None]
@@ -638,14 +782,24 @@ class Store:
                 f"refusing to replace checkpoint v{self.checkpoint.version} with older v{version}"
             )
         final = self.weights_dir / f"v{version}-{state_hash[:32]}.safetensors"
-        atomic_write_with(final, write)  # the full weights, a new file: no lock needed
+        with self.writing(f"the checkpoint of v{version}"):
+            atomic_write_with(final, write)  # the full weights, a new file: no lock needed
         doc = {"version": version, "state_hash": state_hash, "weights": final.name}
         with self._lock:
-            atomic_write_bytes(self.checkpoint_path, json.dumps(doc).encode())
+            try:
+                with self.writing("checkpoint.json"):
+                    atomic_write_bytes(self.checkpoint_path, json.dumps(doc).encode())
+            except StoreFullError:
+                final.unlink(missing_ok=True)  # the old checkpoint and its log stay
+                raise
             old, self.checkpoint = self.checkpoint, Checkpoint(version, state_hash, final)
             if old is not None and old.weights != final:
                 old.weights.unlink(missing_ok=True)
-            self._rewrite_log([r for r in self.log if r.version > version])
+            kept = [r for r in self.log if r.version > version]
+            try:
+                self._rewrite_log(kept)
+            except StoreFullError:  # the file's older records are skipped on open (the floor)
+                self.log = kept
 
     @_locked
     def drop_checkpoint(self, why: str) -> None:
@@ -674,7 +828,8 @@ class Store:
             self._rewrite_log(kept)
 
     def _rewrite_log(self, records: list[AcceptedState]) -> None:
-        atomic_write_bytes(self.log_path, b"".join(_log_line(r) for r in records))
+        with self.writing("the log"):
+            atomic_write_bytes(self.log_path, b"".join(_log_line(r) for r in records))
         self.log = list(records)
 
     @_locked
@@ -741,12 +896,17 @@ class Store:
         clean = not torn
         for line in complete:
             rec = self._parse_record(line)
-            if rec is None or (records and rec.version <= records[-1].version):
+            if rec is not None and rec.version <= floor:
+                continue  # covered by the checkpoint (a rewrite a full disk refused)
+            if (
+                rec is None
+                or rec.manifest not in self._manifests
+                or (records and rec.version <= records[-1].version)
+            ):
                 self._note_drop(f"log: unreadable record after {len(records)}")
                 clean = False
                 break
-            if rec.version > floor:
-                records.append(rec)
+            records.append(rec)
         if not clean:
             self._rewrite_log(records)
         return records
@@ -757,7 +917,7 @@ class Store:
             rec = AcceptedState(int(doc["version"]), str(doc["state_hash"]), str(doc["manifest"]))
         except (ValueError, KeyError, TypeError):
             return None
-        return rec if rec.manifest in self._manifests else None
+        return rec
 
     # ------------------------------------------------------------ eviction
 

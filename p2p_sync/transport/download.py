@@ -12,8 +12,10 @@ relays tomorrow; the driver, the scheduler and the verification are the same for
 
 Outcomes: :func:`download` returns once every chunk is in the sink, verified on re-read; it
 raises :class:`~p2p_sync.errors.DownloadStalledError` when the scheduler reports that some
-chunk has had no reachable source for ``stall_timeout_s`` (the caller re-plans), and
-:class:`~p2p_sync.errors.StoreError` when stored chunks keep failing their hash on disk.
+chunk has had no reachable source for ``stall_timeout_s`` (the caller re-plans),
+:class:`~p2p_sync.errors.StoreFullError` as soon as a verified chunk finds the disk full (the
+chunks stored so far stay: the caller tries again once there is room, from where it stopped),
+and :class:`~p2p_sync.errors.StoreError` when stored chunks keep failing their hash on disk.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from p2p_sync.chunks import verify_chunk
-from p2p_sync.errors import ChunkError, DownloadStalledError, PeerBusyError, PeerError, StoreError
+from p2p_sync.errors import (
+    ChunkError,
+    DownloadStalledError,
+    PeerBusyError,
+    PeerError,
+    StoreError,
+    StoreFullError,
+)
 from p2p_sync.havelog import LOG_ID
 from p2p_sync.manifest import Manifest
 from p2p_sync.swarm import (
@@ -155,7 +164,9 @@ class ChunkSink(Protocol):
 
     def have_indices(self, manifest: Manifest) -> list[int]: ...
 
-    def put_chunk(self, data: bytes, digest: str | None = None) -> str: ...
+    def put_chunk(self, data: bytes, digest: str | None = None) -> str:
+        """Keep a verified chunk; :class:`StoreFullError` when the disk is full."""
+        ...
 
     def verify_pack(self, m: Manifest) -> bool: ...
 
@@ -266,6 +277,7 @@ class Download:
         self.followers: dict[str, asyncio.Task[None]] = {}
         self.done = asyncio.Event()
         self.stalled: frozenset[int] | None = None
+        self.full: StoreFullError | None = None  # the sink's disk is full: this download ends
         self.seeds: set[str] = set()  # peers whose have-map answers were offers
         self.forwarded: set[int] = set()  # chunks passed on (each once)
 
@@ -331,7 +343,13 @@ class Download:
 
     def _stored(self, peer: str, index: int, data: bytes) -> None:
         # inline: a 256 KiB page-cache write (~0.25 ms) beats a thread hop under a busy loop
-        self.sink.put_chunk(data, self.m.chunks[index])
+        try:
+            self.sink.put_chunk(data, self.m.chunks[index])
+        except StoreFullError as exc:  # nowhere to keep it: end the download (``run``)
+            self.full = self.full or exc
+            self.done.set()
+            self.events.put_nowait(TimerFired())  # wakes the loop, which sees ``done``
+            return
         self.listener.served(peer, len(data))
         self.events.put_nowait(ChunkVerified(peer, index, len(data)))
         if self.config.forward_seed_chunks and self._rare_from_seed(peer, index):
@@ -485,6 +503,8 @@ class Download:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if self.full is not None:
+            raise self.full
         if self.stalled is not None:
             raise DownloadStalledError(
                 f"{self.m.digest[:16]} v{self.m.version}: {len(self.stalled)} chunk(s) with no "
