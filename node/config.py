@@ -13,7 +13,8 @@ TOML table      dataclass                                    bounds
                                                              (a simulation embeds it too)
 ``[http]``      :class:`p2p_sync.transport.dataplane.HttpLimits`  the data plane, both sides
 ``[directory]`` :class:`p2p_sync.peers.PeerLimits`           the peer table and polling
-``[store]``     :class:`p2p_sync.store.StoreLimits`          disk budget, checkpoints
+``[store]``     :class:`p2p_sync.store.StoreLimits`          disk budget (bytes, versions,
+                                                             files), checkpoints
 ``[manifest]``  :class:`p2p_sync.manifest.ManifestLimits`    manifests peers offer
 ``[announce]``  :class:`p2p_sync.announce.AnnounceLimits`    announcements, gossip rate
 ``[libp2p]``    :class:`Libp2pLimits`                        the libp2p host
@@ -130,6 +131,7 @@ _ZERO_OK = {
     "announce.clock_skew_s",
     "reachability.links",  # 0: serve peers over libp2p streams only, behind NAT
     "reachability.max_channels",  # 0: take no reverse channels
+    "store.max_versions",  # 0: only what replay and newcomers need
 }
 _MOVED = {  # settings from before the tree -> where they live now
     "chunk_size": "publish.chunk_size",

@@ -54,6 +54,13 @@ what was being written is not kept (a chunk is not marked held, a manifest not l
 version not logged) and everything written before stays, so the caller tries again later
 and resumes once there is room. A short ``pwrite`` is finished, never left as a torn slot.
 
+Bounded by versions and files as well as bytes (``StoreLimits``): eviction keeps what replay
+needs (the replay base and the log after it: the log is cut to start at an anchor that became
+the replay base, as a checkpoint cuts it), what newcomers need (the newest anchor and every
+later artifact) and, for peers catching up with patches, the artifacts of the last
+``max_versions`` versions; older ones go whole (manifest and pack), oldest first, and so do
+the oldest beyond ``max_files``.
+
 The store trusts its caller to have verified manifests (``trusted.TrustedSet``) and chunks
 (``chunks.verify_chunk``) before putting them; it re-parses manifests on open, and its owner
 re-checks their signatures through the same gate (``drop_refused``).
@@ -113,9 +120,15 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 @dataclass(frozen=True)
 class StoreLimits:
-    """Bounds of the local cache."""
+    """Bounds of the local cache. What replay needs (the replay base and the log after it)
+    and what newcomers need (the newest anchor and every later artifact) stay whatever the
+    bounds; everything else goes oldest first once past any of them."""
 
     max_gb: float = 4.0  # chunk packs kept on disk (the newest anchor and its chain stay)
+    # artifacts kept behind the head for peers catching up with patches (older ones: the
+    # anchor); at least the longest catch-up span (publish.catchup_spans, 16 by default)
+    max_versions: int = 32
+    max_files: int = 1024  # manifests and packs kept (a small patch is two files a version)
     checkpoint_every: int = 10  # full weights every N versions (else one log line each)
     memory_cache_bytes: int = 32 * 2**20  # recently stored or served chunks, kept verified
     full_retry_s: float = 5.0  # a node paused by a full disk tries again this often
@@ -923,25 +936,35 @@ class Store:
 
     @_locked
     def protected(self) -> set[str]:
-        """Digests of manifests still needed: every artifact the log names (replay rebuilds the
-        weights from them), and for catch-up the newest anchor and every later one. The newest
-        anchor known, held or not: a rollout that follows patches never fetches anchors, and a
-        newcomer starts from the newest anchor anyway (the trainer holds it)."""
+        """Digests of manifests still needed: what replay needs (every artifact the log names,
+        and the anchor beside the log it starts from: a trainer's), and for catch-up the newest
+        anchor and every later one. The newest anchor known, held or not: a rollout that follows
+        patches never fetches anchors, and a newcomer starts from the newest anchor anyway (the
+        trainer holds it)."""
         snaps = [m for m in self.manifests() if m.kind == SNAPSHOT]
         floor = max((m.version for m in snaps), default=0)
-        logged = {r.manifest for r in self.log if r.manifest is not None}
-        return logged | {m.digest for m in self.manifests() if m.version >= floor}
+        needed = {r.manifest for r in self.log if r.manifest is not None}
+        base, _ = self.replay_chain()
+        if isinstance(base, Manifest):
+            needed.add(base.digest)
+        return needed | {m.digest for m in self.manifests() if m.version >= floor}
 
     @_locked
     def evict(self) -> list[str]:
-        """Drop whole packs of unprotected artifacts, oldest version first, until the chunks
-        held are under ``max_chunk_bytes``; then forget the unprotected manifests this node is
-        past and holds no chunk of (evicted, or never fetched: catch-ups it did not need; no
-        download is in flight for a version below the head).
-        Those serve no peer and rebuild nothing, and a rollout hears a few per version: kept,
-        its index, its ``/manifests`` list and this method's own scan would grow with every
-        version of a run. Returns the digests of the manifests whose packs were dropped."""
+        """Keep the store within its bounds, never touching :meth:`protected`: cut the log to
+        start at its replay base (``_compact_log``); forget whole artifacts more than
+        ``max_versions`` behind the head, and the oldest while more than ``max_files``
+        manifests and packs are kept (``_evict_history``); drop whole packs, oldest version
+        first, until the chunks held are under ``max_chunk_bytes``; then forget the
+        unprotected manifests this node is past and holds no chunk of (evicted, or never
+        fetched: catch-ups it did not need; no download is in flight for a version below the
+        head). Those serve no peer and rebuild nothing, and a rollout hears a few per version:
+        kept, its index, its ``/manifests`` list and this method's own scan would grow with
+        every version of a run. Returns the digests of the manifests whose packs were dropped
+        for the byte budget (the history's routine drops are only noted in ``dropped``)."""
+        self._compact_log()
         protected = self.protected()
+        self._evict_history(protected)
         dropped = self._evict_packs(protected)
         head = self._head()
         past = [m for m in self.manifests() if head is not None and m.version < head.version]
@@ -949,6 +972,38 @@ class Store:
             if m.digest not in protected and not self._valid.get(m.digest):
                 self._drop_manifest(m.digest, "past and not held")
         return dropped
+
+    def _compact_log(self) -> None:
+        """Start the log at the anchor replay starts from when that anchor is past the
+        checkpoint (a trainer's anchors are its checkpoints), as a checkpoint cuts it: the
+        records before it rebuild nothing, and the artifacts they name may then go. Without
+        this a trainer's log, and everything it names, grew with every version. On a full
+        disk the cut waits for a later call (the log still names them all: all stay)."""
+        base, _ = self.replay_chain()
+        if not isinstance(base, Manifest):
+            return
+        start = next(i for i, r in enumerate(self.log) if r.version == base.version)
+        if start:
+            with contextlib.suppress(StoreFullError):
+                self._rewrite_log(self.log[start:])
+
+    def _evict_history(self, protected: set[str]) -> None:
+        """Forget whole unprotected artifacts (manifest and pack) of versions below the head,
+        oldest first: those more than ``max_versions`` behind it, then more while over
+        ``max_files`` manifests and packs."""
+        head = self._head()
+        if head is None:
+            return
+        files = len(self._manifests) + sum(1 for _ in self.pack_dir.iterdir())
+        for m in self.manifests():  # oldest first
+            too_old = head.version - m.version > self.limits.max_versions
+            if m.version >= head.version or (not too_old and files <= self.limits.max_files):
+                break
+            if m.digest in protected:
+                continue
+            files -= 1 + self.pack_path(m.digest).exists()
+            why = f"more than {self.limits.max_versions} versions behind" if too_old else None
+            self._drop_manifest(m.digest, f"evicted ({why or 'over max_files'})")
 
     def _evict_packs(self, protected: set[str]) -> list[str]:
         budget, used = self.limits.max_chunk_bytes, self.chunk_bytes()

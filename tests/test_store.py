@@ -8,6 +8,7 @@ import random
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, parse, sign
+from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, parse, sign
 from p2p_sync.restore import restore
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import (
@@ -28,6 +29,7 @@ from p2p_sync.store import (
     StoreFormatError,
     StoreLimits,
 )
+from p2p_sync.versions import Artifact, PeerState, PublishPolicy, plan, to_publish
 from tests import store_writer
 from tests.helpers import snapshot_manifest
 
@@ -442,3 +444,156 @@ def test_a_have_map_grown_by_arrivals_is_the_whole_listing(ops: list[tuple[str, 
                 if op.startswith("put") and mark is not None and m in known:
                     assert not new.whole, (op, i)
                 kept[m.digest] = (new, held)
+
+
+# ---------------------------------------------------------------- bounded by versions and files
+# A store driven through many tiny versions as a trainer and as a rollout drive theirs (no
+# network): what it keeps must stop growing with the version count, and what it keeps must
+# still serve replay, peers catching up and newcomers.
+
+
+def _state(version: int) -> str:
+    return f"{version:032x}"
+
+
+def _artifact(version: int, kind: str, base: int | None) -> tuple[Manifest, bytes]:
+    """A signed artifact of ``version`` chaining on ``_state`` (anchor 64 KiB, 1-step patch
+    4 KiB, catch-up span 8 KiB: a tiny model)."""
+    size = 64 * 1024 if kind == SNAPSHOT else 4096 if base == version - 1 else 8192
+    payload = random.Random(f"{version}-{kind}-{base}").randbytes(size)
+    extra = {} if base is None else {"base_version": base, "base_state": _state(base)}
+    m = manifest_for(
+        payload,
+        swarm=SWARM,
+        version=version,
+        kind=kind,
+        target_state=_state(version),
+        layout="cc" * 16,
+        now=0,
+        chunk_size=16 * 1024,
+        **extra,
+    )
+    return m, payload
+
+
+def _published(version: int, policy: PublishPolicy) -> list[tuple[Manifest, bytes]]:
+    """What the trainer publishes at ``version``, the head's artifact first."""
+    arts = [_artifact(version, k, b) for k, b in to_publish(version, policy)]
+    return sorted(arts, key=lambda a: not (version == 0 or a[0].base_version == version - 1))
+
+
+def trainer_versions(store: Store, n: int, policy: PublishPolicy) -> Iterator[int]:
+    """As ``node.trainer`` stores versions: the head's artifact, its log record, eviction;
+    then behind the head its catch-up spans and anchor, or a due checkpoint."""
+    for v in range(n):
+        (head, payload), *behind = _published(v, policy)
+        store.put_payload(head, payload)
+        store.put_manifest(head, sign(head, [KEY]))
+        store.record(v, _state(v), head.digest)
+        store.evict()
+        for m, p in behind:
+            store.put_payload(m, p)
+            store.put_manifest(m, sign(m, [KEY]))
+        anchor = any(m.kind == SNAPSHOT for m, _ in behind)
+        if not anchor and store.checkpoint_due(10):
+            store.set_checkpoint(v, _state(v), lambda f: f.write(b"w" * 1000))
+        yield v
+
+
+def rollout_versions(store: Store, n: int, policy: PublishPolicy) -> Iterator[int]:
+    """As ``node.rollout`` follows: it hears every artifact, fetches the head's, logs it,
+    checkpoints every 10 versions and evicts."""
+    for v in range(n):
+        (head, payload), *behind = _published(v, policy)
+        for m, _ in [(head, payload), *behind]:
+            store.put_manifest(m, sign(m, [KEY]))
+        for i, c in enumerate(head.chunks):
+            store.put_chunk(payload[i * head.chunk_size : (i + 1) * head.chunk_size], c)
+        store.record(v, _state(v), head.digest)
+        if store.checkpoint_due(10):
+            store.set_checkpoint(v, _state(v), lambda f: f.write(b"w" * 1000))
+        store.evict()
+        yield v
+
+
+def disk_usage(root: Path) -> tuple[int, int]:
+    """Files and bytes under ``root``."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+@pytest.mark.parametrize("drive", [trainer_versions, rollout_versions])
+def test_a_store_stops_growing_with_the_version_count(drive, tmp_path: Path) -> None:
+    """Below ``max_gb`` nothing was evicted, and a trainer's log (its anchors are its
+    checkpoints) named, and so protected, every version it ever published: 200 tiny versions
+    grew a trainer's data dir by 2.8 files and 14 kB a version, a rollout's by 2 files and
+    5 kB. With the default limits both are now periodic once past ``max_versions`` (32): the
+    same files and bytes one period (anchors and spans every 4 and 8 versions) apart."""
+    policy = PublishPolicy(anchor_every=4, catchup_spans=(4, 8))
+    store = Store.open(tmp_path)
+    usage = {v: disk_usage(tmp_path) for v in drive(store, 64, policy) if v in (55, 63)}
+    (files_55, bytes_55), (files_63, bytes_63) = usage[55], usage[63]
+    assert files_63 == files_55, (files_55, files_63)
+    assert abs(bytes_63 - bytes_55) < 2000, (bytes_55, bytes_63)  # a few log lines
+    assert len(store.log) <= 11  # from the replay base (an anchor, or the checkpoint) on
+
+
+def _plan_held(store: Store, start: PeerState) -> list[Manifest]:
+    """A catch-up plan from ``start`` to the head over the artifacts ``store`` holds."""
+    held = [m for m in store.manifests() if store.has_payload(m)]
+    by_digest = {m.digest: m for m in held}
+    arts = [Artifact(m.version, m.kind, m.base_version, m.base_state, m.target_state,
+                     m.payload_size, m.digest) for m in held]  # fmt: skip
+    return [by_digest[a.ident] for a in plan(start, arts)]
+
+
+@pytest.mark.parametrize("max_files", [1024, 30])
+def test_a_store_keeps_within_its_bounds_what_replay_catch_up_and_newcomers_need(
+    tmp_path: Path, max_files: int
+) -> None:
+    """A trainer's store through 60 versions (anchors every 10, spans of 4 and 16) with
+    ``max_versions`` 12 (and ``max_files`` 30, which then binds first): after every eviction
+    its manifests and packs are within both bounds, or are all what it needs (bounded by the
+    anchor interval, not by the run), and what it keeps still rebuilds its head, gives a
+    newcomer a path from the newest anchor, and gives a peer up to ``max_versions`` + 1
+    versions behind a path of patches (further behind: the anchor)."""
+    policy, limits = PublishPolicy(), StoreLimits(max_versions=12, max_files=max_files)
+    store = Store.open(tmp_path, limits)
+    for v in trainer_versions(store, 60, policy):
+        store.evict()  # as the next version's publish does: the bounds hold after each
+        needed = len(store.protected())
+        files = store.manifest_count() + len(list(store.pack_dir.iterdir()))
+        assert files <= max(max_files, 2 * needed) and needed <= 2 * 10, (v, files, needed)
+        oldest = min(m.version for m in store.manifests())
+        assert v - oldest <= max(limits.max_versions, 10), (v, oldest)  # 10: an anchor's
+    base, chain = store.replay_chain()
+    assert isinstance(base, Manifest) and base.kind == SNAPSHOT and base.version == 50
+    assert [m.version for m in chain] == list(range(51, 60))
+    assert all(store.has_payload(m) for m in (base, *chain))
+    assert _plan_held(store, PeerState())[0].digest == base.digest  # a newcomer: the anchor
+    reach = limits.max_versions + 1 if max_files > 100 else 9  # 30 files: the anchor's chain
+    for behind in range(1, reach + 1):
+        path = _plan_held(store, PeerState(59 - behind, _state(59 - behind)))
+        assert all(m.kind == PATCH for m in path) and path[-1].version == 59, behind
+    again = Store.open(tmp_path, limits)  # the cut log and the evicted files reopen clean
+    assert again.state == store.state and again.log == store.log
+    assert not [d for d in again.dropped if d.startswith("log")]
+    assert {m.digest for m in again.manifests()} == {m.digest for m in store.manifests()}
+
+
+def test_real_weights_replay_after_eviction_and_log_cuts(tmp_path: Path) -> None:
+    """Real patches and anchors (every 5th version logged as a snapshot, as a rollout that
+    fetched it), evicted at every version with ``max_versions`` 2: the log is cut at each
+    anchor that becomes the replay base, and the head still rebuilds bit for bit."""
+    store = Store.open(tmp_path, StoreLimits(max_versions=2))
+    rnd, prev = random.Random(5), None
+    for version in range(23):
+        new = store_writer._next(prev, rnd) if prev is not None else store_writer._initial()
+        m = store_writer.publish(store, KEY, SWARM, version, prev, new)
+        store.record(version, m.target_state, m.digest)
+        store.evict()
+        prev = new
+    assert [r.version for r in store.log] == [20, 21, 22] and store.manifest_count() <= 6
+    restored = restore(Store.open(tmp_path, StoreLimits(max_versions=2)))
+    assert restored is not None and restored.state == store.state
+    assert state_hash(restored.weights).hex() == state_hash(prev).hex()
