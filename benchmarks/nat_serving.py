@@ -55,7 +55,7 @@ class _Chunks:
     def upload_contact(self, requester: str, pending: bool) -> None:
         pass
 
-    def add_peer(self, url: str) -> None:
+    def requester(self, url: str, remote: str | None, upload: bool) -> None:
         pass
 
 

@@ -25,8 +25,9 @@ TOML table      dataclass                                    bounds
 
 Flags and keyword arguments name a section's field with a dot (``"download.stall_timeout_s"``)
 or give a whole section (a dict, or the dataclass). Errors name the field:
-``config: peers: 'ftp://x' is not http://host:port``, ``config: download.max_requests_total:
-must be >= 1``; a setting from before the tree names where it went.
+``config: peers: 'ftp://x': the scheme must be http, https or p2p ...``,
+``config: download.max_requests_total: must be >= 1``; a setting from before the tree names
+where it went.
 """
 
 from __future__ import annotations
@@ -38,16 +39,16 @@ from pathlib import Path
 from typing import Any
 
 from p2p_sync.announce import AnnounceLimits
-from p2p_sync.errors import ConfigError
+from p2p_sync.errors import ConfigError, MalformedPeerUrlError
 from p2p_sync.manifest import ManifestLimits
-from p2p_sync.peers import PeerLimits
+from p2p_sync.peers import PeerLimits, peer_name
 from p2p_sync.reachability import MODES, ReachabilityLimits, RelayBounds
 from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.swarm import SwarmConfig
 from p2p_sync.threads import usable_cores
 from p2p_sync.transport import tcp
-from p2p_sync.transport.dataplane import HttpLimits, valid_peer_url
+from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.trusted import TrustLimits
 from p2p_sync.versions import PublishPolicy
 
@@ -283,8 +284,12 @@ def _check_addresses(cfg: NodeConfig) -> None:
     except ValueError:
         raise _bad("listen", f"{cfg.listen!r} is not HOST:PORT") from None
     for peer in cfg.peers:
-        if not valid_peer_url(peer):
-            raise _bad("peers", f"{peer!r} is not http://host:port (or p2p://<peer id>)")
+        try:
+            peer_name(peer)
+        except MalformedPeerUrlError as exc:
+            raise _bad(
+                "peers", f"{exc} (http://host:port, https://host:port or p2p://<peer id>)"
+            ) from None
     if cfg.reachability.mode not in MODES:
         mode = cfg.reachability.mode
         raise _bad("reachability.mode", f"{mode!r} is not one of {', '.join(MODES)}")
@@ -313,3 +318,5 @@ def check(cfg: NodeConfig) -> None:
         raise _bad("workers", f"{cfg.workers} must be >= 0 (0: one thread per usable core)")
     if cfg.directory.max_unproven > cfg.directory.max_peers:
         raise _bad("directory.max_unproven", "must be <= directory.max_peers")
+    if cfg.directory.retry_min_s > cfg.directory.retry_max_s:
+        raise _bad("directory.retry_min_s", "must be <= directory.retry_max_s")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2p_sync.bounded import remember, trim
 from p2p_sync.havelog import HaveLog
+from p2p_sync.peers import P2P, Source
 from p2p_sync.seeding import SuperSeeder
 from p2p_sync.store import HaveMark
 from p2p_sync.transport.dataplane import Pushed
@@ -137,7 +138,8 @@ class DataView:
         return self.node.store.get_chunk(sha256)
 
     def peer_urls(self) -> list[str]:
-        return sorted(self.node.peering.usable())
+        """What ``/peers`` answers: the peers this node vouches for (``PeerDirectory.shared``)."""
+        return self.node.peering.directory.shared()
 
     def count_upload(self, nbytes: int) -> None:
         self.node.metrics.count_upload(nbytes)
@@ -172,8 +174,14 @@ class DataView:
     def withdraw(self, peer: str) -> None:
         """An offer pushed to ``peer`` did not arrive: nothing to take back here."""
 
-    def add_peer(self, url: str) -> None:
-        self.node.add_peer(url)
+    def requester(self, url: str, remote: str | None, upload: bool) -> None:
+        """Upload demand names a requester (at its own address); any other request's header
+        names nobody, unless it is ``p2p://`` a peer id holding a libp2p connection to this
+        node (its key proved in the handshake: as good as a signed record)."""
+        if upload:
+            self.node.add_peer(url, Source.REQUESTER, remote)
+        elif url.startswith(P2P) and self.node.linked(url):
+            self.node.add_peer(url, Source.RECORD, remote)
 
     def issued(self, nonce: str) -> bool:
         return self.node.reach.issued(nonce)

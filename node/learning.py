@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from node.early import EarlyFeeds, follow_order
 from node.forwarding import Forwarder
+from node.peering import described
 from node.pushed import PushedChunks
 from p2p_sync import announce
 from p2p_sync.bounded import remember
@@ -31,7 +32,7 @@ from p2p_sync.errors import (
     StoreFullError,
 )
 from p2p_sync.manifest import Manifest
-from p2p_sync.peers import PeerAnswered, PeerFailed
+from p2p_sync.peers import PeerAnswered, PeerFailed, Source
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.seeding import chunks_behind
 from p2p_sync.transport.dataplane import Pushed, gather_quietly, pack_manifests
@@ -78,7 +79,15 @@ class Learner:
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.create_task(coro))
+        task = asyncio.create_task(coro)
+        task.add_done_callback(self._ended)
+        self._tasks.append(task)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        """A spawned task (it talks to peers) ended: whatever they sent that it could not take
+        gets one log line (rate-limited), not silence (nobody awaits these tasks' results)."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.node.peering.complain(None, f"learning: {described(exc)}")
 
     def start_polling(self) -> None:
         self._poller = asyncio.create_task(self.poll_loop())
@@ -104,9 +113,8 @@ class Learner:
         on the mesh takes only the manifests pushed inline and leaves the rest to gossip
         (fetching them from ``url`` would cost a round trip and the sender's uplink; and the
         gossip copy is forwarded all the same: ``GossipValidator.learned_elsewhere``)."""
-        node = self.node
-        if url is not None:
-            node.add_peer(url)
+        node = self.node  # ``url`` proves nothing by announcing (``p2p_sync.peers``): not added
+        url = node.peering.directory.name_of(url) if url is not None else None  # normalised
         if url is None or url in node.peering.banned:
             return
         for digest, have in pushed.offers.items():
@@ -227,13 +235,16 @@ class Learner:
                 limit = node.trusted.limits.manifest.max_manifest_bytes
                 data = await node.client.get_bytes(f"{peer}/manifest/{digest}", limit)
             manifest = node.trusted.admit(data, time.time(), digest)
-        except PeerError:
-            node.peering.handle(PeerFailed(peer))
+        except PeerError as exc:
+            node.peering.handle(PeerFailed(peer, str(exc)))
             return None
         except (RollbackAttackError, LayoutSwapAttackError):
             return None  # signed news not for us (stale, other tensors): not this peer's doing
         except ManifestError as exc:
             node.ban(peer, f"offered a bad manifest ({exc})")
+            return None
+        except (ValueError, RecursionError) as exc:  # bytes no parser takes (deep, huge numbers)
+            node.ban(peer, f"offered a bad manifest ({described(exc)})")
             return None
         node.peering.handle(PeerAnswered(peer))  # reachable; proven only by chunks it serves
         if not self._keep(manifest, data):
@@ -357,34 +368,62 @@ class Learner:
     # ------------------------------------------------------------ pull fallback
 
     async def poll_loop(self) -> None:
-        """Every poll interval, ask some peers for their manifests and peers."""
+        """Every poll interval, ask some peers for their manifests and peers. Nothing a peer
+        sends ends it: each peer's answers are taken apart from the others' (``_take``)."""
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception as exc:  # a bug of ours: one line (rate-limited), and go on
+                self.node.peering.complain(None, f"poll round: {described(exc)}")
             await asyncio.sleep(self.node.cfg.directory.poll_interval_s)
 
     async def poll_once(self) -> None:
+        """One round: the directory's poll targets (given peers whose back-off has passed,
+        and a few others) asked for their ``/manifests`` and ``/peers``."""
         node = self.node
-        assert node.client is not None
-        peers = node.peering.directory.poll_targets(_SAMPLER)
-        indexes = await gather_quietly([node.client.get_json(f"{p}/manifests") for p in peers])
-        lists = await gather_quietly([node.client.get_json(f"{p}/peers") for p in peers])
-        for peer, index, plist in zip(peers, indexes, lists):
-            if index is None:
-                node.peering.handle(PeerFailed(peer))
+        peers = node.peering.directory.poll_targets(_SAMPLER, time.monotonic())
+        indexes = await asyncio.gather(*(self._get_json(f"{p}/manifests") for p in peers))
+        lists = await asyncio.gather(*(self._get_json(f"{p}/peers") for p in peers))
+        for peer, (index, failure), (plist, _) in zip(peers, indexes, lists):
+            if failure is not None:
+                node.peering.failed(peer, failure)
                 continue
-            node.peering.handle(PeerAnswered(peer))  # answered: reset its failure count
-            for url in (plist or {}).get("peers", [])[: node.cfg.directory.max_peers]:
-                if isinstance(url, str):
-                    node.add_peer(url)
-            fresh = node.trusted.wanted(index, node.store.has_manifest)
-            if fresh:
-                await self.learn(peer, fresh)
+            node.peering.answered(peer)  # answered: reset its failure count
+            try:
+                await self._take(peer, index, plist)
+            except Exception as exc:  # what it sent, whatever it was, ends with this peer
+                node.peering.complain(peer, f"poll answer: {described(exc)}")
+
+    async def _get_json(self, url: str) -> tuple[Any, str | None]:
+        """A peer's JSON answer, or None and why not: no answer, or one no parser takes."""
+        assert self.node.client is not None
+        try:
+            return await self.node.client.get_json(url), None
+        except PeerError as exc:
+            return None, str(exc)
+        except Exception as exc:  # bytes the JSON parser chokes on (nesting, huge numbers)
+            return None, f"{url}: unreadable answer ({described(exc)})"
+
+    async def _take(self, peer: str, index: Any, plist: Any) -> None:
+        """A poll's answers from ``peer``: the names it lists, if it vouches for them (it is
+        given or proven: ``PeerDirectory.vouches``), and the fresh manifests it lists."""
+        node = self.node
+        if node.peering.directory.vouches(peer):
+            names = plist.get("peers") if isinstance(plist, dict) else None
+            if not isinstance(names, list):
+                node.peering.complain(peer, '/peers answer is not {"peers": [...]}')
+                names = []
+            for url in names[: node.cfg.directory.max_peers]:
+                node.add_peer(url, Source.HEARSAY)  # normalised, or refused, by the directory
+        fresh = node.trusted.wanted(index, node.store.has_manifest)
+        if fresh:
+            await self.learn(peer, fresh)
 
     async def _ask_head(self, peer: str) -> None:
-        node = self.node
-        assert node.client is not None
-        (index,) = await gather_quietly([node.client.get_json(f"{peer}/manifests")])
-        fresh = node.trusted.wanted(index, node.store.has_manifest)
+        index, failure = await self._get_json(f"{peer}/manifests")
+        if failure is not None:
+            return
+        fresh = self.node.trusted.wanted(index, self.node.store.has_manifest)
         if fresh:
             await self.learn(peer, fresh)
 
@@ -477,6 +516,6 @@ class Learner:
         if len(self._p2p_urls) < 4 * node.cfg.directory.max_peers:
             self._p2p_urls.add(url)
         known = url in node.peers
-        node.add_peer(url)
+        node.add_peer(url, Source.RECORD)
         if not known and url in node.peers and node.cfg.role != "bootstrap":
             self.spawn(self._ask_head(url))

@@ -181,6 +181,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     for key in ("role", "url", "version", "state_hash", "bytes_uploaded", "bytes_downloaded"):
         print(f"{key:<17}{doc.get(key)}")
     print(f"{'peers':<17}{len(doc.get('peers', []))}: {' '.join(doc.get('peers', []))}")
+    for peer in doc.get("given_peers") or []:  # its state; while down, how long and why
+        down = peer.get("state") == "down"
+        why = f" ({peer.get('failures')} failures, next try in {peer.get('retry_in_s')} s: "
+        why += f"{peer.get('error')})"
+        print(f"{'given peer':<17}{peer.get('url')} {peer.get('state')}{why if down else ''}")
     return 0
 
 

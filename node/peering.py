@@ -1,31 +1,53 @@
-"""The node's face of the sans-I/O peer directory: events in, and its actions carried out
-(ban logs, metrics). The directory decides; this only executes."""
+"""The node's face of the sans-I/O peer directory: events in, with the time, and its actions
+carried out (logs, metrics). The directory decides; this only executes.
+
+Logs: a ban, and a given peer going down ("peer X down (reason)", once per outage) and coming
+back ("peer X back"). What any peer can make happen again and again (a malformed name in its
+``/peers`` answer, an answer no parser can read: ``complain``) gets one line per
+``COMPLAINT_EVERY_S``, which says how many it stands for.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from typing import Any
 
 from node.metrics import Metrics
 from p2p_sync.peers import (
     PeerAction,
+    PeerAnswered,
+    PeerBack,
     PeerBanned,
     PeerDirectory,
+    PeerDown,
     PeerEntry,
     PeerEvent,
+    PeerFailed,
     PeerMisbehaved,
     PeerNamed,
+    PeerRefused,
     PeerServedVerified,
     Source,
 )
 
 log = logging.getLogger("p2psync.node")
+COMPLAINT_EVERY_S = 5.0
 
 
 class Peering:
     """Who a node knows, trusts and bans."""
 
-    def __init__(self, directory: PeerDirectory, metrics: Metrics) -> None:
-        self.directory, self.metrics = directory, metrics
+    def __init__(
+        self,
+        directory: PeerDirectory,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.directory, self.metrics, self.clock = directory, metrics, clock
+        self._complaints = 0  # complaints since the last line
+        self._complaint_due = float("-inf")  # when the next complaint line may be written
 
     @property
     def known(self) -> dict[str, PeerEntry]:
@@ -35,20 +57,36 @@ class Peering:
     def banned(self) -> set[str]:
         return self.directory.banned
 
-    def handle(self, event: PeerEvent) -> None:
-        """Feed the directory; carry out what it says. Runs on every request that names its
-        sender, so a known peer costs a dict lookup, no more."""
-        actions: list[PeerAction] = self.directory.handle(event)
+    def handle(self, event: PeerEvent) -> list[PeerAction]:
+        """Feed the directory; carry out what it says."""
+        actions: list[PeerAction] = self.directory.handle(event, self.clock())
         for a in actions:
             if isinstance(a, PeerBanned):
                 log.warning("banned %s: %s", a.url, a.reason)
                 self.metrics.bans.inc()
+            elif isinstance(a, PeerDown):
+                log.warning("peer %s down (%s)", a.url, a.reason)
+            elif isinstance(a, PeerBack):
+                log.info("peer %s back", a.url)
+            elif isinstance(a, PeerRefused):
+                self.complain(None, f"refused a peer name: {a.reason}")
         if actions:
             self.metrics.peers.set(len(self.directory))
+        return actions
 
-    def add(self, url: str, source: Source = Source.HEARSAY) -> None:
-        """Someone named a peer (unproven unless the operator gave it)."""
-        self.handle(PeerNamed(url, source))
+    def add(
+        self, url: str, source: Source = Source.HEARSAY, address: str | None = None
+    ) -> str | None:
+        """Someone named a peer, with what it proved (``Source``); its name if it is known now."""
+        self.handle(PeerNamed(url, source, address))
+        name = self.directory.name_of(url)
+        return name if name in self.known else None
+
+    def answered(self, url: str) -> None:
+        self.handle(PeerAnswered(url))
+
+    def failed(self, url: str, reason: str) -> None:
+        self.handle(PeerFailed(url, reason[:200]))
 
     def ban(self, url: str, reason: str) -> None:
         self.handle(PeerMisbehaved(url, reason))
@@ -59,3 +97,24 @@ class Peering:
 
     def usable(self) -> list[str]:
         return self.directory.usable()
+
+    def complain(self, peer: str | None, what: str) -> None:
+        """Something a peer sent that no part of the node could take: one log line, unless
+        one was written less than ``COMPLAINT_EVERY_S`` ago (any peer can send it again and
+        again); the next line says how many it stands for."""
+        now, self._complaints = self.clock(), self._complaints + 1
+        if now < self._complaint_due:
+            return
+        held, self._complaints, self._complaint_due = self._complaints, 0, now + COMPLAINT_EVERY_S
+        more = f" (and {held - 1} more since the last such line)" if held > 1 else ""
+        log.warning("%s%s%s", f"peer {peer}: " if peer else "", what[:300], more)
+
+    def status(self) -> list[dict[str, Any]]:
+        """The given peers' states, as ``/status`` lists them."""
+        return self.directory.given_status(self.clock())
+
+
+def described(exc: BaseException) -> str:
+    """An error in a few words for a log line: its type and its message, cut short (no
+    traceback: what a peer sent is no bug of ours)."""
+    return f"{type(exc).__name__}: {str(exc)[:160]}"

@@ -17,7 +17,9 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
+from node.peering import described
 from p2p_sync.errors import PeerError
+from p2p_sync.peers import Source
 from p2p_sync.reachability import Reachability, Verdict
 from p2p_sync.transport.dataplane import same_host
 from p2p_sync.transport.streams import peer_url
@@ -64,11 +66,14 @@ class ReachabilityCheck:
         try:
             async with asyncio.timeout(self.limits.dial_timeout_s):
                 back = await self.node.client.get_json(f"{url}/dialback/{nonce}")
-            return answer | {"reachable": back == {"nonce": nonce}}
         except (PeerError, TimeoutError) as exc:
             return answer | {"why": f"no answer: {exc}"}
         finally:
             self._dialing -= 1
+        reachable = back == {"nonce": nonce}
+        if reachable:  # it answers at its own address: proof enough to be known (peers.py)
+            self.node.add_peer(url, Source.DIALED, remote)
+        return answer | {"reachable": reachable}
 
     # ------------------------------------------------------------ asking peers
 
@@ -95,8 +100,12 @@ class ReachabilityCheck:
             self._news.set()
 
     async def _run(self) -> None:
+        """Rounds until the node stops; whatever a peer answers, the next round comes."""
         while True:
-            await self.round()
+            try:
+                await self.round()
+            except Exception as exc:  # a bug's or a peer's: one line (rate-limited), go on
+                self.node.peering.complain(None, f"reachability round: {described(exc)}")
             unknown = self.state.verdict is Verdict.UNKNOWN
             self._news.clear()
             with contextlib.suppress(TimeoutError):
@@ -135,6 +144,9 @@ class ReachabilityCheck:
                 f"{peer}/dialback", {"url": self.node.url, "nonce": nonce}
             )
         except PeerError:
+            return None, None
+        except Exception as exc:  # an answer its parser cannot take: no answer
+            self.node.peering.complain(peer, f"unreadable dial-back answer: {described(exc)}")
             return None, None
         if not isinstance(doc, dict) or doc.get("busy") or "reachable" not in doc:
             return None, None

@@ -4,7 +4,8 @@ Trainer and rollout share this; each adds its own loop (``trainer.Publisher``,
 ``rollout.Follower``). The parts, one concern each: ``Peering`` (the sans-I/O peer directory
 and what its actions do), ``Learner`` (manifests in and out: announcements, gossip, polls),
 ``DataView`` (what the HTTP data plane serves), ``Metrics``. Peers are learned from
-``--peers``, from who announces to us and from peers' ``/peers`` lists (peer exchange), so one
+``--peers``, from what proves a peer (a dial-back, a signed libp2p record, chunks it fetched
+from us: ``p2p_sync.peers``) and from trusted peers' ``/peers`` lists (peer exchange), so one
 shared list bootstraps everyone. New versions spread by push (``POST /announce``, relayed once
 by every node that accepts the manifest) with a periodic pull of ``/manifests`` as the
 fallback for anything missed.
@@ -37,7 +38,7 @@ from node.timeline import Timeline
 from node.transports import HttpTransport, MemoryTransport
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.peers import PeerDirectory, PeerEntry, Source
+from p2p_sync.peers import P2P, PeerDirectory, PeerEntry, Source
 from p2p_sync.reachability import Verdict
 from p2p_sync.store import AcceptedState, Store
 from p2p_sync.transport.dataplane import PeerClient
@@ -113,7 +114,7 @@ class Node:
         self.transport: Transport = transport or HttpTransport()
         self.metrics = Metrics()
         self.timeline = Timeline()  # when each step of a version happened here
-        directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))
+        directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))  # normalised
         self.peering = Peering(directory, self.metrics)
         self.trusted = TrustedSet(
             policy,
@@ -149,7 +150,7 @@ class Node:
         self.client = self.transport.client(self)
         self.peering.directory.me = {self.url}
         for peer in self.cfg.peers:
-            self.add_peer(peer)
+            self.add_peer(peer, Source.GIVEN)
         if self.cfg.p2p:
             await self._start_p2p()
         self.renamed()
@@ -236,16 +237,26 @@ class Node:
     def peers(self) -> dict[str, PeerEntry]:
         return self.peering.known
 
-    def add_peer(self, url: str, source: Source = Source.HEARSAY) -> None:
-        """Someone named a peer (unproven unless the operator gave it)."""
-        self.peering.add(url, source)
+    def add_peer(
+        self, url: str, source: Source = Source.HEARSAY, address: str | None = None
+    ) -> None:
+        """Someone named a peer, with what it proved (``p2p_sync.peers.Source``; ``address``:
+        where the naming request came from)."""
+        name = self.peering.add(url, source, address)
+        if name is None:  # refused, banned or ourselves
+            return
         self.reach.peers_changed()
-        behind_nat = self.reach.state.verdict is Verdict.BEHIND_NAT
-        if self.links is not None and behind_nat and url in self.peers:  # not banned, not me
-            self.links.offer(url)
+        if self.links is not None and self.reach.state.verdict is Verdict.BEHIND_NAT:
+            self.links.offer(name)
 
     def ban(self, url: str, reason: str) -> None:
         self.peering.ban(url, reason)
+
+    def linked(self, url: str) -> bool:
+        """Does ``url`` (``p2p://<peer id>``) name a peer connected to this node over libp2p
+        now (its key proved in the connection's handshake)?"""
+        linked = getattr(self.p2p, "connected_ids", None) or ()  # none in memory, or off
+        return url.removeprefix(P2P) in linked
 
     @property
     def accepted_version(self) -> int | None:
@@ -274,7 +285,8 @@ class Node:
             "swarm": self.policy.swarm_id,
             "version": state.version if state else None,
             "state_hash": state.state_hash if state else None,
-            "peers": self.view.peer_urls(),
+            "peers": sorted(self.peering.usable()),
+            "given_peers": self.peering.status(),  # up / down, failures, next retry
             "banned": sorted(self.peering.banned),
             "bytes_uploaded": self.metrics.bytes_uploaded,
             "bytes_downloaded": self.metrics.bytes_downloaded,

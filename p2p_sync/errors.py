@@ -234,6 +234,12 @@ class PeerLacksError(PeerError):
     first (``/chunks`` serves up to the first chunk it lacks)."""
 
 
+class MalformedPeerUrlError(P2PSyncError):
+    """Not a peer's name (``http(s)://host:port`` or ``p2p://<peer id>``): another scheme, a
+    path, a query, credentials, a bad host or port. Stored or passed on, it would make nodes
+    request what whoever named it chose (a local file, a path on a third party)."""
+
+
 class ImpersonationError(PeerError):
     """A reverse channel's handshake does not prove the peer id it claims: a node posing as
     another, or a channel passed on by a peer it was opened to (``transport.reverse``)."""

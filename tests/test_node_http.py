@@ -41,9 +41,13 @@ from tests.helpers import (
 HEX = "ab" * 32
 
 
-def make_node(tmp_path: Path) -> Node:
+def make_node(tmp_path: Path, **kw: Any) -> Node:
     cfg = NodeConfig(
-        role="rollout", data_dir=tmp_path, trust=("x",), directory=PeerLimits(poll_interval_s=60)
+        role="rollout",
+        data_dir=tmp_path,
+        trust=("x",),
+        directory=PeerLimits(poll_interval_s=60),
+        **kw,
     )
     policy = SwarmPolicy("t", (SigningKey.generate().public,))
     return Node(cfg, policy, Store.open(tmp_path))
@@ -237,7 +241,8 @@ def test_status_and_metrics_report_the_documented_fields(tmp_path: Path) -> None
 
 
 def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
-    node = make_node(tmp_path)
+    given = "http://127.0.0.1:9"  # nothing listens there: a given peer that is down
+    node = make_node(tmp_path, peers=(given,))
     loop = asyncio.new_event_loop()
     started = threading.Event()
     urls: list[str] = []
@@ -261,6 +266,7 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         )
         assert out.returncode == 0, out.stderr
         assert "bytes_uploaded" in out.stdout and urls[0] in out.stdout
+        assert f"given peer       {given} " in out.stdout  # and its state
     finally:
         asyncio.run_coroutine_threadsafe(node.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
@@ -435,7 +441,7 @@ def test_poll_rounds_ask_the_given_peers_and_a_few_others(tmp_path: Path) -> Non
     node.ban(others[0], "test")
     seen: set[str] = set()
     for _ in range(40):
-        targets = node.peering.directory.poll_targets(random.Random())
+        targets = node.peering.directory.poll_targets(random.Random(), 0.0)
         assert targets[0] == given and len(targets) == len(set(targets)) == 4
         assert others[0] not in targets
         seen.update(targets[1:])

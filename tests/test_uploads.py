@@ -152,7 +152,7 @@ class _Chunks:
     def upload_contact(self, requester: str, pending: bool) -> None:
         self.contacts.append((requester, pending))
 
-    def add_peer(self, url: str) -> None:
+    def requester(self, url: str, remote: str | None, upload: bool) -> None:
         pass
 
 

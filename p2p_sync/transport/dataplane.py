@@ -51,7 +51,8 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             in "pushed": the asker waits for the push and does not request
                             them (the news and the push leave together; a request sent on
                             the news alone fetched every forwarded chunk twice)
-GET  /peers                 {"peers": [base URLs this node knows]}
+GET  /peers                 {"peers": [names]}: the peers this node vouches for (given,
+                            proven, or checked by itself: ``PeerDirectory.shared``)
 POST /announce              {"url": sender base URL or null, "digests": [...], and
                             optionally "offers": {digest: [chunk indices]}, what the sender's
                             ``GET /have/{digest}`` would answer the receiver now (the trainer
@@ -111,8 +112,12 @@ GET  /status                JSON: version, state_hash, peers, bytes_uploaded, by
 GET  /metrics               Prometheus text exposition
 =========================  ==================================================================
 
-A requester names its own data-plane URL in the ``X-P2PSync-Peer`` header: that is how a node
-that only knew the trainer becomes known to everyone (via the trainer's ``/peers`` list).
+A requester names its own data-plane URL in the ``X-P2PSync-Peer`` header. The name alone
+proves nothing (anyone can send any header): the node weighs it (``NodeView.requester``: taken
+from a request it serves chunk bytes to, at the requester's own address, or naming a libp2p
+peer connected to it; ``p2p_sync.peers``). A node that only knew the trainer becomes known to
+everyone once the trainer has checked it (a dial-back, its chunk requests, an answer), via the
+trainer's ``/peers`` list.
 
 Everything a peer sends is untrusted: path parameters are validated before use, request bodies
 are capped (``max_request_bytes``), JSON is parsed within ``jsonbounds.JsonLimits`` (nesting,
@@ -149,15 +154,13 @@ from p2p_sync.errors import (
     PeerLacksError,
 )
 from p2p_sync.havelog import LOG_ID, HaveLog
+from p2p_sync.peers import PEER_ID as PEER_ID  # the transports check peer ids with it
+from p2p_sync.peers import is_peer_name
 from p2p_sync.ratelimit import TokenBucket
 from p2p_sync.uploads import Admission, UploadSlots
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
-PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")  # a libp2p peer id (base58btc)
-# a peer is named by its data-plane URL, or p2p://<peer id> when it serves over libp2p only
-# (behind a NAT: transport.streams)
-URL = re.compile(rf"^(http://[A-Za-z0-9.\-\[\]:]+:\d{{1,5}}|p2p://{PEER_ID.pattern[1:-1]})$")
 PEER_HEADER = "X-P2PSync-Peer"
 JSON = "application/json"
 FEED = "application/x-ndjson"  # a have feed: one JSON answer a line, each as news comes
@@ -301,7 +304,12 @@ class NodeView(Protocol):
         checks it against the signed manifest)."""
         ...
 
-    def add_peer(self, url: str) -> None: ...
+    def requester(self, url: str, remote: str | None, upload: bool) -> None:
+        """A request from ``remote`` named its sender ``url`` (the peer header, unproven);
+        ``upload``: chunk bytes are on their way to it (upload demand). The node weighs what
+        that proves (``p2p_sync.peers``)."""
+        ...
+
     def issued(self, nonce: str) -> bool: ...
     async def dial_back(
         self, url: str, nonce: str, remote: str | None, outbound: bool
@@ -320,7 +328,9 @@ def same_host(url: str, remote: str | None) -> bool:
 
 
 def valid_peer_url(url: str) -> bool:
-    return bool(URL.match(url)) and len(url) < 256
+    """Is ``url`` a peer's name (``peers.peer_name``: ``http(s)://host[:port]`` or
+    ``p2p://<peer id>``, nothing more)?"""
+    return is_peer_name(url)
 
 
 @dataclass(frozen=True)
@@ -436,13 +446,14 @@ class DataRouter:
     async def serve(self, req: Request) -> AsyncIterator[Reply]:
         """The reply to ``req``, valid inside the block: a chunk keeps its upload slot until
         the transport has sent it (or given up)."""
-        self._learn_requester(req.peer)
         release: Callable[[], None] = _nothing
         try:
             reply, release = await self._respond(req)
         except Refused as r:
             reply = Reply(r.status, r.text.encode(), "text/plain")
         try:
+            if req.peer is not None:
+                self.node.requester(req.peer, req.remote, reply.upload)
             yield reply
         finally:
             release()
@@ -463,10 +474,6 @@ class DataRouter:
         wait on the node's news alone, so the node wakes them all, and each sees the close."""
         self._closing.set()
         self.node.notify_have()
-
-    def _learn_requester(self, url: str | None) -> None:
-        if url is not None and valid_peer_url(url):
-            self.node.add_peer(url)
 
     async def _respond(self, req: Request) -> tuple[Reply, Callable[[], None]]:
         parts = req.path.strip("/").split("/")
