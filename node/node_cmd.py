@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -186,6 +187,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         why = f" ({peer.get('failures')} failures, next try in {peer.get('retry_in_s')} s: "
         why += f"{peer.get('error')})"
         print(f"{'given peer':<17}{peer.get('url')} {peer.get('state')}{why if down else ''}")
+    for ban in doc.get("bans") or []:  # who was banned, why, since when
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ban.get("since") or 0))
+        print(f"{'banned':<17}{ban.get('peer')} since {since}: {ban.get('reason')}")
     return 0
 
 

@@ -36,6 +36,9 @@ log = logging.getLogger("p2psync.node")
 COMPLAINT_EVERY_S = 5.0
 
 
+BANS_SHOWN = 256  # ban records /status lists (a flood of bad peers cannot grow it)
+
+
 class Peering:
     """Who a node knows, trusts and bans."""
 
@@ -46,6 +49,7 @@ class Peering:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory, self.metrics, self.clock = directory, metrics, clock
+        self.bans: dict[str, dict[str, Any]] = {}  # the latest BANS_SHOWN: peer, reason, since
         self._complaints = 0  # complaints since the last line
         self._complaint_due = float("-inf")  # when the next complaint line may be written
 
@@ -64,6 +68,7 @@ class Peering:
             if isinstance(a, PeerBanned):
                 log.warning("banned %s: %s", a.url, a.reason)
                 self.metrics.bans.inc()
+                self._record_ban(a)
             elif isinstance(a, PeerDown):
                 log.warning("peer %s down (%s)", a.url, a.reason)
             elif isinstance(a, PeerBack):
@@ -108,6 +113,13 @@ class Peering:
         held, self._complaints, self._complaint_due = self._complaints, 0, now + COMPLAINT_EVERY_S
         more = f" (and {held - 1} more since the last such line)" if held > 1 else ""
         log.warning("%s%s%s", f"peer {peer}: " if peer else "", what[:300], more)
+
+    def _record_ban(self, ban: PeerBanned) -> None:
+        """Keep what ``status`` shows of a ban (wall-clock ``since``); bounded: the oldest
+        records go first, the bans themselves stay."""
+        self.bans[ban.url] = {"peer": ban.url, "reason": ban.reason[:300], "since": time.time()}
+        while len(self.bans) > BANS_SHOWN:
+            del self.bans[next(iter(self.bans))]
 
     def status(self) -> list[dict[str, Any]]:
         """The given peers' states, as ``/status`` lists them."""

@@ -288,6 +288,7 @@ class Node:
             "peers": sorted(self.peering.usable()),
             "given_peers": self.peering.status(),  # up / down, failures, next retry
             "banned": sorted(self.peering.banned),
+            "bans": list(self.peering.bans.values()),
             "bytes_uploaded": self.metrics.bytes_uploaded,
             "bytes_downloaded": self.metrics.bytes_downloaded,
             "bytes_downloaded_from": self.metrics.downloaded_from,

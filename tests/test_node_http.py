@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -240,6 +241,10 @@ def test_status_and_metrics_report_the_documented_fields(tmp_path: Path) -> None
     assert "p2psync_bytes_uploaded_total" in metrics and "p2psync_version" in metrics
 
 
+async def _ban(node, url: str) -> None:
+    node.ban(url, "served chunk 3 failing its hash")
+
+
 def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
     given = "http://127.0.0.1:9"  # nothing listens there: a given peer that is down
     node = make_node(tmp_path, peers=(given,))
@@ -257,6 +262,8 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
     thread.start()
     try:
         assert started.wait(10)
+        bad = "http://127.0.0.1:7"
+        asyncio.run_coroutine_threadsafe(_ban(node, bad), loop).result(10)
         out = subprocess.run(
             [sys.executable, "-m", "node", "status", urls[0]],
             cwd=ROOT,
@@ -267,6 +274,7 @@ def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
         assert out.returncode == 0, out.stderr
         assert "bytes_uploaded" in out.stdout and urls[0] in out.stdout
         assert f"given peer       {given} " in out.stdout  # and its state
+        assert re.search(rf"banned +{bad} since 20\d\d-.*: served chunk 3 failing", out.stdout)
     finally:
         asyncio.run_coroutine_threadsafe(node.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
