@@ -49,6 +49,7 @@ from p2p_sync.patch import (
 )
 from p2p_sync.restore import restore
 from p2p_sync.statehash import StateDigest
+from p2p_sync.store import Store
 from p2p_sync.tensors import (
     Layout,
     TensorSet,
@@ -665,8 +666,9 @@ class Spool:
     that cannot be (``refuse``) is moved aside to ``rejected/``. Names published are kept in
     the data dir (``watched.txt``), so a restart does not publish them again."""
 
-    def __init__(self, directory: Path, seen_path: Path) -> None:
-        self.directory, self.seen_path = directory, seen_path
+    def __init__(self, directory: Path, store: Store) -> None:
+        self.directory, self.store = directory, store
+        seen_path = self.seen_path = store.root / "watched.txt"
         self.published = set(seen_path.read_text().split("\n")) if seen_path.exists() else set()
         self.refused: set[Listed] = set()  # refused but could not be moved: not retried as is
 
@@ -675,8 +677,11 @@ class Spool:
         return to_try(listed, self.published, self.refused)
 
     def done(self, path: Path) -> None:
+        """``path`` is published: remembered at once, written down as soon as the disk lets
+        (a full one is the store's one log line; the list is written again with the next)."""
         self.published.add(path.name)
-        atomic_write_bytes(self.seen_path, "\n".join(sorted(self.published)).encode())
+        with contextlib.suppress(StoreFullError), self.store.writing("the watch list"):
+            atomic_write_bytes(self.seen_path, "\n".join(sorted(self.published)).encode())
 
     def refuse(self, path: Path, problem: Exception) -> str:
         """Move ``path`` aside; the log line: the file, the problem, and where it went."""
@@ -711,7 +716,7 @@ async def watch(
     disk) are the node's, not the file's: a full one (``StoreFullError``) pauses the watch
     until there is room, then the same file is published; the others stop the trainer.
     """
-    spool = Spool(directory, publisher.node.store.root / "watched.txt")
+    spool = Spool(directory, publisher.node.store)
     while not stop.is_set():
         for path in spool.fresh():
             try:

@@ -229,3 +229,31 @@ def test_bad_files_in_the_watch_dir_are_moved_aside_and_the_trainer_goes_on(
         (line,) = out["logged"][name]  # one line per file, naming it, the problem and the move
         assert problem in line and f"moved to {tmp_path / 'watch' / REJECTED / name}" in line
     assert out["restarted"] == 1 and out["published"] == 2
+
+
+def test_a_full_disk_while_noting_a_published_file_is_one_line_and_noted_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``watched.txt`` lives in the data dir: a full disk there is the store's one line, the
+    name stays remembered in memory, and the next write once there is room holds both."""
+    import errno
+
+    import node.trainer as trainer_mod
+    from node.trainer import Spool
+
+    store = Store.open(tmp_path / "data")
+    spool = Spool(tmp_path, store)
+    real = trainer_mod.atomic_write_bytes
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(trainer_mod, "atomic_write_bytes", full)
+    with caplog.at_level(logging.ERROR):
+        spool.done(tmp_path / "v0.safetensors")
+    assert "v0.safetensors" in spool.published and not spool.seen_path.exists()
+    assert caplog.text.count("is full") == 1 and "Traceback" not in caplog.text
+    monkeypatch.setattr(trainer_mod, "atomic_write_bytes", real)
+    spool.done(tmp_path / "v1.safetensors")
+    assert spool.seen_path.read_text().split("\n") == ["v0.safetensors", "v1.safetensors"]
+    store.close()
