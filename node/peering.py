@@ -31,6 +31,7 @@ from p2p_sync.peers import (
     PeerServedVerified,
     Source,
 )
+from p2p_sync.ratelimit import RepeatedLine
 
 log = logging.getLogger("p2psync.node")
 COMPLAINT_EVERY_S = 5.0
@@ -50,8 +51,7 @@ class Peering:
     ) -> None:
         self.directory, self.metrics, self.clock = directory, metrics, clock
         self.bans: dict[str, dict[str, Any]] = {}  # the latest BANS_SHOWN: peer, reason, since
-        self._complaints = 0  # complaints since the last line
-        self._complaint_due = float("-inf")  # when the next complaint line may be written
+        self._complaints = RepeatedLine(COMPLAINT_EVERY_S)
 
     @property
     def known(self) -> dict[str, PeerEntry]:
@@ -107,10 +107,9 @@ class Peering:
         """Something a peer sent that no part of the node could take: one log line, unless
         one was written less than ``COMPLAINT_EVERY_S`` ago (any peer can send it again and
         again); the next line says how many it stands for."""
-        now, self._complaints = self.clock(), self._complaints + 1
-        if now < self._complaint_due:
+        held = self._complaints.hit(self.clock())
+        if not held:
             return
-        held, self._complaints, self._complaint_due = self._complaints, 0, now + COMPLAINT_EVERY_S
         more = f" (and {held - 1} more since the last such line)" if held > 1 else ""
         log.warning("%s%s%s", f"peer {peer}: " if peer else "", what[:300], more)
 
