@@ -19,7 +19,7 @@ from node.rollout import Follower
 from node.runtime import Node
 from node.trainer import Publisher, TrainerNode, watch
 from p2p_sync import jsonbounds
-from p2p_sync.errors import P2PSyncError
+from p2p_sync.errors import P2PSyncError, StartupError
 from p2p_sync.keys import load_public_key, load_signing_key
 from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.store import Store
@@ -34,12 +34,6 @@ def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
         return SwarmPolicy(cfg.swarm, keys, cfg.threshold), key
     except ValueError as exc:
         raise ConfigError(f"config: threshold: {exc}") from None
-
-
-class StartupError(P2PSyncError):
-    """The node could not start: a port in use, a key it cannot read, a data dir it may not
-    write, a watch dir that is not there. The CLI prints one line and exits 2, as for a bad
-    flag: nothing ran, so nothing is lost."""
 
 
 def check_files(cfg: NodeConfig) -> None:

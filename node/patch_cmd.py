@@ -97,7 +97,8 @@ def _which_is_wrong(patch: Path, base: Path, data: bytes, weights: dict) -> str:
 def _verify(args: argparse.Namespace, data: bytes) -> str:
     """--verify: decode every frame (against --base when given); without a base, what needs
     none. Returns what was checked, for stderr; corruption raises."""
-    if args.base is None:
+    base = getattr(args, "base", None)  # `p2psync inspect` (any file) has no --base
+    if base is None:
         need = codec.check_without_base(data)
         if need:
             return (
@@ -106,12 +107,12 @@ def _verify(args: argparse.Namespace, data: bytes) -> str:
             )
         codec.decode(data)
         return "verified: every frame decoded"
-    weights = load_weights(args.base, "cpu")
+    weights = load_weights(base, "cpu")
     try:
         apply({k: t.clone() for k, t in weights.items()}, codec.decode(data, base=weights))
     except BaseMismatchError:
-        raise BaseMismatchError(_which_is_wrong(args.file, args.base, data, weights)) from None
-    return f"verified against {args.base}: every frame decoded and the target hash reached"
+        raise BaseMismatchError(_which_is_wrong(args.file, base, data, weights)) from None
+    return f"verified against {base}: every frame decoded and the target hash reached"
 
 
 def _row_dict(row: codec.FrameInfo) -> dict:

@@ -206,6 +206,12 @@ class ConfigError(P2PSyncError):
     """A config file or flag value is invalid (the message names the field)."""
 
 
+class StartupError(P2PSyncError):
+    """The node could not start: a port in use, a key it cannot read, a data dir it may not
+    write, a watch dir that is not there. The CLI prints one line and exits 2, as for a bad
+    flag: nothing ran, so nothing is lost."""
+
+
 class CommandError(P2PSyncError):
     """A command cannot run as asked (bad file, bad argument)."""
 
