@@ -53,7 +53,7 @@ def run(
     try:
         console.print("starting a trainer and 3 rollouts (each loads torch and the codec) ...")
         trainer = swarm.start_trainer(anchor_every=4, extra=("--patch-format", str(patch_format)))
-        rollouts = [swarm.start_rollout(f"rollout-{i}", [trainer.url]) for i in range(3)]
+        rollouts = swarm.start_rollouts([f"rollout-{i}" for i in range(3)], [trainer.url])
         console.print(f"trainer {trainer.url}; rollouts " + ", ".join(r.url for r in rollouts))
         for line in LEGEND:
             console.print(f"  [dim]{line}[/]")

@@ -105,11 +105,18 @@ class Swarm:
         export: Path | None,
         at: Placement = LOOPBACK,
     ) -> Proc:
+        return self._ready(name, self._launch(name, args, data_dir, at), data_dir, export, at)
+
+    def _launch(
+        self, name: str, args: list[str], data_dir: Path, at: Placement
+    ) -> subprocess.Popen[str]:
+        """Start a ``p2psync node`` process; :meth:`_ready` waits for it (several processes
+        launched first and waited for after start in parallel: imports are most of a start)."""
         # ROOT first, then whatever the caller's path held (a machine's packages may live there)
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
         log = open(self.root / f"{name}.log", "ab")
-        popen = subprocess.Popen(
+        return subprocess.Popen(
             [
                 *at.prefix,
                 sys.executable,
@@ -128,6 +135,15 @@ class Swarm:
             cwd=ROOT,
             text=True,
         )
+
+    def _ready(
+        self,
+        name: str,
+        popen: subprocess.Popen[str],
+        data_dir: Path,
+        export: Path | None,
+        at: Placement,
+    ) -> Proc:
         assert popen.stdout is not None
         # "p2psync <role> listening on http://...", printed once up: wait a bounded time for it
         ready, _, _ = select.select([popen.stdout], [], [], START_TIMEOUT_S)
@@ -177,25 +193,32 @@ class Swarm:
         at: Placement = LOOPBACK,
         extra: tuple[str, ...] = (),
     ) -> Proc:
-        data_dir = data_dir or self.root / name
-        export = self.root / f"{name}-export"
-        return self._spawn(
-            name,
-            [
-                "--role",
-                "rollout",
-                "--trust",
-                str(self.pub),
-                "--peers",
-                ",".join(peers),
-                "--export",
-                str(export),
-                *extra,
-            ],
-            data_dir,
-            export,
-            at,
-        )
+        return self.start_rollouts([name], peers, at, extra, data_dir)[0]
+
+    def start_rollouts(
+        self,
+        names: list[str],
+        peers: list[str],
+        at: Placement = LOOPBACK,
+        extra: tuple[str, ...] = (),
+        data_dir: Path | None = None,
+    ) -> list[Proc]:
+        """Rollouts ``names``, all started before any is waited for (a start is mostly
+        imports: on two cores, six take about half the time one after another would)."""
+        launched = []
+        for name in names:
+            export = self.root / f"{name}-export"
+            args = ["--role", "rollout", "--trust", str(self.pub), "--peers", ",".join(peers)]
+            args += ["--export", str(export), *extra]
+            where = data_dir or self.root / name
+            launched.append((name, self._launch(name, args, where, at), where, export))
+        try:
+            return [self._ready(n, popen, d, e, at) for n, popen, d, e in launched]
+        except BaseException:
+            for _, popen, _, _ in launched:
+                if popen.poll() is None and all(p.popen is not popen for p in self.procs):
+                    popen.kill()
+            raise
 
     def start_bootstrap(
         self, name: str = "bootstrap", at: Placement = LOOPBACK, extra: tuple[str, ...] = ()

@@ -118,7 +118,7 @@ def test_swarm_from_one_bootstrap_address(swarm: Swarm, versions, tmp_path: Path
     gossip_only.write_text("[directory]\npoll_interval_s = 120.0\n")
     join = ("--bootstrap", addr, "--config", str(gossip_only))
     trainer = swarm.start_trainer(extra=("--bootstrap", addr))
-    rollouts = [swarm.start_rollout(f"r{i}", [], extra=join) for i in range(6)]
+    rollouts = swarm.start_rollouts([f"r{i}" for i in range(6)], [], extra=join)
     wait_for(
         lambda: all(trainer.url in (r.status() or {}).get("peers", []) for r in rollouts),
         60,

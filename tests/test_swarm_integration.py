@@ -30,7 +30,7 @@ def swarm(tmp_path: Path):
 
 def test_six_rollouts_converge_bit_exact_and_relay(swarm: Swarm, versions) -> None:
     trainer = swarm.start_trainer()
-    rollouts = [swarm.start_rollout(f"r{i}", [trainer.url]) for i in range(6)]
+    rollouts = swarm.start_rollouts([f"r{i}" for i in range(6)], [trainer.url])
     per_version = []
     for v, weights in enumerate(versions):
         before = (trainer.status() or {})["bytes_uploaded"]
@@ -85,7 +85,7 @@ def test_peer_serving_corrupt_chunks_is_banned_and_honest_rollouts_converge(
     try:
         assert evil.stdout is not None
         evil_url = evil.stdout.readline().strip()
-        rollouts = [swarm.start_rollout(f"r{i}", [evil_url, trainer.url]) for i in range(3)]
+        rollouts = swarm.start_rollouts([f"r{i}" for i in range(3)], [evil_url, trainer.url])
         for v in range(4):
             swarm.publish(versions[v])
             swarm.wait_version(rollouts, v)
