@@ -8,7 +8,7 @@ served verified bytes (proven peers) and who served bad ones (banned).
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
@@ -119,12 +119,16 @@ async def fetch_payload(
     manifest: Manifest,
     config: SwarmConfig | None = None,
     on_chunk: Callable[[int], None] | None = None,
+    unserved: Mapping[int, Collection[str]] | None = None,
 ) -> None:
-    """Fetch ``manifest``'s payload from the swarm into the node's store, verified."""
+    """Fetch ``manifest``'s payload from the swarm into the node's store, verified; the
+    peers ``unserved`` names for a chunk do not count as its sources (they claimed it and did
+    not serve it when an earlier download of it stalled)."""
     config = config or swarm_config(node)
     listener = _Listener(node, manifest, on_chunk)
+    source = _NodeSource(node, manifest.digest)
     try:
-        await download(manifest, _NodeSource(node, manifest.digest), node.store, listener, config)
+        await download(manifest, source, node.store, listener, config, unserved)
     finally:
         node.learner.early.close(manifest.digest)  # the feeds it did not follow
     node.timeline.note(manifest.digest, "fetched")

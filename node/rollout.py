@@ -52,6 +52,7 @@ from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.statehash import StateDigest, state_hash
+from p2p_sync.swarm import carry_unserved
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import write_to
 
@@ -116,6 +117,9 @@ class Follower:
         self._rebuild(self.into)  # the head, from the checkpoint and the logged patches
         self.refused: set[str] = set()  # manifests whose verified payload failed to apply
         self.stalled: set[str] = set()  # manifests whose download stalled: planned around once
+        # by manifest, the peers that claimed a chunk of it and did not serve it when its
+        # download stalled: a later download of it does not count them as its sources
+        self.unserved: dict[str, dict[int, set[str]]] = {}
         self.pending: list[tuple[Manifest, float]] = []  # fetched, not yet applied (hold mode)
         self.ready = asyncio.Event()  # set while ``pending`` is not empty
         self.advanced = asyncio.Event()  # replaced (after being set) at every applied version
@@ -149,6 +153,8 @@ class Follower:
         start = self.planned
         newer = self.node.trusted.newer(by_digest.values(), start.version)
         usable = [artifact(m) for m in newer if m.digest not in self.refused]
+        live = {a.ident for a in usable}
+        self.unserved = {d: r for d, r in self.unserved.items() if d in live and r}
         for avoid in (self.stalled, set()):
             try:
                 path = plan(start, [a for a in usable if a.ident not in avoid])
@@ -368,13 +374,17 @@ class Follower:
             log.warning("--on-update command exited with %s for v%d", rc, m.version)
 
     async def _fetch(self, m: Manifest) -> None:
-        """Fetch with a live rich progress bar when asked (or when stderr is a terminal)."""
+        """Fetch with a live rich progress bar when asked (or when stderr is a terminal),
+        without the sources that failed an earlier download of ``m``."""
+        unserved = self.unserved.get(m.digest)
         if not (self.node.cfg.progress or sys.stderr.isatty()):
-            return await fetch_payload(self.node, m)
+            return await fetch_payload(self.node, m, unserved=unserved)
         columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
         with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"v{m.version} {m.kind}", total=m.payload_size)
-            await fetch_payload(self.node, m, on_chunk=lambda n: bar.advance(task, n))
+            await fetch_payload(
+                self.node, m, on_chunk=lambda n: bar.advance(task, n), unserved=unserved
+            )
 
     async def step(self, m: Manifest) -> None:
         t0 = time.perf_counter()
@@ -404,6 +414,9 @@ class Follower:
                     except DownloadStalledError as exc:  # nobody reachable serves it now
                         log.warning("%s; re-planning", exc)
                         self.stalled.add(exc.digest)
+                        record = self.unserved.setdefault(exc.digest, {})
+                        carry_unserved(record, exc.indices, exc.disowned)
+                        self.node.learner.new_info.set()  # another path, at once
                         break
                     except StoreFullError:  # logged by the store: try again later
                         self.full = True

@@ -8,6 +8,8 @@ refuse a bad patch catches that. Each subclass names exactly one way a patch can
 with a message that says what was expected and what was found.
 """
 
+from collections.abc import Mapping
+
 
 class P2PSyncError(Exception):
     """Base of every error raised by p2psync."""
@@ -252,13 +254,22 @@ class ImpersonationError(PeerError):
 
 
 class DownloadStalledError(P2PSyncError):
-    """Some chunk of a payload has had no reachable source for ``stall_timeout_s``, and nothing
-    else moved: waiting longer would hang the node on peers that left, lied or were banned.
-    The caller re-plans (another artifact, an anchor) and may come back to this one later."""
+    """Some chunk of a payload was not delivered within ``stall_timeout_s`` of being asked for
+    by any peer claiming it, or has had no source while nothing else moved: waiting longer
+    would hang the node on peers that left, lied or were banned. The caller re-plans (another
+    artifact, an anchor) and may come back to this one later; ``disowned`` names, by chunk,
+    the peers that claimed it and did not serve it (``swarm.carry_unserved``)."""
 
-    def __init__(self, message: str, digest: str, indices: frozenset[int]) -> None:
+    def __init__(
+        self,
+        message: str,
+        digest: str,
+        indices: frozenset[int],
+        disowned: Mapping[int, frozenset[str]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.digest, self.indices = digest, indices
+        self.disowned: Mapping[int, frozenset[str]] = disowned or {}
 
 
 class P2PError(P2PSyncError):

@@ -185,6 +185,10 @@ class Network:
         w.last = self.clock.now
         self._recap(t.src, t.dst, w)  # the others share what it leaves
 
+    def progress(self, t: Transfer) -> float:
+        """Bytes ``t`` has moved so far (all of them once it finished)."""
+        return t.sent + min(t.rate * (self.clock.now - t.since), t.remaining)
+
     def cancel(self, t: Transfer) -> bool:
         """Stop ``t`` if still running (True); the bytes it moved so far stay counted."""
         if t not in self.out[t.src]:

@@ -86,6 +86,7 @@ from p2p_sync.swarm import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
+    ChunkMoving,
     ChunkVerified,
     DownloadCompleted,
     Event,
@@ -155,6 +156,7 @@ class Peer:
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
     timer_at: float | None = None  # when the scheduler's next TimerFired is due
+    metering: bool = False  # a look at its transfers' bytes is due (``SwarmSim._meter``)
     done_at: float | None = None
     pushed: bool = False  # the trainer pushed this version's news and its offer to it
     pushing: frozenset[int] = frozenset()  # and sent these chunks behind it
@@ -950,7 +952,27 @@ class SwarmSim:
         )
         p.requests[(q_idx, index)] = run.transfer = transfer
         run.current = index
+        if not p.metering:
+            p.metering = True
+            self.clock.after(self.sc.download.stall_timeout_s / 4, self._meter, p)
         return True
+
+    def _meter(self, p: Peer) -> None:
+        """Tell ``p``'s scheduler how far its transfers got (``ChunkMoving``), a quarter of
+        ``stall_timeout_s`` apart while any runs, as the node's driver does for a transfer
+        running that long: a chunk whose bytes keep coming is slow, not stalled. Nearly all
+        transfers end sooner, so nearly no simulation sees one."""
+        p.metering = False
+        running = [(q, i, t) for (q, i), t in p.requests.items() if t is not None]
+        if p.sched is None or not running:
+            return
+        gen = p.generation
+        for q, i, t in running:
+            if p.generation != gen:
+                return  # the download completed meanwhile
+            self._feed(p, ChunkMoving(q, i, int(self.net.progress(t))))
+        p.metering = True
+        self.clock.after(self.sc.download.stall_timeout_s / 4, self._meter, p)
 
     def _upload_ended(self, q: Peer, requester: int) -> None:
         """An upload of ``q`` ended: its slots start what they pick from the line (a request

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
 
 from node.rollout import Follower
 from node.runtime import Node
@@ -27,17 +28,28 @@ from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store
 from p2p_sync.swarm import (
+    Action,
+    CancelRequest,
     ChunkFailed,
+    ChunkMoving,
     ChunkVerified,
+    DownloadCompleted,
     DownloadStalled,
+    Event,
+    PeerBusy,
     PeerHad,
     PeerLost,
+    RequestChunk,
     Scheduler,
     SwarmConfig,
     TimerFired,
+    carry_unserved,
 )
+from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.download import DataPlaneSource, Download, HaveCursor, Timed, download
+from p2p_sync.transport.http import DataClient
 from p2p_sync.versions import PublishPolicy
+from tests import evil_peer
 from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 
 CHUNK = 16 * 1024
@@ -50,7 +62,8 @@ def test_a_chunk_whose_only_holder_fails_it_stalls_once_after_the_timeout() -> N
     s.handle(PeerHad("a", frozenset({0, 1})), 0.0)
     s.handle(ChunkVerified("a", 0, 10), 1.0)
     assert s.handle(ChunkFailed("a", 1), 2.0) == []  # chunk 1 has no source from now on
-    assert s.next_timer(2.0) == pytest.approx(7.0)
+    assert not any(isinstance(a, DownloadStalled) for a in s.handle(TimerFired(), 5.0))
+    assert s.next_timer(5.0) == pytest.approx(7.0)
     assert not any(isinstance(a, DownloadStalled) for a in s.handle(TimerFired(), 6.9))
     stalled = [a for a in s.handle(TimerFired(), 7.0) if isinstance(a, DownloadStalled)]
     assert stalled == [DownloadStalled(frozenset({1}))]
@@ -58,14 +71,15 @@ def test_a_chunk_whose_only_holder_fails_it_stalls_once_after_the_timeout() -> N
 
 
 def test_chunks_without_a_source_do_not_stall_while_others_keep_arriving() -> None:
-    s = Scheduler(4, SwarmConfig(stall_timeout_s=5.0))
-    s.handle(PeerHad("a", frozenset({0, 1, 2})), 0.0)
-    for t, i in ((4.0, 0), (8.0, 1), (12.0, 2)):  # chunk 3 has no source all along
-        actions = s.handle(ChunkVerified("a", i, 10), t)
+    s = Scheduler(4, SwarmConfig(stall_timeout_s=10.0))
+    asked = [a.index for a in s.handle(PeerHad("a", frozenset({0, 1, 2})), 0.0)]
+    for t in (4.0, 8.0, 12.0):  # chunk 3 has no source all along; each asked one comes
+        actions = s.handle(ChunkVerified("a", asked.pop(0), 10), t)
         assert not any(isinstance(a, DownloadStalled) for a in actions)
-    assert s.next_timer(12.0) == pytest.approx(17.0)
+        asked += [a.index for a in actions if isinstance(a, RequestChunk)]
+    assert s.next_timer(12.0) == pytest.approx(22.0)
     assert s.handle(PeerHad("b", frozenset({3})), 16.0)  # a source appears: request it
-    assert s.next_timer(16.0) is not None and s.next_timer(16.0) > 17.0  # timeout, no stall
+    assert s.next_timer(16.0) is not None and s.next_timer(16.0) > 22.0  # timeout, no stall
 
 
 def test_a_lost_peer_takes_its_claims_with_it() -> None:
@@ -81,6 +95,162 @@ def test_the_timer_follows_the_oldest_request_and_busy_backoff() -> None:
     assert s.next_timer(0.0) == pytest.approx(100.0)  # nothing known yet: only a stall
     s.handle(PeerHad("a", frozenset({0})), 1.0)
     assert s.next_timer(1.0) == pytest.approx(4.0)  # the request sent at 1.0 times out at 4.0
+
+
+# ---------------------------------------------------------------- claims that are never served
+
+
+def _stalls(actions: list[Action]) -> list[DownloadStalled]:
+    return [a for a in actions if isinstance(a, DownloadStalled)]
+
+
+def _asked(actions: list[Action], peer: str | None = None) -> list[int]:
+    return [a.index for a in actions if isinstance(a, RequestChunk) and peer in (None, a.peer)]
+
+
+def _claimed_but_not_served(answer: str) -> tuple[float, int]:
+    """Chunk 0's only claimant re-sends its claim every half second (its have feed) and
+    answers each request for it by ``answer``; time goes by in steps of 0.25 s. When the
+    stall came, and how often the chunk was asked for until then."""
+    s = Scheduler(1, SwarmConfig(stall_timeout_s=5.0, request_timeout_s=1.0))
+    inflight, asked, t = False, 0, 0.0
+    while t < 30.0:
+        events: list[Event] = [TimerFired()]
+        if t % 0.5 == 0:
+            events.append(PeerHad("liar", frozenset({0})))
+        if inflight and answer == "fails":
+            events.append(ChunkFailed("liar", 0))  # a 404, or a transfer cut by its transport
+        elif inflight and answer == "is busy":
+            events.append(PeerBusy("liar", 0))
+        elif inflight and answer == "sends half, then nothing":
+            events += [ChunkMoving("liar", 0, 500), ChunkFailed("liar", 0)]
+        for event in events:
+            actions = s.handle(event, t)
+            asked += len(_asked(actions))
+            if _asked(actions):
+                inflight = True
+            if any(isinstance(a, CancelRequest) for a in actions) or isinstance(
+                event, ChunkFailed | PeerBusy
+            ):
+                inflight = bool(_asked(actions))
+            if _stalls(actions):
+                assert _stalls(actions) == [DownloadStalled(frozenset({0}))]
+                return t, asked
+        t += 0.25
+    raise AssertionError(f"no stall in 30 s (asked {asked} times)")
+
+
+@pytest.mark.parametrize(
+    ("answer", "stalled_at"),
+    [("times out", 5.0), ("fails", 5.0), ("is busy", 5.0), ("sends half, then nothing", 5.5)],
+)
+def test_a_chunk_claimed_again_and_again_but_never_served_stalls(
+    answer: str, stalled_at: float
+) -> None:
+    """However often its claim comes again, a chunk asked for at 0.0 and never delivered is
+    stalled ``stall_timeout_s`` (5 s) later: re-claims and re-requests are no progress, nor is
+    the same half of its bytes at every request (the first half, at 0.25, was: the request
+    then in flight fails at 5.25, and the stall comes with the next claim)."""
+    at, asked = _claimed_but_not_served(answer)
+    assert at == stalled_at
+    assert asked >= 2  # its claim put it back in play, and it was asked again
+
+
+def test_a_peer_that_serves_other_chunks_but_never_this_one_lets_it_stall() -> None:
+    """The liar serves every chunk it is asked for a tenth of a second later, except chunk 3,
+    and claims them all again every half second: chunk 3 stalls 5 s after it was first asked
+    for (once the request for it then in flight timed out: within a second), though the
+    download as a whole keeps moving."""
+    s = Scheduler(4, SwarmConfig(stall_timeout_s=5.0, request_timeout_s=1.0))
+    due: list[tuple[float, int]] = []
+    first: dict[int, float] = {}
+    t = 0.0
+    while t < 20.0:
+        events: list[Event] = [TimerFired(), PeerHad("liar", frozenset({0, 1, 2, 3}))]
+        events += [ChunkVerified("liar", i, 10) for at, i in due if at <= t and i != 3]
+        due = [(at, i) for at, i in due if at > t]
+        for event in events:
+            actions = s.handle(event, t)
+            for i in _asked(actions):
+                first.setdefault(i, t)
+                due.append((t + 0.1, i))
+            if _stalls(actions):
+                assert _stalls(actions) == [DownloadStalled(frozenset({3}))]
+                assert first[3] + 5.0 <= t <= first[3] + 6.0
+                assert s.missing == {3}
+                return
+        t = round(t + 0.1, 1)
+    raise AssertionError("chunk 3 never stalled")
+
+
+def test_a_slow_chunk_whose_bytes_keep_moving_does_not_stall() -> None:
+    """Its only holder sends a chunk over 12 s (stall_timeout_s is 5), its bytes arriving
+    all along: progress, so no stall, and the download completes."""
+    s = Scheduler(1, SwarmConfig(stall_timeout_s=5.0, request_timeout_s=30.0))
+    assert _asked(s.handle(PeerHad("slow", frozenset({0})), 0.0)) == [0]
+    for second in range(1, 12):
+        assert s.handle(ChunkMoving("slow", 0, 100 * second), float(second)) == []
+        assert s.next_timer(float(second)) == pytest.approx(second + 5.0)
+        assert not _stalls(s.handle(TimerFired(), second + 0.5))
+    assert s.handle(ChunkVerified("slow", 0, 1200), 12.0) == [DownloadCompleted()]
+
+
+def test_a_chunk_one_claimant_never_serves_is_verified_from_another_and_never_stalls() -> None:
+    """The liar claims every chunk and answers nothing; an honest peer serves each chunk a
+    second after it is asked: what was asked of the liar is asked again of the honest peer
+    and arrives, well within ``stall_timeout_s``."""
+    s = Scheduler(6, SwarmConfig(stall_timeout_s=5.0, request_timeout_s=1.0))
+    due: list[tuple[float, str, int]] = []
+    t, done = 0.0, False
+    while not done:
+        assert t < 30.0, "never completed"
+        events: list[Event] = [TimerFired()]
+        if t % 0.5 == 0:
+            events += [PeerHad("liar", frozenset(range(6))), PeerHad("honest", frozenset(range(6)))]
+        events += [ChunkVerified(p, i, 10) for at, p, i in due if at <= t]
+        due = [(at, p, i) for at, p, i in due if at > t]
+        for event in events:
+            actions = s.handle(event, t)
+            assert not _stalls(actions)
+            due += [(t + 1.0, "honest", i) for i in _asked(actions, "honest")]
+            done = done or DownloadCompleted() in actions
+        t = round(t + 0.25, 2)
+    assert not s.unserved
+
+
+def test_after_a_stall_its_claimants_lose_standing_for_that_chunk_only() -> None:
+    """The liar served chunk 0 and never chunk 1: once chunk 1 stalls, the liar's claim of
+    it counts no more (it is not asked for again), while its claim of chunk 2 still does; a
+    peer that never failed it is asked for it at once."""
+    s = Scheduler(3, SwarmConfig(stall_timeout_s=5.0, request_timeout_s=1.0))
+    assert sorted(_asked(s.handle(PeerHad("liar", frozenset({0, 1})), 0.0))) == [0, 1]
+    s.handle(ChunkVerified("liar", 0, 10), 0.5)
+    stalls, t = [], 1.0
+    while not stalls and t < 20.0:  # asked again at each time-out, claimed again each second
+        stalls = _stalls(s.handle(TimerFired(), t) + s.handle(PeerHad("liar", frozenset({1})), t))
+        t += 1.0
+    assert len(stalls) == 1 and 1 in stalls[0].indices and t > 5.0  # 2: nobody had it yet
+    assert stalls[0].disowned == {1: frozenset({"liar"})}
+    assert s.unserved == {1: {"liar"}}
+    assert _asked(s.handle(PeerHad("liar", frozenset({1, 2})), t)) == [2]  # not 1
+    assert not s.holders[1] and s.holders[2] == {"liar"}
+    assert _asked(s.handle(PeerHad("other", frozenset({1})), t)) == [1]
+    assert s.inflight[1].keys() == {"other"}
+
+
+def test_a_later_download_starts_without_the_claims_that_failed_before() -> None:
+    """A stall's ``disowned`` is carried to the next download of the same payload: the liar's
+    claim of chunk 0 does not count there; a chunk that stalled with nobody to disown gives
+    everyone a fresh chance."""
+    record: dict[int, set[str]] = {}
+    carry_unserved(record, {0, 1}, {0: frozenset({"liar"}), 1: frozenset({"slow"})})
+    carry_unserved(record, {0, 2}, {0: frozenset({"other"})})
+    assert record == {0: {"liar", "other"}, 1: {"slow"}}
+    carry_unserved(record, {1}, {})  # chunk 1 stalled again with no claimant left
+    assert record == {0: {"liar", "other"}}
+    s = Scheduler(2, SwarmConfig(), unserved=record)
+    assert _asked(s.handle(PeerHad("liar", frozenset({0, 1})), 0.0)) == [1]
+    assert not s.holders[0]
 
 
 # ---------------------------------------------------------------- the driver, in process
@@ -132,7 +302,9 @@ class _Source:
     def owed(self, peer: str) -> bool:
         return peer.startswith("p2p://")  # as a public node's: peers behind NAT
 
-    async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
+    async def chunk(
+        self, peer: str, m: Manifest, index: int, moved: Callable[[int], None] | None = None
+    ) -> bytes:
         self.requests.append((peer, index))
         if index in self.lost:
             raise PeerError(f"{peer}: 404")
@@ -401,17 +573,116 @@ def test_the_driver_keeps_what_it_verified_before_the_stall() -> None:
     assert not d.requests and all(t.done() for t in d.followers.values())  # nothing leaks
 
 
+# ---------------------------------------------------------------- the driver, over HTTP
+
+
+def _origin(m: Manifest, payload: bytes, pieces: int = 1, pace_s: float = 0.0) -> web.Application:
+    """An honest peer on loopback holding ``m``: its manifest, a have-map listing every chunk,
+    and each chunk sent in ``pieces`` pieces ``pace_s`` apart (a slow uplink)."""
+    by_sha = {sha: payload[i * CHUNK : (i + 1) * CHUNK] for i, sha in enumerate(m.chunks)}
+
+    async def chunk(request: web.Request) -> web.StreamResponse:
+        data = by_sha[request.match_info["sha"]]
+        reply = web.StreamResponse()
+        reply.content_length = len(data)
+        await reply.prepare(request)
+        step = -(-len(data) // pieces)
+        for at in range(0, len(data), step):
+            if at:
+                await asyncio.sleep(pace_s)  # the uplink's pace, not a wait for the test
+            await reply.write(data[at : at + step])
+        return reply
+
+    async def manifest(_request: web.Request) -> web.Response:
+        return web.json_response({"signed": m.signed()})
+
+    async def have(_request: web.Request) -> web.Response:
+        return web.json_response({"have": list(range(len(m.chunks)))})
+
+    app = web.Application()
+    app.add_routes(
+        [
+            web.get("/manifest/{d}", manifest),
+            web.get("/have/{d}", have),
+            web.get("/chunk/{sha}", chunk),
+        ]
+    )
+    return app
+
+
+async def _over_http(
+    payload: bytes, hostile: bool, pieces: int, pace_s: float, config: SwarmConfig
+) -> tuple[BaseException | None, float, int, str]:
+    """Download ``payload`` over loopback HTTP from the origin, or only from a hostile peer
+    (claims every chunk, sends half of each and falls silent) relaying its manifest; what it
+    raised, how long it took, how many chunk requests the hostile peer took, and its URL."""
+    m = _manifest(payload)
+    origin, origin_url = await evil_peer.serve(_origin(m, payload, pieces, pace_s))
+    half = evil_peer.app(origin_url, "half")
+    evil, evil_url = await evil_peer.serve(half)
+    client = DataClient(None, HttpLimits(request_timeout_s=0.2))  # cut after 0.4 s of silence
+    source = DataPlaneSource(client, lambda: [evil_url if hostile else origin_url])
+    t0, raised = time.monotonic(), None
+    try:
+        await asyncio.wait_for(download(m, source, _Sink(), _Counting(), config), 10)
+    except (DownloadStalledError, TimeoutError) as exc:
+        raised = exc
+    finally:
+        took = time.monotonic() - t0
+        await client.close()
+        await evil.cleanup()
+        await origin.cleanup()
+    return raised, took, half[evil_peer.STATS]["served"], evil_url
+
+
+def test_a_peer_that_sends_half_of_every_chunk_then_nothing_stalls_the_download() -> None:
+    """Over real HTTP: each request gets half its chunk and then silence; the transport cuts
+    it (no byte for twice ``HttpLimits.request_timeout_s``), the chunk is asked again and
+    gets the same half: not served, so the download stalls one ``stall_timeout_s`` after it
+    began, naming the peer that claimed every chunk and served none."""
+    config = SwarmConfig(stall_timeout_s=1.0, have_poll_s=0.05, request_timeout_s=5.0, seed=1)
+    payload = random.Random(1).randbytes(3 * CHUNK)
+    raised, took, served, hostile = asyncio.run(_over_http(payload, True, 1, 0.0, config))
+    assert isinstance(raised, DownloadStalledError), raised
+    assert took < 3.0
+    assert raised.indices and set(raised.disowned) == raised.indices
+    assert {p for peers in raised.disowned.values() for p in peers} == {hostile}
+    assert served > len(raised.indices)  # asked again after the transport cut the first
+
+
+def test_a_chunk_trickling_in_over_several_stall_timeouts_completes() -> None:
+    """Over real HTTP: the only holder sends its one chunk in 8 pieces over 2.1 s, more than
+    twice ``stall_timeout_s``: its bytes keep arriving, so no stall."""
+    config = SwarmConfig(stall_timeout_s=0.8, have_poll_s=0.05, seed=1)
+    payload = random.Random(2).randbytes(CHUNK)
+    raised, took, _, _ = asyncio.run(_over_http(payload, False, 8, 0.3, config))
+    assert raised is None, raised
+    assert took >= 2.1
+
+
 # ---------------------------------------------------------------- a rollout re-plans
 
 
-async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
+async def _replan(
+    tmp_path: Path, versions: list[dict[str, torch.Tensor]], hostile: str | None = None
+) -> dict:
+    """A trainer and a rollout on loopback; the trainer's copy of the v1 patch's first chunk
+    is gone. With ``hostile`` (an ``evil_peer`` mode), the rollout also knows a hostile peer
+    that claims every chunk of every artifact and serves none of them that way."""
     key = SigningKey.generate()
     policy = SwarmPolicy("stall", (key.public,))
     tcfg = trainer_config(tmp_path, p2p=False)
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     url = await trainer.start()
+    evil, peers, extra = None, (url,), {}
+    if hostile is not None:
+        evil, evil_url = await evil_peer.serve(evil_peer.app(url, hostile))
+        peers = (evil_url, url)
+        extra = {"http": HttpLimits(request_timeout_s=0.5)}  # 1 s of silence cuts a transfer
     stalls = SwarmConfig(have_poll_s=0.05, stall_timeout_s=0.5)
-    rcfg = rollout_config(tmp_path, key, url, download=stalls, p2p=False)
+    if hostile is not None:  # a request is asked again elsewhere after 0.25 s at first
+        stalls = SwarmConfig(have_poll_s=0.05, stall_timeout_s=1.0, request_timeout_s=0.25)
+    rcfg = rollout_config(tmp_path, key, url, peers=peers, download=stalls, p2p=False, **extra)
     rollout = Node(rcfg, policy, Store.open(rcfg.data_dir))
     await rollout.start()
     blocked: set[str] = set()
@@ -432,16 +703,25 @@ async def _replan(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> di
         async with asyncio.timeout(60):
             while follower.state.version != 0:
                 await follower.advanced.wait()
+        t0 = time.monotonic()
         for m in await publisher.publish(versions[1]):
             if m.kind != SNAPSHOT:
                 blocked.add(m.chunks[0])
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(60 if hostile is None else 15):
             while follower.state.version != 1:
                 await follower.advanced.wait()
+        took = time.monotonic() - t0
         kinds = [u.kind for u in follower.updates]
     finally:
+        stop.set()
+        try:  # a follower waiting on a download that never ends is cancelled
+            await asyncio.wait_for(asyncio.shield(task), 10)
+        except TimeoutError:
+            task.cancel()
         await stop_follower_pair(stop, task, publisher, rollout, trainer)
-    return {"kinds": kinds, "weights": follower.weights, "stalled": follower.stalled}
+        if evil is not None:
+            await evil.cleanup()
+    return {"kinds": kinds, "weights": follower.weights, "stalled": follower.stalled, "took": took}
 
 
 def test_a_rollout_whose_patch_stalls_re_plans_through_the_anchor(
@@ -451,3 +731,19 @@ def test_a_rollout_whose_patch_stalls_re_plans_through_the_anchor(
     assert out["kinds"] == [SNAPSHOT, SNAPSHOT]  # the patch stalled, the anchor came instead
     assert bit_equal(out["weights"], tiny_versions[1])
     assert state_hash(out["weights"]) == state_hash(tiny_versions[1])
+
+
+@pytest.mark.parametrize("mode", ["silent", "half"])
+def test_a_peer_claiming_every_chunk_and_serving_none_cannot_hold_a_rollout_back(
+    tmp_path: Path, tiny_versions: list, mode: str
+) -> None:
+    """Real trainer and rollout over loopback HTTP, and a hostile peer that claims every chunk
+    of every artifact, answering its chunk requests with nothing (``silent``) or half the
+    bytes and then silence (``half``), and claiming them again all the time. The v1 patch's
+    first chunk is held by nobody else: the patch stalls a ``stall_timeout_s`` (1 s) after
+    it is asked for, whatever the claims, and the rollout reaches the head through the
+    anchor."""
+    out = asyncio.run(_replan(tmp_path, tiny_versions[:2], mode))
+    assert out["kinds"] == [SNAPSHOT, SNAPSHOT]
+    assert bit_equal(out["weights"], tiny_versions[1])
+    assert out["took"] < 8.0

@@ -15,6 +15,7 @@ from p2p_sync.swarm import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
+    ChunkMoving,
     ChunkVerified,
     DownloadCompleted,
     DownloadStalled,
@@ -27,6 +28,7 @@ from p2p_sync.swarm import (
     Scheduler,
     SwarmConfig,
     TimerFired,
+    carry_unserved,
 )
 
 FAST = settings(
@@ -77,6 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.banned: set[str] = set()
         self.completions = 0
         self.stalls = 0
+        self.record: dict[int, set[str]] = {}  # what a re-plan carries to the next download
         self.arriving: tuple[str, int] | None = None
         for peer, chunks in sorted({**self.honest, **self.evil}.items()):
             self.feed(PeerHad(peer, frozenset(chunks)))
@@ -108,6 +111,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert action.indices, "a stall names its chunks"
             assert not action.indices & self.verified, "stalled on a verified chunk"
             assert not any(self.sched.holders[i] for i in action.indices), "it had a source"
+            carry_unserved(self.record, action.indices, action.disowned)
             self.stalls += 1
 
     def take(self, k: int) -> tuple[str, int]:
@@ -225,27 +229,250 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         """Liveness: the network now behaves (honest peers re-send their have-maps, as the
-        node's have-map followers do, and everything asked for arrives): it must finish."""
+        node's have-map followers do, and everything asked for arrives): it must finish. A
+        download that reported a stall may not (its caller gave up on it, and the peers that
+        did not serve a stalled chunk lost standing for it, honest ones too): the caller
+        re-plans and may come back to the payload with a new download of what is missing,
+        carrying the stalls over (``carry_unserved``), which must finish within two such
+        re-plans (the second gives back the chunks only the disowned held)."""
         if not hasattr(self, "sched"):
             return
+        for _ in range(3):
+            if self.settle():
+                break
+            config = self.sched.config
+            record = {i: set(peers) for i, peers in self.record.items()}
+            self.sched = Scheduler(self.n, config, self.verified, 1000, record)
+            self.pending, self.cancelled, self.stalls = [], [], 0
+        assert self.completions == 1 and self.verified == set(range(self.n))
+
+    def settle(self) -> bool:
+        """Honest peers re-send their have-maps, and everything asked for arrives: True once
+        the download completes; False if it stalled and is stuck (a caller re-plans)."""
         for peer, chunks in sorted(self.honest.items()):
             self.feed(PeerHad(peer, frozenset(chunks)))
         for _ in range(40 * self.n + 100):
             if self.completions:
-                break
+                return True
             if self.pending:
                 self.now += 0.01
                 self.arrive(*self.take(0))
             else:  # nothing in flight: the scheduler must say when it next needs time
                 wake = self.sched.next_timer(self.now)
-                assert wake is not None, "stuck without a timer"
+                if wake is None:
+                    assert self.stalls, "stuck without a timer"
+                    return False
                 self.now = max(self.now, wake)
                 self.feed(TimerFired())
-        assert self.completions == 1 and self.verified == set(range(self.n))
+        return bool(self.completions)
 
 
 SchedulerMachine.TestCase.settings = FAST
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+PEERS = ("p0", "p1", "p2", "p3")
+
+
+class StallMachine(RuleBasedStateMachine):
+    """One :class:`Scheduler` among peers that claim chunks whether or not they ever serve
+    them: claims come again at any time, and a request may time out, fail, meet a busy peer,
+    bring some bytes or deliver. The model keeps, for each missing chunk asked for, when its
+    stall clock started (its first request since it was last reported or first asked of a
+    peer, a first claim after it had no source, or its last progress: more of its bytes than
+    any request brought before), whom it was asked of since, and which peers claim it with
+    standing. Its deadline is ``stall_timeout_s`` after that (or ``timeout_factor`` times the
+    longest a delivered chunk waited, if longer); a request for it made before the deadline
+    is the peer's answer still to come, and a chunk nobody claims waits for a source, so the
+    chunk is late once past its deadline, claimed, with no such request in flight. Whatever
+    is claimed meanwhile, invariants: a late chunk is reported stalled at the first event the
+    scheduler handles, and the scheduler's next timer is never past a deadline (a driver that
+    sleeps until then sees it at most one timer period late); a chunk is never reported
+    before it is late unless no peer with standing claims it; a stall disowns exactly its
+    claimants and the peers asked for it, for that chunk only; a peer is asked only for a
+    chunk it claims with standing."""
+
+    @initialize(
+        n=st.integers(1, 8),
+        stall=st.sampled_from([0.5, 2.0]),
+        per_peer=st.integers(1, 3),
+        total=st.integers(1, 6),
+        seed=st.integers(0, 9),
+    )
+    def start(self, n: int, stall: float, per_peer: int, total: int, seed: int) -> None:
+        config = SwarmConfig(
+            max_requests_per_peer=per_peer,
+            max_requests_total=total,
+            request_timeout_s=1.0,
+            min_request_timeout_s=0.2,
+            stall_timeout_s=stall,
+            seed=seed,
+        )
+        self.n, self.limit = n, stall
+        self.sched = Scheduler(n, config, (), 1000)
+        self.now = 0.0
+        self.pending: list[tuple[str, int]] = []
+        self.started: dict[tuple[str, int], float] = {}  # when each was asked for
+        self.verified: set[int] = set()
+        self.due: dict[int, float] = {}  # chunk -> when its stall clock started
+        self.tried: dict[int, set[str]] = {}  # chunk -> peers asked for it since
+        self.most: dict[int, int] = {}  # chunk -> most bytes one request brought
+        self.holders: dict[int, set[str]] = {i: set() for i in range(n)}  # with standing
+        self.unserved: dict[int, set[str]] = {}
+        self.longest = 0.0  # the longest a delivered chunk waited once due
+        self.stalls = 0
+
+    @property
+    def deadline_after(self) -> float:
+        """The stall limit: ``stall_timeout_s``, or ``timeout_factor`` (4) times the longest
+        wait of a delivered chunk, if longer (a slow swarm's honest chunks wait their turn)."""
+        return max(self.limit, 4 * self.longest)
+
+    def feed(self, event: Event) -> None:
+        reported = False
+        for action in self.sched.handle(event, self.now):
+            if isinstance(action, RequestChunk):
+                peer, i = action.peer, action.index
+                assert peer in self.holders[i], "asked a peer without standing for the chunk"
+                self.pending.append((peer, i))
+                self.started[(peer, i)] = self.now
+                if i not in self.due or peer not in self.tried.get(i, ()):
+                    self.due[i] = self.now  # a source asked for the first time: its chance
+                self.tried.setdefault(i, set()).add(peer)
+            elif isinstance(action, CancelRequest):
+                self.pending.remove((action.peer, action.index))
+            elif isinstance(action, DownloadStalled):
+                reported = True
+                self.stalled(action)
+            else:
+                assert not isinstance(action, PeerBanned), "nobody here sent bad bytes"
+        if not isinstance(event, ChunkMoving):  # the scheduler looked at the clocks
+            late = {i for i in self.due if self.late(i)}
+            assert not late, f"chunks {late} outlived stall_timeout_s unreported"
+        assert not (reported and isinstance(event, ChunkMoving)), "a stall on a bytes event"
+
+    def late(self, i: int) -> bool:
+        """Chunk ``i`` is past its deadline, claimed, and no request for it made before the
+        deadline is in flight."""
+        deadline = self.due[i] + self.deadline_after
+        if deadline > self.now or not self.holders[i]:
+            return False
+        return not any(j == i and self.started[(p, j)] < deadline for p, j in self.pending)
+
+    def stalled(self, action: DownloadStalled) -> None:
+        self.stalls += 1
+        for i in action.indices:
+            assert i not in self.verified, "stalled on a verified chunk"
+            overdue = i in self.due and self.late(i)
+            assert overdue or not self.holders[i], f"chunk {i} reported early, claimed"
+            expected = frozenset(self.tried.pop(i, set()) | self.holders[i])
+            assert action.disowned.get(i, frozenset()) == expected, "disowned the wrong peers"
+            self.unserved.setdefault(i, set()).update(expected)
+            self.holders[i] -= expected
+            self.due.pop(i, None)
+            self.most.pop(i, None)
+        assert set(action.disowned) <= action.indices
+
+    def take(self, k: int) -> tuple[str, int]:
+        return self.pending.pop(k % len(self.pending))
+
+    # ------------------------------------------------------------ rules: one per event
+
+    @rule(peer=st.sampled_from(PEERS), chunks=st.sets(st.integers(0, 7)), dt=st.floats(0, 0.5))
+    def peer_claims(self, peer: str, chunks: set[int], dt: float) -> None:
+        """A have-map, perhaps the hundredth with the same chunks, perhaps a lie."""
+        self.now += dt
+        claimed = {i for i in chunks if i < self.n and i not in self.verified}
+        for i in claimed:
+            if peer in self.unserved.get(i, ()) or peer in self.holders[i]:
+                continue  # no standing for it, or nothing new
+            if i in self.due and not self.holders[i] and peer not in self.tried.get(i, ()):
+                self.due[i] = self.now  # a new source for a chunk that had none
+            self.holders[i].add(peer)
+        self.feed(PeerHad(peer, frozenset(claimed)))
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6), dt=st.floats(0, 0.5))
+    def chunk_delivered(self, k: int, dt: float) -> None:
+        self.now += dt
+        peer, i = self.take(k)
+        self.verified.add(i)
+        if i in self.due:
+            self.longest = max(self.longest, self.now - self.due[i])
+        for table in (self.due, self.tried, self.most, self.holders, self.unserved):
+            table.pop(i, None)  # type: ignore[attr-defined]
+        self.feed(ChunkVerified(peer, i, 1000))
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6), dt=st.floats(0, 0.5))
+    def request_fails(self, k: int, dt: float) -> None:
+        """An error, a 404, or a transfer its transport cut (no byte for too long)."""
+        self.now += dt
+        peer, i = self.take(k)
+        self.holders[i].discard(peer)  # a peer that fails a chunk no longer counts for it
+        self.feed(ChunkFailed(peer, i))
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6), dt=st.floats(0, 0.5))
+    def peer_busy(self, k: int, dt: float) -> None:
+        self.now += dt
+        self.feed(PeerBusy(*self.take(k)))
+
+    @precondition(lambda self: self.pending)
+    @rule(k=st.integers(0, 10**6), nbytes=st.integers(1, 999), dt=st.floats(0, 0.5))
+    def bytes_arrive(self, k: int, nbytes: int, dt: float) -> None:
+        """Some of a chunk's bytes, so far, on a request still in flight: progress only if
+        further than any request got (the same half again is none)."""
+        self.now += dt
+        peer, i = self.pending[k % len(self.pending)]
+        if nbytes > self.most.get(i, 0):
+            self.most[i] = nbytes
+            self.due[i] = self.now
+        self.feed(ChunkMoving(peer, i, nbytes))
+
+    @rule(peer=st.sampled_from(PEERS), dt=st.floats(0, 0.5))
+    def peer_lost(self, peer: str, dt: float) -> None:
+        self.now += dt
+        for holders in self.holders.values():
+            holders.discard(peer)
+        self.feed(PeerLost(peer))
+
+    @rule(dt=st.floats(0.0, 3.0))
+    def timer_fires(self, dt: float) -> None:
+        self.now += dt
+        self.feed(TimerFired())
+
+    @invariant()
+    def the_next_timer_is_no_later_than_the_first_deadline(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        after = self.deadline_after
+        coming = [t + after for t in self.due.values() if t + after > self.now]
+        if coming:
+            wake = self.sched.next_timer(self.now)
+            assert wake is not None and wake <= min(coming)
+
+    def teardown(self) -> None:
+        """Nothing is served any more: a driver waking the scheduler when it asks (its
+        requests time out, and are asked again) sees the download stall, unless nothing it
+        asked for is claimed any more (one nobody claims is reported with the orphans, once
+        per quiet spell). Not every chunk needs to be: the first stall ends the download."""
+        if not hasattr(self, "sched"):
+            return
+        before = self.stalls
+        for _ in range(40 * self.n + 40):
+            wake = self.sched.next_timer(self.now)
+            claimed = {i for i in self.due if self.holders[i]}
+            if self.stalls > before or not claimed or wake is None:
+                break
+            self.now = max(self.now, wake)
+            self.feed(TimerFired())
+        claimed = {i for i in self.due if self.holders[i]}
+        assert self.stalls > before or not claimed, f"chunks {claimed} asked for, no stall"
+
+
+StallMachine.TestCase.settings = FAST
+test_stall_state_machine = StallMachine.TestCase
 
 
 class SeederMachine(RuleBasedStateMachine):

@@ -938,7 +938,13 @@ class PeerClient(Protocol):
     limits: HttpLimits
 
     async def get_json(self, url: str) -> Any: ...
-    async def get_bytes(self, url: str, limit: int | None = None) -> bytes: ...
+    async def get_bytes(
+        self, url: str, limit: int | None = None, moved: Callable[[int], None] | None = None
+    ) -> bytes:
+        """A body of at most ``limit`` bytes; ``moved`` is told how many are in as they come
+        (a chunk's, over transports that see them come: HTTP), else never."""
+        ...
+
     def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
         """A ``/chunks`` reply as its parts of ``sizes`` bytes, each as soon as it is in;
         fewer if the body ends early, a ``PeerError`` if it ends within a part or runs over."""

@@ -12,7 +12,8 @@ relays tomorrow; the driver, the scheduler and the verification are the same for
 
 Outcomes: :func:`download` returns once every chunk is in the sink, verified on re-read; it
 raises :class:`~p2p_sync.errors.DownloadStalledError` when the scheduler reports that some
-chunk has had no reachable source for ``stall_timeout_s`` (the caller re-plans),
+chunk was not delivered within ``stall_timeout_s`` by any peer claiming it, or has had no
+reachable source for as long (the caller re-plans),
 :class:`~p2p_sync.errors.StoreFullError` as soon as a verified chunk finds the disk full (the
 chunks stored so far stay: the caller tries again once there is room, from where it stopped),
 and :class:`~p2p_sync.errors.StoreError` when stored chunks keep failing their hash on disk.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +44,7 @@ from p2p_sync.swarm import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
+    ChunkMoving,
     ChunkVerified,
     DownloadCompleted,
     DownloadStalled,
@@ -112,8 +114,11 @@ class ChunkSource(Protocol):
         public)."""
         ...
 
-    async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
-        """Chunk ``index`` of ``m`` from ``peer``, at most one byte over its length."""
+    async def chunk(
+        self, peer: str, m: Manifest, index: int, moved: Callable[[int], None] | None = None
+    ) -> bytes:
+        """Chunk ``index`` of ``m`` from ``peer``, at most one byte over its length; ``moved``
+        is told how many of its bytes are in as they arrive, where the transport knows."""
         ...
 
     def chunks(self, peer: str, m: Manifest, indices: list[int]) -> AsyncIterator[bytes]:
@@ -214,10 +219,12 @@ class DataPlaneSource:
     def seed(self, peer: str) -> bool:
         return False  # only its have-map answers tell
 
-    async def chunk(self, peer: str, m: Manifest, index: int) -> bytes:
+    async def chunk(
+        self, peer: str, m: Manifest, index: int, moved: Callable[[int], None] | None = None
+    ) -> bytes:
         # one byte over the expected length, so an oversized body is seen and punished
         return await self.client.get_bytes(
-            f"{peer}{CHUNK_ROUTE}{m.chunks[index]}", m.chunk_length(index) + 1
+            f"{peer}{CHUNK_ROUTE}{m.chunks[index]}", m.chunk_length(index) + 1, moved
         )
 
     def chunks(self, peer: str, m: Manifest, indices: list[int]) -> AsyncIterator[bytes]:
@@ -267,23 +274,25 @@ class Download:
         sink: ChunkSink,
         listener: DownloadListener,
         config: SwarmConfig,
+        unserved: Mapping[int, Collection[str]] | None = None,
     ) -> None:
         self.m, self.source, self.sink, self.listener = m, source, sink, listener
         self.config = config
-        self.sched = Scheduler(len(m.chunks), config, sink.have_indices(m), m.chunk_size)
+        record = {i: set(peers) for i, peers in (unserved or {}).items()}
+        self.sched = Scheduler(len(m.chunks), config, sink.have_indices(m), m.chunk_size, record)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         # every request in flight, by (peer, chunk): a run of chunks asked at once shares a task
         self.requests: dict[tuple[str, int], asyncio.Task[None]] = {}
         self.followers: dict[str, asyncio.Task[None]] = {}
         self.done = asyncio.Event()
-        self.stalled: frozenset[int] | None = None
+        self.stalled: DownloadStalled | None = None
         self.full: StoreFullError | None = None  # the sink's disk is full: this download ends
         self.seeds: set[str] = set()  # peers whose have-map answers were offers
         self.forwarded: set[int] = set()  # chunks passed on (each once)
 
     async def _get(self, peer: str, index: int) -> None:
         try:
-            data = await self.source.chunk(peer, self.m, index)
+            data = await self.source.chunk(peer, self.m, index, self._meter(peer, index))
             verify_chunk(self.m, index, data)
         except PeerBusyError:
             return self.events.put_nowait(PeerBusy(peer, index))
@@ -292,6 +301,24 @@ class Download:
         except ChunkError:
             return self.events.put_nowait(ChunkCorrupted(peer, index))
         self._stored(peer, index, data)
+
+    def _meter(self, peer: str, index: int) -> Callable[[int], None]:
+        """What a transfer of chunk ``index`` from ``peer`` tells as its bytes come in: one
+        :class:`ChunkMoving` a quarter of ``stall_timeout_s`` at most (none for a transfer
+        that ends sooner, as nearly all do), so a slow chunk that keeps moving is not taken
+        for one that never comes."""
+        loop = asyncio.get_running_loop()
+        every = self.config.stall_timeout_s / 4
+        due = loop.time() + every
+
+        def moved(nbytes: int) -> None:
+            nonlocal due
+            now = loop.time()
+            if now >= due:
+                due = now + every
+                self.events.put_nowait(ChunkMoving(peer, index, nbytes))
+
+        return moved
 
     async def _get_run(self, peer: str, indices: list[int]) -> None:
         """Chunks ``indices`` from ``peer`` in one request, each verified, stored and
@@ -451,7 +478,7 @@ class Download:
             elif isinstance(a, PeerBanned):
                 self.listener.misbehaved(a.peer, a.reason)
             elif isinstance(a, DownloadStalled):
-                self.stalled = a.indices
+                self.stalled = a
                 self.done.set()
             elif isinstance(a, DownloadCompleted):
                 self.done.set()
@@ -506,12 +533,18 @@ class Download:
         if self.full is not None:
             raise self.full
         if self.stalled is not None:
-            raise DownloadStalledError(
-                f"{self.m.digest[:16]} v{self.m.version}: {len(self.stalled)} chunk(s) with no "
-                f"reachable source for {self.sched.config.stall_timeout_s:g} s",
-                self.m.digest,
-                self.stalled,
-            )
+            raise self._stalled_error(self.stalled)
+
+    def _stalled_error(self, stall: DownloadStalled) -> DownloadStalledError:
+        peers = {p for disowned in stall.disowned.values() for p in disowned}
+        why = f"; {len(peers)} peer(s) claimed them and did not serve them" if peers else ""
+        return DownloadStalledError(
+            f"{self.m.digest[:16]} v{self.m.version}: {len(stall.indices)} chunk(s) with no "
+            f"reachable source serving them for {self.config.stall_timeout_s:g} s{why}",
+            self.m.digest,
+            stall.indices,
+            stall.disowned,
+        )
 
 
 async def download(
@@ -520,10 +553,13 @@ async def download(
     sink: ChunkSink,
     listener: DownloadListener,
     config: SwarmConfig,
+    unserved: Mapping[int, Collection[str]] | None = None,
 ) -> None:
-    """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified."""
+    """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified.
+    ``unserved``: peers whose claims of a chunk no longer count (an earlier download of ``m``
+    stalled on it with them: :func:`p2p_sync.swarm.carry_unserved`)."""
     for _attempt in range(config.max_attempts):
-        await Download(m, source, sink, listener, config).run()
+        await Download(m, source, sink, listener, config, unserved).run()
         if await asyncio.to_thread(sink.verify_pack, m):
             return
         # a stored chunk vanished or rotted on disk: fetch what is missing again

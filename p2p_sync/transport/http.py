@@ -379,11 +379,19 @@ class DataClient:
     async def close(self) -> None:
         await self.session.close()
 
-    async def _get(self, url: str, limit: int, bulk: bool = False) -> bytes:
+    async def _get(
+        self,
+        url: str,
+        limit: int,
+        bulk: bool = False,
+        moved: Callable[[int], None] | None = None,
+    ) -> bytes:
         extra = {"timeout": self._bulk} if bulk else {}  # else the session's total limit
         try:
             async with self.session.get(url, headers=self._headers, **extra) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit)
+                if moved is not None:  # a chunk whose progress is watched
+                    return await _read_moving(url, resp.content, limit, moved)
                 if resp.content_length is not None:  # the common case: one read, no copies
                     return await resp.read()
                 body = bytearray()  # chunked encoding: accumulate up to the limit
@@ -426,11 +434,15 @@ class DataClient:
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise _peer_error(url, exc) from None
 
-    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+    async def get_bytes(
+        self, url: str, limit: int | None = None, moved: Callable[[int], None] | None = None
+    ) -> bytes:
         """A chunk (cut only when no byte arrives for a while: the scheduler's adaptive
-        timeout bounds a slow one) or a signed manifest (the whole-request limit: nothing
-        else would stop a peer that trickles one byte at a time)."""
-        return await self._get(url, limit or self.limits.max_chunk_bytes, chunk_path(url))
+        timeout bounds a slow one; ``moved`` hears how many bytes are in as they come) or a
+        signed manifest (the whole-request limit: nothing else would stop a peer that
+        trickles one byte at a time)."""
+        bulk = chunk_path(url)
+        return await self._get(url, limit or self.limits.max_chunk_bytes, bulk, moved)
 
     async def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
         """A run of chunks (``/chunks``), each handed on as soon as its bytes are in (a relay
@@ -490,6 +502,21 @@ class DataClient:
                 return await resp.content.read(limit)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise _peer_error(url, exc) from None
+
+
+async def _read_moving(
+    url: str, content: aiohttp.StreamReader, limit: int, moved: Callable[[int], None]
+) -> bytes:
+    """A body read as its pieces come, up to ``limit``, each piece told to ``moved`` (the
+    bytes in so far): one copy at the end, as ``ClientResponse.read`` makes."""
+    pieces, got = [], 0
+    async for piece in content.iter_any():
+        pieces.append(piece)
+        got += len(piece)
+        if got > limit:
+            raise PeerError(f"{url}: response over {limit} bytes")
+        moved(got)
+    return b"".join(pieces)
 
 
 def _peer_error(url: str, exc: BaseException) -> PeerError:

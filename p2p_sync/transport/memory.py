@@ -159,7 +159,10 @@ class MemoryClient:
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._request("GET", url, self.limits.max_json_bytes))
 
-    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+    async def get_bytes(
+        self, url: str, limit: int | None = None, moved: Callable[[int], None] | None = None
+    ) -> bytes:
+        """A reply comes whole, a latency after it was written: nothing to tell ``moved``."""
         return await self._request("GET", url, limit or self.limits.max_chunk_bytes)
 
     def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:

@@ -426,7 +426,11 @@ class FramedClient:
     async def get_json(self, url: str) -> Any:
         return parse_json(url, await self._request(url, self.limits.max_json_bytes))
 
-    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
+    async def get_bytes(
+        self, url: str, limit: int | None = None, moved: Callable[[int], None] | None = None
+    ) -> bytes:
+        """A reply frame comes whole (its pieces are timed in the host's thread): nothing to
+        tell ``moved``."""
         return await self._request(url, limit or self.limits.max_chunk_bytes)
 
     def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
@@ -530,8 +534,13 @@ class RoutedClient:
     async def get_json(self, url: str) -> Any:
         return (await self._routed(url, lambda c, u: c.get_json(u)))[0]
 
-    async def get_bytes(self, url: str, limit: int | None = None) -> bytes:
-        data, shortcut = await self._routed(url, lambda c, u: c.get_bytes(u, limit))
+    async def get_bytes(
+        self, url: str, limit: int | None = None, moved: Callable[[int], None] | None = None
+    ) -> bytes:
+        if moved is None:
+            data, shortcut = await self._routed(url, lambda c, u: c.get_bytes(u, limit))
+        else:
+            data, shortcut = await self._routed(url, lambda c, u: c.get_bytes(u, limit, moved))
         if shortcut and self.lan is not None and chunk_path(url):  # chunks, as uploads count
             self.lan.bytes_downloaded += len(data)
         return data
