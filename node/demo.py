@@ -43,17 +43,25 @@ LEGEND = (
 
 
 def run(
-    root: Path, size: str, n_versions: int, late_at: int, console: Console, patch_format: int = 1
+    root: Path,
+    size: str,
+    n_versions: int,
+    late_at: int,
+    console: Console,
+    patch_format: int = 1,
+    followers: int = 3,
 ) -> bool:
-    """Publish ``n_versions`` versions to three rollouts, a fourth joining at ``late_at``;
+    """Publish ``n_versions`` versions to ``followers`` rollouts, one more joining at ``late_at``;
     print a line per version as it lands, then the table. True when every rollout ends
     bit-identical to the trainer."""
     swarm = Swarm(root, chunk_size=64 * 1024)
     table = _version_table()
     try:
-        console.print("starting a trainer and 3 rollouts (each loads torch and the codec) ...")
+        console.print(
+            f"starting a trainer and {followers} rollouts (each loads torch and the codec) ..."
+        )
         trainer = swarm.start_trainer(anchor_every=4, extra=("--patch-format", str(patch_format)))
-        rollouts = swarm.start_rollouts([f"rollout-{i}" for i in range(3)], [trainer.url])
+        rollouts = swarm.start_rollouts([f"rollout-{i}" for i in range(followers)], [trainer.url])
         console.print(f"trainer {trainer.url}; rollouts " + ", ".join(r.url for r in rollouts))
         for line in LEGEND:
             console.print(f"  [dim]{line}[/]")
