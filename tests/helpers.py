@@ -3,6 +3,7 @@ configs of a trainer and a rollout run in one test process, and a snapshot's man
 
 from __future__ import annotations
 
+import random
 import struct
 import time
 from collections.abc import Callable
@@ -156,3 +157,24 @@ async def stop_follower_pair(
     await publisher.aclose()
     await rollout.stop()
     await trainer.stop()
+
+
+def publish_snapshot(
+    node: Node, key: SigningKey, version: int, size: int = 70_000
+) -> tuple[Manifest, bytes]:
+    """A signed snapshot of ``version`` (``size`` seeded random bytes, distinct chunks) in
+    ``node``'s store: payload and manifest, as a trainer's publish leaves them."""
+    payload = random.Random(version).randbytes(size)
+    m = manifest_for(
+        payload,
+        swarm=node.policy.swarm_id,
+        version=version,
+        kind=SNAPSHOT,
+        target_state=f"{version:032x}",
+        layout="bb" * 16,
+        now=int(time.time()),
+        chunk_size=16 * 1024,
+    )
+    node.store.put_payload(m, payload)
+    node.store.put_manifest(m, sign(m, [key]))
+    return m, payload

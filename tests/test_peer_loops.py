@@ -12,7 +12,6 @@ import asyncio
 import collections
 import json
 import logging
-import random
 import secrets
 import socket
 import time
@@ -27,13 +26,13 @@ from aiohttp import web
 from node.config import NodeConfig
 from node.fetch import fetch_payload
 from node.runtime import Node
-from p2p_sync.chunks import manifest_for
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.peers import PeerLimits
 from p2p_sync.reachability import ReachabilityLimits
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PEER_HEADER
+from tests.helpers import publish_snapshot
 
 QUICK = PeerLimits(
     max_peers=16,
@@ -56,24 +55,6 @@ def _node(tmp_path: Path, name: str, policy: SwarmPolicy, **kw: Any) -> Node:
         **{"directory": QUICK, **kw},
     )
     return Node(cfg, policy, Store.open(cfg.data_dir))
-
-
-def _publish(node: Node, key: SigningKey, version: int) -> Manifest:
-    """A signed snapshot of ``version`` in ``node``'s store (payload and manifest)."""
-    payload = random.Random(version).randbytes(40_000)
-    m = manifest_for(
-        payload,
-        swarm=node.policy.swarm_id,
-        version=version,
-        kind=SNAPSHOT,
-        target_state=f"{version:032x}",
-        layout="bb" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
-    node.store.put_payload(m, payload)
-    node.store.put_manifest(m, sign(m, [key]))
-    return m
 
 
 def _free_port() -> int:
@@ -150,7 +131,7 @@ async def _trainer_away_and_back(tmp_path: Path) -> dict[str, Any]:
         out["while down"] = rollout.status()["given_peers"]
         for name, version in (("first", 1), ("again", 2)):
             trainer = _node(tmp_path, name, policy, listen=f"127.0.0.1:{port}")
-            m = _publish(trainer, key, version)
+            m = publish_snapshot(trainer, key, version, 40_000)[0]
             await trainer.start()
             try:
                 await _until(lambda d=m.digest: rollout.store.has_manifest(d), f"v{version}")
@@ -333,7 +314,7 @@ async def _eclipse(tmp_path: Path) -> dict[str, Any]:
     policy = SwarmPolicy("eclipse", (key.public,))
     public = ReachabilityLimits(mode="public")  # asks nobody to dial it back
     trainer = _node(tmp_path, "trainer", policy, reachability=public)
-    m = _publish(trainer, key, 1)
+    m = publish_snapshot(trainer, key, 1, 40_000)[0]
     dead = [f"http://{ATTACKER}:{1 + i}" for i in range(DEAD)]
     servers = _Servers()
     fake = {"/manifests": b"[]", "/peers": json.dumps({"peers": dead[:32]}).encode()}

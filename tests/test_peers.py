@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,10 +18,9 @@ from hypothesis import strategies as st
 from node.config import NodeConfig
 from node.fetch import fetch_payload
 from node.runtime import Node
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import MalformedPeerUrlError
 from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.manifest import SwarmPolicy
 from p2p_sync.peers import (
     PeerAdded,
     PeerAnswered,
@@ -41,6 +39,7 @@ from p2p_sync.peers import (
     peer_name,
 )
 from p2p_sync.store import Store
+from tests.helpers import publish_snapshot
 
 LIMITS = PeerLimits(max_peers=8, max_unproven=4, max_failures=3, poll_fanout=3)
 
@@ -424,23 +423,6 @@ def _node(tmp_path: Path, name: str, policy: SwarmPolicy, **kw) -> Node:
     return Node(cfg, policy, Store.open(cfg.data_dir))
 
 
-def _publish(node: Node, key: SigningKey, version: int) -> tuple[Manifest, bytes]:
-    payload = random.Random(version).randbytes(70_000)  # distinct chunks
-    m = manifest_for(
-        payload,
-        swarm=node.policy.swarm_id,
-        version=version,
-        kind=SNAPSHOT,
-        target_state=f"{version:032x}",
-        layout="bb" * 16,
-        now=int(time.time()),
-        chunk_size=16 * 1024,
-    )
-    node.store.put_payload(m, payload)
-    node.store.put_manifest(m, sign(m, [key]))
-    return m, payload
-
-
 async def _flood(target: str) -> None:
     """Name fake peers to ``target`` the ways any HTTP client can: the X-P2PSync-Peer header on
     a request, and the url of an announcement."""
@@ -457,7 +439,7 @@ async def _flooded_swarm(tmp_path: Path) -> tuple[bool, int, bytes, bytes]:
     key = SigningKey.generate()
     policy = SwarmPolicy("flood", (key.public,))
     seed, rollout = _node(tmp_path, "seed", policy), _node(tmp_path, "rollout", policy)
-    m1, _ = _publish(seed, key, 1)
+    m1, _ = publish_snapshot(seed, key, 1)
     seed_url = await seed.start()
     await rollout.start()
     try:
@@ -470,7 +452,7 @@ async def _flooded_swarm(tmp_path: Path) -> tuple[bool, int, bytes, bytes]:
         survived = seed_url in rollout.peers
         unproven = len(rollout.peering.directory.unproven())
         flood = asyncio.create_task(_flood(rollout.url))  # and it goes on while v2 spreads
-        m2, payload = _publish(seed, key, 2)
+        m2, payload = publish_snapshot(seed, key, 2)
         await seed.learner.announce(
             [m2.digest]
         )  # the push path: the seed learned the rollout's URL
