@@ -51,8 +51,8 @@ from p2p_sync.errors import (
 from p2p_sync.export import write_export
 from p2p_sync.manifest import SNAPSHOT, Manifest
 from p2p_sync.restore import TornApplyError, apply_artifact, load_snapshot, restore
+from p2p_sync.stalls import carry_unserved
 from p2p_sync.statehash import StateDigest, state_hash
-from p2p_sync.swarm import carry_unserved
 from p2p_sync.versions import Artifact, PeerState, plan
 from p2p_sync.weights_io import write_to
 

@@ -258,7 +258,7 @@ class DownloadStalledError(P2PSyncError):
     by any peer claiming it, or has had no source while nothing else moved: waiting longer
     would hang the node on peers that left, lied or were banned. The caller re-plans (another
     artifact, an anchor) and may come back to this one later; ``disowned`` names, by chunk,
-    the peers that claimed it and did not serve it (``swarm.carry_unserved``)."""
+    the peers that claimed it and did not serve it (``stalls.carry_unserved``)."""
 
     def __init__(
         self,

@@ -74,34 +74,31 @@ Policy:
 * pushed chunks: a chunk a peer promised to push (a push-tree parent) is not requested while
   that push is on time (:mod:`p2p_sync.pushes` says when it is not: the pusher stopped, or it
   lags behind on that chunk); then it is requested like any other;
-* stall: a chunk is due once it is asked of a peer claiming it, and its clock starts then,
-  again when a peer is asked for it the first time or a first claim comes after it had no
-  source, and whenever more of its bytes arrive than any request brought before
-  (:class:`ChunkMoving`). One whose clock runs past the stall limit is stalled, whatever is
-  claimed meanwhile: a peer that claims a chunk and never serves it (no answer, an error, a
-  refusal, half the bytes and then silence) cannot hold a download for ever by claiming it
-  again. Unless a request for it made in time is still in flight (its answer is still to
-  come), or no peer claims it: a missing chunk that no usable peer claims stalls only once
-  nothing has moved for ``stall_timeout_s`` (sources appear as a swarm fills in, while other
-  chunks keep arriving). The stall limit is ``stall_timeout_s``, or ``timeout_factor`` times
-  the longest a delivered chunk of this download waited, if longer (on slow, crowded links
-  honest chunks wait their turn that long; chunks never served cannot stretch it). A stall
-  emits :class:`DownloadStalled` (each chunk once); the peers that claimed a stalled chunk,
-  or were asked for it, lose standing for it (``Scheduler.unserved``, per peer and chunk:
-  their claims of it count no more, their other chunks still do), and the caller gives up on
-  this payload and re-plans (another artifact, an anchor) instead of waiting for ever,
-  carrying the stall over (:func:`carry_unserved`) if it comes back to it.
+* stall: a chunk asked of a peer claiming it and not delivered within the stall limit
+  (``stall_timeout_s``, longer on a swarm slow enough that honest chunks wait that long) is
+  stalled, whatever is claimed meanwhile: a peer that claims a chunk and never serves it (no
+  answer, an error, a refusal, half the bytes and then silence) cannot hold a download for
+  ever by claiming it again (:mod:`p2p_sync.stalls` says when a chunk's clock starts again:
+  a new source asked, its bytes moving). Unless a request for it made in time is still in
+  flight (its answer is still to come), or no peer claims it: a missing chunk that no usable
+  peer claims stalls only once nothing has moved for ``stall_timeout_s`` (sources appear as a
+  swarm fills in, while other chunks keep arriving). A stall emits :class:`DownloadStalled`
+  (each chunk once); the peers that claimed a stalled chunk, or were asked for it, lose
+  standing for it (per peer and chunk: their claims of it count no more, their other chunks
+  still do), and the caller gives up on this payload and re-plans (another artifact, an
+  anchor) instead of waiting for ever, carrying the stall over
+  (:func:`p2p_sync.stalls.carry_unserved`) if it comes back to it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections import deque
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import InitVar, dataclass, field
 
 from p2p_sync.pushes import PushWait
+from p2p_sync.stalls import NEVER, StallClocks
 
 # ---------------------------------------------------------------- configuration
 
@@ -277,7 +274,7 @@ class DownloadStalled:
     of their last progress), or have had no source while nothing moved for ``stall_timeout_s``.
     ``disowned``: the peers that lost standing for each of them with this stall (claimed it,
     or were asked for it, and did not deliver it); a chunk no peer had standing for is not
-    named (see :func:`carry_unserved`)."""
+    named (see :func:`p2p_sync.stalls.carry_unserved`)."""
 
     indices: frozenset[int]
     disowned: dict[int, frozenset[str]] = field(default_factory=dict, compare=False)
@@ -328,15 +325,16 @@ class PeerStats:
 class Scheduler:
     """Download state of one payload of ``n_chunks`` chunks. ``unserved``: the peers whose
     claims of a chunk no longer count, by chunk (an earlier download of this payload stalled
-    on it with them: ``Scheduler.unserved`` after a stall)."""
+    on it with them: :func:`p2p_sync.stalls.carry_unserved`); ``stalls.unserved`` after one."""
 
     n_chunks: int
     config: SwarmConfig = field(default_factory=SwarmConfig)
     have: Iterable[int] = ()
     chunk_bytes: int = 0  # the manifest's chunk size (0: unknown, one chunk a request)
-    unserved: dict[int, set[str]] = field(default_factory=dict)
+    # kept in ``stalls``, not as a field: an object with over 29 attributes reads each slower
+    unserved: InitVar[dict[int, set[str]] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, unserved: dict[int, set[str]] | None) -> None:
         self.missing: set[int] = set(range(self.n_chunks)) - set(self.have)
         self.holders: dict[int, set[str]] = {i: set() for i in self.missing}
         self.peer_chunks: dict[str, set[int]] = {}
@@ -361,22 +359,13 @@ class Scheduler:
         self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
         self._stuck_since: float | None = None  # orphans and no progress since then
         self._stall_reported = False
-        # due chunks (asked for, still missing): when their stall clock started, the same
-        # oldest first (stale entries skipped), whom they were asked of since they were due,
-        # and the most bytes of each one request brought
-        self._asked: dict[int, float] = {}
-        self._asked_order: deque[tuple[float, int]] = deque()
-        self._asked_last = -math.inf
-        self._asked_unordered = False  # a clock started before an older one: times went back
-        self._tried: dict[int, set[str]] = {}
-        self._moved: dict[int, int] = {}
-        # due chunks past the stall limit, spared for now (``_spared``): when their clocks
-        # started; those of them to look at again (a request ended, a claim came); and the
-        # longest a chunk of this download waited from being due to arriving
-        self._overtime: dict[int, float] = {}
-        self._ended: set[int] = set()
-        self._longest_wait = 0.0
-        self.unserved = {i: set(p) for i, p in self.unserved.items() if i in self.missing}
+        missing = self.missing
+        # due chunks: when each stalls; the peers without standing for a chunk (``unserved``)
+        self.stalls = StallClocks(
+            c.stall_timeout_s,
+            c.timeout_factor,
+            {i: p for i, p in (unserved or {}).items() if i in missing},
+        )
         salt = self.config.seed.to_bytes(8, "little", signed=True)
         self._tiebreak = {
             i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, salt=salt).digest()
@@ -401,9 +390,9 @@ class Scheduler:
         if self._orphans and not self._stall_reported:
             stuck = now if self._stuck_since is None else self._stuck_since
             times.append(stuck + self.config.stall_timeout_s)
-        asked = self._oldest_ask()
-        if asked is not None:
-            times.append(asked + self._stall_limit())
+        due = self.stalls.deadline()
+        if due != NEVER:
+            times.append(due)
         times += self.pushes.deadlines()
         return min(times, default=None)
 
@@ -412,9 +401,6 @@ class Scheduler:
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply one event, then schedule; returns the actions to carry out."""
         actions: list[Action] = []
-        if isinstance(event, ChunkMoving):  # the same requests stay in flight: nothing to do
-            self._moving(event, now)
-            return actions
         if isinstance(event, PeerHad):
             self._peer_had(event.peer, event.indices, event.rtt_s, event.owed, now)
             self.pushes.claimed(event.peer, event.indices, now)
@@ -433,6 +419,9 @@ class Scheduler:
                 self.busy_until[event.peer] = now + self.config.busy_backoff_s
         elif isinstance(event, TimerFired):
             actions += self._timeouts(now)
+        elif isinstance(event, ChunkMoving):  # the same requests stay in flight: nothing to do
+            self._moving(event, now)
+            return actions
         return actions + self._schedule(now) + self._stalled(now)
 
     def _peer_had(
@@ -453,29 +442,20 @@ class Scheduler:
             self._depths.pop(peer, None)
         self._recount(peer)
         known = self.peer_chunks.setdefault(peer, set())
-        unserved = self.unserved
+        clocks = self.stalls
+        unserved = clocks.unserved
         for i in indices:
             if i in self.holders and i not in known:
                 if unserved and peer in unserved.get(i, ()):
                     continue  # it claimed this chunk before and did not serve it
-                if i in self._asked or i in self._overtime:
-                    self._claimed_due(peer, i, not self.holders[i], now)
+                holders = self.holders[i]
+                if (not holders and i in clocks.started) or i in clocks.overtime:
+                    clocks.claimed(i, peer, not holders, now)  # else it changes no clock
                 known.add(i)
-                self.holders[i].add(peer)
+                holders.add(peer)
                 if i in self._orphans:
                     self._orphans.discard(i)
                     self._progress()  # a source appeared for a chunk that had none
-
-    def _claimed_due(self, peer: str, index: int, orphan: bool, now: float) -> None:
-        """A due chunk claimed by a peer that did not claim it: a new source for a chunk that
-        had none (never asked for it since it was due) restarts its clock, as a source asked
-        for the first time does; a peer that failed it, claiming it again, makes a chunk past
-        the stall limit looked at again (it may be stalled now)."""
-        if peer not in self._tried.get(index, ()):
-            if orphan:
-                self._start_clock(index, now)
-        elif index in self._overtime:
-            self._ended.add(index)
 
     def _promised(self, pusher: str, indices: frozenset[int], now: float) -> None:
         """Wait for ``indices`` from ``pusher``; a chunk some peer already holds counts as
@@ -511,8 +491,7 @@ class Scheduler:
         started = self.inflight.get(index, {}).pop(peer, None)
         if started is None:
             return None
-        if index in self._overtime:  # past the limit: was this its last request in time?
-            self._ended.add(index)
+        self.stalls.ended(index)  # past the limit: was this its last request in time?
         del self._starts[(index, peer)]
         if not self.inflight[index]:
             del self.inflight[index]
@@ -532,12 +511,7 @@ class Scheduler:
             return []
         self.missing.discard(ev.index)
         self._orphans.discard(ev.index)
-        started = self._stop_clock(ev.index)
-        if started is not None and now - started > self._longest_wait:
-            self._waited_longer(now - started)
-        self._tried.pop(ev.index, None)
-        self._moved.pop(ev.index, None)
-        self.unserved.pop(ev.index, None)
+        self.stalls.delivered(ev.index, now)
         self._progress()
         for peer in self.holders.pop(ev.index, ()):  # have-maps keep only what is still missing
             self.peer_chunks[peer].discard(ev.index)
@@ -631,100 +605,18 @@ class Scheduler:
         """Bytes of a chunk in flight: progress if further into it than any request got."""
         if ev.peer not in self.inflight.get(ev.index, ()):
             return  # not asked of it (or given up on): nothing to time
-        if ev.nbytes <= self._moved.get(ev.index, 0):
-            return  # bytes it had before, again: a peer starting over, or one going nowhere
-        self._moved[ev.index] = ev.nbytes
-        self._start_clock(ev.index, now)  # asked, so due: its clock starts again
-        self._progress()
+        if self.stalls.moved(ev.index, ev.nbytes, now):
+            self._progress()
 
-    def _start_clock(self, index: int, now: float) -> None:
-        """``index``'s stall clock (re)starts at ``now``."""
-        self._overtime.pop(index, None)
-        self._asked[index] = now
-        self._asked_order.append((now, index))
-        self._asked_unordered |= now < self._asked_last
-        self._asked_last = max(self._asked_last, now)
-
-    def _stop_clock(self, index: int) -> float | None:
-        """``index`` is no longer due (delivered, or reported): when its clock started."""
-        started = self._asked.pop(index, None)
-        return self._overtime.pop(index, started)
-
-    def _oldest_ask(self) -> float | None:
-        """When the oldest running stall clock started (None: no chunk is due). O(1)
-        amortised: clocks start in time order, and stale entries are dropped once."""
-        asked, order = self._asked, self._asked_order
-        if not asked:
-            order.clear()
-            self._asked_unordered, self._asked_last = False, -math.inf
-            return None
-        if self._asked_unordered:
-            return min(asked.values())
-        while asked.get(order[0][1]) != order[0][0]:
-            order.popleft()
-        return order[0][0]
-
-    def _stall_limit(self) -> float:
-        """How long a due chunk may go undelivered, its bytes not moving: ``stall_timeout_s``,
-        or ``timeout_factor`` times the longest any chunk of this download waited from being
-        due to arriving, if longer. On slow, crowded links honest uploaders make a chunk wait
-        for its turn beyond ``stall_timeout_s`` (simulated, 16 peers on 10 Mbit/s uplinks in 2
-        MiB chunks: waits of up to 76 s, never over 2.1 times the longest before); chunks that
-        never arrive do not count, so a peer that serves nothing cannot stretch it."""
-        return max(self.config.stall_timeout_s, self.config.timeout_factor * self._longest_wait)
-
-    def _waited_longer(self, wait: float) -> None:
-        """A chunk arrived after waiting longer than any before: the stall limit grows, and
-        the chunks past the old one are timed again against it (a slow swarm only: in a fast
-        one no chunk gets near ``stall_timeout_s``)."""
-        self._longest_wait = wait
-        if self._overtime:
-            self._asked.update(self._overtime)
-            self._overtime.clear()
-            self._asked_order = deque(sorted((t, i) for i, t in self._asked.items()))
-            self._asked_unordered = False
-            self._asked_last = self._asked_order[-1][0]
-
-    def _overdue(self, now: float) -> set[int]:
-        """Due chunks past the stall limit and not spared (``_spared``); no longer due."""
-        limit = self._stall_limit()
-        late = {i for i in self._ended if not self._spared(i, self._overtime.get(i), limit)}
-        self._ended.clear()
-        oldest = self._oldest_ask()
-        if oldest is not None and oldest + limit <= now:  # as next_timer() sums it
-            asked = self._asked
-            if self._asked_unordered:
-                passed = {i for i, t in asked.items() if t + limit <= now}
-            else:
-                passed, order = set(), self._asked_order
-                while order and (
-                    asked.get(order[0][1]) != order[0][0] or order[0][0] + limit <= now
-                ):
-                    t, i = order.popleft()
-                    if asked.get(i) == t:
-                        passed.add(i)
-            for i in passed:
-                started = asked.pop(i)
-                if self._spared(i, started, limit):
-                    self._overtime[i] = started
-                else:
-                    late.add(i)
-        for i in late:
-            self._stop_clock(i)
-        return late
-
-    def _spared(self, index: int, started: float | None, limit: float) -> bool:
-        """Whether ``index``, due since ``started`` and past the stall limit, is not stalled
-        yet: a request for it made before the limit ran out is still in flight (its answer is
-        still to come: the line at a busy uploader, a slow link; one that times out, fails or
-        is refused is no answer), or no peer claims it (an orphan stalls only once nothing at
-        all moves, as a swarm fills in; a claim from a peer never asked for it gives it a
-        fresh clock, one from a peer that failed it makes it stalled at once)."""
-        if started is None:
-            return True  # not due any more (delivered, moving again, or reported)
+    def _spared(self, index: int, deadline: float) -> bool:
+        """Whether ``index``, past its stall limit (``deadline``), is not stalled yet: a
+        request for it made before the deadline is still in flight (its answer is still to
+        come: the line at a busy uploader, a slow link; one that timed out, failed or was
+        refused is no answer), or no peer claims it (an orphan stalls only once nothing at
+        all moves, as a swarm fills in)."""
         if not self.holders.get(index):
             return True
-        return any(t < started + limit for t in self.inflight.get(index, {}).values())
+        return any(t < deadline for t in self.inflight.get(index, {}).values())
 
     def _progress(self) -> None:
         """A chunk verified or moving, or an orphan found a source: the orphans' stall clock
@@ -738,12 +630,13 @@ class Scheduler:
         nothing has moved for ``stall_timeout_s`` (chunks without a source are normal while a
         swarm fills in, as long as other chunks keep arriving). O(1) amortised except when
         it fires."""
-        stalled = self._overdue(now)
+        clocks = self.stalls
+        stalled = clocks.overdue(now, self._spared) if clocks.may_be_late(now) else None
         if self._orphans and not self._stall_reported:
             if self._stuck_since is None:
                 self._stuck_since = now
             if self._stuck_since + self.config.stall_timeout_s <= now:  # as next_timer() sums
-                stalled |= self._orphans
+                stalled = self._orphans | (stalled or set())
         if not stalled:
             return []
         self._stall_reported = True  # the orphans among them too: once per quiet spell
@@ -756,11 +649,10 @@ class Scheduler:
         """A stalled chunk: the peers that claim it, or were asked for it and did not deliver
         it, lose standing for it (``unserved``): their claims of it count no more, and a
         request for it still at one of them is cancelled (into ``out``). Returns them."""
-        peers = frozenset(self._tried.pop(index, set()) | self.holders.get(index, set()))
-        self._stop_clock(index)  # reported once: due again only when asked again
-        self._moved.pop(index, None)
+        tried = self.stalls.forget(index)  # reported once: due again only when asked again
+        peers = frozenset(tried | self.holders.get(index, set()))
         if peers:
-            self.unserved.setdefault(index, set()).update(peers)
+            self.stalls.unserved.setdefault(index, set()).update(peers)
         for peer in peers:
             if self._drop_request(peer, index) is not None:
                 out.append(CancelRequest(peer, index))
@@ -851,10 +743,7 @@ class Scheduler:
         }
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
-        tried = self._tried.setdefault(index, set())
-        if peer not in tried or (index not in self._asked and index not in self._overtime):
-            self._start_clock(index, now)  # due from now: a source asked for the first time
-        tried.add(peer)  # since it was due gets its full chance
+        self.stalls.asked(index, peer, now)
         self.inflight.setdefault(index, {})[peer] = now
         self._starts.pop((index, peer), None)
         self._starts[(index, peer)] = now
@@ -925,21 +814,3 @@ class Scheduler:
                 if self._full(peer):
                     free.discard(peer)
         return out
-
-
-def carry_unserved(
-    record: dict[int, set[str]], indices: Iterable[int], disowned: Mapping[int, Collection[str]]
-) -> None:
-    """Fold a stall (its chunks, and the peers each :class:`DownloadStalled` ``disowned``)
-    into ``record``, the ``unserved`` a later download of the same payload starts with (the
-    caller's re-plan may come back to it when no other path is left): the peers that did not
-    serve a chunk stay without standing for it, and lose it for more chunks as those stall
-    too; a chunk that stalled with no peer left to disown (those with standing all gone, or
-    none ever claimed it) gets every peer back, since its sources may have been slow rather
-    than lying, and nobody else has it."""
-    for i in indices:
-        peers = disowned.get(i)
-        if peers:
-            record.setdefault(i, set()).update(peers)
-        else:
-            record.pop(i, None)

@@ -53,23 +53,26 @@ def app(trainer: str, mode: str = "garbage") -> web.Application:
         for i, sha in enumerate(signed["chunks"]):
             lengths[sha] = min(step, size - i * step)
         reply = web.StreamResponse()
-        await reply.prepare(request)
         answer = {"have": list(range(len(signed["chunks"])))}  # a whole list, every time
-        await reply.write(json.dumps(answer).encode() + b"\n")
-        if mode != "garbage":  # a feed held open, as a node's, then ended: asked again
-            try:
+        try:
+            await reply.prepare(request)
+            await reply.write(json.dumps(answer).encode() + b"\n")
+            if mode != "garbage":  # a feed held open, as a node's, then ended: asked again
                 await asyncio.wait_for(closing.wait(), HOLD_S)
-            except TimeoutError:
-                pass
+        except (TimeoutError, ConnectionError):
+            pass  # held long enough, or the follower left
         return reply
 
     async def hold(request: web.Request, body: bytes) -> web.StreamResponse:
         """Answer with ``body`` of the full length announced, then fall silent."""
         reply = web.StreamResponse()
         reply.content_length = 2 * len(body) or 1
-        await reply.prepare(request)
-        if body:
-            await reply.write(body)
+        try:
+            await reply.prepare(request)
+            if body:
+                await reply.write(body)
+        except ConnectionError:
+            return reply  # the requester gave up already
         await closing.wait()
         return reply
 

@@ -25,6 +25,7 @@ from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import DownloadStalledError, PeerError
 from p2p_sync.keys import SigningKey
 from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy
+from p2p_sync.stalls import carry_unserved
 from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store
 from p2p_sync.swarm import (
@@ -43,7 +44,6 @@ from p2p_sync.swarm import (
     Scheduler,
     SwarmConfig,
     TimerFired,
-    carry_unserved,
 )
 from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.download import DataPlaneSource, Download, HaveCursor, Timed, download
@@ -215,7 +215,7 @@ def test_a_chunk_one_claimant_never_serves_is_verified_from_another_and_never_st
             due += [(t + 1.0, "honest", i) for i in _asked(actions, "honest")]
             done = done or DownloadCompleted() in actions
         t = round(t + 0.25, 2)
-    assert not s.unserved
+    assert not s.stalls.unserved
 
 
 def test_after_a_stall_its_claimants_lose_standing_for_that_chunk_only() -> None:
@@ -231,7 +231,7 @@ def test_after_a_stall_its_claimants_lose_standing_for_that_chunk_only() -> None
         t += 1.0
     assert len(stalls) == 1 and 1 in stalls[0].indices and t > 5.0  # 2: nobody had it yet
     assert stalls[0].disowned == {1: frozenset({"liar"})}
-    assert s.unserved == {1: {"liar"}}
+    assert s.stalls.unserved == {1: {"liar"}}
     assert _asked(s.handle(PeerHad("liar", frozenset({1, 2})), t)) == [2]  # not 1
     assert not s.holders[1] and s.holders[2] == {"liar"}
     assert _asked(s.handle(PeerHad("other", frozenset({1})), t)) == [1]

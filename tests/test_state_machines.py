@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from p2p_sync import seeding
 from p2p_sync.seeding import SuperSeeder
+from p2p_sync.stalls import carry_unserved
 from p2p_sync.swarm import (
     Action,
     CancelRequest,
@@ -28,7 +29,6 @@ from p2p_sync.swarm import (
     Scheduler,
     SwarmConfig,
     TimerFired,
-    carry_unserved,
 )
 
 FAST = settings(

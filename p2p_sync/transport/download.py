@@ -557,7 +557,7 @@ async def download(
 ) -> None:
     """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified.
     ``unserved``: peers whose claims of a chunk no longer count (an earlier download of ``m``
-    stalled on it with them: :func:`p2p_sync.swarm.carry_unserved`)."""
+    stalled on it with them: :func:`p2p_sync.stalls.carry_unserved`)."""
     for _attempt in range(config.max_attempts):
         await Download(m, source, sink, listener, config, unserved).run()
         if await asyncio.to_thread(sink.verify_pack, m):
