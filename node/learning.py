@@ -510,12 +510,15 @@ class Learner:
                 return
             await self.learn(peer, digests)
 
-    def on_p2p_peer(self, url: str) -> None:
-        """A data-plane URL from a signed peer record: add it, and ask it for its head now."""
+    def on_p2p_peer(self, url: str, bootstrap: bool = False) -> None:
+        """A data-plane URL from a signed peer record: add it, and ask it for its head now.
+        ``bootstrap``: the record's signer is one of the ``--bootstrap`` peers, which the
+        operator named by key: given, so the peers it lists are taken (``PeerDirectory.vouches``;
+        without that a node behind NAT, known to nobody else, is never found)."""
         node = self.node
         if len(self._p2p_urls) < 4 * node.cfg.directory.max_peers:
             self._p2p_urls.add(url)
         known = url in node.peers
-        node.add_peer(url, Source.RECORD)
+        node.add_peer(url, Source.GIVEN if bootstrap else Source.RECORD)
         if not known and url in node.peers and node.cfg.role != "bootstrap":
             self.spawn(self._ask_head(url))

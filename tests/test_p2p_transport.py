@@ -30,6 +30,7 @@ class Peer:
         self.seen: list[bytes] = []  # every message its judge was asked about
         self.accepted: list[bytes] = []
         self.urls: list[str] = []
+        self.by_bootstrap: dict[str, bool] = {}  # each URL: signed by a --bootstrap peer?
         base = {
             "listen": "/ip4/127.0.0.1/tcp/0",
             "identity_path": root / f"{name}.key",
@@ -38,8 +39,12 @@ class Peer:
         }
         self.http_url = base["http_url"]
         self.host = P2PHost(
-            P2PSettings(**{**base, **settings}), self.judge, self.on_accept, self.urls.append
+            P2PSettings(**{**base, **settings}), self.judge, self.on_accept, self.on_url
         )
+
+    def on_url(self, url: str, bootstrap: bool) -> None:
+        self.urls.append(url)
+        self.by_bootstrap[url] = bootstrap
 
     def judge(self, data: bytes, known: Callable[[str], bool]) -> Decision:
         """Test rule: messages starting with b"good" are news, anything else an attack."""
@@ -101,6 +106,8 @@ def test_peers_find_each_others_urls_gossip_and_stop_cleanly(tmp_path: Path) -> 
             30,
             "every peer to learn every other data-plane URL",
         )
+        for p in peers:  # the record of the peer named by --bootstrap is told apart
+            assert p.by_bootstrap == {u: u == boot.http_url for u in everyone - {p.http_url}}
         await publish_until(
             peers[0],
             b"good 1",

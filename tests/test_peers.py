@@ -406,6 +406,30 @@ def test_a_request_header_names_a_peer_only_with_upload_demand_or_a_libp2p_link(
         node.p2p = None
 
 
+def test_a_record_signed_by_a_bootstrap_peer_names_a_peer_whose_list_is_taken(
+    tmp_path: Path,
+) -> None:
+    """The operator names a bootstrap by its key (``--bootstrap .../p2p/<id>``): the URL its
+    signed record carries is given, so the peers it lists are taken. A node behind NAT is
+    known to its bootstrap and nobody else: without this, nobody would ever find it."""
+    cfg = NodeConfig(role="rollout", data_dir=tmp_path, trust=("x",), p2p=False)
+    node = Node(cfg, SwarmPolicy("t", (SigningKey.generate().public,)), Store.open(tmp_path))
+
+    async def records() -> None:
+        node.learner.on_p2p_peer("http://10.0.0.1:9000", True)  # signed by a --bootstrap peer
+        node.learner.on_p2p_peer("http://10.0.0.2:9000", False)  # signed by anyone else
+        await node.learner.stop()  # the head questions it spawned: not sent
+
+    asyncio.run(records())
+    directory = node.peering.directory
+    assert {u: e.source for u, e in node.peers.items()} == {
+        "http://10.0.0.1:9000": Source.GIVEN,
+        "http://10.0.0.2:9000": Source.RECORD,
+    }
+    assert directory.vouches("http://10.0.0.1:9000")
+    assert not directory.vouches("http://10.0.0.2:9000")
+
+
 # ---------------------------------------------------------------- real nodes on loopback
 
 FAKES = 300

@@ -198,7 +198,7 @@ class MemoryGossipHost:
         url: str,
         judge: Judge,
         on_accept: OnAccept,
-        on_peer_url: Callable[[str], None],
+        on_peer_url: Callable[[str, bool], None],
         known: Callable[[str], bool],
         on_known: OnKnown | None = None,
         max_rejects: int = 3,
@@ -221,8 +221,8 @@ class MemoryGossipHost:
         carry them over libp2p)."""
         self._loop = asyncio.get_running_loop()
         for other in self.network.gossip.values():
-            other._schedule(other.on_peer_url, self.url)
-            self._schedule(self.on_peer_url, other.url)
+            other._schedule(other.on_peer_url, self.url, False)
+            self._schedule(self.on_peer_url, other.url, False)
         self.network.gossip[self.url] = self
         return self.addr
 

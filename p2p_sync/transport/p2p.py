@@ -143,7 +143,7 @@ class P2PHost:
         settings: P2PSettings,
         judge: Judge,
         on_accept: OnAccept,
-        on_peer_url: Callable[[str], None],
+        on_peer_url: Callable[[str, bool], None],
         known: Callable[[str], bool] = lambda digest: False,
         on_known: OnKnown | None = None,
     ) -> None:
@@ -569,8 +569,11 @@ class P2PHost:
                     log.debug("dial %s: %s", peer, exc)
 
     def _harvest_urls(self) -> None:
-        """HTTP URLs from signed peer records (verified by py-libp2p when they were consumed)."""
+        """HTTP URLs from signed peer records (verified by py-libp2p when they were consumed),
+        each with whether its signer is one of the operator's ``--bootstrap`` peers (named by
+        key in the node's config: as trusted as a ``--peers`` URL)."""
         store = self._host.get_peerstore()
+        named = set(self._bootstrap_ids)
         for peer in store.peer_ids():
             envelope = store.get_peer_record(peer)
             if envelope is None or peer == self._host.get_id():
@@ -579,7 +582,8 @@ class P2PHost:
                 url = url_from_multiaddr(str(addr))
                 if url is not None and self._urls.get(str(peer)) != url:
                     self._urls[str(peer)] = url
-                    self._loop.call_soon_threadsafe(self._on_peer_url, url)  # type: ignore[union-attr]
+                    on = self._on_peer_url
+                    self._loop.call_soon_threadsafe(on, url, peer in named)  # type: ignore[union-attr]
 
 
 def _reason(exc: BaseException | None) -> str:
