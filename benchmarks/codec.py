@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grail_reference  # noqa: E402
 
 from p2p_sync import codec  # noqa: E402
-from p2p_sync.patch import Patch, apply, diff, invert  # noqa: E402
-from p2p_sync.statehash import state_hash  # noqa: E402
-from p2p_sync.tensors import TensorSet, flat_bits, total_bytes  # noqa: E402
-from p2p_sync.workloads import Workload, parameter_count  # noqa: E402
+from p2p_sync.weights.patch import Patch, apply, diff, invert  # noqa: E402
+from p2p_sync.weights.statehash import state_hash  # noqa: E402
+from p2p_sync.weights.tensors import TensorSet, flat_bits, total_bytes  # noqa: E402
+from p2p_sync.weights.workloads import Workload, parameter_count  # noqa: E402
 
 
 def best_time(fn: Callable[[], object], repeat: int) -> float:

@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.models import SIZES, Model  # noqa: E402
 from p2p_sync import codec  # noqa: E402
-from p2p_sync.patch import diff, invert  # noqa: E402
-from p2p_sync.restore import apply_frames  # noqa: E402
-from p2p_sync.statehash import StateDigest  # noqa: E402
-from p2p_sync.tensors import TensorSet, total_bytes  # noqa: E402
+from p2p_sync.store.restore import apply_frames  # noqa: E402
+from p2p_sync.weights.patch import diff, invert  # noqa: E402
+from p2p_sync.weights.statehash import StateDigest  # noqa: E402
+from p2p_sync.weights.tensors import TensorSet, total_bytes  # noqa: E402
 
 
 def timed(device: str, fn: Callable[[], object]) -> tuple[object, float]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import zstandard
 
-from p2p_sync.tensors import TensorSet, flat_bits
+from p2p_sync.weights.tensors import TensorSet, flat_bits
 
 
 def _shrink(a: np.ndarray) -> np.ndarray:

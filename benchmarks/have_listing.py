@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from have_news import _holder  # noqa: E402  (benchmarks/, the script's folder)
 from have_polls import CHUNK  # noqa: E402
 
-from p2p_sync.havelog import HaveLog  # noqa: E402
+from p2p_sync.protocol.havelog import HaveLog  # noqa: E402
 from p2p_sync.transport.memory import MemoryNetwork  # noqa: E402
 
 

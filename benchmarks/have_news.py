@@ -32,14 +32,14 @@ from have_polls import CHUNK, distinct_snapshot  # noqa: E402  (benchmarks/, the
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from node.config import NodeConfig  # noqa: E402
-from node.runtime import Node  # noqa: E402
-from node.transports import MemoryTransport  # noqa: E402
-from p2p_sync.manifest import Manifest, SwarmPolicy, sign  # noqa: E402
-from p2p_sync.peers import PeerLimits  # noqa: E402
+from p2p_sync.protocol.peers import PeerLimits  # noqa: E402
+from p2p_sync.runtime.config import NodeConfig  # noqa: E402
+from p2p_sync.runtime.node import Node  # noqa: E402
+from p2p_sync.runtime.transports import MemoryTransport  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor  # noqa: E402
 from p2p_sync.transport.memory import MemoryClient, MemoryNetwork  # noqa: E402
+from p2p_sync.trust.manifest import Manifest, SwarmPolicy, sign  # noqa: E402
 
 
 def _holder(root: Path, network: MemoryNetwork, n: int) -> tuple[Node, Manifest, bytes]:

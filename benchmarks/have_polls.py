@@ -25,13 +25,13 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from node.config import NodeConfig  # noqa: E402
-from node.trainer import TrainerNode  # noqa: E402
-from p2p_sync.chunks import manifest_for  # noqa: E402
-from p2p_sync.keys import SigningKey  # noqa: E402
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign  # noqa: E402
+from p2p_sync.runtime.config import NodeConfig  # noqa: E402
+from p2p_sync.runtime.trainer import TrainerNode  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
 from p2p_sync.transport.dataplane import PEER_HEADER  # noqa: E402
+from p2p_sync.trust.chunks import manifest_for  # noqa: E402
+from p2p_sync.trust.keys import SigningKey  # noqa: E402
+from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign  # noqa: E402
 
 CHUNK = 16 * 1024
 DEPTH = 4  # the fetcher's requests in flight

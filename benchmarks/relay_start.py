@@ -2,14 +2,16 @@
 
 A rollout that hears of a version from a relay gets the digest alone and fetches the manifest
 from the relay (a round trip); its download then asked every peer it follows for its have-map
-(a second round trip) before its first request. With early feeds (``node.early``) it asks the
+(a second round trip) before its first request. With early feeds (``p2p_sync.runtime.early``) it
+asks the
 have-maps while the manifest comes. This runs real nodes (trainer, rollout A that follows it,
 rollout B that never talks to the trainer, so it hears every version from A's relay) over the
 in-memory network with a one-way latency on every message (``MemoryNetwork(latency_s)``), publishes
-versions of the tiny model, and prints B's steps per version (``node.timeline``: heard,
+versions of the tiny model, and prints B's steps per version (``p2p_sync.runtime.timeline``: heard,
 learned, first have-map offering a chunk, first chunk) in one-way latencies after it heard:
 with neither, with early feeds alone, and with early feeds and A forwarding the chunks the
-trainer hands it (``[download] forward_seed_chunks``, ``node.forwarding``; the default), and
+trainer hands it (``[download] forward_seed_chunks``, ``p2p_sync.runtime.forwarding``; the
+default), and
 how many chunks A forwarded.
 
     python benchmarks/relay_start.py [--latency-ms 20] [--versions 4]
@@ -30,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-import node.early  # noqa: E402
-from p2p_sync.workloads import Workload  # noqa: E402
+import p2p_sync.runtime.early  # noqa: E402
+from p2p_sync.weights.workloads import Workload  # noqa: E402
 from tests.nodebase import MemorySwarm  # noqa: E402
 
 STEPS = ("learned", "first_have", "first_chunk", "fetched")
@@ -46,7 +48,7 @@ async def _run(
     latency_s: float, versions: int, early: bool, forward: bool
 ) -> tuple[list[dict[str, float]], int]:
     """B's steps after it heard, per version after v0, in seconds; chunks A forwarded."""
-    node.early.MAX_DIGESTS = 2 if early else 0
+    p2p_sync.runtime.early.MAX_DIGESTS = 2 if early else 0
     tensors = list(Workload("tiny", lr=1e-4, seed=1).versions(versions + 1))
     with tempfile.TemporaryDirectory() as tmp:
         async with MemorySwarm(Path(tmp), latency_s=latency_s) as swarm:

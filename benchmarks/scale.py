@@ -62,11 +62,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.models import SIZES, Model, llama_shapes  # noqa: E402
-from node.localswarm import Proc, Swarm, wait_for  # noqa: E402
-from p2p_sync.keys import SigningKey, write_keypair  # noqa: E402
-from p2p_sync.statehash import state_hash  # noqa: E402
-from p2p_sync.versions import PublishPolicy, to_publish  # noqa: E402
-from p2p_sync.weights_io import save_weights  # noqa: E402
+from p2p_sync.protocol.versions import PublishPolicy, to_publish  # noqa: E402
+from p2p_sync.trust.keys import SigningKey, write_keypair  # noqa: E402
+from p2p_sync.weights.statehash import state_hash  # noqa: E402
+from p2p_sync.weights.weights_io import save_weights  # noqa: E402
+from simulations.localswarm import Proc, Swarm, wait_for  # noqa: E402
 
 POLICY = PublishPolicy()  # the trainer's catch-up spans: the node's default
 

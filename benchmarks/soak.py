@@ -4,7 +4,8 @@ process and data dir holds as they go.
 A few versions cannot show what grows per version: memory or descriptors a process never gives
 back, files or bytes a store keeps beyond its bound. Here a trainer (``--watch``) and
 ``--rollouts`` rollouts (``--export``) run as ``p2psync node`` processes, started as the demo
-and ``scale.py`` start them (``node.localswarm.Swarm``). A small model (``--mb`` of bf16 in four
+and ``scale.py`` start them (``simulations.localswarm.Swarm``). A small model (``--mb`` of bf16 in
+four
 tensors) takes a small random step on ``--changed`` of its elements per version; each version
 is written aside and renamed into the watch dir, waited for at every rollout (``/status``), and
 its file removed once there. At v0, half-way, every ``--every`` versions and at the end it
@@ -36,7 +37,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from node.localswarm import Proc, Swarm  # noqa: E402
+from simulations.localswarm import Proc, Swarm  # noqa: E402
 
 TENSORS = 4
 ROW = 256  # elements per row of each tensor

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from p2p_sync import Trainer
-from p2p_sync.keys import SigningKey, write_keypair
+from p2p_sync.trust.keys import SigningKey, write_keypair
 
 
 def tiny_llama() -> transformers.LlamaForCausalLM:

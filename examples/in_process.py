@@ -16,7 +16,7 @@ import torch
 
 from examples.hf_trainer import Policy, tiny_llama
 from p2p_sync import Rollout, Trainer
-from p2p_sync.keys import SigningKey, write_keypair
+from p2p_sync.trust.keys import SigningKey, write_keypair
 
 
 def main(steps: int = 5) -> int:

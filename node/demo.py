@@ -21,9 +21,9 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file
 
-from node.localswarm import Proc, Swarm, get_json
-from p2p_sync.statehash import state_hash
-from p2p_sync.workloads import Workload, parameter_count
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.workloads import Workload, parameter_count
+from simulations.localswarm import Proc, Swarm, get_json
 
 
 def uploaded(procs: list[Proc]) -> int:

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import aiohttp
 
-from node.config import ConfigError, NodeConfig, load
 from node.patch_cmd import pick_device
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import Publisher, TrainerNode, watch
 from p2p_sync import jsonbounds
 from p2p_sync.errors import P2PSyncError, StartupError
-from p2p_sync.keys import load_public_key, load_signing_key
-from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.runtime.config import ConfigError, NodeConfig, load
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import Publisher, TrainerNode, watch
 from p2p_sync.store import Store
+from p2p_sync.trust.keys import load_public_key, load_signing_key
+from p2p_sync.trust.manifest import SwarmPolicy
 
 
 def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:

@@ -18,9 +18,9 @@ from p2p_sync.errors import (  # noqa: F401 (CommandError re-exported)
     CommandError,
     PatchError,
 )
-from p2p_sync.patch import Patch, apply, diff
-from p2p_sync.statehash import state_hash
-from p2p_sync.weights_io import load_weights, save_weights
+from p2p_sync.weights.patch import Patch, apply, diff
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.weights_io import load_weights, save_weights
 
 CODINGS = {
     codec.UNCHANGED: "unchanged",

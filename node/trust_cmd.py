@@ -10,9 +10,10 @@ from pathlib import Path
 
 from node.patch_cmd import cmd_inspect as inspect_patch
 from node.patch_cmd import read_patch_file
-from p2p_sync import codec, manifest
-from p2p_sync.keys import SigningKey, load_public_key, write_keypair
-from p2p_sync.trusted import TrustedSet
+from p2p_sync import codec
+from p2p_sync.trust import manifest
+from p2p_sync.trust.keys import SigningKey, load_public_key, write_keypair
+from p2p_sync.trust.trusted import TrustedSet
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:

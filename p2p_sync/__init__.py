@@ -9,7 +9,7 @@ The entry points for a training loop and an inference engine::
 
     from p2p_sync import Trainer, Rollout
 
-They live in ``node.api`` (they run a node: sockets, an event loop) and are loaded on first
+They live in ``p2p_sync.api`` (they run a node: sockets, an event loop) and are loaded on first
 use, so importing the protocol core never pulls in asyncio or a network stack.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["HandOff", "Rollout", "Trainer", "Update"]
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from node import api
+        from p2p_sync import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'p2p_sync' has no attribute {name!r}")

@@ -1,6 +1,7 @@
 """Settings tables: a frozen dataclass of limits filled from a TOML table, and checked.
 
-A node's config (``node.config``) and a simulation scenario (``simulations.scenario``) are both
+A node's config (``p2p_sync.runtime.config``) and a simulation scenario (``simulations.scenario``)
+are both
 trees of the limit dataclasses the code takes (``SwarmConfig``, ``HttpLimits``...). This module
 is what they share: filling one from a table of its field names, with the default's type, and
 the rule that a numeric limit is positive (a count at least 1) unless 0 means "none". Errors are

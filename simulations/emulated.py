@@ -71,7 +71,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from p2p_sync.statehash import state_hash
+from p2p_sync.weights.statehash import state_hash
 from simulations.localswarm import Placement, Proc, Swarm, get_json, wait_for
 from simulations.netns import Host, LinkShape, RateSample, Topology, TopologyConfig, measure_rate
 
@@ -85,7 +85,7 @@ class EmulationConfig:
     payload_mb: float = 20.0  # MB (10^6 B) of weights, all rewritten every version
     versions: int = 3
     tensors: int = 4  # the payload is split over this many tensors
-    chunk_size: int = 0  # the trainer's: 0 = by payload (p2p_sync.chunks.chunk_size_for)
+    chunk_size: int = 0  # the trainer's: 0 = by payload (p2p_sync.trust.chunks.chunk_size_for)
     burst_bytes: int = 64 * 1024
     latency_ms: float = 20.0  # tbf's queue limit (LinkShape.latency_ms), not a delay
     delay_ms: float = 0.0  # one-way propagation delay between any two hosts (TopologyConfig)

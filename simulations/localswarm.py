@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from p2p_sync.keys import SigningKey, write_keypair
+from p2p_sync.trust.keys import SigningKey, write_keypair
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120.0  # a node process prints its URL within seconds; a hang must not block

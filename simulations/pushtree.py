@@ -10,9 +10,10 @@ trainer streams each stripe to that stripe's root; the root to the stripe's othe
 nodes; each of those to ``~k`` leaves. ``k = sqrt(N)`` makes it two hops below the root, each
 parent's children sharing its uplink equally.
 
-Every node still runs the pull scheduler: a child gets :class:`p2p_sync.swarm.PeerPushes` for
+Every node still runs the pull scheduler: a child gets :class:`p2p_sync.protocol.swarm.PeerPushes`
+for
 its parent's stripe, waits for those chunks instead of requesting them, and pulls whatever a
-parent fails to push (:mod:`p2p_sync.pushes`). An interior node whose root is gone (left,
+parent fails to push (:mod:`p2p_sync.protocol.pushes`). An interior node whose root is gone (left,
 banned) asks the stripe's next interior node, and the first of those asks the trainer (the
 stripe has no other source); a leaf whose parent is gone pulls that stripe from the mesh
 (measured: re-parenting leaves overloads the remaining parents, x2.2 instead of x1.8 at 100

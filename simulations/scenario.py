@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from p2p_sync.chunks import chunk_size_for
 from p2p_sync.errors import ScenarioError  # noqa: F401 (re-exported)
+from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.settings import check_numbers, from_table
-from p2p_sync.swarm import SwarmConfig
-from p2p_sync.versions import PublishPolicy
+from p2p_sync.trust.chunks import chunk_size_for
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Scenario:
 
     @property
     def trainer_uploads(self) -> int:
-        """The trainer's upload slots, as ``node.trainer.TrainerNode`` sets them."""
+        """The trainer's upload slots, as ``p2p_sync.runtime.trainer.TrainerNode`` sets them."""
         return self.seed_uploads or self.download.max_sources
 
     def swarm_config(self, seed: int) -> SwarmConfig:

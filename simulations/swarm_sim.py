@@ -1,19 +1,22 @@
 """The swarm on a virtual clock: the real scheduler, planner and seeder, over a modelled network.
 
-Every rollout's download is a :class:`p2p_sync.swarm.Scheduler` fed the events the node's
+Every rollout's download is a :class:`p2p_sync.protocol.swarm.Scheduler` fed the events the node's
 driver (``node/fetch.py``) would feed it; the trainer's have-map answers come from
-:class:`p2p_sync.seeding.SuperSeeder`, as in ``node/trainer.py``; each download is chosen by
-:func:`p2p_sync.versions.plan`. What is modelled instead of run: the wire (``network.py``:
+:class:`p2p_sync.protocol.seeding.SuperSeeder`, as in ``node/trainer.py``; each download is chosen
+by
+:func:`p2p_sync.protocol.versions.plan`. What is modelled instead of run: the wire (``network.py``:
 shared links plus a one-way latency on every message and on the last byte of every transfer)
 and the node's messaging, as follows.
 
 * Announcements: a version reaches a peer one latency per overlay hop after it is published
   (announcements are relayed by every node), plus one round trip to fetch the manifest; the
   peer asks its have-map questions when it hears the digest, during that round trip
-  (``node.early``), and its download starts with their answers and takes their feeds over. The
+  (``p2p_sync.runtime.early``), and its download starts with their answers and takes their feeds
+  over. The
   trainer's followers (rollouts that follow it: they fetched from it before, the steady state
   of a running swarm) get its announcement pushed instead, carrying the manifest inline and
-  the chunks the trainer hands each one (``node.learning``: its first have-map answer without
+  the chunks the trainer hands each one (``p2p_sync.runtime.learning``: its first have-map answer
+  without
   a question): a transfer of ``MANIFEST_BYTES_PER_CHUNK`` bytes per chunk (packed) over the
   trainer's uplink, then one latency, and the follower requests its chunks at once, but for
   the first few of them: those follow the manifest on the same connection (the node's framed
@@ -30,7 +33,8 @@ and the node's messaging, as follows.
   ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
   serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the
   requester asks for the rest again, a round trip later); its
-  :class:`p2p_sync.uploads.UploadSlots` (the data plane's own) serve the run, queue it for a
+  :class:`p2p_sync.protocol.uploads.UploadSlots` (the data plane's own) serve the run, queue it for
+  a
   slot, or refuse it as busy (``PeerBusy``). Its chunks stream over the network model one
   after another on one slot, and the receiver checks each as it lands (``ChunkVerified`` or,
   from a corrupt peer, ``ChunkCorrupted``). A chunk cancelled while its bytes flow still flows
@@ -45,7 +49,7 @@ and the node's messaging, as follows.
 * Push trees (``push_tree``, a dissemination the node does not run yet): see ``pushtree.py``.
   Each rollout subscribes to its parent of every stripe (one latency), which then streams it
   the stripe's chunks, one at a time, as it gets them; the download is told with
-  :class:`p2p_sync.swarm.PeerPushes` and pulls whatever the stream fails to bring.
+  :class:`p2p_sync.protocol.swarm.PeerPushes` and pulls whatever the stream fails to bring.
 
 Overlay: a near-regular random graph in which every rollout has ``min(max_peers,
 download.max_sources)`` neighbours (a node's peer list fills up through peer exchange, and a
@@ -81,8 +85,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from p2p_sync.seeding import SuperSeeder, chunks_behind
-from p2p_sync.swarm import (
+from p2p_sync.protocol.seeding import SuperSeeder, chunks_behind
+from p2p_sync.protocol.swarm import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
@@ -100,9 +104,9 @@ from p2p_sync.swarm import (
     Scheduler,
     TimerFired,
 )
+from p2p_sync.protocol.uploads import Admission, UploadSlots
+from p2p_sync.protocol.versions import PATCH, Artifact, PeerState, plan
 from p2p_sync.transport.dataplane import HttpLimits
-from p2p_sync.uploads import Admission, UploadSlots
-from p2p_sync.versions import PATCH, Artifact, PeerState, plan
 from simulations.clock import Clock
 from simulations.network import Network, Transfer
 from simulations.pushtree import TreeLayout
@@ -160,7 +164,8 @@ class Peer:
     done_at: float | None = None
     pushed: bool = False  # the trainer pushed this version's news and its offer to it
     pushing: frozenset[int] = frozenset()  # and sent these chunks behind it
-    # have feeds asked while the manifest of ``early_art`` came (``node.early``): answers
+    # have feeds asked while the manifest of ``early_art`` came (``p2p_sync.runtime.early``):
+    # answers
     # kept until the download starts (None: none kept now), and whom they asked
     early: dict[int, set[int]] | None = None
     early_art: Artifact | None = None
@@ -566,7 +571,8 @@ class SwarmSim:
 
     def _hear(self, p: Peer, art: Artifact) -> None:
         """``p`` hears of ``art`` from a relay (its digest only) and, while it fetches the
-        manifest, opens have feeds to the peers its download will follow (``node.early``)."""
+        manifest, opens have feeds to the peers its download will follow
+        (``p2p_sync.runtime.early``)."""
         if not p.online or p.sched is not None or p.done_at is not None:
             return
         p.early, p.early_art = {}, art
@@ -609,7 +615,7 @@ class SwarmSim:
     def _announce_to(self, p: Peer, art: Artifact, k: int) -> None:
         """The trainer's ``POST /announce`` to a follower: the manifest, then the first ``k``
         chunks it hands it, behind the manifest on the same connection (the node's framed
-        announcement: ``node.learning``); handed out, and counted served, when the
+        announcement: ``p2p_sync.runtime.learning``); handed out, and counted served, when the
         announcement is built, as the node's seeder does."""
         n = self._n_chunks(art)
         keys = [(art.ident, i) for i in range(n)]
@@ -1045,7 +1051,8 @@ class SwarmSim:
     def _forward(self, p: Peer, art: Artifact, index: int) -> None:
         """``p`` pushes a chunk the trainer handed it, and that none of the other peers it
         follows claims, while it serves no more than ``forward_seed_chunks`` uploads, to that
-        many of the peers following its have-map, unasked (the node's ``node.forwarding``: a
+        many of the peers following its have-map, unasked (the node's
+        ``p2p_sync.runtime.forwarding``: a
         framed ``POST /announce`` to each, over HTTP only: not to NATed peers, and not from a
         NATed ``p``, whose pushes receivers drop), whether or not they hold it by now (the
         node cannot know: a copy they hold is wasted bytes, counted as such)."""

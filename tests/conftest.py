@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from p2p_sync.workloads import Workload
+from p2p_sync.weights.workloads import Workload
 from simulations.netns import PREFIX_ROOT, cleanup_stale, probe, probe_nat
 
 # CI replays a fixed set of examples (no flaky reds from a lucky draw); developers get fresh

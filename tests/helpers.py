@@ -13,17 +13,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from node.config import NodeConfig
-from node.runtime import Node
 from p2p_sync import codec
-from p2p_sync.chunks import manifest_for
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
-from p2p_sync.peers import PeerLimits
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
-from p2p_sync.swarm import SwarmConfig
-from p2p_sync.tensors import flat_bits
 from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.weights.tensors import flat_bits
 
 
 def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024, swarm: str = "t") -> Manifest:

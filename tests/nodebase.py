@@ -18,18 +18,18 @@ from typing import Any
 
 import torch
 
-from node.config import NodeConfig
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import Publisher, TrainerNode
-from node.transports import MemoryTransport
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import Manifest, SwarmPolicy
-from p2p_sync.peers import PeerLimits
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.versions import PublishPolicy
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import Publisher, TrainerNode
+from p2p_sync.runtime.transports import MemoryTransport
 from p2p_sync.store import Store
-from p2p_sync.swarm import SwarmConfig
 from p2p_sync.transport.memory import MemoryNetwork
-from p2p_sync.versions import PublishPolicy
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import Manifest, SwarmPolicy
 
 CHUNK = 16 * 1024  # the smallest: a tiny model spans many chunks, so peers have things to trade
 

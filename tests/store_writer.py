@@ -20,15 +20,15 @@ import torch
 from safetensors.torch import save
 
 from p2p_sync import codec
-from p2p_sync.chunks import manifest_for
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
-from p2p_sync.patch import diff
-from p2p_sync.restore import restore
-from p2p_sync.statehash import state_hash
 from p2p_sync.store import Store
-from p2p_sync.tensors import layout_fingerprint, layout_of
-from p2p_sync.weights_io import write_to
+from p2p_sync.store.restore import restore
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.weights.patch import diff
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.tensors import layout_fingerprint, layout_of
+from p2p_sync.weights.weights_io import write_to
 
 
 def manifest(key: SigningKey, swarm: str, version: int, payload: bytes) -> Manifest:

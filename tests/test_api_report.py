@@ -13,7 +13,7 @@ import json, logging, sys
 from pathlib import Path
 import torch
 from p2p_sync import Rollout, Trainer
-from p2p_sync.keys import SigningKey, write_keypair
+from p2p_sync.trust.keys import SigningKey, write_keypair
 
 root = Path(sys.argv[1])
 pub = write_keypair(SigningKey.generate(), root / "trainer.key")

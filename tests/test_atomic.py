@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from p2p_sync.atomic import atomic_write_bytes, atomic_write_with
-from p2p_sync.weights_io import load_weights, save_weights
+from p2p_sync.weights.weights_io import load_weights, save_weights
 
 
 @pytest.fixture

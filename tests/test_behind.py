@@ -9,9 +9,9 @@ from types import SimpleNamespace
 from hypothesis import given
 from hypothesis import strategies as st
 
-from node.dataview import SeedingView
-from p2p_sync.seeding import MIN_GAPS, SuperSeeder, chunks_behind
-from p2p_sync.versions import PublishPolicy
+from p2p_sync.protocol.seeding import MIN_GAPS, SuperSeeder, chunks_behind
+from p2p_sync.protocol.versions import PublishPolicy
+from p2p_sync.runtime.dataview import SeedingView
 
 
 @given(

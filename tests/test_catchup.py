@@ -1,4 +1,5 @@
-"""Catch-up patches merged tensor by tensor from encoded steps (``p2p_sync.catchup``): the same
+"""Catch-up patches merged tensor by tensor from encoded steps (``p2p_sync.weights.catchup``): the
+same
 file as decoding, merging and encoding whole patches; broken inputs refused by name."""
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
-from p2p_sync.catchup import merge_steps
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
-from p2p_sync.patch import apply, diff, merge
+from p2p_sync.weights.catchup import merge_steps
+from p2p_sync.weights.patch import apply, diff, merge
 from tests.helpers import bit_equal, clone_set, random_bits
 from tests.test_roundtrip_properties import KINDS, change, version_pairs
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from node.runtime import Node
 from p2p_sync.errors import PeerError
-from p2p_sync.manifest import Manifest
-from p2p_sync.swarm import ChunkVerified, PeerHad, RequestChunk, Scheduler, SwarmConfig
+from p2p_sync.protocol.swarm import ChunkVerified, PeerHad, RequestChunk, Scheduler, SwarmConfig
+from p2p_sync.runtime.node import Node
 from p2p_sync.transport.dataplane import MAX_RUN, HttpLimits, chunks_url
 from p2p_sync.transport.http import DataClient
+from p2p_sync.trust.manifest import Manifest
 from tests.helpers import node_holding
 
 CHUNK = 16 * 1024

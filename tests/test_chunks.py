@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p_sync.chunks import (
+from p2p_sync.errors import (
+    ChunkHashMismatchError,
+    ChunkIndexError,
+    ChunkLengthError,
+    IncompletePayloadError,
+)
+from p2p_sync.trust.chunks import (
     AUTO,
     MAX_AUTO_CHUNK,
     MIN_AUTO_CHUNK,
@@ -18,13 +24,7 @@ from p2p_sync.chunks import (
     split,
     verify_chunk,
 )
-from p2p_sync.errors import (
-    ChunkHashMismatchError,
-    ChunkIndexError,
-    ChunkLengthError,
-    IncompletePayloadError,
-)
-from p2p_sync.manifest import SNAPSHOT
+from p2p_sync.trust.manifest import SNAPSHOT
 
 
 def describe(payload: bytes, chunk_size: int = 16 * 1024):
@@ -70,7 +70,7 @@ def test_bad_chunks_are_refused_each_with_its_own_error() -> None:
 
 
 def test_token_bucket_paces_to_its_rate() -> None:
-    from p2p_sync.ratelimit import TokenBucket
+    from p2p_sync.protocol.ratelimit import TokenBucket
 
     bucket = TokenBucket(rate=1000.0, burst=500.0)
     assert bucket.reserve(500, now=0.0) == 0.0  # the burst is free

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from node.cli import main
-from p2p_sync.weights_io import load_weights
+from p2p_sync.weights.weights_io import load_weights
 from tests.helpers import bit_equal
 
 

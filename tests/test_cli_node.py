@@ -54,7 +54,7 @@ def test_a_port_in_use_is_one_line_and_exit_2(capsys, tmp_path: Path) -> None:
 def test_every_start_up_failure_is_one_line_and_exit_2(
     argv: list[str], words: list[str], capsys, tmp_path: Path
 ) -> None:
-    from p2p_sync.keys import SigningKey, write_keypair
+    from p2p_sync.trust.keys import SigningKey, write_keypair
 
     write_keypair(SigningKey.generate(), tmp_path / "key")
     (tmp_path / "afile").write_text("not a directory")

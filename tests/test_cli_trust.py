@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from node.cli import main
-from p2p_sync.chunks import manifest_for
-from p2p_sync.keys import load_public_key, load_signing_key
-from p2p_sync.manifest import SNAPSHOT, SwarmPolicy, sign
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import load_public_key, load_signing_key
+from p2p_sync.trust.manifest import SNAPSHOT, SwarmPolicy, sign
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

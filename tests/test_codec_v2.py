@@ -29,9 +29,9 @@ from p2p_sync.errors import (
     PatchError,
     UnsupportedFormatError,
 )
-from p2p_sync.patch import Patch, apply, diff, merge
-from p2p_sync.statehash import state_hash
-from p2p_sync.tensors import flat_bits, layout_of
+from p2p_sync.weights.patch import Patch, apply, diff, merge
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.tensors import flat_bits, layout_of
 from tests.helpers import bit_equal, clone_set, frame_from_streams, random_bits, rebuild
 from tests.test_roundtrip_properties import DENSITIES, KINDS, SHAPES, change, version_pairs
 

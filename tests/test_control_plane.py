@@ -10,18 +10,18 @@ from pathlib import Path
 
 import zstandard
 
-from node.dataview import SeedingView
-from node.runtime import Node
-from node.timeline import STEPS
-from p2p_sync import announce
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import PeerError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
-from p2p_sync.peers import PeerLimits, Source
-from p2p_sync.statehash import state_hash
+from p2p_sync.protocol.peers import PeerLimits, Source
+from p2p_sync.runtime.dataview import SeedingView
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.timeline import STEPS
 from p2p_sync.transport.dataplane import Pushed, pack_manifests
 from p2p_sync.transport.memory import MemoryClient
+from p2p_sync.trust import announce
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
+from p2p_sync.weights.statehash import state_hash
 from tests.helpers import bit_equal
 from tests.nodebase import MemorySwarm
 

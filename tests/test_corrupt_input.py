@@ -24,9 +24,9 @@ from p2p_sync.errors import (
     TruncatedPatchError,
     UnsupportedFormatError,
 )
-from p2p_sync.patch import apply, diff
-from p2p_sync.restore import apply_frames
-from p2p_sync.statehash import StateDigest
+from p2p_sync.store.restore import apply_frames
+from p2p_sync.weights.patch import apply, diff
+from p2p_sync.weights.statehash import StateDigest
 from tests.helpers import bit_equal, clone_set, frame_from_streams, rebuild
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from p2p_sync import codec
-from p2p_sync.patch import apply, diff
-from p2p_sync.statehash import state_hash
+from p2p_sync.weights.patch import apply, diff
+from p2p_sync.weights.statehash import state_hash
 from tests.helpers import bit_equal, clone_set
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,12 +35,12 @@ def test_gpu_apply_is_bit_exact_and_hashes_match(tiny_versions: list) -> None:
 
 
 def test_gpu_state_hash_is_computed_on_the_device_and_matches_the_host(tiny_versions) -> None:
-    from p2p_sync.statehash import StateDigest, tensor_sums, word_sums
+    from p2p_sync.weights.statehash import StateDigest, tensor_sums, word_sums
 
     weights = on_gpu(tiny_versions[0])
     assert StateDigest.of(weights).sums == StateDigest.of(tiny_versions[0]).sums
     t = torch.randn(3 * 2**20 + 3).to(torch.bfloat16)  # several device chunks and a tail word
-    from p2p_sync import statehash
+    from p2p_sync.weights import statehash
 
     old, statehash.DEVICE_CHUNK_WORDS = statehash.DEVICE_CHUNK_WORDS, 2**18
     try:
@@ -52,8 +52,8 @@ def test_gpu_state_hash_is_computed_on_the_device_and_matches_the_host(tiny_vers
 
 
 def test_gpu_format2_encodes_and_applies_in_place_like_the_host(tiny_versions) -> None:
-    from p2p_sync.restore import apply_frames
-    from p2p_sync.statehash import StateDigest
+    from p2p_sync.store.restore import apply_frames
+    from p2p_sync.weights.statehash import StateDigest
 
     a, b = tiny_versions[0], tiny_versions[1]
     host = codec.encode(diff(a, b), base=a)
@@ -71,8 +71,8 @@ def test_gpu_apply_in_small_blocks_and_threads_keeps_the_digest_exact(
 ) -> None:
     """Sums moved on the device across many blocks (``track_on_device``), several threads,
     read back per tensor: the digest equals the host's after every version."""
-    from p2p_sync.restore import apply_frames
-    from p2p_sync.statehash import StateDigest
+    from p2p_sync.store.restore import apply_frames
+    from p2p_sync.weights.statehash import StateDigest
 
     monkeypatch.setattr(codec, "BLOCK", 64)
     weights = on_gpu(clone_set(tiny_versions[0]))
@@ -85,7 +85,7 @@ def test_gpu_apply_in_small_blocks_and_threads_keeps_the_digest_exact(
 
 
 def test_gpu_weights_cap_the_apply_threads_by_coding(tiny_versions) -> None:
-    from p2p_sync.restore import GPU_APPLY_THREADS, apply_threads
+    from p2p_sync.store.restore import GPU_APPLY_THREADS, apply_threads
 
     a, b = tiny_versions[0], tiny_versions[1]
     plain = codec.read_header(codec.encode(diff(a, b)))

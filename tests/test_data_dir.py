@@ -25,18 +25,18 @@ from typing import Any
 import pytest
 
 from node import cli
-from node.api import Rollout
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import Publisher, TrainerNode
 from p2p_sync import store as store_module
+from p2p_sync.api import Rollout
 from p2p_sync.errors import DataDirInUseError, StoreFullError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SwarmPolicy
-from p2p_sync.restore import restore
-from p2p_sync.statehash import state_hash
+from p2p_sync.protocol.versions import PublishPolicy
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import LOCK_NAME, Store, StoreLimits
-from p2p_sync.versions import PublishPolicy
+from p2p_sync.store.restore import restore
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import PATCH, SwarmPolicy
+from p2p_sync.weights.statehash import state_hash
 from tests.helpers import rollout_config, stop_follower_pair, trainer_config
 
 ROOT = Path(__file__).resolve().parents[1]

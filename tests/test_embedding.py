@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.config import NodeConfig
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import TrainerNode
 from p2p_sync import Rollout, Trainer
 from p2p_sync.errors import LayoutMismatchError
-from p2p_sync.keys import SigningKey, write_keypair
-from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import TrainerNode
 from p2p_sync.store import Store
+from p2p_sync.trust.keys import SigningKey, write_keypair
+from p2p_sync.trust.manifest import SwarmPolicy
 from tests import store_writer
 from tests.helpers import bit_equal, rollout_config, trainer_config
 
@@ -130,7 +130,7 @@ def test_an_engine_model_of_another_layout_is_refused_untouched(tmp_path: Path) 
 
 
 def test_layout_errors_name_the_tensor(tmp_path: Path) -> None:
-    from p2p_sync.weights_io import load_into, save_weights
+    from p2p_sync.weights.weights_io import load_into, save_weights
 
     save_weights(tmp_path / "w.safetensors", {"x": torch.ones(3), "y": torch.ones(2)})
     target = {"x": torch.zeros(3), "y": torch.zeros(4)}
@@ -205,7 +205,7 @@ def test_a_checkpoint_that_fails_its_hash_is_dropped_and_the_state_refetched(
     tmp_path: Path,
 ) -> None:
     def corrupt_checkpoint(store: Store) -> None:
-        from p2p_sync.restore import restore
+        from p2p_sync.store.restore import restore
 
         restored = restore(store)
         assert restored is not None
@@ -218,7 +218,7 @@ def test_a_checkpoint_that_fails_its_hash_is_dropped_and_the_state_refetched(
 
 
 async def _follow_until_refused(tmp_path: Path) -> tuple[Follower, list[dict]]:
-    from p2p_sync.patch import Patch, diff
+    from p2p_sync.weights.patch import Patch, diff
 
     key = SigningKey.generate()
     policy = SwarmPolicy("torn", (key.public,))

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from node.localswarm import wait_for
 from simulations import netns
 from simulations.emulated import (
     STEPS,
@@ -29,6 +28,7 @@ from simulations.emulated import (
     run_in,
     table,
 )
+from simulations.localswarm import wait_for
 from simulations.netns import (
     PREFIX_ROOT,
     LinkShape,

@@ -15,19 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 ELSEWHERE: dict[str, set[str]] = {}  # none: every exception class is in p2p_sync.errors
 
 MOVED = [
-    ("p2p_sync.announce", "MalformedAnnouncementError"),
-    ("p2p_sync.announce", "SmuggledManifestError"),
+    ("p2p_sync.trust.announce", "MalformedAnnouncementError"),
+    ("p2p_sync.trust.announce", "SmuggledManifestError"),
     ("p2p_sync.transport.http", "PeerError"),
     ("p2p_sync.transport.http", "PeerBusyError"),
     ("p2p_sync.transport.p2p", "P2PError"),
     ("p2p_sync.store", "StoreError"),
-    ("p2p_sync.keys", "KeyFileError"),
-    ("node.config", "ConfigError"),
+    ("p2p_sync.trust.keys", "KeyFileError"),
+    ("p2p_sync.runtime.config", "ConfigError"),
     ("node.patch_cmd", "CommandError"),
     ("simulations.scenario", "ScenarioError"),
     ("simulations.netns", "NetnsError"),
-    ("p2p_sync.restore", "TornApplyError"),
-    ("p2p_sync.weights_io", "WeightsFileError"),
+    ("p2p_sync.store.restore", "TornApplyError"),
+    ("p2p_sync.weights.weights_io", "WeightsFileError"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The ``--export`` directory (``p2p_sync.export``): the link swaps between two buffers, the spare
+"""The ``--export`` directory (``p2p_sync.weights.export``): the link swaps between two buffers,
+the spare
 one is rewritten in place only when nobody holds it, and a reader always keeps what it opened."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from p2p_sync import export
-from p2p_sync.export import BUFFERS, LINK, spare_buffer, write_export
-from p2p_sync.weights_io import save_weights
+from p2p_sync.weights import export
+from p2p_sync.weights.export import BUFFERS, LINK, spare_buffer, write_export
+from p2p_sync.weights.weights_io import save_weights
 from tests.helpers import bit_equal
 
 
@@ -141,7 +142,7 @@ def test_export_files_follow_the_umask(
 
 
 def test_the_hook_gets_the_export_dir_as_an_absolute_path(tmp_path: Path, monkeypatch) -> None:
-    from node.rollout import hook_env
+    from p2p_sync.runtime.rollout import hook_env
 
     monkeypatch.chdir(tmp_path)
     env = hook_env(3, "ab" * 32, Path("w1/"))

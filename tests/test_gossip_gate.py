@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from p2p_sync import announce
-from p2p_sync.announce import Decision
 from p2p_sync.transport.gossip import GossipValidator
+from p2p_sync.trust import announce
+from p2p_sync.trust.announce import Decision
 from tests.test_p2p_announce import NOW_MS, POLICY, message
 
 FORWARDER = "12D3KooWforwarder"

@@ -1,4 +1,5 @@
-"""Have logs: a long poll is answered only what its follower lacks (``p2p_sync.havelog``), on
+"""Have logs: a long poll is answered only what its follower lacks (``p2p_sync.protocol.havelog``),
+on
 the wire (``GET /have?known=N&log=ID``) and in the follower (``DataPlaneSource.have``)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2p_sync.errors import PeerError
-from p2p_sync.havelog import LOG_ID, HaveLog
+from p2p_sync.protocol.havelog import LOG_ID, HaveLog
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor
 from tests.helpers import snapshot_manifest
 

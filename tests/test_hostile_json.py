@@ -14,10 +14,6 @@ import aiohttp.web
 import pytest
 import zstandard
 
-from node.config import NodeConfig
-from node.runtime import Node
-from p2p_sync import announce, manifest
-from p2p_sync.announce import Announcement, Verdict, judge
 from p2p_sync.errors import (
     MalformedAnnouncementError,
     MalformedManifestError,
@@ -26,14 +22,18 @@ from p2p_sync.errors import (
     StoreError,
     WeightsFileError,
 )
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.peers import PeerLimits
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
 from p2p_sync.transport import reverse, streams
 from p2p_sync.transport.dataplane import ANNOUNCE_MAGIC, ANNOUNCE_TYPE, HttpLimits
 from p2p_sync.transport.http import DataClient, DataServer
-from p2p_sync.weights_io import load_weights
+from p2p_sync.trust import announce, manifest
+from p2p_sync.trust.announce import Announcement, Verdict, judge
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SwarmPolicy
+from p2p_sync.weights.weights_io import load_weights
 
 KEY = SigningKey.generate()
 POLICY = SwarmPolicy("hostile-json", (KEY.public,))

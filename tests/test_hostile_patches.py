@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from node.cli import main
 from p2p_sync import codec
 from p2p_sync.errors import MalformedPatchError, PatchError
-from p2p_sync.patch import apply, diff
-from p2p_sync.tensors import TensorSpec
+from p2p_sync.weights.patch import apply, diff
+from p2p_sync.weights.tensors import TensorSpec
 from tests.helpers import bit_equal, clone_set
 
 RLE_BLOCK = 1 << 17  # the most one zstd block holds

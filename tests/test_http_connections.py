@@ -27,11 +27,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p_sync.manifest import Manifest
-from p2p_sync.ratelimit import RepeatedLine
+from p2p_sync.protocol.ratelimit import RepeatedLine
 from p2p_sync.transport.connections import ConnectionGate, address_key, connection_cap
 from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataServer
+from p2p_sync.trust.manifest import Manifest
 from tests.helpers import node_holding
 
 DEADLINE_S = 5.0  # every wait below ends by then (it normally takes a fraction of it)

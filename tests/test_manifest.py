@@ -7,7 +7,6 @@ from collections.abc import Callable
 
 import pytest
 
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import (
     EndlessDataAttackError,
     ForgedSignatureError,
@@ -18,8 +17,9 @@ from p2p_sync.errors import (
     UntrustedSignerError,
     WrongSwarmError,
 )
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import (
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import (
     PATCH,
     SNAPSHOT,
     Manifest,

@@ -17,14 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from libp2p.peer.id import ID
 
-from node.config import ConfigError, load
 from p2p_sync import Rollout, Trainer
 from p2p_sync.errors import PeerError
-from p2p_sync.keys import SigningKey, write_keypair
-from p2p_sync.reachability import Reachability, ReachabilityLimits, Verdict
+from p2p_sync.protocol.reachability import Reachability, ReachabilityLimits, Verdict
+from p2p_sync.runtime.config import ConfigError, load
 from p2p_sync.transport import streams
 from p2p_sync.transport.dataplane import valid_peer_url
-from p2p_sync.workloads import Workload
+from p2p_sync.trust.keys import SigningKey, write_keypair
+from p2p_sync.weights.workloads import Workload
 from tests.helpers import bit_equal
 
 # ---------------------------------------------------------------- framing (pure)
@@ -650,8 +650,8 @@ def test_nated_nodes_trade_through_a_public_relay_within_its_limits(tmp_path: Pa
 
 
 async def _source_order(tmp_path: Path) -> list[str]:
-    from node.fetch import _NodeSource
-    from p2p_sync.peers import Source
+    from p2p_sync.protocol.peers import Source
+    from p2p_sync.runtime.fetch import _NodeSource
     from tests.nodebase import MemorySwarm
 
     nat = [f"p2p://12D3KooW{c * 44}" for c in "ABC"]

@@ -18,19 +18,19 @@ import aiohttp.web
 import pytest
 
 from node.cli import main
-from node.config import ConfigError, NodeConfig, load
-from node.early import _round_trip
-from node.localswarm import ROOT
-from node.runtime import Node
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import PeerError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
-from p2p_sync.peers import PeerLimits
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.runtime.config import ConfigError, NodeConfig, load
+from p2p_sync.runtime.early import _round_trip
+from p2p_sync.runtime.node import Node
 from p2p_sync.store import HaveMark, Store
 from p2p_sync.transport.dataplane import PEER_HEADER as PEER
 from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataClient
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
+from simulations.localswarm import ROOT
 from tests.helpers import (
     bit_equal,
     rollout_config,
@@ -164,8 +164,8 @@ async def _seed_poll_across_stop(trainer: Node, m: Manifest) -> tuple[int, dict,
 def test_stopping_a_trainer_answers_a_rollouts_held_offer_poll_at_once(tmp_path: Path) -> None:
     """A seed's polls wait on their requester's own news; stopping wakes those too (a
     server waits for its handlers before it closes: 600 s here, without the wake)."""
-    from node.trainer import TrainerNode
-    from p2p_sync.versions import PublishPolicy
+    from p2p_sync.protocol.versions import PublishPolicy
+    from p2p_sync.runtime.trainer import TrainerNode
 
     key = SigningKey.generate()
     payload = b"".join(bytes([i]) * 16 * 1024 for i in range(8))
@@ -353,8 +353,8 @@ def test_cli_bad_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
 
 
 async def _manifests_by_version(node: Node) -> tuple[list, list, list]:
-    from p2p_sync.chunks import manifest_for
-    from p2p_sync.manifest import SNAPSHOT, sign
+    from p2p_sync.trust.chunks import manifest_for
+    from p2p_sync.trust.manifest import SNAPSHOT, sign
 
     key = SigningKey.generate()
     m = manifest_for(
@@ -386,10 +386,10 @@ def test_manifests_can_be_listed_by_version(tmp_path: Path) -> None:
 
 
 async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
-    from node.fetch import fetch_payload
-    from node.trainer import TrainerNode
+    from p2p_sync.protocol.swarm import SwarmConfig
+    from p2p_sync.runtime.fetch import fetch_payload
+    from p2p_sync.runtime.trainer import TrainerNode
     from p2p_sync.store import StoreError
-    from p2p_sync.swarm import SwarmConfig
 
     key = SigningKey.generate()
     policy = SwarmPolicy("rot", (key.public,))
@@ -605,8 +605,8 @@ def test_a_chunk_served_by_the_seed_wakes_only_its_requesters_poll(tmp_path: Pat
     """Serving a chunk changes the offer of the peer it was handed to, no one else's: only
     that peer's long poll is woken and re-offered (waking every follower's cost a pass over
     the manifest each, per chunk served). The other poll answers once its own turn comes."""
-    from node.trainer import TrainerNode
-    from p2p_sync.versions import PublishPolicy
+    from p2p_sync.protocol.versions import PublishPolicy
+    from p2p_sync.runtime.trainer import TrainerNode
 
     key = SigningKey.generate()
     policy = SwarmPolicy("t", (key.public,))
@@ -663,8 +663,8 @@ def test_the_seed_serves_a_chunk_out_in_the_swarm_only_to_its_owner(tmp_path: Pa
     lacks: anyone else asking for it gets a 404 (its scheduler drops the seed's claim and
     takes the chunk from a peer), its owner still gets it. Another peer fetching it first
     does not take it from the peer it was handed to (any peer may ask for any chunk)."""
-    from node.trainer import TrainerNode
-    from p2p_sync.versions import PublishPolicy
+    from p2p_sync.protocol.versions import PublishPolicy
+    from p2p_sync.runtime.trainer import TrainerNode
 
     key = SigningKey.generate()
     policy = SwarmPolicy("t", (key.public,))
@@ -685,8 +685,8 @@ def test_a_trainer_serves_as_many_uploads_at_once_as_a_download_follows_sources(
 ) -> None:
     """Its requesters share their downlinks among ``download.max_sources`` sources each: a
     seed serving fewer at once leaves its uplink partly idle once they trade (issue 14)."""
-    from node.trainer import TrainerNode
-    from p2p_sync.versions import PublishPolicy
+    from p2p_sync.protocol.versions import PublishPolicy
+    from p2p_sync.runtime.trainer import TrainerNode
 
     policy = SwarmPolicy("t", (SigningKey.generate().public,))
     tcfg = trainer_config(tmp_path / "a", p2p=False)
@@ -803,9 +803,9 @@ def test_framed_announcements_keep_whole_chunks_and_refuse_bad_framing(tmp_path:
 
 async def _behind_over_http(tmp_path: Path, versions: list) -> dict[str, Any]:
     """A trainer and a rollout on loopback: version 1's announcement carries chunks."""
-    from node.rollout import Follower
-    from node.trainer import Publisher, TrainerNode
-    from p2p_sync.versions import PublishPolicy
+    from p2p_sync.protocol.versions import PublishPolicy
+    from p2p_sync.runtime.rollout import Follower
+    from p2p_sync.runtime.trainer import Publisher, TrainerNode
 
     key = SigningKey.generate()
     policy = SwarmPolicy("behind", (key.public,))
@@ -838,7 +838,7 @@ async def _behind_over_http(tmp_path: Path, versions: list) -> dict[str, Any]:
 def test_a_trainer_sends_chunks_behind_its_announcement_over_http(
     tmp_path: Path, tiny_versions: list, monkeypatch
 ) -> None:
-    from node.dataview import SeedingView
+    from p2p_sync.runtime.dataview import SeedingView
 
     # as measured in a running swarm: a round trip's worth of uplink (tests/test_behind.py)
     monkeypatch.setattr(SeedingView, "behind_budget", lambda self: 1e9)
@@ -1064,7 +1064,7 @@ async def _forwarding(tmp_path: Path) -> dict[str, Any]:
                     out["answer to others"] = await r.json()
             later = time.monotonic() + 2 * a.cfg.http.have_wait_s + 1
             with pytest.MonkeyPatch.context() as patch:  # B stopped asking that long ago
-                patch.setattr("node.dataview.time.monotonic", lambda: later)
+                patch.setattr("p2p_sync.runtime.dataview.time.monotonic", lambda: later)
                 out["after B stopped asking"] = a.view.following(m.digest)
             await b.stop()
             forwarder.forward(m.digest, 1, payload[16 * 1024 : 32 * 1024], "http://x:1")

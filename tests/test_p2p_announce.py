@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from p2p_sync import announce
-from p2p_sync.announce import AnnounceLimits, Announcement, Verdict, judge
-from p2p_sync.chunks import manifest_for
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy, canonical, sign
 from p2p_sync.transport.p2p import default_listen, http_multiaddr, url_from_multiaddr
+from p2p_sync.trust import announce
+from p2p_sync.trust.announce import AnnounceLimits, Announcement, Verdict, judge
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SwarmPolicy, canonical, sign
 
 ROOT = Path(__file__).resolve().parents[1]
 NOW_MS = 1_800_000_000_000
@@ -143,7 +143,8 @@ def test_other_addresses_are_not_data_plane_urls() -> None:
 
 def test_the_judge_is_sans_io() -> None:
     code = (
-        "import sys, p2p_sync.announce; bad = [m for m in ('asyncio', 'aiohttp', 'trio', 'libp2p')"
+        "import sys, p2p_sync.trust.announce;"
+        " bad = [m for m in ('asyncio', 'aiohttp', 'trio', 'libp2p')"
         " if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file
 
 from node.cli import main
-from node.localswarm import Proc, Swarm, wait_for
-from p2p_sync.announce import Announcement, Decision, Verdict, topic
-from p2p_sync.manifest import canonical
-from p2p_sync.statehash import state_hash
 from p2p_sync.transport.p2p import P2PHost, P2PSettings
-from p2p_sync.workloads import Workload
+from p2p_sync.trust.announce import Announcement, Decision, Verdict, topic
+from p2p_sync.trust.manifest import canonical
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.workloads import Workload
+from simulations.localswarm import Proc, Swarm, wait_for
 from tests.helpers import bit_equal
 
 ANNOUNCE_DEADLINE_MS = 2000

@@ -8,10 +8,10 @@ import torch
 
 from p2p_sync import codec
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, TargetMismatchError
-from p2p_sync.patch import Patch, TensorDelta, apply, diff, merge
-from p2p_sync.statehash import state_hash
-from p2p_sync.tensors import layout_of
-from p2p_sync.workloads import Workload
+from p2p_sync.weights.patch import Patch, TensorDelta, apply, diff, merge
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.tensors import layout_of
+from p2p_sync.weights.workloads import Workload
 from tests.helpers import bit_equal, clone_set
 
 

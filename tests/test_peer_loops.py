@@ -23,15 +23,15 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from node.config import NodeConfig
-from node.fetch import fetch_payload
-from node.runtime import Node
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.peers import PeerLimits
-from p2p_sync.reachability import ReachabilityLimits
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.protocol.reachability import ReachabilityLimits
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.fetch import fetch_payload
+from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import PEER_HEADER
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SwarmPolicy
 from tests.helpers import publish_snapshot
 
 QUICK = PeerLimits(

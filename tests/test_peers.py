@@ -15,13 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.config import NodeConfig
-from node.fetch import fetch_payload
-from node.runtime import Node
 from p2p_sync.errors import MalformedPeerUrlError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.peers import (
+from p2p_sync.protocol.peers import (
     PeerAdded,
     PeerAnswered,
     PeerBack,
@@ -38,7 +33,12 @@ from p2p_sync.peers import (
     Source,
     peer_name,
 )
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.fetch import fetch_payload
+from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SwarmPolicy
 from tests.helpers import publish_snapshot
 
 LIMITS = PeerLimits(max_peers=8, max_unproven=4, max_failures=3, poll_fanout=3)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from p2p_sync.pushes import PushWait
-from p2p_sync.swarm import (
+from p2p_sync.protocol.pushes import PushWait
+from p2p_sync.protocol.swarm import (
     ChunkCorrupted,
     ChunkVerified,
     DownloadCompleted,

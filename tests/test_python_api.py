@@ -13,21 +13,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from node.config import NodeConfig
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import Publisher, TrainerNode
 from p2p_sync import codec
-from p2p_sync.export import write_export
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SwarmPolicy
-from p2p_sync.patch import apply
-from p2p_sync.peers import PeerLimits
-from p2p_sync.restore import restore
-from p2p_sync.statehash import state_hash
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.protocol.versions import PublishPolicy
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store, StoreLimits
-from p2p_sync.threads import BACKGROUND_NICE, usable_cores
-from p2p_sync.versions import PublishPolicy
+from p2p_sync.store.restore import restore
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SwarmPolicy
+from p2p_sync.weights.export import write_export
+from p2p_sync.weights.patch import apply
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.threads import BACKGROUND_NICE, usable_cores
 from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 
 CHUNK = 16 * 1024  # small chunks: tiny payloads still span several
@@ -114,8 +114,8 @@ def test_the_workers_setting_is_each_sides_thread_count(
     """``workers`` (config, ``--workers``, a keyword of the Python API) is the thread count of
     the trainer's per-tensor diff and coding and of the rollout's apply; 0 means one per
     usable core."""
-    import node.rollout as rollout_mod
-    import node.trainer as trainer_mod
+    import p2p_sync.runtime.rollout as rollout_mod
+    import p2p_sync.runtime.trainer as trainer_mod
 
     used: list[tuple[str, int]] = []
     map_workers, apply_artifact = trainer_mod.map_workers, rollout_mod.apply_artifact
@@ -159,7 +159,7 @@ def test_a_failed_export_is_logged_and_the_rollout_carries_on(
 ) -> None:
     """The disk fills up while v1 is exported: v1 is applied and logged but not handed off
     (no hook, the engine keeps v0's files); v2 and v3 export and hand off as usual."""
-    from node import rollout as rollout_mod
+    from p2p_sync.runtime import rollout as rollout_mod
 
     real = rollout_mod.write_export
 
@@ -297,7 +297,7 @@ def test_the_trainers_checkpoint_is_written_after_the_announcement(
 
 
 async def _refresh(tmp_path: Path, weights: dict[str, torch.Tensor]) -> tuple:
-    from p2p_sync.manifest import verify
+    from p2p_sync.trust.manifest import verify
 
     key = SigningKey.generate()
     policy = SwarmPolicy("api", (key.public,))
@@ -321,8 +321,8 @@ def test_trainer_re_signs_manifests_before_they_expire(tmp_path: Path, tiny_vers
 
 
 async def _publish_files(tmp_path: Path, versions: list, patch_format: int) -> tuple:
-    from node import trainer as trainer_mod
-    from p2p_sync.weights_io import WeightsFileError, save_weights
+    from p2p_sync.runtime import trainer as trainer_mod
+    from p2p_sync.weights.weights_io import WeightsFileError, save_weights
 
     key = SigningKey.generate()
     cfg = NodeConfig(role="trainer", data_dir=tmp_path / "t", key=tmp_path / "k", p2p=False)
@@ -478,8 +478,8 @@ def test_an_anchor_follows_its_head_and_is_the_replay_base_beside_the_log(
 def test_an_anchor_beside_the_log_that_fails_on_load_is_dropped_and_the_log_kept(
     tmp_path: Path, tiny_versions: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from p2p_sync import restore as restore_mod
     from p2p_sync.errors import TargetMismatchError
+    from p2p_sync.store import restore as restore_mod
 
     _, _, store = asyncio.run(_anchor_behind(tmp_path, tiny_versions))
     anchor = store.replay_chain()[0]
@@ -506,7 +506,7 @@ def test_a_format2_step_is_coded_for_the_history_after_its_announcement(
     step waits decoded until the announcement, then is coded below the head's priority, to
     the very bytes a direct format-1 encode gives; the v0->v2 catch-up merged from it is
     exact."""
-    from p2p_sync.patch import Patch, diff
+    from p2p_sync.weights.patch import Patch, diff
 
     real_encode, niced = codec.encode, []
 

@@ -10,11 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
-from p2p_sync import patch as patch_mod
-from p2p_sync.patch import TensorDelta, apply, diff, merge, merge_tensor
-from p2p_sync.restore import apply_frames
-from p2p_sync.statehash import StateDigest
-from p2p_sync.tensors import TensorSpec, bits_dtype, flat_bits, layout_of
+from p2p_sync.store.restore import apply_frames
+from p2p_sync.weights import patch as patch_mod
+from p2p_sync.weights.patch import TensorDelta, apply, diff, merge, merge_tensor
+from p2p_sync.weights.statehash import StateDigest
+from p2p_sync.weights.tensors import TensorSpec, bits_dtype, flat_bits, layout_of
 from tests.helpers import bit_equal, clone_set, random_bits
 
 DTYPES = [

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_sync.swarm import Scheduler, SwarmConfig
+from p2p_sync.protocol.swarm import Scheduler, SwarmConfig
 from simulations.clock import RUN_GC_THRESHOLDS, Clock
 from simulations.network import Network
 from simulations.pushtree import TreeLayout
@@ -578,7 +578,7 @@ def test_ci_scenario() -> None:
 def test_scenario_defaults_are_the_nodes_defaults() -> None:
     """A scenario that sets no knob simulates nodes run with no config. The download settings
     are the node's own table; the other knobs model node limits under the node's values."""
-    from node.config import NodeConfig
+    from p2p_sync.runtime.config import NodeConfig
 
     sc, node = from_dict({}), NodeConfig()
     assert sc.download == node.download

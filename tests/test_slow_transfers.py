@@ -20,8 +20,8 @@ import trio
 import trio.testing
 from aiohttp import web
 
-from node.runtime import Node
 from p2p_sync.errors import PeerError
+from p2p_sync.runtime.node import Node
 from p2p_sync.transport.dataplane import PIECE, HttpLimits, Reply
 from p2p_sync.transport.http import DataClient
 from p2p_sync.transport.streams import read_exactly, write_reply

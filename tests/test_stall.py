@@ -18,17 +18,9 @@ import pytest
 import torch
 from aiohttp import web
 
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import Publisher, TrainerNode
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import DownloadStalledError, PeerError
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import SNAPSHOT, Manifest, SwarmPolicy
-from p2p_sync.stalls import carry_unserved
-from p2p_sync.statehash import state_hash
-from p2p_sync.store import Store
-from p2p_sync.swarm import (
+from p2p_sync.protocol.stalls import carry_unserved
+from p2p_sync.protocol.swarm import (
     Action,
     CancelRequest,
     ChunkFailed,
@@ -45,10 +37,18 @@ from p2p_sync.swarm import (
     SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.versions import PublishPolicy
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import Publisher, TrainerNode
+from p2p_sync.store import Store
 from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.download import DataPlaneSource, Download, HaveCursor, Timed, download
 from p2p_sync.transport.http import DataClient
-from p2p_sync.versions import PublishPolicy
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy
+from p2p_sync.weights.statehash import state_hash
 from tests import evil_peer
 from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
 

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from p2p_sync import seeding
-from p2p_sync.seeding import SuperSeeder
-from p2p_sync.stalls import carry_unserved
-from p2p_sync.swarm import (
+from p2p_sync.protocol import seeding
+from p2p_sync.protocol.seeding import SuperSeeder
+from p2p_sync.protocol.stalls import carry_unserved
+from p2p_sync.protocol.swarm import (
     Action,
     CancelRequest,
     ChunkCorrupted,

@@ -16,12 +16,14 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_sync import codec, jit, statehash
+from p2p_sync import codec
+from p2p_sync.codec import jit
 from p2p_sync.errors import TargetMismatchError
-from p2p_sync.patch import Patch, apply, diff
-from p2p_sync.restore import apply_frames
-from p2p_sync.statehash import StateDigest, state_hash
-from p2p_sync.tensors import flat_bits, layout_of, spec_record
+from p2p_sync.store.restore import apply_frames
+from p2p_sync.weights import statehash
+from p2p_sync.weights.patch import Patch, apply, diff
+from p2p_sync.weights.statehash import StateDigest, state_hash
+from p2p_sync.weights.tensors import flat_bits, layout_of, spec_record
 from tests.helpers import bit_equal, clone_set, random_bits
 from tests.test_roundtrip_properties import DTYPES, SHAPES, change, version_pairs
 
@@ -317,7 +319,7 @@ def test_blocked_host_kernels_equal_plain_python_and_the_definition(
 def test_host_weights_keep_every_apply_thread(tiny_versions: list) -> None:
     """The GPU's thread cap (``restore.GPU_APPLY_THREADS``) leaves host weights alone: there
     each thread decodes and adds on its own core."""
-    from p2p_sync.restore import apply_threads
+    from p2p_sync.store.restore import apply_threads
 
     a, b = tiny_versions[0], tiny_versions[1]
     for data in (codec.encode(diff(a, b)), codec.encode(diff(a, b), base=a)):

@@ -16,11 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_sync.chunks import manifest_for
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, parse, sign
-from p2p_sync.restore import restore
-from p2p_sync.statehash import state_hash
+from p2p_sync.protocol.versions import Artifact, PeerState, PublishPolicy, plan, to_publish
 from p2p_sync.store import (
     AcceptedState,
     HaveMark,
@@ -29,7 +25,11 @@ from p2p_sync.store import (
     StoreFormatError,
     StoreLimits,
 )
-from p2p_sync.versions import Artifact, PeerState, PublishPolicy, plan, to_publish
+from p2p_sync.store.restore import restore
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import PATCH, SNAPSHOT, Manifest, SwarmPolicy, parse, sign
+from p2p_sync.weights.statehash import state_hash
 from tests import store_writer
 from tests.helpers import snapshot_manifest
 
@@ -293,7 +293,7 @@ def test_the_store_stays_consistent_under_its_threads(tmp_path: Path) -> None:
     payloads and the libp2p thread asks for manifests: the lock keeps every index whole."""
     import threading
 
-    from p2p_sync.chunks import manifest_for
+    from p2p_sync.trust.chunks import manifest_for
 
     store = Store.open(tmp_path, StoreLimits(memory_cache_bytes=64 * 1024))  # LRU churns
     rng = random.Random(3)
@@ -483,7 +483,8 @@ def _published(version: int, policy: PublishPolicy) -> list[tuple[Manifest, byte
 
 
 def trainer_versions(store: Store, n: int, policy: PublishPolicy) -> Iterator[int]:
-    """As ``node.trainer`` stores versions: the head's artifact, its log record, eviction;
+    """As ``p2p_sync.runtime.trainer`` stores versions: the head's artifact, its log record,
+    eviction;
     then behind the head its catch-up spans and anchor, or a due checkpoint."""
     for v in range(n):
         (head, payload), *behind = _published(v, policy)
@@ -501,7 +502,8 @@ def trainer_versions(store: Store, n: int, policy: PublishPolicy) -> Iterator[in
 
 
 def rollout_versions(store: Store, n: int, policy: PublishPolicy) -> Iterator[int]:
-    """As ``node.rollout`` follows: it hears every artifact, fetches the head's, logs it,
+    """As ``p2p_sync.runtime.rollout`` follows: it hears every artifact, fetches the head's, logs
+    it,
     checkpoints every 10 versions and evicts."""
     for v in range(n):
         (head, payload), *behind = _published(v, policy)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from node.localswarm import ROOT, Swarm, get_json, wait_for
-from p2p_sync.statehash import state_hash
-from p2p_sync.workloads import Workload
+from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.workloads import Workload
+from simulations.localswarm import ROOT, Swarm, get_json, wait_for
 from tests.helpers import bit_equal
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_sync.swarm import (
+from p2p_sync.protocol.swarm import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,

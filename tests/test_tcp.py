@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from node.runtime import Node
+from p2p_sync.runtime.node import Node
 from p2p_sync.transport import tcp
 from p2p_sync.transport.dataplane import HttpLimits
 from tests.test_node_http import make_node

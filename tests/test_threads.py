@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from p2p_sync.threads import BACKGROUND_NICE, background_pool, map_workers
+from p2p_sync.weights.threads import BACKGROUND_NICE, background_pool, map_workers
 
 
 def _nice() -> int:
@@ -29,7 +29,7 @@ def test_background_work_and_its_workers_run_niced_and_the_caller_does_not() -> 
 def test_usable_cores_follow_the_affinity_mask_and_a_container_quota(tmp_path) -> None:
     """A container limited to 1.5 CPUs of a bigger host gets 2 threads, not one per host
     core; no quota ("max"), a missing file or a garbled one leave the affinity mask's count."""
-    from p2p_sync.threads import cgroup_cpus, usable_cores
+    from p2p_sync.weights.threads import cgroup_cpus, usable_cores
 
     mask = len(os.sched_getaffinity(0))
     cpu_max = tmp_path / "cpu.max"

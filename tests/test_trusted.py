@@ -13,11 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.config import NodeConfig
-from node.runtime import Node
-from p2p_sync import announce
-from p2p_sync.announce import Announcement, Verdict
-from p2p_sync.chunks import manifest_for
 from p2p_sync.errors import (
     EndlessDataAttackError,
     ForgedSignatureError,
@@ -29,8 +24,15 @@ from p2p_sync.errors import (
     UntrustedSignerError,
     WrongSwarmError,
 )
-from p2p_sync.keys import SigningKey
-from p2p_sync.manifest import (
+from p2p_sync.protocol.peers import PeerLimits
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.node import Node
+from p2p_sync.store import Store
+from p2p_sync.trust import announce
+from p2p_sync.trust.announce import Announcement, Verdict
+from p2p_sync.trust.chunks import manifest_for
+from p2p_sync.trust.keys import SigningKey
+from p2p_sync.trust.manifest import (
     PATCH,
     SNAPSHOT,
     ManifestLimits,
@@ -39,9 +41,7 @@ from p2p_sync.manifest import (
     parse,
     sign,
 )
-from p2p_sync.peers import PeerLimits
-from p2p_sync.store import Store
-from p2p_sync.trusted import TrustedSet, TrustLimits
+from p2p_sync.trust.trusted import TrustedSet, TrustLimits
 
 NOW = 1_800_000_000
 TRAINER, STRANGER = SigningKey.generate(), SigningKey.generate()

@@ -13,8 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from p2p_sync.protocol.uploads import Admission, UploadSlots
 from p2p_sync.transport.dataplane import DataRouter, HttpLimits, Request
-from p2p_sync.uploads import Admission, UploadSlots
 
 REQUESTERS = st.sampled_from("abcd")
 

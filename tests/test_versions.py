@@ -7,7 +7,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from p2p_sync.errors import BaseMismatchError, NoPathError
-from p2p_sync.versions import PATCH, SNAPSHOT, Artifact, PeerState, PublishPolicy, plan, to_publish
+from p2p_sync.protocol.versions import (
+    PATCH,
+    SNAPSHOT,
+    Artifact,
+    PeerState,
+    PublishPolicy,
+    plan,
+    to_publish,
+)
 
 
 def h(v: int) -> str:

@@ -1,4 +1,5 @@
-"""A fresh node compiles its codec's scans at start (``node.runtime.warm_codec``), not on its
+"""A fresh node compiles its codec's scans at start (``p2p_sync.runtime.node.warm_codec``), not on
+its
 first version: numba compiles per argument types, and a warm-up that misses a path leaves
 seconds of compiling to the first real patch (7 s for the median rollout of the emulated
 swarm). Checked in a fresh process with an empty numba cache, through numba's compile
@@ -18,11 +19,11 @@ SCRIPT = r"""
 import json, sys
 import torch
 from numba.core import event
-from node.runtime import warm_codec
+from p2p_sync.runtime.node import warm_codec
 from p2p_sync import codec
-from p2p_sync.patch import diff
-from p2p_sync.restore import apply_frames
-from p2p_sync.statehash import StateDigest
+from p2p_sync.weights.patch import diff
+from p2p_sync.store.restore import apply_frames
+from p2p_sync.weights.statehash import StateDigest
 
 warm_codec()
 g = torch.Generator().manual_seed(1)

@@ -14,14 +14,14 @@ import aiohttp
 import pytest
 import torch
 
-from node.rollout import Follower
-from node.runtime import Node
-from node.trainer import REJECTED, Listed, Publisher, TrainerNode, aside, to_try, watch
-from p2p_sync.keys import SigningKey, write_keypair
-from p2p_sync.manifest import SwarmPolicy
+from p2p_sync.protocol.versions import PublishPolicy
+from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.rollout import Follower
+from p2p_sync.runtime.trainer import REJECTED, Listed, Publisher, TrainerNode, aside, to_try, watch
 from p2p_sync.store import Store
-from p2p_sync.versions import PublishPolicy
-from p2p_sync.weights_io import WeightsFileError, load_weights, save_weights
+from p2p_sync.trust.keys import SigningKey, write_keypair
+from p2p_sync.trust.manifest import SwarmPolicy
+from p2p_sync.weights.weights_io import WeightsFileError, load_weights, save_weights
 from tests.helpers import bit_equal, rollout_config, trainer_config
 
 DEADLINE_S = 30.0
@@ -238,8 +238,8 @@ def test_a_full_disk_while_noting_a_published_file_is_one_line_and_noted_later(
     name stays remembered in memory, and the next write once there is room holds both."""
     import errno
 
-    import node.trainer as trainer_mod
-    from node.trainer import Spool
+    import p2p_sync.runtime.trainer as trainer_mod
+    from p2p_sync.runtime.trainer import Spool
 
     store = Store.open(tmp_path / "data")
     spool = Spool(tmp_path, store)

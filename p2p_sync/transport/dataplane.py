@@ -6,7 +6,7 @@ Routes (all responses are small JSON except chunk bodies and metrics):
 GET  /chunk/{sha256}        the chunk's bytes (re-verified from the store), 404 if absent; at
                             most ``max_concurrent_uploads`` at once, up to ``upload_queue``
                             more wait their turn (a freed slot goes to the requester with
-                            the fewest uploads in progress: ``p2p_sync.uploads``), beyond
+                            the fewest uploads in progress: ``p2p_sync.protocol.uploads``), beyond
                             that (or after waiting ``request_timeout_s``) 503; a reader
                             that takes no bytes for ``request_timeout_s`` is cut off (a slow
                             one that keeps reading is not: a large chunk on a shared home
@@ -22,7 +22,7 @@ GET  /manifests             [{digest, version, kind, base_version, payload_size}
 GET  /manifest/{digest}     the signed manifest bytes, as received from the trainer
 GET  /have/{digest}         {"have": [chunk indices this node can serve for that manifest],
                             "from": 0, "log": ID}: ID names this have-map's log, its
-                            chunks in arrival order (``p2p_sync.havelog``); with
+                            chunks in arrival order (``p2p_sync.protocol.havelog``); with
                             ``?known=N&log=ID`` a long poll: the answer waits (up to
                             ``have_wait_s``) until the log is longer than N, and lists
                             only its entries from N on ("from": N), so news of a chunk
@@ -47,7 +47,8 @@ GET  /have/{digest}         {"have": [chunk indices this node can serve for that
                             answers with "held_ms": how long it waited (the asker takes
                             it from the round trip it times); 404 if it does not come. An
                             answer listing chunks this node forwards to the asker unasked
-                            (``node.forwarding``: a framed ``POST /announce``) names them
+                            (``p2p_sync.runtime.forwarding``: a framed ``POST /announce``) names
+                            them
                             in "pushed": the asker waits for the push and does not request
                             them (the news and the push leave together; a request sent on
                             the news alone fetched every forwarded chunk twice)
@@ -115,7 +116,8 @@ GET  /metrics               Prometheus text exposition
 A requester names its own data-plane URL in the ``X-P2PSync-Peer`` header. The name alone
 proves nothing (anyone can send any header): the node weighs it (``NodeView.requester``: taken
 from a request it serves chunk bytes to, at the requester's own address, or naming a libp2p
-peer connected to it; ``p2p_sync.peers``). A node that only knew the trainer becomes known to
+peer connected to it; ``p2p_sync.protocol.peers``). A node that only knew the trainer becomes known
+to
 everyone once the trainer has checked it (a dial-back, its chunk requests, an answer), via the
 trainer's ``/peers`` list.
 
@@ -153,11 +155,11 @@ from p2p_sync.errors import (
     PeerError,
     PeerLacksError,
 )
-from p2p_sync.havelog import LOG_ID, HaveLog
-from p2p_sync.peers import PEER_ID as PEER_ID  # the transports check peer ids with it
-from p2p_sync.peers import is_peer_name
-from p2p_sync.ratelimit import TokenBucket
-from p2p_sync.uploads import Admission, UploadSlots
+from p2p_sync.protocol.havelog import LOG_ID, HaveLog
+from p2p_sync.protocol.peers import PEER_ID as PEER_ID  # the transports check peer ids with it
+from p2p_sync.protocol.peers import is_peer_name
+from p2p_sync.protocol.ratelimit import TokenBucket
+from p2p_sync.protocol.uploads import Admission, UploadSlots
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -272,7 +274,8 @@ class BytesReader:
 
 
 class NodeView(Protocol):
-    """What the data plane needs from a node (implemented by ``node.dataview.DataView``)."""
+    """What the data plane needs from a node (implemented by
+    ``p2p_sync.runtime.dataview.DataView``)."""
 
     def manifest_index(self) -> list[dict[str, Any]]: ...
     def manifest_bytes(self, digest: str) -> bytes | None: ...
@@ -287,7 +290,8 @@ class NodeView(Protocol):
     def count_upload(self, nbytes: int) -> None: ...
     def upload_contact(self, requester: str, pending: bool) -> None: ...
     def pushing_to(self, digest: str, peer: str) -> set[int]:
-        """Chunks of ``digest`` this node forwards to ``peer`` unasked (``node.forwarding``):
+        """Chunks of ``digest`` this node forwards to ``peer`` unasked
+        (``p2p_sync.runtime.forwarding``):
         a have-map answer to ``peer`` that lists one says so ("pushed"), so it waits for the
         push instead of requesting the chunk too."""
         ...
@@ -307,7 +311,7 @@ class NodeView(Protocol):
     def requester(self, url: str, remote: str | None, upload: bool) -> None:
         """A request from ``remote`` named its sender ``url`` (the peer header, unproven);
         ``upload``: chunk bytes are on their way to it (upload demand). The node weighs what
-        that proves (``p2p_sync.peers``)."""
+        that proves (``p2p_sync.protocol.peers``)."""
         ...
 
     def issued(self, nonce: str) -> bool: ...
@@ -422,7 +426,7 @@ class DataRouter:
             limits.max_concurrent_uploads, limits.upload_queue
         )
         # chunks uploaded from here (sha -> times; the newest MAX_UPLOADED): the freshest
-        # chunk's request is served first (``p2p_sync.uploads``)
+        # chunk's request is served first (``p2p_sync.protocol.uploads``)
         self._uploaded: dict[str, int] = {}
         self._closing = asyncio.Event()  # set by close(): long polls answer at once
         self.polls_held = 0  # have-map long polls waiting for news now
@@ -526,7 +530,7 @@ class DataRouter:
 
     def _contact(self, req: Request) -> None:
         """Tell the node whether the peer that sent ``req`` has uploads here now (a seed
-        takes back chunks it handed to a peer that stopped asking: ``p2p_sync.seeding``). A
+        takes back chunks it handed to a peer that stopped asking: ``p2p_sync.protocol.seeding``). A
         peer is named by the URL it claims, as the seed's offers name it: a forged claim can
         at worst make the seed upload a chunk twice, or wait ``reseed_after_s`` as before."""
         if req.peer is not None:

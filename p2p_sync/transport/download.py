@@ -1,8 +1,10 @@
 """Download one payload from many peers: the asyncio driver of the sans-I/O scheduler.
 
-It turns :class:`p2p_sync.swarm.Scheduler` actions into requests on a :class:`ChunkSource` and
+It turns :class:`p2p_sync.protocol.swarm.Scheduler` actions into requests on a :class:`ChunkSource`
+and
 their outcomes into scheduler events; it sleeps until the scheduler's own next deadline
-(:meth:`~p2p_sync.swarm.Scheduler.next_timer`), never on a fixed tick. Every chunk is verified
+(:meth:`~p2p_sync.protocol.swarm.Scheduler.next_timer`), never on a fixed tick. Every chunk is
+verified
 against the signed manifest before it reaches the :class:`ChunkSink` (and so before it is
 relayed); bytes that fail the hash get the serving peer banned, by the scheduler's rule.
 
@@ -28,7 +30,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from p2p_sync.chunks import verify_chunk
 from p2p_sync.errors import (
     ChunkError,
     DownloadStalledError,
@@ -37,9 +38,8 @@ from p2p_sync.errors import (
     StoreError,
     StoreFullError,
 )
-from p2p_sync.havelog import LOG_ID
-from p2p_sync.manifest import Manifest
-from p2p_sync.swarm import (
+from p2p_sync.protocol.havelog import LOG_ID
+from p2p_sync.protocol.swarm import (
     Action,
     CancelRequest,
     ChunkCorrupted,
@@ -60,6 +60,8 @@ from p2p_sync.swarm import (
     TimerFired,
 )
 from p2p_sync.transport.dataplane import CHUNK_ROUTE, MAX_RUN, PeerClient, chunks_url
+from p2p_sync.trust.chunks import verify_chunk
+from p2p_sync.trust.manifest import Manifest
 
 Timed = tuple[list[int], "HaveCursor", float | None]  # an answer, and the round trip it took
 
@@ -79,7 +81,7 @@ async def timed(
 @dataclass(frozen=True)
 class HaveCursor:
     """Where a follower of one peer's have-map stands: ``known`` entries of the peer's have
-    log ``log`` (``p2p_sync.havelog``; None: whole lists), -1 before the first answer."""
+    log ``log`` (``p2p_sync.protocol.havelog``; None: whole lists), -1 before the first answer."""
 
     known: int = -1
     log: str | None = None
@@ -351,7 +353,8 @@ class Download:
     async def _take_pushes(self) -> None:
         """Chunks pushed behind an announcement: each verified (bytes failing the hash get
         the pusher banned, as from a request), stored and reported, once: also one the node
-        stored already as it landed (``node.learning``), so its bytes count as downloaded."""
+        stored already as it landed (``p2p_sync.runtime.learning``), so its bytes count as
+        downloaded."""
         async for peer, index, data in self.source.pushes(self.m):
             if index >= len(self.m.chunks):
                 continue
@@ -557,7 +560,7 @@ async def download(
 ) -> None:
     """Fetch every missing chunk of ``m`` into ``sink``; on return it is all there, verified.
     ``unserved``: peers whose claims of a chunk no longer count (an earlier download of ``m``
-    stalled on it with them: :func:`p2p_sync.stalls.carry_unserved`)."""
+    stalled on it with them: :func:`p2p_sync.protocol.stalls.carry_unserved`)."""
     for _attempt in range(config.max_attempts):
         await Download(m, source, sink, listener, config, unserved).run()
         if await asyncio.to_thread(sink.verify_pack, m):

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from p2p_sync.announce import Decision, Verdict
 from p2p_sync.bounded import trim
+from p2p_sync.trust.announce import Decision, Verdict
 
 log = logging.getLogger("p2psync.p2p")
 

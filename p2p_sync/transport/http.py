@@ -10,7 +10,7 @@ its upload slot), a slow one that keeps reading does not. The client's clock wor
 way for chunks (no byte for twice ``request_timeout_s``: the server's 503 for a slot not
 granted in time comes first), so a transfer that keeps moving is never cut: a 4 MiB chunk
 shared 16 ways on a 10 Mbit/s uplink takes ~54 s, and only the scheduler's adaptive timeout
-(``p2p_sync.swarm``) decides whether that is worth waiting for.
+(``p2p_sync.protocol.swarm``) decides whether that is worth waiting for.
 
 The server holds a bounded number of connections (``transport.connections``: one over the cap
 gets a 503 and is closed), and closes one whose request header is not whole
@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError, PeerUnreachableError
-from p2p_sync.ratelimit import RepeatedLine
+from p2p_sync.protocol.ratelimit import RepeatedLine
 from p2p_sync.transport import tcp
 from p2p_sync.transport.connections import ConnectionGate, address_key
 from p2p_sync.transport.dataplane import (

@@ -23,7 +23,7 @@ How a node finds the swarm and its data plane:
 - It dials its bootstrap peers every ``maintain_s`` until linked (py-libp2p would refuse a peer
   for 60 s after one failed dial).
 
-Announcements are judged by ``p2p_sync.announce.judge`` inside gossipsub's validation step, so
+Announcements are judged by ``p2p_sync.trust.announce.judge`` inside gossipsub's validation step, so
 a forged or replayed message is never forwarded; its sender is blacklisted after
 ``max_rejects`` rejected messages. The libp2p identity key lives in the node's data dir
 (``p2p-identity.key``, libp2p protobuf format, mode 0600), separate from the trainer's signing
@@ -57,7 +57,7 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
-from p2p_sync.reachability import RelayBounds
+from p2p_sync.protocol.reachability import RelayBounds
 from p2p_sync.transport import relay, streams
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown

@@ -2,7 +2,8 @@
 
 Why: two volunteers behind different NATs cannot dial each other, so without help neither
 ever serves the other, and a swarm that is half NATed loses a quarter of its pairs. A public
-node (one whose HTTP URL a peer could dial back, ``p2p_sync.reachability``; a bootstrap node
+node (one whose HTTP URL a peer could dial back, ``p2p_sync.protocol.reachability``; a bootstrap
+node
 usually is one) offers libp2p's standard circuit relay v2 (``/libp2p/circuit/relay/0.2.0``,
 so any libp2p implementation can use it); a NATed node reserves a slot on up to
 ``[relay] reservations`` of the relays it is connected to (its bootstrap peers first); a peer
@@ -13,7 +14,7 @@ py-libp2p 0.8.1 cuts every advertised address at its first ``/p2p/`` component, 
 NATed nodes and their peers share the same bootstrap relays anyway.
 
 A relay only forwards bytes it cannot read (Noise runs end to end over the circuit) and is
-bounded by the node's ``[relay]`` settings (``p2p_sync.reachability.RelayBounds``):
+bounded by the node's ``[relay]`` settings (``p2p_sync.protocol.reachability.RelayBounds``):
 ``max_reservations`` peers holding a slot, at most ``max_circuits`` circuits to each (so
 ``max_reservations * max_circuits`` in all), ``data_mb`` and ``duration_s`` per circuit, and
 ``mbps`` over all circuits
@@ -48,8 +49,8 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
 from p2p_sync.bounded import remember
-from p2p_sync.ratelimit import TokenBucket
-from p2p_sync.reachability import RelayBounds
+from p2p_sync.protocol.ratelimit import TokenBucket
+from p2p_sync.protocol.reachability import RelayBounds
 
 log = logging.getLogger("p2psync.p2p")
 CIRCUIT = "p2p-circuit"

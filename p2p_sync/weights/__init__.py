@@ -1,0 +1,1 @@
+"""Weights: named tensor sets, state hashes, sparse patches (diff, apply, merge), files."""
