@@ -1,12 +1,11 @@
 """What a merged catch-up patch costs the trainer at real model sizes: time and peak RSS.
 
-Builds a LLaMA-shaped model (``models.py``), takes ``--span`` AdamW-like steps, codes each
-1-step patch (format 1, as the trainer's history keeps them) and writes them to a work dir.
-Then, each in a fresh process so that its peak RSS is its own: the whole-patch merge the
-trainer used to run (decode every step, merge them pairwise, encode) and
-``p2p_sync.weights.catchup.merge_steps`` (one tensor at a time). Prints seconds, peak RSS against
-the
-model size, the merged patch's size, and whether both files are the same bytes.
+Builds a LLaMA-shaped model (``models.py``), takes ``--span`` AdamW-like steps, codes each 1-step
+patch (format 1, as the trainer's history keeps them) and writes them to a work dir. Then, each in a
+fresh process so that its peak RSS is its own: the whole-patch merge the trainer used to run (decode
+every step, merge them pairwise, encode) and ``p2p_sync.weights.catchup.merge_steps`` (one tensor at
+a time). Prints seconds, peak RSS against the model size, the merged patch's size, and whether both
+files are the same bytes.
 
     python benchmarks/catchup.py --size 1b --span 4
 """

@@ -1,6 +1,6 @@
 """A grail v3.1-style patch encoder, written from its public description, as a baseline.
 
-From ``shared/background/papers.md`` (PULSE, one-covenant/grail, format "v3.1"): per tensor,
+The format (PULSE, one-covenant/grail, format "v3.1"): per tensor,
 entries sorted by (row, col); the row stream and the column stream are delta-coded and shrunk
 to uint8/uint16; values are the raw bf16 bits of the NEW weights; a JSON header; the whole
 payload compressed with zstd level 1. We only need its size, but it also decodes, so the

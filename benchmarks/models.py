@@ -1,5 +1,5 @@
 """LLaMA-shaped bf16 models of real sizes and a realistic per-step update, for the benchmarks
-(``scale.py`` runs them through nodes, ``gpu.py`` through the library on a GPU)."""
+(``scale.py`` runs them through nodes, ``device.py`` through the library on a device)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 # hidden, intermediate, layers, heads, kv heads, vocab
 SIZES = {
     "0.5b": (1024, 2816, 24, 16, 16, 32000),
-    "1b": (2048, 5632, 16, 16, 16, 32000),  # 0.95B: the issue's reference model
+    "1b": (2048, 5632, 16, 16, 16, 32000),  # 0.95B: the reference model of docs/performance.md
     "2b": (2048, 5632, 32, 16, 16, 32000),
     "7b": (4096, 11008, 32, 32, 32, 32000),
     "13b": (5120, 13824, 40, 40, 40, 32000),

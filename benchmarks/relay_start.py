@@ -1,18 +1,16 @@
 """How soon a rollout two hops from the trainer gets its first chunk: early have feeds, forwarding.
 
-A rollout that hears of a version from a relay gets the digest alone and fetches the manifest
-from the relay (a round trip); its download then asked every peer it follows for its have-map
-(a second round trip) before its first request. With early feeds (``p2p_sync.runtime.early``) it
-asks the
+A rollout that hears of a version from a relay gets the digest alone and fetches the manifest from
+the relay (a round trip); its download then asked every peer it follows for its have-map (a second
+round trip) before its first request. With early feeds (``p2p_sync.runtime.early``) it asks the
 have-maps while the manifest comes. This runs real nodes (trainer, rollout A that follows it,
 rollout B that never talks to the trainer, so it hears every version from A's relay) over the
 in-memory network with a one-way latency on every message (``MemoryNetwork(latency_s)``), publishes
 versions of the tiny model, and prints B's steps per version (``p2p_sync.runtime.timeline``: heard,
-learned, first have-map offering a chunk, first chunk) in one-way latencies after it heard:
-with neither, with early feeds alone, and with early feeds and A forwarding the chunks the
-trainer hands it (``[download] forward_seed_chunks``, ``p2p_sync.runtime.forwarding``; the
-default), and
-how many chunks A forwarded.
+learned, first have-map offering a chunk, first chunk) in one-way latencies after it heard: with
+neither, with early feeds alone, and with early feeds and A forwarding the chunks the trainer hands
+it (``[download] forward_seed_chunks``, ``p2p_sync.runtime.forwarding``; the default), and how many
+chunks A forwarded.
 
     python benchmarks/relay_start.py [--latency-ms 20] [--versions 4]
 """

@@ -1,18 +1,17 @@
 """Soak: many versions through a trainer and rollout processes on loopback, watching what each
 process and data dir holds as they go.
 
-A few versions cannot show what grows per version: memory or descriptors a process never gives
-back, files or bytes a store keeps beyond its bound. Here a trainer (``--watch``) and
-``--rollouts`` rollouts (``--export``) run as ``p2psync node`` processes, started as the demo
-and ``scale.py`` start them (``simulations.localswarm.Swarm``). A small model (``--mb`` of bf16 in
-four
-tensors) takes a small random step on ``--changed`` of its elements per version; each version
-is written aside and renamed into the watch dir, waited for at every rollout (``/status``), and
-its file removed once there. At v0, half-way, every ``--every`` versions and at the end it
-prints, per process, RSS and open descriptors (psutil), and per data dir (and export dir) the
-files and bytes it holds; at the end, the growth per version over the whole run and over its
-second half (past the warm-up: the first anchors, checkpoints and evictions), and whether every
-rollout ends on the trainer's state hash.
+A few versions cannot show what grows per version: memory or descriptors a process never gives back,
+files or bytes a store keeps beyond its bound. Here a trainer (``--watch``) and ``--rollouts``
+rollouts (``--export``) run as ``p2psync node`` processes, started as the demo and ``scale.py``
+start them (``simulations.localswarm.Swarm``). A small model (``--mb`` of bf16 in four tensors)
+takes a small random step on ``--changed`` of its elements per version; each version is written
+aside and renamed into the watch dir, waited for at every rollout (``/status``), and its file
+removed once there. At v0, half-way, every ``--every`` versions and at the end it prints, per
+process, RSS and open descriptors (psutil), and per data dir (and export dir) the files and bytes it
+holds; at the end, the growth per version over the whole run and over its second half (past the
+warm-up: the first anchors, checkpoints and evictions), and whether every rollout ends on the
+trainer's state hash.
 
     python benchmarks/soak.py                          # 200 versions, 4 MB, 2 rollouts
     python benchmarks/soak.py --versions 40 --rollouts 1 --dir /tmp/soak

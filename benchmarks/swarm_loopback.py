@@ -13,7 +13,7 @@ Without a cap the run is CPU-bound on small machines (every process shares the s
 ``--upload-mbps`` every node's upload is capped like a home link, which is the regime the swarm
 is for: then one rollout is limited by the trainer's uplink and more rollouts add their own.
 
-Targets (issue 4): aggregate >= 200 MB/s on 2 cores; 100 MB to 8 rollouts <= 3x the time to 1.
+Targets: aggregate >= 200 MB/s on 2 cores; 100 MB to 8 rollouts <= 3x the time to 1.
 Without caps the second cannot hold on 2 cores: each of 8 rollouts must do the CPU work that one
 rollout does alone on its own core, so 8 take at least 4x as long whatever the swarm does. With
 caps (``--upload-mbps 100``) the links bound the time, and the ratio measures the swarm.

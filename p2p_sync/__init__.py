@@ -1,11 +1,10 @@
 """p2psync: lossless sparse weight patches and a peer-to-peer swarm that distributes them.
 
-The library half: everything a trainer or a rollout engine imports. Modules hold one concept
-each: ``tensors`` (named tensor sets, layout fingerprints, state hashes), ``patch`` (diff, apply,
-merge), ``codec`` (the wire format), ``store`` (checkpoint, log and chunk packs), ``restore``
-(rebuilding weights from them), ``workloads`` (the built-in model that produces versions).
-
-The entry points for a training loop and an inference engine::
+The library: everything a trainer or a rollout engine imports, in layers (docs/architecture.md):
+``weights`` (tensors, state hashes, diff/apply/merge), ``codec`` (the wire format), ``trust``
+(keys, signed manifests, the one trust gate), ``protocol`` (sans-I/O scheduler, planner,
+seeder), ``store`` (checkpoint, log, chunk packs), ``transport`` (sockets) and ``runtime``
+(a running node). The entry points for a training loop and an inference engine::
 
     from p2p_sync import Trainer, Rollout
 

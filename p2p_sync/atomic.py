@@ -4,12 +4,9 @@ A reader (or a process restarted after a crash at any instant) sees the old file
 one, never a mix: rename within one filesystem is atomic, and the fsyncs make the new bytes
 durable before the name points at them.
 
-The writer gets the temp file ``mkstemp`` opened, never a second ``open`` of its name: that
-second open (``"wb"``: ``O_TRUNC`` on the empty file) made ext4 flag the file as replaced by
-truncation (``auto_da_alloc``) and start writing all of it back on close. The journal commit
-of the next fsync, by any process on the disk, then waited for that writeback: a 50-byte fsync
-took 0.37 s after 480 MB of such files on this machine (0.001 s without the reopen), and
-``make demo``'s first patch paid it in the trainer's store step.
+The writer gets the temp file ``mkstemp`` opened, never a second ``open`` of its name: a reopen
+with ``O_TRUNC`` makes ext4 treat the file as replaced by truncation (``auto_da_alloc``) and
+write all of it back on close, which stalls the next fsync of any process on that disk.
 """
 
 from __future__ import annotations

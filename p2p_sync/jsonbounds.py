@@ -1,23 +1,18 @@
 """Bounded JSON: how p2psync parses every JSON document a peer or a file hands it.
 
-``json.loads`` recurses once per nesting level (a 200 KB body of ``[`` raises RecursionError)
-and converts integers of any length (Python refuses more than 4,300 digits with a bare
-ValueError, and takes quadratic time below that). Neither is a parser's own error, so such a
-document escaped the error hierarchy: an HTTP 500 with a traceback, a gossip check that died
-instead of rejecting. Here a document is measured before ``json`` sees it, and one past
-:class:`JsonLimits` raises :class:`HostileJsonError`; one that is not JSON raises
-:class:`MalformedJsonError` (both ValueErrors too, as ``json.loads`` raised).
+``json.loads`` recurses once per nesting level and converts integers of any length (quadratic
+time, and a bare ValueError past 4,300 digits); neither failure is a parser error of ours, so a
+hostile document escaped the error hierarchy. Here a document is measured before ``json`` sees
+it: one past :class:`JsonLimits` raises :class:`HostileJsonError`, one that is not JSON
+:class:`MalformedJsonError` (both ValueErrors, as ``json.loads`` raised).
 
-Why a scan and not ``json.loads`` under a lowered recursion limit: that limit is the whole
-interpreter's (threads decode patches and serve libp2p streams meanwhile), and the depth at
-which it fires depends on how deep the caller's stack already is. The scan is iterative and
-runs in C: ``bytes.translate`` keeps the brackets, whose running count (numpy) is the depth,
-and maps every digit to one, so a long number is a substring search. Brackets and digits
-inside strings count too, an upper bound that clears nearly every document; only one that
-fails it gets its string literals blanked (one regular expression) and is measured again.
-Measured: a have-feed line parses in 7.9 us (6.6 with ``json.loads``), a manifest of 200,000
-chunks in 96 ms (60). Numbers are bounded by their digits in that pass, not by ``parse_int``:
-a hook is a Python call per number, and a have-map lists thousands.
+Why a scan and not a lowered recursion limit: that limit is the whole interpreter's (threads
+decode patches meanwhile) and fires at a depth that depends on the caller's stack. The scan runs
+in C: ``bytes.translate`` keeps the brackets, whose running count is the depth, and maps every
+digit to one, so a long number is a substring search. Brackets and digits inside strings count
+too, an upper bound; only a document that fails it gets its strings blanked and is measured
+again. Numbers are bounded in that pass, not by ``parse_int``: a hook is a Python call per
+number, and a have-map lists thousands.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Settings tables: a frozen dataclass of limits filled from a TOML table, and checked.
 
 A node's config (``p2p_sync.runtime.config``) and a simulation scenario (``simulations.scenario``)
-are both
-trees of the limit dataclasses the code takes (``SwarmConfig``, ``HttpLimits``...). This module
-is what they share: filling one from a table of its field names, with the default's type, and
-the rule that a numeric limit is positive (a count at least 1) unless 0 means "none". Errors are
-``ValueError("<table>.<field>: why")``; the caller adds its own prefix and exception type.
+are both trees of the limit dataclasses the code takes (``SwarmConfig``, ``HttpLimits``...).
+This module is what they share: filling one from a table of its field names, with the
+default's type, and the rule that a numeric limit is positive (a count at least 1) unless 0
+means "none". Errors are ``ValueError("<table>.<field>: why")``; the caller adds its own prefix
+and exception type.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""Swarm simulations of issue 6: the discrete-event simulator and the emulated (netns) tier."""
+"""Swarm simulations: the discrete-event simulator and the emulated (netns) tier."""

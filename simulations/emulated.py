@@ -1,4 +1,4 @@
-"""Emulated tier (issue 6, item 3): a real swarm in network namespaces over tbf-shaped links.
+"""Emulated tier: a real swarm in network namespaces over tbf-shaped links.
 
 Why: loopback runs every node at memory speed, so they say nothing about how the swarm uses
 bandwidth. Here each node process (1 trainer + N-1 rollouts, started by ``simulations.localswarm``)
@@ -26,7 +26,7 @@ most what the CPUs, not the links, took from the version (``CpuSample``).
 ``--delay-ms`` adds a one-way propagation delay between every two hosts (``simulations.delayline``
 forwards the frames instead of a bridge); the lower bound ignores it (it is a bandwidth bound).
 
-Volunteers behind NAT (issue 15): ``--nat 0,0,0,1,1,2,2,3`` gives each rollout's NAT group (0:
+Volunteers behind NAT: ``--nat 0,0,0,1,1,2,2,3`` gives each rollout's NAT group (0:
 public, k: behind router k, shared by its group: ``TopologyConfig.nat``). A NATed node can only
 serve over the libp2p connections it opened, so a NAT run puts a public bootstrap node on host 1
 (``--bootstrap``, implied by ``--nat``), turns libp2p on for every node and has the trainer and

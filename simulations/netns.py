@@ -1,6 +1,6 @@
 """A shaped LAN of Linux network namespaces, for running real nodes over emulated links.
 
-Why namespaces: the emulated tier of issue 6 runs real node processes over links slower than
+Why namespaces: the emulated tier runs real node processes over links slower than
 loopback, so the swarm's scheduling meets real TCP, queueing and bandwidth limits. netem is not
 available on our machines, but ``tc tbf`` (a token bucket) is: it caps a link's rate, which is
 what the Kumar-Ross lower bound is about. A propagation delay (``TopologyConfig.delay_ms``) comes

@@ -11,9 +11,8 @@ allows it less than the level takes only that much::
 (a link whose flows cannot fill it has level infinity), and a flow goes at
 ``min(level(uplink of src), level(downlink of dst))``. So share a flow cannot use at its
 tighter end is handed to the other flows at its looser end, as TCP hands a host's idle uplink to
-its flows that can still grow. An earlier version of this model gave every flow
-``min(uplink / uploads, downlink / downloads)`` and left that share idle: with ~15 flows per
-link in a swarm, the random imbalance of the two counts cost ~25% of all upload capacity.
+its flows that can still grow (a plain ``min(uplink / uploads, downlink / downloads)`` would
+leave that share idle, and a swarm's random imbalance of the two counts is large).
 
 Levels are recomputed for the two links a transfer starts or ends at (events come every
 millisecond or so at each link of a busy swarm, so the levels track the exact max-min
@@ -40,8 +39,7 @@ is above both links' capacity it no longer binds and the pair stops ticking. Ver
 training step apart, longer than any RTO: each starts with every idle connection restarted
 (``idle_restart``). Not modelled: the ssthresh a restart keeps (above 3/4 of the old window
 Linux grows one segment a round trip) and CUBIC's HyStart leaving slow start early on a
-growing delay, so this is optimistic (emulated at 25 Mbit/s and 100 ms, CUBIC cost 1.24-1.34x
-a version against BBR where this model says 1.03-1.05x); pacing, loss.
+growing delay, so this is optimistic (docs/decisions: TCP slow start after idle); pacing, loss.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Push trees (``push_tree = true`` in a scenario): a model of a dissemination the node does not
-run yet, measured here to decide whether to build it (ARCHITECTURE.md and the notes of issue 14).
+run yet, measured here to decide whether to build it (docs/decisions: push trees).
 
 Pull costs every relay generation a have-map message, a request and the uploader's queue (about
 three one-way latencies and a queue wait: ~0.1 s a hop at 20 ms). With push, SplitStream-style:
@@ -11,15 +11,13 @@ nodes; each of those to ``~k`` leaves. ``k = sqrt(N)`` makes it two hops below t
 parent's children sharing its uplink equally.
 
 Every node still runs the pull scheduler: a child gets :class:`p2p_sync.protocol.swarm.PeerPushes`
-for
-its parent's stripe, waits for those chunks instead of requesting them, and pulls whatever a
+for its parent's stripe, waits for those chunks instead of requesting them, and pulls whatever a
 parent fails to push (:mod:`p2p_sync.protocol.pushes`). An interior node whose root is gone (left,
-banned) asks the stripe's next interior node, and the first of those asks the trainer (the
-stripe has no other source); a leaf whose parent is gone pulls that stripe from the mesh
-(measured: re-parenting leaves overloads the remaining parents, x2.2 instead of x1.8 at 100
-peers, 10% corrupt + 20% churn). The trainer shows nothing to pull for ``reseed_after_s``:
-then its super-seeder serves what the trees lost (a root that crashed silently with chunks it
-had not forwarded yet).
+banned) asks the stripe's next interior node, and the first of those asks the trainer (the stripe
+has no other source); a leaf whose parent is gone pulls that stripe from the mesh (re-parenting
+leaves overloads the remaining parents). The trainer shows nothing to pull for ``reseed_after_s``:
+then its super-seeder serves what the trees lost (a root that crashed silently with chunks it had
+not forwarded yet).
 
 What is global here and would not be in a node: the layout (one random permutation; a node
 would derive its stripe from its id and the version, and find parents by peer exchange), and

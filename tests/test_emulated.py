@@ -1,4 +1,4 @@
-"""Emulated tier (issue 6, item 3): real node processes in network namespaces over tbf links.
+"""Emulated tier: real node processes in network namespaces over tbf links.
 
 Needs root and ``ip netns`` (CI has both); elsewhere every test here skips, naming what is
 missing. Every namespace a test creates is deleted by ``Topology``'s exit, and again by the
@@ -245,7 +245,7 @@ def test_the_probe_skips_only_for_a_missing_part(
             probe()
 
 
-# ---------------------------------------------------------------- volunteers behind NAT (issue 15)
+# ---------------------------------------------------------------- volunteers behind NAT
 
 # trainer (host 0) and bootstrap (host 1) public; rollouts r2 public, r3 and r4 behind router 1
 # (one home LAN), r5 alone behind router 2: ~50 s on a loaded 2-core VM

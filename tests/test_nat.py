@@ -1,4 +1,4 @@
-"""NAT routers in the emulated tier (issue 15): volunteers behind home routers or carrier NAT.
+"""NAT routers in the emulated tier: volunteers behind home routers or carrier NAT.
 
 Needs root, ``ip netns`` and nftables' ``nft`` with the kernel's nf_tables nat (CI installs
 nftables: ``make nftables``); elsewhere the tests that build a topology skip, naming what is

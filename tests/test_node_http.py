@@ -684,7 +684,7 @@ def test_a_trainer_serves_as_many_uploads_at_once_as_a_download_follows_sources(
     tmp_path: Path,
 ) -> None:
     """Its requesters share their downlinks among ``download.max_sources`` sources each: a
-    seed serving fewer at once leaves its uplink partly idle once they trade (issue 14)."""
+    seed serving fewer at once leaves its uplink partly idle once they trade."""
     from p2p_sync.protocol.versions import PublishPolicy
     from p2p_sync.runtime.trainer import TrainerNode
 

@@ -565,7 +565,7 @@ def test_the_clock_raises_the_gc_thresholds_only_while_events_run() -> None:
 
 
 def test_ci_scenario() -> None:
-    """The issue's bar, on configs/simulations/ci.toml (>= 200 peers)."""
+    """CI's bar, on configs/simulations/ci.toml (>= 200 peers)."""
     sc = load(ROOT / "configs/simulations/ci.toml")
     assert sc.peers >= 200
     _, rep = simulate(sc)

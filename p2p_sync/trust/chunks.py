@@ -1,22 +1,12 @@
 """Cutting payloads into chunks, and checking each chunk against its signed manifest.
 
 Chunk size: picked from the payload size (:func:`chunk_size_for`, the publisher's default;
-configurable within the manifest limits, 16 KiB-64 MiB). About ``TARGET_CHUNKS`` chunks per
-payload, a power of two between 64 KiB and 4 MiB. Why: a chunk is relayed only once it is
-whole and verified, so each relay generation costs a chunk time (a chunk's transfer shares
-the sender's uplink and the receiver's downlink with ~16-32 others: 33 ms for 128 KiB at 1
-Gbit/s), and a swarm spreads a payload well only with many more chunks than peers fetch at
-once. A 100 MB patch is 1,526 chunks of 64 KiB: simulated, 1,000 peers at 20 ms finish at
-x1.467 of the bound against x1.509 with 128 KiB (the last chunk reaches everyone 0.30 s
-after it left the trainer instead of ~0.37 s), half of them behind NAT x1.482 against
-x1.524. Below 64 KiB the per-request cost of a real node (~0.3-1 ms of HTTP and scheduling)
-rivals the transfer, and runs of chunks (``/chunks``) only amortize the HTTP part (64 KiB
-costs 8 loopback rollouts ~11% more CPU than 128 KiB for the same 100 MB). The manifest
-grows with the count (72 B a chunk as JSON: 109 KB at 1,526), which is why the trainer
-pushes it packed (34 B a chunk, ``transport.dataplane.pack_manifests``) and a have-map long
-poll is answered only the news (``p2p_sync.protocol.havelog``). BitTorrent settled on 256 KiB-4 MiB
-pieces for larger files and slower swarms; v0 snapshots of billion-parameter models get
-those here too.
+configurable within the manifest limits, 16 KiB-64 MiB): about ``TARGET_CHUNKS`` chunks per
+payload, a power of two between 64 KiB and 4 MiB. Why: a chunk is relayed only once it is whole
+and verified, so each relay hop costs a chunk time, and a swarm spreads a payload well only with
+many more chunks than peers fetch at once; below 64 KiB the per-request cost of a real node
+rivals the transfer. The manifest grows with the count, which is why it travels packed and
+have-maps answer only news (docs/decisions: 64 KiB chunks).
 
 Hash: SHA-256 (hashlib, ~2 GB/s with SHA extensions): standard, no extra dependency.
 """
