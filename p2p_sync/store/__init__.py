@@ -34,9 +34,9 @@ from p2p_sync.errors import (
     StoreFullError,
 )
 from p2p_sync.store.datadir import FULL_NOTED_EVERY_S, LOCK_NAME, STATE_HASH_FORMAT
-from p2p_sync.store.evict import StoreLimits
 from p2p_sync.store.facade import MAX_DROPS_NOTED, Store
 from p2p_sync.store.havemap import HaveMark
+from p2p_sync.store.limits import StoreLimits
 from p2p_sync.store.log import AcceptedState, Checkpoint
 
 __all__ = [

@@ -27,8 +27,8 @@ from p2p_sync.errors import ManifestError, StoreFullError
 from p2p_sync.store import evict as policy
 from p2p_sync.store.cache import ChunkCache
 from p2p_sync.store.datadir import DataDir
-from p2p_sync.store.evict import StoreLimits
 from p2p_sync.store.havemap import HaveMark
+from p2p_sync.store.limits import StoreLimits
 from p2p_sync.store.log import AcceptedLog, AcceptedState, Checkpoint
 from p2p_sync.store.manifests import ManifestIndex
 from p2p_sync.store.packs import Packs
@@ -381,12 +381,15 @@ class Store:
         head = self._log.head()
         if head is not None:
             files = len(self._index) + sum(1 for _ in self.pack_dir.iterdir())
-            has_pack = lambda d: self.pack_path(d).exists()  # noqa: E731
+            manifests, has_pack = self.manifests(), self._has_pack
             for digest, why in policy.history(
-                self.manifests(), head.version, files, self.limits, keep, has_pack
+                manifests, head.version, files, self.limits, keep, has_pack
             ):
                 self._drop_manifest(digest, why)
         return self._evict_packs(keep)
+
+    def _has_pack(self, digest: str) -> bool:
+        return self.pack_path(digest).exists()
 
     def _evict_packs(self, keep: set[str]) -> list[str]:
         """Drop packs over the byte budget, then forget what is past and not held."""
