@@ -56,17 +56,17 @@ class Store:
 
     def __init__(self, root: Path, limits: StoreLimits) -> None:
         self.root, self.limits = root, limits
-        self.dir = DataDir(root)
-        self.pack_dir, self.manifest_dir = self.dir.pack_dir, self.dir.manifest_dir
-        self.weights_dir, self.log_path = self.dir.weights_dir, self.dir.log_path
-        self.checkpoint_path, self.format_path = self.dir.checkpoint_path, self.dir.format_path
+        self.data_dir = data = DataDir(root)
+        self.pack_dir, self.manifest_dir = data.pack_dir, data.manifest_dir
+        self.weights_dir, self.log_path = data.weights_dir, data.log_path
+        self.checkpoint_path, self.format_path = data.checkpoint_path, data.format_path
         # what was removed and why (self-checks, eviction), the newest few, for logs and tests
         self.dropped: list[str] = []
         self._lock = threading.RLock()  # the one owner of everything here (module docstring)
         self._index = ManifestIndex(self.manifest_dir)
         cache = ChunkCache(limits.memory_cache_bytes)
-        self._packs = Packs(self.dir, self._index, cache, self._lock, self._note_drop)
-        self._log = AcceptedLog(self.dir, self._lock, self._index.__contains__, self._note_drop)
+        self._packs = Packs(data, self._index, cache, self._lock, self._note_drop)
+        self._log = AcceptedLog(data, self._lock, self._index.__contains__, self._note_drop)
 
     @classmethod
     def open(
@@ -81,10 +81,10 @@ class Store:
         store = cls(Path(root), limits)
         store.root.mkdir(parents=True, exist_ok=True)
         if exclusive:
-            store.dir.take_lock()
+            store.data_dir.take_lock()
         try:
-            store.dir.check_format()
-            store.dir.make_dirs()
+            store.data_dir.check_format()
+            store.data_dir.make_dirs()
             store._check()
         except BaseException:
             store.close()
@@ -93,25 +93,25 @@ class Store:
 
     def close(self) -> None:
         """Release the data dir's lock (a no-op for a store not opened ``exclusive``)."""
-        self.dir.release_lock()
+        self.data_dir.release_lock()
 
     def writing(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Turn a full disk's OSError while writing ``what`` into StoreFullError, logged once
         a minute at most. Every write into the data dir goes through it: the store's own, and
         the trainer's anchor file, written beside the packs before it becomes one."""
-        return self.dir.writing(what)
+        return self.data_dir.writing(what)
 
     @property
     def refused_writes(self) -> int:
         """Writes a full disk refused (StoreFullError)."""
-        return self.dir.refused_writes
+        return self.data_dir.refused_writes
 
     # ------------------------------------------------------------ self-check and drops
 
     def _check(self) -> None:
         """Remove temp files, manifests that do not parse or match their name, packs no
         manifest names and weights the checkpoint does not name; re-hash every pack slot."""
-        for p in list(self.dir.temp_files()):
+        for p in list(self.data_dir.temp_files()):
             self._drop(p, "partial write")
         for p in self.manifest_dir.iterdir():
             why = self._index.load(p)
