@@ -1,8 +1,8 @@
 """A node's data dir: a full disk pauses a rollout and it resumes by itself; one node per dir.
 
 The full disk is real where the test may mount one (a small tmpfs, as root, unmounted in a
-finally) and injected everywhere: the store's raw writes (``Store._pwrite``,
-``Store._append_log``, its atomic writes) raise OSError(ENOSPC) as the OS does once the room
+finally) and injected everywhere: the store's raw writes (``Packs._pwrite``,
+``AcceptedLog._append``, its atomic writes) raise OSError(ENOSPC) as the OS does once the room
 left is used up. The nodes are real, on loopback.
 """
 
@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 
 from node import cli
-from p2p_sync import store as store_module
 from p2p_sync.api import Rollout
 from p2p_sync.errors import DataDirInUseError, StoreFullError
 from p2p_sync.protocol.versions import PublishPolicy
@@ -33,6 +32,11 @@ from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import LOCK_NAME, Store, StoreLimits
+from p2p_sync.store import datadir as datadir_module
+from p2p_sync.store import facade as facade_module
+from p2p_sync.store import log as log_module
+from p2p_sync.store.log import AcceptedLog
+from p2p_sync.store.packs import Packs
 from p2p_sync.store.restore import restore
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import PATCH, SwarmPolicy
@@ -94,8 +98,8 @@ class InjectedDisk:
         self.root = where
         where.mkdir()
         self.room: int | None = None  # None: room enough
-        pwrite, append = Store._pwrite, Store._append_log
-        write_bytes, write_with = store_module.atomic_write_bytes, store_module.atomic_write_with
+        pwrite, append = Packs._pwrite, AcceptedLog._append
+        write_bytes, write_with = log_module.atomic_write_bytes, log_module.atomic_write_with
 
         def with_(path: Any, write: Callable[[Any], None], durable: bool = True) -> None:
             buf = io.BytesIO()
@@ -107,18 +111,19 @@ class InjectedDisk:
             self.take(path, len(data))
             write_bytes(path, data, durable)
 
-        def log(store: Store, line: bytes) -> None:
-            self.take(store.log_path, len(line))
-            append(store, line)
+        def log(accepted: AcceptedLog, line: bytes) -> None:
+            self.take(accepted.path, len(line))
+            append(accepted, line)
 
         def slot(path: Path, offset: int, data: Any) -> None:
             self.take(path, len(data))
             pwrite(path, offset, data)
 
-        monkeypatch.setattr(Store, "_pwrite", staticmethod(slot))
-        monkeypatch.setattr(Store, "_append_log", log)
-        monkeypatch.setattr(store_module, "atomic_write_bytes", bytes_)
-        monkeypatch.setattr(store_module, "atomic_write_with", with_)
+        monkeypatch.setattr(Packs, "_pwrite", staticmethod(slot))
+        monkeypatch.setattr(AcceptedLog, "_append", log)
+        for module in (datadir_module, facade_module, log_module):  # every atomic write
+            monkeypatch.setattr(module, "atomic_write_bytes", bytes_)
+        monkeypatch.setattr(log_module, "atomic_write_with", with_)
 
     def take(self, path: Any, size: int) -> None:
         if self.room is None or not Path(path).is_relative_to(self.root):

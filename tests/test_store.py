@@ -25,6 +25,7 @@ from p2p_sync.store import (
     StoreFormatError,
     StoreLimits,
 )
+from p2p_sync.store.packs import Packs
 from p2p_sync.store.restore import restore
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
@@ -165,8 +166,8 @@ def test_own_payloads_of_the_newest_version_are_served_from_memory(
     built even when it is larger than the chunk cache, where an LRU would miss on every chunk
     (each miss evicting a chunk not served yet)."""
     reads: list[int] = []
-    read_slot = Store._read_slot
-    monkeypatch.setattr(Store, "_read_slot", lambda s, *a: reads.append(1) or read_slot(s, *a))
+    read_slot = Packs._read_slot
+    monkeypatch.setattr(Packs, "_read_slot", lambda s, *a: reads.append(1) or read_slot(s, *a))
     store = Store.open(tmp_path, StoreLimits(memory_cache_bytes=64 * 1024))
     m0, p0 = put_version(store, 1, size=400_000)  # 25 chunks, four fit the cache
     order = list(range(len(m0.chunks))) * 2
