@@ -43,7 +43,7 @@ from p2p_sync.runtime.fetch import fetch_payload  # noqa: E402
 from p2p_sync.runtime.node import Node  # noqa: E402
 from p2p_sync.runtime.trainer import TrainerNode  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
-from p2p_sync.transport.dataplane import HttpLimits  # noqa: E402
+from p2p_sync.transport.limits import HttpLimits  # noqa: E402
 from p2p_sync.trust.chunks import manifest_for  # noqa: E402
 from p2p_sync.trust.keys import PublicKey, SigningKey  # noqa: E402
 from p2p_sync.trust.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402

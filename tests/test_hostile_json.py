@@ -27,8 +27,9 @@ from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
 from p2p_sync.transport import reverse, streams
-from p2p_sync.transport.dataplane import ANNOUNCE_MAGIC, ANNOUNCE_TYPE, HttpLimits
+from p2p_sync.transport.announcement import ANNOUNCE_MAGIC, ANNOUNCE_TYPE
 from p2p_sync.transport.http import DataClient, DataServer
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust import announce, manifest
 from p2p_sync.trust.announce import Announcement, Verdict, judge
 from p2p_sync.trust.keys import SigningKey

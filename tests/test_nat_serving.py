@@ -22,7 +22,7 @@ from p2p_sync.errors import PeerError
 from p2p_sync.protocol.reachability import Reachability, ReachabilityLimits, Verdict
 from p2p_sync.runtime.config import ConfigError, load
 from p2p_sync.transport import streams
-from p2p_sync.transport.dataplane import valid_peer_url
+from p2p_sync.transport.messages import valid_peer_url
 from p2p_sync.trust.keys import SigningKey, write_keypair
 from p2p_sync.weights.workloads import Workload
 from tests.helpers import bit_equal

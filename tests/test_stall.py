@@ -42,9 +42,9 @@ from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
-from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.download import DataPlaneSource, Download, HaveCursor, Timed, download
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy

@@ -50,7 +50,7 @@ from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.transport import tcp
-from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.announce import AnnounceLimits
 from p2p_sync.trust.manifest import ManifestLimits
 from p2p_sync.trust.trusted import TrustLimits

@@ -13,7 +13,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from p2p_sync.transport.dataplane import DataRouter, PeerClient
+from p2p_sync.transport.client import PeerClient
+from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.http import DataClient, DataServer
 from p2p_sync.transport.lan import LanShortcuts
 from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork

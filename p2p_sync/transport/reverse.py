@@ -60,18 +60,12 @@ from aiohttp import web
 
 from p2p_sync import jsonbounds
 from p2p_sync.errors import ImpersonationError, PeerError
+from p2p_sync.protocol.peers import PEER_ID
 from p2p_sync.transport import tcp
-from p2p_sync.transport.dataplane import (
-    HEX32,
-    PEER_ID,
-    PIECE,
-    DataRouter,
-    HttpLimits,
-    Reply,
-    Request,
-    check_reply,
-    chunk_path,
-)
+from p2p_sync.transport.client import check_reply
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import HEX32, PIECE, Reply, Request, chunk_path
 from p2p_sync.transport.streams import (
     MAX_REPLY_HEADER,
     FramedClient,

@@ -54,21 +54,12 @@ if TYPE_CHECKING:
 
 from p2p_sync import jsonbounds
 from p2p_sync.errors import PeerError, PeerUnreachableError
-from p2p_sync.transport.dataplane import (
-    PEER_ID,
-    PIECE,
-    DataRouter,
-    HttpLimits,
-    PeerClient,
-    Reply,
-    Request,
-    announce_body,
-    announce_doc,
-    check_reply,
-    chunk_path,
-    parse_json,
-    split_parts,
-)
+from p2p_sync.protocol.peers import PEER_ID
+from p2p_sync.transport.announcement import announce_body, announce_doc
+from p2p_sync.transport.client import PeerClient, check_reply, parse_json, split_parts
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import PIECE, Reply, Request, chunk_path
 
 PROTOCOL = "/p2psync/data/1.0.0"
 SCHEME = "p2p://"
