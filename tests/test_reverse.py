@@ -22,6 +22,7 @@ from libp2p.peer.id import ID
 
 from p2p_sync.errors import ImpersonationError, PeerError
 from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.frames import encode_reply_header, encode_request
 from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.transport.messages import PIECE, Reply
 from p2p_sync.transport.reverse import (
@@ -35,7 +36,6 @@ from p2p_sync.transport.reverse import (
     split_message,
     verify,
 )
-from p2p_sync.transport.streams import encode_reply_header, encode_request
 
 LIMITS = HttpLimits(request_timeout_s=2.0, connect_timeout_s=2.0)
 DATA = bytes(range(256)) * 4096  # 1 MiB

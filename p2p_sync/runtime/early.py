@@ -27,7 +27,7 @@ from p2p_sync.errors import PeerError
 from p2p_sync.protocol import sourcing
 from p2p_sync.transport.client import PeerClient
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed
-from p2p_sync.transport.streams import SCHEME
+from p2p_sync.transport.frames import SCHEME
 
 MAX_DIGESTS = 2  # digests with early feeds at once (a version's patch, and one spare)
 

@@ -18,7 +18,7 @@ from p2p_sync.protocol import sourcing
 from p2p_sync.protocol.swarm import SwarmConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed, download
-from p2p_sync.transport.streams import SCHEME
+from p2p_sync.transport.frames import SCHEME
 from p2p_sync.trust.manifest import Manifest
 
 A = TypeVar("A", bound=tuple[Any, ...])  # a have-map answer: its indices first
