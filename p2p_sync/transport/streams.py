@@ -34,6 +34,7 @@ libp2p host's thread (``transport.p2p``) and only move bytes.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
@@ -197,21 +198,21 @@ async def exchange(
     from libp2p.peer.id import ID  # the host's thread already imported libp2p
 
     with trio.move_on_after(limits.request_timeout_s) as scope:
-
-        def moving() -> None:
-            scope.deadline = trio.current_time() + limits.read_patience_s
-
+        moving = partial(_extend, scope, limits.read_patience_s) if bulk else None
         try:
             peer = ID.from_base58(peer_id)
-            return await _exchange(
-                p2p, peer, request, (limit, expect), limits, moving if bulk else None
-            )
+            return await _exchange(p2p, peer, request, (limit, expect), limits, moving)
         except PeerError:
             raise
         except Exception as exc:  # libp2p raises many kinds: all mean "no answer"
             raise PeerError(f"{peer_url(peer_id)}: {type(exc).__name__} {exc}") from None
     assert scope.cancelled_caught
     raise PeerError(f"{peer_url(peer_id)}: no answer within {limits.request_timeout_s}s")
+
+
+def _extend(scope: trio.CancelScope, patience: float) -> None:
+    """Move ``scope``'s deadline ``patience`` seconds on (a chunk's bytes keep coming)."""
+    scope.deadline = trio.current_time() + patience
 
 
 async def _exchange(
