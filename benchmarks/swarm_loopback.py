@@ -37,7 +37,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from p2p_sync.protocol.peers import PeerLimits  # noqa: E402
-from p2p_sync.protocol.swarm import SwarmConfig  # noqa: E402
+from p2p_sync.protocol.swarmconfig import SwarmConfig  # noqa: E402
 from p2p_sync.runtime.config import NodeConfig  # noqa: E402
 from p2p_sync.runtime.fetch import fetch_payload  # noqa: E402
 from p2p_sync.runtime.node import Node  # noqa: E402

@@ -86,8 +86,7 @@ from functools import partial
 from typing import TypeVar
 
 from p2p_sync.protocol import sourcing
-from p2p_sync.protocol.seeding import SuperSeeder, chunks_behind
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
@@ -102,9 +101,10 @@ from p2p_sync.protocol.swarm import (
     PeerPushes,
     PushStopped,
     RequestChunk,
-    Scheduler,
     TimerFired,
 )
+from p2p_sync.protocol.seeding import SuperSeeder, chunks_behind
+from p2p_sync.protocol.swarm import Scheduler
 from p2p_sync.protocol.uploads import Admission, UploadSlots
 from p2p_sync.protocol.versions import PATCH, Artifact, PeerState, plan
 from p2p_sync.transport.limits import HttpLimits

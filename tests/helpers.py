@@ -15,7 +15,7 @@ import torch
 
 from p2p_sync import codec
 from p2p_sync.protocol.peers import PeerLimits
-from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store

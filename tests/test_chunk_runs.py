@@ -17,7 +17,9 @@ import pytest
 from aiohttp import web
 
 from p2p_sync.errors import PeerError
-from p2p_sync.protocol.swarm import ChunkVerified, PeerHad, RequestChunk, Scheduler, SwarmConfig
+from p2p_sync.protocol.schedule_events import ChunkVerified, PeerHad, RequestChunk
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.transport.http import DataClient
 from p2p_sync.transport.limits import HttpLimits

@@ -386,7 +386,7 @@ def test_manifests_can_be_listed_by_version(tmp_path: Path) -> None:
 
 
 async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
-    from p2p_sync.protocol.swarm import SwarmConfig
+    from p2p_sync.protocol.swarmconfig import SwarmConfig
     from p2p_sync.runtime.fetch import fetch_payload
     from p2p_sync.runtime.trainer import TrainerNode
     from p2p_sync.store import StoreError

@@ -19,8 +19,7 @@ import torch
 from aiohttp import web
 
 from p2p_sync.errors import DownloadStalledError, PeerError
-from p2p_sync.protocol.stalls import carry_unserved
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     Action,
     CancelRequest,
     ChunkFailed,
@@ -33,10 +32,11 @@ from p2p_sync.protocol.swarm import (
     PeerHad,
     PeerLost,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.stalls import carry_unserved
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower

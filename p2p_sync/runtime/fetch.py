@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from p2p_sync.protocol import sourcing
-from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed, download
 from p2p_sync.transport.frames import SCHEME

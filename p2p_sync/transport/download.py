@@ -40,7 +40,7 @@ from p2p_sync.errors import (
 )
 from p2p_sync.protocol import sourcing
 from p2p_sync.protocol.havelog import LOG_ID
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     Action,
     CancelRequest,
     ChunkCorrupted,
@@ -56,10 +56,10 @@ from p2p_sync.protocol.swarm import (
     PeerLost,
     PeerPushes,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.transport.client import PeerClient
 from p2p_sync.transport.messages import CHUNK_ROUTE, MAX_RUN, chunks_url
 from p2p_sync.trust.chunks import verify_chunk

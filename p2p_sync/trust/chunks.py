@@ -13,7 +13,7 @@ x1.524. Below 64 KiB the per-request cost of a real node (~0.3-1 ms of HTTP and 
 rivals the transfer, and runs of chunks (``/chunks``) only amortize the HTTP part (64 KiB
 costs 8 loopback rollouts ~11% more CPU than 128 KiB for the same 100 MB). The manifest
 grows with the count (72 B a chunk as JSON: 109 KB at 1,526), which is why the trainer
-pushes it packed (34 B a chunk, ``transport.dataplane.pack_manifests``) and a have-map long
+pushes it packed (34 B a chunk, ``transport.announcement.pack_manifests``) and a have-map long
 poll is answered only the news (``p2p_sync.protocol.havelog``). BitTorrent settled on 256 KiB-4 MiB
 pieces for larger files and slower swarms; v0 snapshots of billion-parameter models get
 those here too.
