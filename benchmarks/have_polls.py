@@ -28,7 +28,7 @@ import aiohttp  # noqa: E402
 from p2p_sync.runtime.config import NodeConfig  # noqa: E402
 from p2p_sync.runtime.trainer import TrainerNode  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
-from p2p_sync.transport.dataplane import PEER_HEADER  # noqa: E402
+from p2p_sync.transport.messages import PEER_HEADER  # noqa: E402
 from p2p_sync.trust.chunks import manifest_for  # noqa: E402
 from p2p_sync.trust.keys import SigningKey  # noqa: E402
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign  # noqa: E402

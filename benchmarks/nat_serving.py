@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aiohttp import web  # noqa: E402
 
-from p2p_sync.transport.dataplane import DataRouter, HttpLimits  # noqa: E402
+from p2p_sync.transport.dataplane import DataRouter  # noqa: E402
 from p2p_sync.transport.http import DataClient, DataServer  # noqa: E402
+from p2p_sync.transport.limits import HttpLimits  # noqa: E402
 from p2p_sync.transport.reverse import (  # noqa: E402
     PATH,
     ReverseClient,

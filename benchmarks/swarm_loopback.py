@@ -37,13 +37,13 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from p2p_sync.protocol.peers import PeerLimits  # noqa: E402
-from p2p_sync.protocol.swarm import SwarmConfig  # noqa: E402
+from p2p_sync.protocol.swarmconfig import SwarmConfig  # noqa: E402
 from p2p_sync.runtime.config import NodeConfig  # noqa: E402
 from p2p_sync.runtime.fetch import fetch_payload  # noqa: E402
 from p2p_sync.runtime.node import Node  # noqa: E402
 from p2p_sync.runtime.trainer import TrainerNode  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
-from p2p_sync.transport.dataplane import HttpLimits  # noqa: E402
+from p2p_sync.transport.limits import HttpLimits  # noqa: E402
 from p2p_sync.trust.chunks import manifest_for  # noqa: E402
 from p2p_sync.trust.keys import PublicKey, SigningKey  # noqa: E402
 from p2p_sync.trust.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402

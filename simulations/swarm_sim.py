@@ -85,8 +85,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
-from p2p_sync.protocol.seeding import SuperSeeder, chunks_behind
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol import sourcing
+from p2p_sync.protocol.schedule_events import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
@@ -101,12 +101,13 @@ from p2p_sync.protocol.swarm import (
     PeerPushes,
     PushStopped,
     RequestChunk,
-    Scheduler,
     TimerFired,
 )
+from p2p_sync.protocol.seeding import SuperSeeder, chunks_behind
+from p2p_sync.protocol.swarm import Scheduler
 from p2p_sync.protocol.uploads import Admission, UploadSlots
 from p2p_sync.protocol.versions import PATCH, Artifact, PeerState, plan
-from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.limits import HttpLimits
 from simulations.clock import Clock
 from simulations.network import Network, Transfer
 from simulations.pushtree import TreeLayout
@@ -386,9 +387,10 @@ class SwarmSim:
 
     def _follows(self, p: Peer, want: int) -> set[int]:
         """The neighbours ``p``'s downloads follow: all of them, or, for a public peer that
-        accepted more connections than ``max_sources``, every NATed neighbour (nobody else can
-        reach them, while public peers are reachable by all: the node's ``owed`` sources),
-        then random public ones up to ``want``, and the trainer. Following a random ``want``
+        accepted more connections than ``max_sources``, the node's rule
+        (``protocol.sourcing``): every NATed neighbour (nobody else can reach them, while
+        public peers are reachable by all: ``owed`` sources), then random public ones up to
+        ``want``, and the trainer. Following a random ``want``
         instead leaves public uplink on public peers and NATed uplink idle (100 peers, 20 ms,
         half NATed: x1.84 of the bound against x1.57), and a NATed peer none of its
         neighbours follows holds the chunks the trainer super-seeded to it until the seeder
@@ -399,8 +401,17 @@ class SwarmSim:
             return p.neighbors
         nat = [q for q in rollouts if self.peers[q].nat]
         public = [q for q in rollouts if not self.peers[q].nat]
-        pick = nat + self.rng.sample(public, max(0, want - len(nat)))  # every NATed one: owed
-        return set(pick) | (p.neighbors & {TRAINER})
+        drawn = self.rng.sample(public, max(0, want - len(nat)))  # the public ones it prefers
+        rank = {q: i for i, q in enumerate(drawn)}
+        trainer = p.neighbors & {TRAINER}  # followed on top of ``want``
+        order = sourcing.follow_order(
+            sorted(p.neighbors),
+            lambda q: q == TRAINER,
+            lambda q: self.peers[q].nat,
+            lambda q: rank.get(q, len(drawn)),
+        )
+        pick = sourcing.followed(order, want + len(trainer), lambda q: self._owed(p, q))
+        return {q for q in pick if q != TRAINER} | trainer
 
     def _depths(self) -> list[int]:
         depth = [-1] * len(self.peers)
@@ -823,7 +834,7 @@ class SwarmSim:
     def _owed(self, p: Peer, q_idx: int) -> bool:
         """``q``'s uplink is one few can use (the node's ``ChunkSource.owed``): it is behind
         NAT and ``p`` is public."""
-        return self.peers[q_idx].nat and not p.nat
+        return sourcing.owed(self.peers[q_idx].nat, not p.nat)
 
     def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
         if self.tree is not None:

@@ -15,11 +15,11 @@ import torch
 
 from p2p_sync import codec
 from p2p_sync.protocol.peers import PeerLimits
-from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
-from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign

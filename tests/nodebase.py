@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from p2p_sync.protocol.peers import PeerLimits
-from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.node import Node

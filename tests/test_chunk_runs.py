@@ -17,10 +17,13 @@ import pytest
 from aiohttp import web
 
 from p2p_sync.errors import PeerError
-from p2p_sync.protocol.swarm import ChunkVerified, PeerHad, RequestChunk, Scheduler, SwarmConfig
+from p2p_sync.protocol.schedule_events import ChunkVerified, PeerHad, RequestChunk
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.runtime.node import Node
-from p2p_sync.transport.dataplane import MAX_RUN, HttpLimits, chunks_url
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import MAX_RUN, chunks_url
 from p2p_sync.trust.manifest import Manifest
 from tests.helpers import node_holding
 

@@ -15,7 +15,7 @@ from p2p_sync.protocol.peers import PeerLimits, Source
 from p2p_sync.runtime.dataview import SeedingView
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.timeline import STEPS
-from p2p_sync.transport.dataplane import Pushed, pack_manifests
+from p2p_sync.transport.announcement import Pushed, pack_manifests
 from p2p_sync.transport.memory import MemoryClient
 from p2p_sync.trust import announce
 from p2p_sync.trust.chunks import manifest_for

@@ -26,9 +26,10 @@ from p2p_sync.protocol.peers import PeerLimits
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
-from p2p_sync.transport import reverse, streams
-from p2p_sync.transport.dataplane import ANNOUNCE_MAGIC, ANNOUNCE_TYPE, HttpLimits
+from p2p_sync.transport import frames, reverse
+from p2p_sync.transport.announcement import ANNOUNCE_MAGIC, ANNOUNCE_TYPE
 from p2p_sync.transport.http import DataClient, DataServer
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust import announce, manifest
 from p2p_sync.trust.announce import Announcement, Verdict, judge
 from p2p_sync.trust.keys import SigningKey
@@ -74,8 +75,8 @@ def test_libp2p_and_reverse_channel_headers_refuse_hostile_json_as_malformed(doc
     """Their callers drop a stream or close a channel on ValueError: these raise one that is
     also the project's own error."""
     calls = (
-        lambda: streams.parse_request_header(doc, 1024),
-        lambda: streams.parse_reply_header(doc),
+        lambda: frames.parse_request_header(doc, 1024),
+        lambda: frames.parse_reply_header(doc),
         lambda: reverse.split_message(len(doc).to_bytes(4, "big") + doc, 1 << 20),
     )
     for call in calls:

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from p2p_sync.protocol.ratelimit import RepeatedLine
 from p2p_sync.transport.connections import ConnectionGate, address_key, connection_cap
-from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataServer
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.manifest import Manifest
 from tests.helpers import node_holding
 

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from p2p_sync.errors import PeerError, PeerUnreachableError
 from p2p_sync.transport import lan
-from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.transport.streams import RoutedClient
 
 PEER = "12D3KooWK5vggqznNioT6L4cMa5njSEfvegwGMBQHBo7Fu6u2B42"

@@ -21,8 +21,8 @@ from p2p_sync import Rollout, Trainer
 from p2p_sync.errors import PeerError
 from p2p_sync.protocol.reachability import Reachability, ReachabilityLimits, Verdict
 from p2p_sync.runtime.config import ConfigError, load
-from p2p_sync.transport import streams
-from p2p_sync.transport.dataplane import valid_peer_url
+from p2p_sync.transport import frames, streams
+from p2p_sync.transport.messages import valid_peer_url
 from p2p_sync.trust.keys import SigningKey, write_keypair
 from p2p_sync.weights.workloads import Workload
 from tests.helpers import bit_equal
@@ -40,9 +40,9 @@ _text = st.text(st.characters(codec="utf-8"), max_size=40)
     body=st.binary(max_size=200),
 )
 def test_a_request_frame_reads_back_as_written(method, path, query, peer, body) -> None:
-    frame = streams.encode_request(method, path, query, peer, body)
+    frame = frames.encode_request(method, path, query, peer, body)
     (n,) = struct.unpack(">I", frame[:4])
-    head = streams.parse_request_header(frame[4 : 4 + n], max_body=200)
+    head = frames.parse_request_header(frame[4 : 4 + n], max_body=200)
     assert (head["method"], head["path"], head["query"], head["peer"]) == (
         method,
         path,
@@ -65,16 +65,16 @@ def test_a_request_frame_reads_back_as_written(method, path, query, peer, body) 
 )
 def test_a_malformed_request_header_is_refused_naming_the_field(doc, why) -> None:
     with pytest.raises(ValueError, match=why):
-        streams.parse_request_header(json.dumps(doc).encode(), max_body=64 * 1024)
+        frames.parse_request_header(json.dumps(doc).encode(), max_body=64 * 1024)
 
 
 def test_p2p_urls_split_and_refuse_what_is_not_one() -> None:
     pid = "12D3KooWK5vggqznNioT6L4cMa5njSEfvegwGMBQHBo7Fu6u2B42"
-    assert streams.split_url(f"p2p://{pid}/have/ab?known=3") == (pid, "/have/ab", {"known": "3"})
-    assert valid_peer_url(streams.peer_url(pid))
+    assert frames.split_url(f"p2p://{pid}/have/ab?known=3") == (pid, "/have/ab", {"known": "3"})
+    assert valid_peer_url(frames.peer_url(pid))
     for bad in ("http://h:1/x", "p2p://0OIl/x", f"p2p:/{pid}/x", "p2p://"):
         with pytest.raises(PeerError):
-            streams.split_url(bad)
+            frames.split_url(bad)
 
 
 def test_the_stream_pool_hands_out_only_young_usable_streams_and_keeps_a_few() -> None:
@@ -555,7 +555,7 @@ async def _garbage_streams(tmp_path: Path) -> dict:
                 "huge header": await host.with_host(send, huge),
                 "garbage": await host.with_host(send, struct.pack(">I", 5) + b"nope!"),
                 "bad route": await host.with_host(
-                    send, streams.encode_request("GET", "/nope", {}, None, b"")
+                    send, frames.encode_request("GET", "/nope", {}, None, b"")
                 ),
             }
             client = rollout.node.client

@@ -24,9 +24,9 @@ from p2p_sync.runtime.config import ConfigError, NodeConfig, load
 from p2p_sync.runtime.early import _round_trip
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import HaveMark, Store
-from p2p_sync.transport.dataplane import PEER_HEADER as PEER
-from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import PEER_HEADER as PEER
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
@@ -386,7 +386,7 @@ def test_manifests_can_be_listed_by_version(tmp_path: Path) -> None:
 
 
 async def _fetch_from_a_rotting_disk(tmp_path: Path) -> tuple[str, int]:
-    from p2p_sync.protocol.swarm import SwarmConfig
+    from p2p_sync.protocol.swarmconfig import SwarmConfig
     from p2p_sync.runtime.fetch import fetch_payload
     from p2p_sync.runtime.trainer import TrainerNode
     from p2p_sync.store import StoreError
@@ -720,12 +720,8 @@ def test_a_have_map_keeps_its_log_across_news_even_while_empty(tmp_path: Path) -
 
 async def _framed_announcements(node: Node) -> dict[str, Any]:
     """Framed ``POST /announce`` bodies (JSON, then chunks) sent to a real node over HTTP."""
-    from p2p_sync.transport.dataplane import (
-        ANNOUNCE_MAGIC,
-        ANNOUNCE_TYPE,
-        DataRouter,
-        frame_announce,
-    )
+    from p2p_sync.transport.announcement import ANNOUNCE_MAGIC, ANNOUNCE_TYPE, frame_announce
+    from p2p_sync.transport.dataplane import DataRouter
 
     url = await node.start()
     m = _store_snapshot(node, SigningKey.generate())

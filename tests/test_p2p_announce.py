@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_sync.transport.p2p import default_listen, http_multiaddr, url_from_multiaddr
+from p2p_sync.transport.multiaddrs import default_listen, http_multiaddr, url_from_multiaddr
 from p2p_sync.trust import announce
 from p2p_sync.trust.announce import AnnounceLimits, Announcement, Verdict, judge
 from p2p_sync.trust.chunks import manifest_for

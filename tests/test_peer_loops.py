@@ -29,7 +29,7 @@ from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.fetch import fetch_payload
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import Store
-from p2p_sync.transport.dataplane import PEER_HEADER
+from p2p_sync.transport.messages import PEER_HEADER
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SwarmPolicy
 from tests.helpers import publish_snapshot

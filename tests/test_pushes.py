@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from p2p_sync.protocol.pushes import PushWait
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     ChunkCorrupted,
     ChunkVerified,
     DownloadCompleted,
@@ -15,10 +15,10 @@ from p2p_sync.protocol.swarm import (
     PeerPushes,
     PushStopped,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 
 CONFIG = SwarmConfig(min_request_timeout_s=0.25, timeout_factor=4.0, endgame_sources=1)
 

@@ -21,7 +21,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from p2p_sync.errors import ImpersonationError, PeerError
-from p2p_sync.transport.dataplane import PIECE, DataRouter, HttpLimits, Reply
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.frames import encode_reply_header, encode_request
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import PIECE, Reply
 from p2p_sync.transport.reverse import (
     PATH,
     REFUSED,
@@ -33,7 +36,6 @@ from p2p_sync.transport.reverse import (
     split_message,
     verify,
 )
-from p2p_sync.transport.streams import encode_reply_header, encode_request
 
 LIMITS = HttpLimits(request_timeout_s=2.0, connect_timeout_s=2.0)
 DATA = bytes(range(256)) * 4096  # 1 MiB
@@ -253,7 +255,7 @@ async def _hostile_replies(reply: Callable[[int], bytes | None]) -> str:
 
 
 def _reply(status: int, body: bytes, length: int | None = None, rid_shift: int = 0) -> Callable:
-    from p2p_sync.transport.dataplane import Reply
+    from p2p_sync.transport.messages import Reply
 
     def make(rid: int) -> bytes:
         head = encode_reply_header(

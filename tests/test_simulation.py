@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_sync.protocol.swarm import Scheduler, SwarmConfig
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from simulations.clock import RUN_GC_THRESHOLDS, Clock
 from simulations.network import Network
 from simulations.pushtree import TreeLayout

@@ -22,8 +22,9 @@ from aiohttp import web
 
 from p2p_sync.errors import PeerError
 from p2p_sync.runtime.node import Node
-from p2p_sync.transport.dataplane import PIECE, HttpLimits, Reply
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import PIECE, Reply
 from p2p_sync.transport.streams import read_exactly, write_reply
 from tests.helpers import node_holding
 

@@ -19,8 +19,7 @@ import torch
 from aiohttp import web
 
 from p2p_sync.errors import DownloadStalledError, PeerError
-from p2p_sync.protocol.stalls import carry_unserved
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     Action,
     CancelRequest,
     ChunkFailed,
@@ -33,18 +32,19 @@ from p2p_sync.protocol.swarm import (
     PeerHad,
     PeerLost,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.stalls import carry_unserved
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
-from p2p_sync.transport.dataplane import HttpLimits
 from p2p_sync.transport.download import DataPlaneSource, Download, HaveCursor, Timed, download
 from p2p_sync.transport.http import DataClient
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy

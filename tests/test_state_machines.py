@@ -9,9 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from p2p_sync.protocol import seeding
-from p2p_sync.protocol.seeding import SuperSeeder
-from p2p_sync.protocol.stalls import carry_unserved
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     Action,
     CancelRequest,
     ChunkCorrupted,
@@ -26,10 +24,12 @@ from p2p_sync.protocol.swarm import (
     PeerHad,
     PeerLost,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.seeding import SuperSeeder
+from p2p_sync.protocol.stalls import carry_unserved
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 
 FAST = settings(
     max_examples=60,

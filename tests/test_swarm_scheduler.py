@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
@@ -19,10 +19,10 @@ from p2p_sync.protocol.swarm import (
     PeerLost,
     PeerPushes,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 
 
 class Harness:

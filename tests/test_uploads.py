@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from p2p_sync.protocol.uploads import Admission, UploadSlots
-from p2p_sync.transport.dataplane import DataRouter, HttpLimits, Request
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import Request
 
 REQUESTERS = st.sampled_from("abcd")
 

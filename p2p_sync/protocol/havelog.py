@@ -18,7 +18,7 @@ one gets the whole map, as before. A seed's have-map is an offer per requester t
 shrink (a hand-out lapses), so a seed keeps answering whole lists, without a log.
 
 The wire side (``?known=N&log=ID`` -> ``{"have": [...], "from": N, "log": ID}``) is in
-``transport.dataplane``'s route table; the follower's side in ``transport.download``.
+``docs/dataplane.md``; the follower's side in ``transport.download``.
 """
 
 from __future__ import annotations

@@ -185,15 +185,10 @@ class SuperSeeder:
 
     def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
         """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones
-        (up to its allowance, once half of it is fetched: see the module docstring). A seed
-        asks this for every chunk it serves, over the whole manifest, so the loop is kept
-        tight (``served.get``: a Counter's missing key costs a Python call)."""
+        (up to its allowance, once half of it is fetched: see the module docstring). Asked
+        for every chunk a seed serves, over the whole manifest: the loop is kept tight."""
         owners, served = self.owner, self.served
-        held = sum(
-            1
-            for key in keys
-            if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
-        )
+        held = self._held(keys, requester)
         grant = (requester, keys[0] if keys else None)
         budget = max(0, self._allowed(grant, len(keys), held) - held)
         full = budget
@@ -218,6 +213,16 @@ class SuperSeeder:
             self.allowance[grant] = (self.allowance[grant][0], True)
         self._bound()
         return out
+
+    def _held(self, keys: Sequence[Hashable], requester: Hashable) -> int:
+        """How many of ``keys`` are handed to ``requester`` and not fetched yet
+        (``served.get``: a Counter's missing key costs a Python call)."""
+        owners, served = self.owner, self.served
+        return sum(
+            1
+            for key in keys
+            if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
+        )
 
     def _bound(self) -> None:
         for table in (self.owner, self.previous, self.served, self.spread_since):

@@ -18,77 +18,8 @@ Time: the scheduler never asks for a fixed tick. After each event, :meth:`Schedu
 says when it next needs a :class:`TimerFired` (the oldest request's timeout, the end of a busy
 peer's back-off, a stall deadline), or ``None`` when only a peer's answer can move it on.
 
-Policy:
-
-* rarest-first: unrequested chunks are taken in order of how few usable peers hold them (ties
-  broken by a seeded hash, so peers spread over different chunks);
-* several sources at once, each with as many requests in flight as its bandwidth-delay product
-  holds (its measured delivery rate x its round trip / the chunk size, rounded up, plus one;
-  within [``min_requests_per_peer``, ``max_requests_per_peer``]; ``initial_requests_per_peer`` until
-  measured), and at most ``max_requests_total`` in all. This is a TCP window, or BitTorrent's
-  request queue, per source: a near source gets one request and one queued (a deep queue at an
-  uploader delays every chunk it holds, and so every relay behind it), a fast distant one
-  enough to cover the round trip, so its link never idles between chunks. The round trip comes
-  from the first have-map answer (``PeerHad.rtt_s``) and from chunk replies (at least one);
-  the delivery rate is measured between deliveries, so pipelining does not hide it;
-* runs: the requests one step makes of one peer leave as one request (the driver's
-  ``/chunks``). A run is as many chunks as the peer delivers in ``request_s`` at its measured
-  rate (at most ``request_bytes``; one until measured): a fast source (loopback, a data
-  centre) gets several 64 KiB chunks per request, so the per-request cost is paid once a
-  run, while a source slower than a chunk per ``request_s`` (a share of a home uplink) is
-  asked one chunk at a time as before. A peer keeps its bandwidth-delay product plus one run
-  in flight, opens for more once a whole run has room, and is then asked until full; each
-  chunk is still verified and relayed on its own (given ``chunk_bytes``, the manifest's chunk
-  size; without it, one chunk a request);
-* a chunk goes to the free holder with the best score per request we already have in flight
-  there (spreading load beats chasing the fastest peer, whose queue then makes it slow; and a
-  peer that timed out or crawls is not chosen just because it is idle);
-* owed sources first: a free holder whose uplink few others can use (``PeerHad.owed``: it is
-  behind NAT and we are public, so only public peers and its own LAN can fetch from it) is
-  chosen before any other, unless it ever failed us. Its uplink idles otherwise, while a
-  public uplink we leave free serves the NATed peers that can fetch from nobody else. Its
-  depth still bounds what it is asked (a free peer has room below its bandwidth-delay product,
-  so this fills that pipeline, not a queue);
-* a request is cancelled and re-requested elsewhere once it is ``timeout_factor`` times older
-  than this download's typical chunk time (an EWMA over verified chunks, queueing at the
-  uploader included, and over cancelled requests, each a sample of at least its age: the
-  back-off that keeps crowded uploaders from being asked everything twice), at least
-  ``min_request_timeout_s`` and with no fixed ceiling (a large chunk on a slow, shared uplink
-  may take a minute); a peer that crashed silently thus holds a chunk for a few typical chunk
-  times, a fraction of a second on a fast swarm, not ``request_timeout_s``.
-  Only if there is an elsewhere: a request to a chunk's only holder waits at least
-  ``request_timeout_s``, since asking the same peer again can only make it upload the chunk
-  twice (a TCP request is not lost; a late reply is on its way, or queued behind others; a
-  starved CPU wakes to both the reply and the timer at once). Measured before this rule: a
-  super-seeded trainer, whose handed-out chunks have no other holder, uploaded 2.2x the
-  payload on a loaded CI runner;
-* endgame: once every missing chunk is requested, the slowest get duplicate requests (up to
-  ``endgame_sources`` per chunk); the first verified copy wins and the others are cancelled;
-* per-peer score: an EWMA of measured throughput, divided by (1 + failures);
-* a peer whose chunk fails its hash is banned at once (only the peer that served it: the
-  scheduler knows exactly who sent which bytes). Timeouts and errors only lower a peer's score
-  (and an error drops the chunk from its claimed have-map): a slow honest peer that is the
-  last source of a chunk must stay usable, or the download could never finish.
-* a busy peer (all its upload slots taken) is no failure: it keeps its have-map and is left
-  alone for ``busy_backoff_s``.
-* pushed chunks: a chunk a peer promised to push (a push-tree parent) is not requested while
-  that push is on time (:mod:`p2p_sync.protocol.pushes` says when it is not: the pusher stopped, or
-  it
-  lags behind on that chunk); then it is requested like any other;
-* stall: a chunk asked of a peer claiming it and not delivered within the stall limit
-  (``stall_timeout_s``, longer on a swarm slow enough that honest chunks wait that long) is
-  stalled, whatever is claimed meanwhile: a peer that claims a chunk and never serves it (no
-  answer, an error, a refusal, half the bytes and then silence) cannot hold a download for
-  ever by claiming it again (:mod:`p2p_sync.protocol.stalls` says when a chunk's clock starts again:
-  a new source asked, its bytes moving). Unless a request for it made in time is still in
-  flight (its answer is still to come), or no peer claims it: a missing chunk that no usable
-  peer claims stalls only once nothing has moved for ``stall_timeout_s`` (sources appear as a
-  swarm fills in, while other chunks keep arriving). A stall emits :class:`DownloadStalled`
-  (each chunk once); the peers that claimed a stalled chunk, or were asked for it, lose
-  standing for it (per peer and chunk: their claims of it count no more, their other chunks
-  still do), and the caller gives up on this payload and re-plans (another artifact, an
-  anchor) instead of waiting for ever, carrying the stall over
-  (:func:`p2p_sync.protocol.stalls.carry_unserved`) if it comes back to it.
+The policy (rarest first, windows and runs per source, owed sources first, timeouts, endgame,
+scores and bans, pushed chunks, stalls) and why each rule is there: ``docs/scheduler.md``.
 """
 
 from __future__ import annotations
@@ -98,229 +29,29 @@ import math
 from collections.abc import Iterable
 from dataclasses import InitVar, dataclass, field
 
+from p2p_sync.protocol.peerstats import PeerStats
 from p2p_sync.protocol.pushes import PushWait
+from p2p_sync.protocol.schedule_events import (
+    Action,
+    CancelRequest,
+    ChunkCorrupted,
+    ChunkFailed,
+    ChunkMoving,
+    ChunkVerified,
+    DownloadCompleted,
+    DownloadStalled,
+    Event,
+    PeerBanned,
+    PeerBusy,
+    PeerHad,
+    PeerLost,
+    PeerPushes,
+    PushStopped,
+    RequestChunk,
+    TimerFired,
+)
 from p2p_sync.protocol.stalls import NEVER, StallClocks
-
-# ---------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class SwarmConfig:
-    """Every limit of one download (``[download]`` in a node's config; a simulation scenario
-    embeds the same table): the scheduler's, and its driver's (the last five)."""
-
-    # Requests in flight per source follow its bandwidth-delay product (delivery rate x round
-    # trip / chunk size, plus one), within these bounds; before the first measurement a source
-    # gets ``initial_requests_per_peer``. All sources together: at most ``max_requests_total``.
-    max_requests_per_peer: int = 32
-    min_requests_per_peer: int = 1
-    initial_requests_per_peer: int = 2
-    max_requests_total: int = 256
-    # One request asks a peer for what it delivers in ``request_s`` at its measured rate,
-    # several chunks when it delivers one faster (a request costs ~0.7 ms of CPU at both
-    # ends over HTTP; each chunk is still verified and relayed as soon as its bytes are in),
-    # at most ``request_bytes`` (0: one chunk a request). A peer keeps its bandwidth-delay
-    # product plus one such run in flight and is asked again once a whole run has room.
-    # 34 MB in 64 KiB chunks to 2 rollouts on loopback (2 cores, medians): 5 ms 0.82 s, 10 ms 0.78,
-    # 20 ms 0.85, a chunk a request 1.07; simulated, 1,000 peers at 1 Gbit/s and 20 ms:
-    # 5 ms x1.549, 10 ms x1.578, 20 ms x1.565, a chunk a request x1.568 (within run-to-run noise).
-    request_s: float = 0.01
-    request_bytes: int = 1 << 20
-    request_timeout_s: float = 10.0  # before any chunk time is measured; a sole holder's floor
-    min_request_timeout_s: float = 0.25  # the floor of the adaptive timeout (round trips too)
-    timeout_factor: float = 4.0
-    endgame_sources: int = 2
-    score_alpha: float = 0.3
-    busy_backoff_s: float = 0.05
-    # a chunk asked for and not served (no byte of it moving) by any peer claiming it for this
-    # long (or timeout_factor x the longest a chunk of the download waited, if longer), or one
-    # nobody holds while nothing arrives: give up on the payload and re-plan
-    stall_timeout_s: float = 30.0
-    seed: int = 0  # tie-break salt (a node draws a fresh one per download)
-    have_poll_s: float = 0.2  # driver: how often the set of peers to follow is refreshed
-    # driver: peers one download follows (have-maps, requests), the source's preferred first.
-    # More only queue: each uploader then serves more requesters, and a receiver's minimum
-    # of one request per source outgrows its downlink (simulated, 200 peers at 5 ms / 100
-    # Mbit/s: 16 x1.51, 32 x1.30, 64 x1.58; 100 peers at 20 ms / 1 Gbit/s: 32 x1.52, 64 x1.55)
-    max_sources: int = 32
-    have_failures: int = 3  # driver: have-map errors in a row before a peer counts as lost
-    max_attempts: int = 3  # driver: downloads of one payload when stored chunks rot on disk
-    # driver: each chunk a seed handed us (its offer), pushed unasked to this many of the peers
-    # following our have-map (0: none). Pull costs a relay hop three latencies (have-map news,
-    # request, bytes); the seed hands each chunk to one rollout first, so its first hop from
-    # there is the swarm's slowest. Only a chunk no other followed peer claims, and only
-    # beside at most this many uploads (``p2p_sync.runtime.forwarding``). Simulated, 1,000 peers at
-    # 20 ms
-    # / 1 Gbit/s: x1.387 against x1.425 without (simulations/README.md, "forwarded")
-    forward_seed_chunks: int = 4
-
-
-# ---------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class PeerHad:
-    """``peer`` holds (at least) these chunks. ``rtt_s``: how long a request to it took to be
-    answered when the answer came at once (the first have-map): a round-trip sample."""
-
-    peer: str
-    indices: frozenset[int]
-    rtt_s: float | None = None
-    owed: bool = False  # few can fetch from ``peer`` (behind NAT, we are public): ask it first
-
-
-@dataclass(frozen=True)
-class PeerPushes:
-    """``peer`` will push us these chunks as it gets them, unasked (a push-tree parent)."""
-
-    peer: str
-    indices: frozenset[int]
-
-
-@dataclass(frozen=True)
-class PeerLost:
-    peer: str
-
-
-@dataclass(frozen=True)
-class ChunkVerified:
-    peer: str
-    index: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ChunkMoving:
-    """``nbytes`` of chunk ``index`` have arrived so far on the request to ``peer`` (still in
-    flight): a slow transfer that keeps moving is progress. Only bytes further into the chunk
-    than any earlier request got count (a peer that sends half of it and falls silent, at
-    every request, does not keep the chunk alive)."""
-
-    peer: str
-    index: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class ChunkCorrupted:
-    peer: str
-    index: int
-
-
-@dataclass(frozen=True)
-class ChunkFailed:
-    peer: str
-    index: int
-
-
-@dataclass(frozen=True)
-class PeerBusy:
-    peer: str
-    index: int
-
-
-@dataclass(frozen=True)
-class TimerFired:
-    pass
-
-
-Event = (
-    PeerHad
-    | PeerPushes
-    | PeerLost
-    | ChunkVerified
-    | ChunkMoving
-    | ChunkCorrupted
-    | ChunkFailed
-    | PeerBusy
-    | TimerFired
-)
-
-# ---------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class RequestChunk:
-    peer: str
-    index: int
-
-
-@dataclass(frozen=True)
-class CancelRequest:
-    peer: str
-    index: int
-
-
-@dataclass(frozen=True)
-class PeerBanned:
-    peer: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class DownloadCompleted:
-    pass
-
-
-@dataclass(frozen=True)
-class PushStopped:
-    """``peer`` owed us pushed chunks and stopped pushing (or left, or was banned): they are
-    requested like any other chunk now; the caller may ask another peer to push."""
-
-    peer: str
-
-
-@dataclass(frozen=True)
-class DownloadStalled:
-    """These missing chunks were not delivered within the stall limit of being asked for (or
-    of their last progress), or have had no source while nothing moved for ``stall_timeout_s``.
-    ``disowned``: the peers that lost standing for each of them with this stall (claimed it,
-    or were asked for it, and did not deliver it); a chunk no peer had standing for is not
-    named (see :func:`p2p_sync.protocol.stalls.carry_unserved`)."""
-
-    indices: frozenset[int]
-    disowned: dict[int, frozenset[str]] = field(default_factory=dict, compare=False)
-
-
-Action = (
-    RequestChunk | CancelRequest | PeerBanned | PushStopped | DownloadCompleted | DownloadStalled
-)
-
-
-@dataclass
-class PeerStats:
-    """What the scheduler knows of one peer's service."""
-
-    throughput: float = 0.0  # EWMA of its delivery rate, bytes/s (see Scheduler._delivered)
-    failures: int = 0
-    verified: int = 0
-    rtt: float | None = None  # smallest round trip seen (have-map answers, chunk replies)
-    last_delivery: float = float("-inf")  # when its last chunk arrived
-
-    def score(self) -> float:
-        return (self.throughput + 1.0) / (1 + self.failures)
-
-    def rtt_sample(self, rtt: float) -> None:
-        self.rtt = rtt if self.rtt is None else min(self.rtt, rtt)
-
-    def run(self, chunk_bytes: float, config: SwarmConfig) -> int:
-        """Chunks to ask for in one request: what it delivers in ``request_s``, at most
-        ``request_bytes`` (one until its rate is measured)."""
-        most = int(config.request_bytes // chunk_bytes)
-        if most <= 1 or not self.throughput:
-            return 1
-        return max(1, min(most, math.ceil(self.throughput * config.request_s / chunk_bytes)))
-
-    def depth(self, chunk_bytes: float, config: SwarmConfig, run: int = 1) -> int:
-        """Requests to keep in flight: its bandwidth-delay product in chunks, plus one run
-        (``run`` chunks asked at once), so the next request is already there when a chunk
-        leaves (one per source leaves the link idle for a round trip after every chunk, and
-        the round trip sampled does not hold the uploader's own work per chunk; much more
-        than the product only queues)."""
-        want = config.initial_requests_per_peer + run - 1
-        if self.rtt is not None and self.throughput:
-            want = math.ceil(self.throughput * self.rtt / chunk_bytes) + run
-        return min(config.max_requests_per_peer, max(config.min_requests_per_peer, want))
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 
 
 @dataclass
@@ -362,18 +93,11 @@ class Scheduler:
         self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
         self._stuck_since: float | None = None  # orphans and no progress since then
         self._stall_reported = False
-        missing = self.missing
         # due chunks: when each stalls; the peers without standing for a chunk (``unserved``)
-        self.stalls = StallClocks(
-            c.stall_timeout_s,
-            c.timeout_factor,
-            {i: p for i, p in (unserved or {}).items() if i in missing},
-        )
-        salt = self.config.seed.to_bytes(8, "little", signed=True)
-        self._tiebreak = {
-            i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, salt=salt).digest()
-            for i in self.missing
-        }
+        missing = self.missing
+        kept = {i: p for i, p in (unserved or {}).items() if i in missing}
+        self.stalls = StallClocks(c.stall_timeout_s, c.timeout_factor, kept)
+        self._tiebreak = _tiebreaks(missing, c.seed)
 
     # ------------------------------------------------------------ queries
 
@@ -437,13 +161,7 @@ class Scheduler:
     ) -> None:
         if peer in self.banned:
             return
-        if owed:
-            self.owed.add(peer)
-        stats = self.stats.setdefault(peer, PeerStats())
-        if rtt is not None:
-            stats.rtt_sample(rtt)
-            self._depths.pop(peer, None)
-        self._recount(peer)
+        self._heard(peer, rtt, owed)
         known = self.peer_chunks.setdefault(peer, set())
         clocks = self.stalls
         unserved = clocks.unserved
@@ -459,6 +177,17 @@ class Scheduler:
                 if i in self._orphans:
                     self._orphans.discard(i)
                     self._progress()  # a source appeared for a chunk that had none
+
+    def _heard(self, peer: str, rtt: float | None, owed: bool) -> None:
+        """A have-map answer came from ``peer``: note whether we owe it (``PeerHad.owed``)
+        and the round trip it took."""
+        if owed:
+            self.owed.add(peer)
+        stats = self.stats.setdefault(peer, PeerStats())
+        if rtt is not None:
+            stats.rtt_sample(rtt)
+            self._depths.pop(peer, None)
+        self._recount(peer)
 
     def _promised(self, pusher: str, indices: frozenset[int], now: float) -> None:
         """Wait for ``indices`` from ``pusher``; a chunk some peer already holds counts as
@@ -817,3 +546,13 @@ class Scheduler:
                 if self._full(peer):
                     free.discard(peer)
         return out
+
+
+def _tiebreaks(chunks: Iterable[int], seed: int) -> dict[int, bytes]:
+    """Each chunk's seeded hash, which breaks rarest-first ties: peers with different seeds
+    start on different chunks."""
+    salt = seed.to_bytes(8, "little", signed=True)
+    return {
+        i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, salt=salt).digest()
+        for i in chunks
+    }

@@ -10,10 +10,10 @@ TOML table      dataclass                                    bounds
 ``[publish]``   :class:`p2p_sync.protocol.versions.PublishPolicy`     the trainer's artifacts,
 chunks,
                                                              coding, manifest lifetime, seeding
-``[download]``  :class:`p2p_sync.protocol.swarm.SwarmConfig`          one download: scheduler +
+``[download]``  :class:`p2p_sync.protocol.swarmconfig.SwarmConfig`    one download: scheduler +
 driver
                                                              (a simulation embeds it too)
-``[http]``      :class:`p2p_sync.transport.dataplane.HttpLimits`  the data plane, both sides
+``[http]``      :class:`p2p_sync.transport.limits.HttpLimits`     the data plane, both sides
 ``[directory]`` :class:`p2p_sync.protocol.peers.PeerLimits`           the peer table and polling
 ``[store]``     :class:`p2p_sync.store.StoreLimits`          disk budget (bytes, versions,
                                                              files), checkpoints
@@ -45,12 +45,12 @@ from typing import Any
 from p2p_sync.errors import ConfigError, MalformedPeerUrlError
 from p2p_sync.protocol.peers import PeerLimits, peer_name
 from p2p_sync.protocol.reachability import MODES, ReachabilityLimits, RelayBounds
-from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.settings import check_numbers, from_table, typed
 from p2p_sync.store import StoreLimits
 from p2p_sync.transport import tcp
-from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.announce import AnnounceLimits
 from p2p_sync.trust.manifest import ManifestLimits
 from p2p_sync.trust.trusted import TrustLimits

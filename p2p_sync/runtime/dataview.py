@@ -14,7 +14,7 @@ from p2p_sync.protocol.havelog import HaveLog
 from p2p_sync.protocol.peers import P2P, Source
 from p2p_sync.protocol.seeding import SuperSeeder
 from p2p_sync.store import HaveMark
-from p2p_sync.transport.dataplane import Pushed
+from p2p_sync.transport.announcement import Pushed
 
 if TYPE_CHECKING:
     from p2p_sync.runtime.node import Node

@@ -24,26 +24,24 @@ from contextlib import aclosing
 from typing import Any
 
 from p2p_sync.errors import PeerError
-from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.protocol import sourcing
+from p2p_sync.transport.client import PeerClient
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed
-from p2p_sync.transport.streams import SCHEME
+from p2p_sync.transport.frames import SCHEME
 
 MAX_DIGESTS = 2  # digests with early feeds at once (a version's patch, and one spare)
 
 
 def follow_order(urls: Collection[str], trusted: Callable[[str], bool], salt: str) -> list[str]:
-    """The order in which a download follows peers: trusted ones (given, proven) first, then
-    peers behind NAT (``p2p://``: only public peers can fetch from them, so chunks they were
-    handed would otherwise wait on them), then the rest in an order of this node's and this
-    payload's own (``salt``): a download follows ``max_sources`` of them, and rollouts that
-    all followed the same first few would queue at the same uploaders. The early feeds and
-    the download take the same order, so the download follows the peers already asked."""
+    """The order in which a download follows peers (``protocol.sourcing.follow_order``):
+    peers behind NAT are the ``p2p://`` ones, and the rest go in an order of this node's and
+    this payload's own (``salt``). The early feeds and the download take the same order, so
+    the download follows the peers already asked."""
 
-    def key(url: str) -> tuple[bool, bool, bytes]:
-        rank = hashlib.blake2b(f"{salt}\n{url}".encode(), digest_size=8).digest()
-        return (not trusted(url), not url.startswith(SCHEME), rank)
+    def rank(url: str) -> bytes:
+        return hashlib.blake2b(f"{salt}\n{url}".encode(), digest_size=8).digest()
 
-    return sorted(urls, key=key)
+    return sourcing.follow_order(urls, trusted, lambda url: url.startswith(SCHEME), rank)
 
 
 def _round_trip(res: Any, took: float) -> float | None:

@@ -14,10 +14,11 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
-from p2p_sync.protocol.swarm import SwarmConfig
+from p2p_sync.protocol import sourcing
+from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.runtime.node import Node
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed, download
-from p2p_sync.transport.streams import SCHEME
+from p2p_sync.transport.frames import SCHEME
 from p2p_sync.trust.manifest import Manifest
 
 A = TypeVar("A", bound=tuple[Any, ...])  # a have-map answer: its indices first
@@ -73,10 +74,9 @@ class _NodeSource(DataPlaneSource):
         return peer in self.known  # what ``peering.usable`` lists
 
     def owed(self, peer: str) -> bool:
-        """A public node follows every peer behind NAT it knows, beyond ``max_sources``: such
-        a peer uploads to nobody but the public peers following it, and the chunks the
-        trainer handed it would wait for ``SuperSeeder.starve_after_s`` otherwise."""
-        return peer.startswith(SCHEME) and self.public
+        """A public node follows every peer behind NAT it knows, beyond ``max_sources``
+        (``protocol.sourcing.owed`` says why)."""
+        return sourcing.owed(peer.startswith(SCHEME), self.public)
 
     def pushed(self, peer: str, m: Manifest) -> tuple[list[int] | None, list[int]]:
         have, pushing = self.offer(peer, m.digest)

@@ -33,7 +33,8 @@ from p2p_sync.runtime.early import EarlyFeeds, follow_order
 from p2p_sync.runtime.forwarding import Forwarder
 from p2p_sync.runtime.peering import described
 from p2p_sync.runtime.pushed import PushedChunks
-from p2p_sync.transport.dataplane import Pushed, gather_quietly, pack_manifests
+from p2p_sync.transport.announcement import Pushed, pack_manifests
+from p2p_sync.transport.client import gather_quietly
 from p2p_sync.trust import announce
 from p2p_sync.trust.chunks import verify_chunk
 from p2p_sync.trust.manifest import Manifest

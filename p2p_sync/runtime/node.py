@@ -41,9 +41,10 @@ from p2p_sync.runtime.reachability import ReachabilityCheck
 from p2p_sync.runtime.timeline import Timeline
 from p2p_sync.runtime.transports import HttpTransport, MemoryTransport
 from p2p_sync.store import AcceptedState, Store
-from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.transport.client import PeerClient
+from p2p_sync.transport.frames import peer_url
 from p2p_sync.transport.reverse import ReverseLinks
-from p2p_sync.transport.streams import RoutedClient, peer_url
+from p2p_sync.transport.streams import RoutedClient
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SwarmPolicy
 from p2p_sync.trust.trusted import TrustedSet

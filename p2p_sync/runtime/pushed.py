@@ -1,7 +1,7 @@
 """Chunks pushed behind an announcement, kept until the download of their payload takes them.
 
 The trainer sends each follower the first chunks it hands it right behind the manifest, in the
-same ``POST /announce`` body (``transport.dataplane``, the framed form): its uplink then carries
+same ``POST /announce`` body (``transport.announcement``, the framed form): its uplink then carries
 chunks during the round trip the follower's first request would take. The data plane reads
 them while the follower is still verifying the manifest and planning, so they wait here: the
 learner stores each, verified, as soon as the manifest is in (``Learner._adopt``), and the

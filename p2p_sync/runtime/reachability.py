@@ -22,8 +22,8 @@ from p2p_sync.errors import PeerError
 from p2p_sync.protocol.peers import Source
 from p2p_sync.protocol.reachability import Reachability, Verdict
 from p2p_sync.runtime.peering import described
-from p2p_sync.transport.dataplane import same_host
-from p2p_sync.transport.streams import peer_url
+from p2p_sync.transport.frames import peer_url
+from p2p_sync.transport.messages import same_host
 
 if TYPE_CHECKING:
     from p2p_sync.runtime.node import Node

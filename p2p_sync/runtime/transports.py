@@ -13,7 +13,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from p2p_sync.transport.dataplane import DataRouter, PeerClient
+from p2p_sync.transport.client import PeerClient
+from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.http import DataClient, DataServer
 from p2p_sync.transport.lan import LanShortcuts
 from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork
@@ -47,11 +48,11 @@ class HttpTransport:
         """A started libp2p host (its record names no HTTP URL until a peer could dial it);
         libp2p is an addition: if it cannot start, the node carries on from --peers (None)."""
         try:
-            from p2p_sync.transport import p2p  # imported here: --no-p2p nodes never load it
+            from p2p_sync.transport import multiaddrs, p2p  # here: --no-p2p nodes never load it
 
             cfg, learner = node.cfg, node.learner
             settings = p2p.P2PSettings(
-                listen=cfg.p2p_listen or p2p.default_listen(cfg.host_port[0]),
+                listen=cfg.p2p_listen or multiaddrs.default_listen(cfg.host_port[0]),
                 advertise_host=cfg.advertise_host,
                 identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
                 topic=announce.topic(node.policy.swarm_id),

@@ -20,7 +20,7 @@ import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
 
-from p2p_sync.transport.dataplane import HttpLimits
+from p2p_sync.transport.limits import HttpLimits
 
 try:
     import resource

@@ -38,8 +38,9 @@ from p2p_sync.errors import (
     StoreError,
     StoreFullError,
 )
+from p2p_sync.protocol import sourcing
 from p2p_sync.protocol.havelog import LOG_ID
-from p2p_sync.protocol.swarm import (
+from p2p_sync.protocol.schedule_events import (
     Action,
     CancelRequest,
     ChunkCorrupted,
@@ -55,11 +56,12 @@ from p2p_sync.protocol.swarm import (
     PeerLost,
     PeerPushes,
     RequestChunk,
-    Scheduler,
-    SwarmConfig,
     TimerFired,
 )
-from p2p_sync.transport.dataplane import CHUNK_ROUTE, MAX_RUN, PeerClient, chunks_url
+from p2p_sync.protocol.swarm import Scheduler
+from p2p_sync.protocol.swarmconfig import SwarmConfig
+from p2p_sync.transport.client import PeerClient
+from p2p_sync.transport.messages import CHUNK_ROUTE, MAX_RUN, chunks_url
 from p2p_sync.trust.chunks import verify_chunk
 from p2p_sync.trust.manifest import Manifest
 
@@ -462,7 +464,7 @@ class Download:
             usable = self.source.peers()
             live = {p for p, t in self.followers.items() if not t.done() and p in usable}
             for peer in usable:
-                if len(live) >= self.config.max_sources and not self.source.owed(peer):
+                if not sourcing.takes(len(live), self.config.max_sources, self.source.owed(peer)):
                     continue
                 if peer not in live:
                     self.followers[peer] = asyncio.create_task(self._follow(peer))

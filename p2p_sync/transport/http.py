@@ -38,24 +38,18 @@ from aiohttp import web
 from p2p_sync.errors import PeerBusyError, PeerError, PeerLacksError, PeerUnreachableError
 from p2p_sync.protocol.ratelimit import RepeatedLine
 from p2p_sync.transport import tcp
-from p2p_sync.transport.connections import ConnectionGate, address_key
-from p2p_sync.transport.dataplane import (
+from p2p_sync.transport.announcement import (
     ANNOUNCE_TYPE,
-    PEER_HEADER,
-    PIECE,
-    DataRouter,
-    HttpLimits,
-    NodeView,
-    Refused,
-    Reply,
-    Request,
     announce_doc,
-    check_reply,
-    chunk_path,
     frame_announce,
-    parse_json,
     read_announce_head,
 )
+from p2p_sync.transport.client import check_reply, parse_json
+from p2p_sync.transport.connections import ConnectionGate, address_key
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import PEER_HEADER, PIECE, Refused, Reply, Request, chunk_path
+from p2p_sync.transport.nodeview import NodeView
 from p2p_sync.transport.reverse import PATH as REVERSE
 from p2p_sync.transport.reverse import ReverseHub
 

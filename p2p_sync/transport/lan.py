@@ -46,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from p2p_sync.errors import P2PError, PeerError
-from p2p_sync.transport.dataplane import PeerClient
+from p2p_sync.transport.client import PeerClient
 
 log = logging.getLogger("p2psync.lan")
 PROBE_TIMEOUT_S = 3.0  # the HTTP probe (step 3): a SYN nobody answers costs this, once

@@ -22,17 +22,12 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from p2p_sync.errors import PeerError
-from p2p_sync.transport.dataplane import (
-    DataRouter,
-    HttpLimits,
-    Request,
-    announce_body,
-    announce_doc,
-    check_reply,
-    parse_json,
-    split_parts,
-)
+from p2p_sync.transport.announcement import announce_body, announce_doc
+from p2p_sync.transport.client import check_reply, parse_json, split_parts
+from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import Request
 
 SUFFIX = ".mem"
 

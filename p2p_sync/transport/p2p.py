@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import ipaddress
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -61,6 +60,7 @@ from p2p_sync.protocol.reachability import RelayBounds
 from p2p_sync.transport import relay, streams
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
+from p2p_sync.transport.multiaddrs import http_multiaddr, rehost, url_from_multiaddr
 
 log = logging.getLogger("p2psync.p2p")
 IDENTITY_FILE = "p2p-identity.key"
@@ -88,35 +88,6 @@ class P2PSettings:
 
 
 # ---------------------------------------------------------------- addresses (pure)
-
-
-def _ip_proto(host: str) -> str:
-    try:
-        return "ip6" if ipaddress.ip_address(host.strip("[]")).version == 6 else "ip4"
-    except ValueError:
-        return "dns4"
-
-
-def http_multiaddr(url: str) -> str:
-    """``http://h:p`` -> ``/ip4/h/tcp/p/http`` (how a data-plane URL rides in a peer record)."""
-    host, _, port = url.removeprefix("http://").rpartition(":")
-    return f"/{_ip_proto(host)}/{host.strip('[]')}/tcp/{int(port)}/http"
-
-
-def url_from_multiaddr(addr: str) -> str | None:
-    """The inverse of :func:`http_multiaddr` (None for any other kind of address)."""
-    parts = addr.split("/")
-    if len(parts) < 6 or parts[3] != "tcp" or parts[5] != "http":
-        return None
-    if parts[1] not in ("ip4", "ip6", "dns4", "dns6") or not parts[4].isdigit():
-        return None
-    host = f"[{parts[2]}]" if parts[1] == "ip6" else parts[2]
-    return f"http://{host}:{parts[4]}"
-
-
-def default_listen(http_host: str) -> str:
-    """A free TCP port on the HTTP listen host."""
-    return f"/{_ip_proto(http_host)}/{http_host.strip('[]')}/tcp/0"
 
 
 def load_or_create_identity(path: Path) -> Any:
@@ -389,7 +360,7 @@ class P2PHost:
         def advertised(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
             url = self.http_url
             extra = [multiaddr.Multiaddr(http_multiaddr(url))] if url else []
-            return [*_rehost(addrs, s.advertise_host), *extra]
+            return [*rehost(addrs, s.advertise_host), *extra]
 
         return new_host(key_pair=self.key_pair, addrs_factory=advertised, connection_config=conn)
 
@@ -594,21 +565,6 @@ def _reason(exc: BaseException | None) -> str:
         parts.append(f"{type(exc).__name__}: {exc}")
         exc = inner[0] if inner else exc.__cause__
     return " <- ".join(parts)
-
-
-def _rehost(addrs: list[multiaddr.Multiaddr], host: str | None) -> list[multiaddr.Multiaddr]:
-    """Listen addresses as others should dial them (``advertise_host`` replaces the IP)."""
-    if host is None:
-        return addrs
-    out: list[multiaddr.Multiaddr] = []
-    for addr in addrs:
-        parts = str(addr).split("/")
-        if len(parts) > 3 and parts[1] in ("ip4", "ip6", "dns4", "dns6"):
-            parts[1], parts[2] = _ip_proto(host), host.strip("[]")
-        rehosted = multiaddr.Multiaddr("/".join(parts))
-        if rehosted not in out:
-            out.append(rehosted)
-    return out
 
 
 @contextlib.asynccontextmanager

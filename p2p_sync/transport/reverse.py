@@ -18,8 +18,8 @@ Wire (a WebSocket on the public peer P's data-plane port, opened by the NATed no
                     b"p2psync-reverse/1 " + the URL N dialed + b" " + challenge}
     P -> N  text   {"ok": true}, or P closes with code 4403 and the reason
     then, any number of times and interleaved:
-    P -> N  binary a request frame of ``transport.streams`` with "id": int in its header
-    N -> P  binary a reply frame of ``transport.streams`` with the same "id" in its header,
+    P -> N  binary a request frame of ``transport.frames`` with "id": int in its header
+    N -> P  binary a reply frame of ``transport.frames`` with the same "id" in its header,
             carrying the first ``PIECE`` bytes of the body at most; then, while the body is
             not whole, binary {"id": the same, "at": bytes of the body sent so far} framed
             the same way, followed by the next ``PIECE`` bytes at most
@@ -60,19 +60,11 @@ from aiohttp import web
 
 from p2p_sync import jsonbounds
 from p2p_sync.errors import ImpersonationError, PeerError
+from p2p_sync.protocol.peers import PEER_ID
 from p2p_sync.transport import tcp
-from p2p_sync.transport.dataplane import (
-    HEX32,
-    PEER_ID,
-    PIECE,
-    DataRouter,
-    HttpLimits,
-    Reply,
-    Request,
-    check_reply,
-    chunk_path,
-)
-from p2p_sync.transport.streams import (
+from p2p_sync.transport.client import check_reply
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.frames import (
     MAX_REPLY_HEADER,
     FramedClient,
     encode_reply_header,
@@ -82,6 +74,8 @@ from p2p_sync.transport.streams import (
     request_fields,
     split_url,
 )
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import HEX32, PIECE, Reply, Request, chunk_path
 
 log = logging.getLogger("p2psync.reverse")
 PATH = "/reverse"

@@ -14,22 +14,15 @@ and answers are the data plane's own (``transport.dataplane``: same routes, limi
 slots and verification), so a chunk served over a stream is judged exactly like one served
 over HTTP.
 
-Wire format of protocol ``/p2psync/data/1.0.0`` (requests one after another on a stream)::
-
-    request := u32 n | header (n bytes of JSON) | body (header["body"] bytes)
-        header = {"method": "GET" | "POST", "path": "/chunk/<sha256>", "query": {str: str},
-                  "peer": requester's own peer URL or null, "body": int}
-    reply   := u32 n | header (n bytes of JSON) | body (header["length"] bytes)
-        header = {"status": int, "type": content type, "length": int}
-
-``u32`` is big-endian. A stream carries one request at a time and any number in sequence (as
-HTTP/1.1 keep-alive does): a new stream costs a protocol negotiation, one more round trip per
-chunk, and most of the CPU of a small request. The requester keeps a few idle streams per peer
-(:class:`StreamPool`, at most ``POOL_PER_PEER``, none older than ``IDLE_S``); the server closes
-a stream idle for ``2 * IDLE_S``. The requester's peer id is authenticated by the connection
-(Noise): a ``p2p://`` name it claims must be its own. Bounds: a request (header and body) is at
-most ``max_request_bytes``, a reply header at most ``MAX_REPLY_HEADER``, a reply body at
-most what the caller expects (checked before it is read). Time: a reply starts within
+The wire format of protocol ``/p2psync/data/1.0.0`` is ``transport.frames``'s. A stream carries
+one request at a time and any number in sequence (as HTTP/1.1 keep-alive does): a new stream
+costs a protocol negotiation, one more round trip per chunk, and most of the CPU of a small
+request. The requester keeps a few idle streams per peer (:class:`StreamPool`, at most
+``POOL_PER_PEER``, none older than ``IDLE_S``); the server closes a stream idle for ``2 *
+IDLE_S``. The requester's peer id is authenticated by the connection (Noise): a ``p2p://`` name
+it claims must be its own. Bounds: a request (header and body) is at most
+``max_request_bytes``, a reply header at most ``MAX_REPLY_HEADER``, a reply body at most what
+the caller expects (checked before it is read). Time: a reply starts within
 ``request_timeout_s``, and a chunk's body is then timed by progress, as over HTTP
 (``transport.http``): each ``PIECE`` written within ``request_timeout_s`` (else the stream is
 reset), each read within twice that; a slow transfer that keeps moving is never cut.
@@ -40,11 +33,9 @@ libp2p host's thread (``transport.p2p``) and only move bytes.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
@@ -52,108 +43,28 @@ if TYPE_CHECKING:
     from p2p_sync.transport.lan import LanShortcuts
     from p2p_sync.transport.reverse import ReverseClient
 
-from p2p_sync import jsonbounds
 from p2p_sync.errors import PeerError, PeerUnreachableError
-from p2p_sync.transport.dataplane import (
-    PEER_ID,
-    PIECE,
-    DataRouter,
-    HttpLimits,
-    PeerClient,
-    Reply,
-    Request,
-    announce_body,
-    announce_doc,
-    check_reply,
-    chunk_path,
-    parse_json,
-    split_parts,
+from p2p_sync.transport.client import PeerClient, check_reply
+from p2p_sync.transport.dataplane import DataRouter
+from p2p_sync.transport.frames import (
+    MAX_REPLY_HEADER,
+    SCHEME,
+    U32,
+    FramedClient,
+    encode_reply_header,
+    encode_request,
+    parse_reply_header,
+    parse_request_header,
+    peer_url,
+    split_url,
 )
+from p2p_sync.transport.limits import HttpLimits
+from p2p_sync.transport.messages import PIECE, Reply, Request, chunk_path
 
 PROTOCOL = "/p2psync/data/1.0.0"
-SCHEME = "p2p://"
-MAX_REPLY_HEADER = 4096
 IDLE_S = 15.0  # a requester reuses an idle stream this long; the server keeps it twice as long
 POOL_PER_PEER = 8  # idle streams a requester keeps per peer
-_U32 = struct.Struct(">I")
 T = TypeVar("T")
-
-
-# ---------------------------------------------------------------- names (pure)
-
-
-def peer_url(peer_id: str) -> str:
-    """How a node reachable only over libp2p is named among peers."""
-    return f"{SCHEME}{peer_id}"
-
-
-def split_url(url: str) -> tuple[str, str, dict[str, str]]:
-    """``p2p://<id>/have/<d>?known=3`` -> (id, "/have/<d>", {"known": "3"}); PeerError if
-    malformed."""
-    parts = urlsplit(url)
-    if parts.scheme != SCHEME[:-3] or not PEER_ID.match(parts.netloc):
-        raise PeerError(f"{url}: not a p2p:// peer URL")
-    return parts.netloc, parts.path or "/", dict(parse_qsl(parts.query))
-
-
-# ---------------------------------------------------------------- framing (pure)
-
-
-def encode_request(
-    method: str, path: str, query: dict[str, str], peer: str | None, body: bytes, **extra: Any
-) -> bytes:
-    """A request frame (``extra``: more header fields, e.g. a reverse channel's ``id``)."""
-    head = {"method": method, "path": path, "query": query, "peer": peer, "body": len(body)}
-    return _frame(head | extra) + body
-
-
-def encode_reply_header(reply: Reply, **extra: Any) -> bytes:
-    head = {"status": reply.status, "type": reply.content_type, "length": len(reply.body)}
-    return _frame(head | extra)
-
-
-def _frame(doc: dict[str, Any]) -> bytes:
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    return _U32.pack(len(raw)) + raw
-
-
-def parse_request_header(raw: bytes, max_body: int) -> dict[str, Any]:
-    """The request header, checked field by field; ValueError names what is wrong."""
-    return request_fields(jsonbounds.loads(raw), max_body)
-
-
-def request_fields(doc: Any, max_body: int) -> dict[str, Any]:
-    """A parsed request header, checked field by field; ValueError names what is wrong."""
-    if not isinstance(doc, dict) or doc.get("method") not in ("GET", "POST"):
-        raise ValueError("method must be GET or POST")
-    if not isinstance(doc.get("path"), str) or not doc["path"].startswith("/"):
-        raise ValueError("path must be a string starting with /")
-    query = doc.get("query")
-    if not isinstance(query, dict) or not all(isinstance(v, str) for v in query.values()):
-        raise ValueError("query must map strings to strings")
-    if doc.get("peer") is not None and not isinstance(doc["peer"], str):
-        raise ValueError("peer must be a string or null")
-    body = doc.get("body")
-    if not isinstance(body, int) or not 0 <= body <= max_body:
-        raise ValueError(f"body length must be within 0..{max_body}")
-    return doc
-
-
-def parse_reply_header(raw: bytes) -> tuple[int, str, int]:
-    """(status, content type, length); ValueError if malformed."""
-    return reply_fields(jsonbounds.loads(raw))
-
-
-def reply_fields(doc: Any) -> tuple[int, str, int]:
-    """(status, content type, length) of a parsed reply header; ValueError if malformed."""
-    if not isinstance(doc, dict):
-        raise ValueError("reply header must be an object")
-    status, ctype, length = (doc.get(k) for k in ("status", "type", "length"))
-    if not (isinstance(status, int) and isinstance(ctype, str) and isinstance(length, int)):
-        raise ValueError("reply header needs integer status and length and a string type")
-    if length < 0:
-        raise ValueError("negative reply length")
-    return status, ctype, length
 
 
 # ---------------------------------------------------------------- stream I/O (trio thread)
@@ -177,7 +88,7 @@ async def read_exactly(stream: Any, n: int, progress: Callable[[], None] | None 
 async def read_framed(stream: Any, limit: int, first: bytes = b"") -> bytes:
     """One ``u32 n | n bytes`` frame of at most ``limit`` bytes (``first``: its first bytes,
     already read)."""
-    (n,) = _U32.unpack(first + await read_exactly(stream, _U32.size - len(first)))
+    (n,) = U32.unpack(first + await read_exactly(stream, U32.size - len(first)))
     if n > limit:
         raise ValueError(f"frame of {n} bytes, over the limit of {limit}")
     return await read_exactly(stream, n)
@@ -188,7 +99,7 @@ async def next_request(stream: Any, peer_id: str, limits: HttpLimits) -> Request
     ``2 * IDLE_S``. ValueError / EOFError / TooSlowError: malformed, cut or too slow."""
     with trio.move_on_after(2 * IDLE_S):
         try:
-            first = await stream.read(_U32.size)
+            first = await stream.read(U32.size)
         except Exception:  # closed or reset by the requester
             return None
         if not first:
@@ -287,21 +198,21 @@ async def exchange(
     from libp2p.peer.id import ID  # the host's thread already imported libp2p
 
     with trio.move_on_after(limits.request_timeout_s) as scope:
-
-        def moving() -> None:
-            scope.deadline = trio.current_time() + limits.read_patience_s
-
+        moving = partial(_extend, scope, limits.read_patience_s) if bulk else None
         try:
             peer = ID.from_base58(peer_id)
-            return await _exchange(
-                p2p, peer, request, (limit, expect), limits, moving if bulk else None
-            )
+            return await _exchange(p2p, peer, request, (limit, expect), limits, moving)
         except PeerError:
             raise
         except Exception as exc:  # libp2p raises many kinds: all mean "no answer"
             raise PeerError(f"{peer_url(peer_id)}: {type(exc).__name__} {exc}") from None
     assert scope.cancelled_caught
     raise PeerError(f"{peer_url(peer_id)}: no answer within {limits.request_timeout_s}s")
+
+
+def _extend(scope: trio.CancelScope, patience: float) -> None:
+    """Move ``scope``'s deadline ``patience`` seconds on (a chunk's bytes keep coming)."""
+    scope.deadline = trio.current_time() + patience
 
 
 async def _exchange(
@@ -360,7 +271,7 @@ async def _on_stream(
     try:
         try:
             await stream.write(request)
-            first = await stream.read(_U32.size)
+            first = await stream.read(U32.size)
             if not first:
                 raise EOFError("stream closed")
         except Exception as exc:
@@ -408,57 +319,6 @@ class StreamServer:
             self.answered += 1
             self.bytes_uploaded += len(reply.body) if reply.upload else 0
         return bool(sent)
-
-
-class FramedClient:
-    """The data-plane calls for ``p2p://`` peers, over one ``_request`` that sends a request
-    frame and returns the reply's body (a stream here, a reverse channel in
-    ``transport.reverse``)."""
-
-    limits: HttpLimits
-    self_url: str | None
-
-    async def _request(
-        self, url: str, limit: int, method: str = "GET", body: bytes = b"", expect: int = 200
-    ) -> bytes:
-        raise NotImplementedError
-
-    async def get_json(self, url: str) -> Any:
-        return parse_json(url, await self._request(url, self.limits.max_json_bytes))
-
-    async def get_bytes(
-        self, url: str, limit: int | None = None, moved: Callable[[int], None] | None = None
-    ) -> bytes:
-        """A reply frame comes whole (its pieces are timed in the host's thread): nothing to
-        tell ``moved``."""
-        return await self._request(url, limit or self.limits.max_chunk_bytes)
-
-    def get_parts(self, url: str, sizes: list[int]) -> AsyncIterator[bytes]:
-        """A reply frame comes whole: its parts once it is in."""
-        return split_parts(self.get_bytes(url), url, sizes)
-
-    async def get_feed(self, url: str) -> AsyncIterator[Any]:
-        """A reply frame comes whole: a feed's first answer alone (the follower asks again)."""
-        yield await self.get_json(url)
-
-    async def post_json(self, url: str, doc: Any) -> Any:
-        body = json.dumps(doc).encode()
-        return parse_json(url, await self._request(url, self.limits.max_json_bytes, "POST", body))
-
-    async def announce(
-        self,
-        peer: str,
-        digests: list[str],
-        extra: Mapping[str, Any] | None = None,
-        chunks: list[bytes] | None = None,
-        manifests: bytes = b"",
-    ) -> None:
-        doc = announce_doc(self.self_url, digests, extra)
-        body = announce_body(doc, chunks, manifests)
-        await self._request(f"{peer}/announce", self.limits.max_json_bytes, "POST", body, 202)
-
-    async def close(self) -> None:
-        pass
 
 
 class StreamClient(FramedClient):
