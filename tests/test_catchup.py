@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
+from p2p_sync.codec import frames as codec_frames
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
 from p2p_sync.weights.catchup import merge_steps
 from p2p_sync.weights.patch import apply, diff, merge
@@ -41,11 +42,11 @@ def test_merged_steps_equal_the_whole_patch_merge(
     end into one buffer before the sum)."""
     chain = chain_of(pair[0], steps, density, seed)
     encoded = [codec.encode(diff(a, b)) for a, b in zip(chain, chain[1:])]
-    old, codec.BLOCK = codec.BLOCK, block
+    old, codec_frames.BLOCK = codec_frames.BLOCK, block
     try:
         data = merge_steps(encoded, workers=workers)
     finally:
-        codec.BLOCK = old
+        codec_frames.BLOCK = old
     assert data == codec.encode(merge([codec.decode(s) for s in encoded]))
     weights = clone_set(chain[0])
     apply(weights, codec.decode(data))

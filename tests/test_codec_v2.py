@@ -17,6 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
+from p2p_sync.codec import container as codec_container
+from p2p_sync.codec import frames as codec_frames
+from p2p_sync.codec import kernels as codec_kernels
 from p2p_sync.errors import (
     BaseMismatchError,
     CorruptFrameError,
@@ -50,9 +53,11 @@ def kernels(request, monkeypatch) -> str:
     """Run a test with the compiled scans, the numpy fallback, and the torch scans a GPU base
     takes (``device_scans``), here run on the CPU."""
     if request.param == "numpy":
-        monkeypatch.setattr(codec, "_KERNELS", {"fast": False})
+        monkeypatch.setattr(codec_kernels, "_KERNELS", {"fast": False})
     if request.param == "torch":
-        monkeypatch.setattr(codec, "scan_view", lambda t: flat_bits(t.detach()).contiguous())
+        monkeypatch.setattr(
+            codec_container, "scan_view", lambda t: flat_bits(t.detach()).contiguous()
+        )
     return request.param
 
 
@@ -112,7 +117,7 @@ def test_compiled_class_coding_gives_the_numpy_way_exactly(pair: tuple) -> None:
     cls, rank, members = codec.scan_ranks(bits, spec.dtype, pos)
     fast, fast_changed, fast_d = codec._class_codes(cls, rank, d, members)
     fast_streams = codec._classed_streams(delta, bits)
-    with mock.patch.object(codec, "_KERNELS", {"fast": False}):
+    with mock.patch.object(codec_kernels, "_KERNELS", {"fast": False}):
         slow, slow_changed, slow_d = codec._class_codes(cls, rank, d, members)
         slow_streams = codec._classed_streams(delta, bits)
     for field in ("coded", "k", "mode", "gaps"):
@@ -161,7 +166,7 @@ def test_coding_3_is_left_out_where_it_saves_too_little(monkeypatch) -> None:
     patch = diff(base, new)
     info = codec.read_header(codec.encode(patch, base=base))
     assert info.version == 1 and not any(r.coding == codec.CLASSED for r in info.rows)
-    monkeypatch.setattr(codec, "CLASSED_MIN_SAVING", 0.0)
+    monkeypatch.setattr(codec_frames, "CLASSED_MIN_SAVING", 0.0)
     info = codec.read_header(codec.encode(patch, base=base))
     assert any(r.coding == codec.CLASSED for r in info.rows)
 
@@ -170,7 +175,7 @@ def test_numba_and_numpy_scans_agree(tiny_versions: list, monkeypatch) -> None:
     base, new = tiny_versions[0], tiny_versions[4]
     patch = diff(base, new)
     fast = codec.encode(patch, base=base)
-    monkeypatch.setattr(codec, "_KERNELS", {"fast": False})
+    monkeypatch.setattr(codec_kernels, "_KERNELS", {"fast": False})
     assert codec.encode(patch, base=base) == fast
     decoded = codec.decode(fast, base=base)
     assert all(decoded.deltas[k].same_change(d) for k, d in patch.deltas.items())

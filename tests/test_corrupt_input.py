@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
+from p2p_sync.codec import frames as codec_frames
 from p2p_sync.errors import (
     BadMagicError,
     BaseMismatchError,
@@ -178,10 +179,10 @@ def test_a_frame_applied_in_blocks_fails_before_its_first_block(
     with pytest.raises(error, match=message):
         next(blocks)
     weights = clone_set(versions[0])
-    old, codec.BLOCK = codec.BLOCK, 1
+    old, codec_frames.BLOCK = codec_frames.BLOCK, 1
     try:
         with pytest.raises(error, match=message):
             apply_frames(weights, memoryview(bad), info, StateDigest.of(weights))
     finally:
-        codec.BLOCK = old
+        codec_frames.BLOCK = old
     assert bit_equal(weights, versions[0])

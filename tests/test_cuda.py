@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from p2p_sync import codec
+from p2p_sync.codec import frames as codec_frames
 from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.statehash import state_hash
 from tests.helpers import bit_equal, clone_set
@@ -74,7 +75,7 @@ def test_gpu_apply_in_small_blocks_and_threads_keeps_the_digest_exact(
     from p2p_sync.store.restore import apply_frames
     from p2p_sync.weights.statehash import StateDigest
 
-    monkeypatch.setattr(codec, "BLOCK", 64)
+    monkeypatch.setattr(codec_frames, "BLOCK", 64)
     weights = on_gpu(clone_set(tiny_versions[0]))
     digest = StateDigest.of(weights)
     for a, b in zip(tiny_versions, tiny_versions[1:4]):

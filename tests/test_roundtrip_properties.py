@@ -10,7 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_sync import codec
+from p2p_sync.codec import frames as codec_frames
+from p2p_sync.codec import kernels as codec_kernels
 from p2p_sync.store.restore import apply_frames
+from p2p_sync.weights import merge as merge_mod
 from p2p_sync.weights import patch as patch_mod
 from p2p_sync.weights.patch import TensorDelta, apply, diff, merge, merge_tensor
 from p2p_sync.weights.statehash import StateDigest
@@ -127,7 +130,7 @@ def test_a_frame_decoded_in_blocks_is_the_frame_decoded_whole(
         frame = memoryview(data)[row.offset : row.offset + row.size]
         whole = codec.decode_frame(row, frame)
         parts = list(codec.decode_frame_blocks(row, frame, block=block))
-        with mock.patch.object(codec, "_KERNELS", {"fast": False}):  # numpy's way, no numba
+        with mock.patch.object(codec_kernels, "_KERNELS", {"fast": False}):  # numpy's way, no numba
             plain = list(codec.decode_frame_blocks(row, frame, block=block))
         assert len(plain) == len(parts) and all(a.same_change(b) for a, b in zip(plain, parts))
         if row.coding == codec.SPARSE and row.count > block:
@@ -138,11 +141,11 @@ def test_a_frame_decoded_in_blocks_is_the_frame_decoded_whole(
         else:
             assert len(parts) == 1 and parts[0].same_change(whole)
     weights, digest = clone_set(base), StateDigest.of(base)
-    old, codec.BLOCK = codec.BLOCK, block
+    old, codec_frames.BLOCK = codec_frames.BLOCK, block
     try:
         apply_frames(weights, memoryview(data), info, digest)
     finally:
-        codec.BLOCK = old
+        codec_frames.BLOCK = old
     assert bit_equal(weights, new) and digest.hash() == info.target_hash
 
 
@@ -183,7 +186,7 @@ def test_positions_round_trip_with_escapes(positions: set[int], numel: int) -> N
     pos = np.array(sorted(p for p in positions if p < numel), dtype=np.int64)
     head, body = codec.encode_positions(pos, numel)
     raw = head + b"".join(body)
-    with mock.patch.object(codec, "_KERNELS", {"fast": False}):
+    with mock.patch.object(codec_kernels, "_KERNELS", {"fast": False}):
         head2, body2 = codec.encode_positions(pos, numel)
         assert head2 + b"".join(body2) == raw
         out = codec.decode_positions(memoryview(raw), pos.size, numel, "t")
@@ -292,10 +295,10 @@ def test_windowed_merge_sums_parts_exactly(case: tuple, shuffle: bool) -> None:
     cat_del = np.concatenate([d for _, d in parts])
     starts = np.cumsum([0] + [p.size for p, _ in parts]).astype(np.int64)
     unordered = shuffle and parts[0][0].size > 1
-    for kernel in (patch_mod._merge_kernel(), patch_mod._merge_windows_py):
+    for kernel in (merge_mod._merge_kernel(), merge_mod._merge_windows_py):
         out_pos, out_del = np.empty_like(cat_pos), np.empty_like(cat_del)
         with np.errstate(over="ignore"):  # the de Bruijn product wraps by design
-            n = kernel(cat_pos, cat_del, starts, out_pos, out_del, patch_mod._DE_BRUIJN)
+            n = kernel(cat_pos, cat_del, starts, out_pos, out_del, merge_mod._DE_BRUIJN)
         if unordered:
             assert n == -1
         else:

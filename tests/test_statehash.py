@@ -20,7 +20,7 @@ from p2p_sync import codec
 from p2p_sync.codec import jit
 from p2p_sync.errors import TargetMismatchError
 from p2p_sync.store.restore import apply_frames
-from p2p_sync.weights import statehash
+from p2p_sync.weights import hostsums, statehash
 from p2p_sync.weights.patch import Patch, apply, diff
 from p2p_sync.weights.statehash import StateDigest, state_hash
 from p2p_sync.weights.tensors import flat_bits, layout_of, spec_record
@@ -244,11 +244,11 @@ def test_state_hash_follows_its_spec_and_is_pinned() -> None:
 def plain_python_kernels() -> Iterator[None]:
     """The kernels' steps as plain Python (what runs where numba is missing); numpy's scalar
     arithmetic wraps as numba's does, warning about it."""
-    statehash._kernels()  # compiled first: the compiled steps are what gets swapped out
-    steps = [f for f in jit._STEPS if f.__module__ == statehash.__name__]
+    hostsums._kernels()  # compiled first: the compiled steps are what gets swapped out
+    steps = [f for f in jit._STEPS if f.__module__ == hostsums.__name__]
     with contextlib.ExitStack() as stack, np.errstate(over="ignore"):
         for f in steps:
-            stack.enter_context(mock.patch.object(statehash, f.__name__, f))
+            stack.enter_context(mock.patch.object(hostsums, f.__name__, f))
         yield
 
 
@@ -271,8 +271,8 @@ def run_diff(kernel: Callable, old: torch.Tensor, new: torch.Tensor, entries: in
 def run_apply(kernel: Callable, flat: torch.Tensor, positions: np.ndarray, deltas: np.ndarray):
     size = flat.element_size()
     return kernel(
-        statehash._host(statehash._words(flat).body), positions, statehash.APPLY,
-        statehash._SHIFT[size], statehash._ZERO, flat.numpy().view(f"u{size}"), deltas,
+        statehash._host(statehash._words(flat).body), positions, hostsums.APPLY,
+        statehash._SHIFT[size], hostsums._ZERO, flat.numpy().view(f"u{size}"), deltas,
     )  # fmt: skip
 
 
@@ -297,14 +297,14 @@ def test_blocked_host_kernels_equal_plain_python_and_the_definition(
     changed = np.flatnonzero(old.numpy()[:whole] != new.numpy()[:whole])
     words = torch.from_numpy(np.unique(changed // (8 // dtype.itemsize)))
     want = (*statehash.word_sums(old, words), *statehash.word_sums(new, words))
-    compiled = statehash._kernels()
+    compiled = hostsums._kernels()
     runs = {}
     for name in ("numba", "python"):
         advanced, flat = old.clone(), old.clone()
         with plain_python_kernels() if name == "python" else contextlib.nullcontext():
-            diff_kernel = statehash._diff_py if name == "python" else compiled["diff"]
+            diff_kernel = hostsums._diff_py if name == "python" else compiled["diff"]
             positions, deltas, moved = run_diff(diff_kernel, advanced, new, entries)
-            apply_kernel = statehash._sums_py if name == "python" else compiled["sums"]
+            apply_kernel = hostsums._sums_py if name == "python" else compiled["sums"]
             a, b, c, d, used = run_apply(apply_kernel, flat, positions, deltas)
         assert np.array_equal(positions, changed) and moved == want
         assert torch.equal(advanced[:whole], new[:whole])

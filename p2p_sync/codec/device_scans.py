@@ -1,6 +1,6 @@
 """Coding 3's exponent-class scans on the base tensor's own device (torch).
 
-Coding 3 (see :mod:`p2p_sync.codec`) names a changed element by its rank among the base
+Coding 3 (see docs/format.md) names a changed element by its rank among the base
 elements of its exponent class. Finding ranks (encode) and positions (decode) needs a pass over
 the whole base tensor. On the host, numba does it in one branchy loop. A GPU has no use for that
 loop, and copying the base to the host would cost O(model) per version (14 GB over PCIe for a

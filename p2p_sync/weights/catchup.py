@@ -6,7 +6,7 @@ every step's positions and deltas at once, then the merge of them all: on a 0.95
 span of 4 steps at 3.3% density took 14.8 s and lifted the trainer's peak RSS from 1.7x to
 2.5x the model; a span of 16 would hold ~16 patches decoded. Here each tensor is merged on
 its own: its frame is decoded from every step, the parts are summed
-(:func:`p2p_sync.weights.patch.merge_tensor`), and the result is coded as one frame before the next
+(:func:`p2p_sync.weights.merge.merge_tensor`), and the result is coded as one frame before the next
 tensor is touched, so memory is one tensor's changes per worker plus the encoded frames. The
 file equals ``codec.encode(patch.merge([codec.decode(s) for s in steps]))`` byte for byte.
 
@@ -24,7 +24,8 @@ import torch
 
 from p2p_sync import codec
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
-from p2p_sync.weights.patch import TensorDelta, merge_concatenated, merge_tensor
+from p2p_sync.weights.delta import TensorDelta
+from p2p_sync.weights.merge import merge_concatenated, merge_tensor
 from p2p_sync.weights.tensors import TensorSpec, bits_dtype
 from p2p_sync.weights.threads import map_workers
 
@@ -59,7 +60,7 @@ def _merge_sparse(
     spec: TensorSpec, found: list[tuple[memoryview, codec.FrameInfo]]
 ) -> TensorDelta | None:
     """Sparse frames decoded a block at a time straight into one buffer, end to end, then
-    summed (:func:`p2p_sync.weights.patch.merge_concatenated`): each step's changes are held once,
+    summed (:func:`p2p_sync.weights.merge.merge_concatenated`): each step's changes are held once,
     where decoding them and concatenating held them twice (a 1B model's 16-step span peaked
     at 1.28x the model in the merge alone)."""
     counts = [row.count for _, row in found]
