@@ -16,8 +16,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_sync import codec
-from p2p_sync.codec import jit
+from p2p_sync import codec, jit
 from p2p_sync.errors import TargetMismatchError
 from p2p_sync.store.restore import apply_frames
 from p2p_sync.weights import hostsums, statehash

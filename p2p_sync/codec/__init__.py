@@ -10,7 +10,8 @@ The names callers use are re-exported here: ``from p2p_sync import codec; codec.
 
 from __future__ import annotations
 
-from p2p_sync.codec import device_scans, jit
+from p2p_sync import jit
+from p2p_sync.codec import device_scans
 from p2p_sync.codec.classed import _classed_streams
 from p2p_sync.codec.classes import (
     Bits,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from p2p_sync.codec import jit
+from p2p_sync import jit
 from p2p_sync.codec.limits import _GAP_ESCAPE
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from p2p_sync.codec import jit
+from p2p_sync import jit
 
 MASK = (1 << 64) - 1
 K0, K1 = 0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from p2p_sync.codec import jit
+from p2p_sync import jit
 from p2p_sync.errors import ChainBrokenError
 from p2p_sync.weights.delta import Patch, TensorDelta, canonical_delta, check_layout
 from p2p_sync.weights.tensors import TensorSpec, bits_dtype
