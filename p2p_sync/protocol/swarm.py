@@ -263,10 +263,8 @@ class Scheduler:
         rate = ev.nbytes / max(now - max(started, stats.last_delivery), 1e-6)
         # After chunks that came unasked (pushed or forwarded: verified, nothing to time) the
         # first timed rate enters the EWMA from zero, so a pushing source (the trainer, a
-        # forwarder) starts at 30% of it: a shallower pipeline there at first. Taking it whole
-        # measured worse for the last peer (1,000 peers at 20 ms, seeds 1 / 2: x1.402 / 1.396
-        # against 1.384 / 1.374; the median 0.01 better; simulations/README.md, "A download
-        # that starts from the last one's measurements").
+        # forwarder) starts at 30% of it: a shallower pipeline there at first (taking it whole
+        # measured worse for the last peer: docs/decisions/2026-11-27-where-the-time-goes.md).
         stats.throughput = rate if not stats.verified else a * rate + (1 - a) * stats.throughput
         stats.last_delivery = now
         self._samples += 1

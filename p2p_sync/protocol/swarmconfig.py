@@ -53,7 +53,6 @@ class SwarmConfig:
     # following our have-map (0: none). Pull costs a relay hop three latencies (have-map news,
     # request, bytes); the seed hands each chunk to one rollout first, so its first hop from
     # there is the swarm's slowest. Only a chunk no other followed peer claims, and only
-    # beside at most this many uploads (``p2p_sync.runtime.forwarding``). Simulated, 1,000 peers at
-    # 20 ms
-    # / 1 Gbit/s: x1.387 against x1.425 without (simulations/README.md, "forwarded")
+    # beside at most this many uploads (``p2p_sync.runtime.forwarding``; the figures:
+    # docs/decisions/2026-11-27-forwarding-the-seeds-fresh-chunks.md)
     forward_seed_chunks: int = 4

@@ -62,7 +62,7 @@ class PublishPolicy:
     # while the followers' first requests are on their way, idle otherwise for a round trip at
     # every version's start; as many in all as the measured round trip holds at the measured
     # upload rate, one per follower first (p2p_sync.protocol.seeding.chunks_behind;
-    # simulations/README)
+    # docs/decisions/2026-11-27-chunks-behind-the-announcement.md)
     push_chunks: int = 2
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
