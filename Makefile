@@ -19,9 +19,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m node.demo
 
-# The tests two at a time (pytest-xdist), then the ones marked `serial` alone: those assert
-# bandwidth or timing bounds (the emulated tier, NAT routers) or take a core for a minute (the
-# simulator's scenario). Both passes run; either one's failure fails the target.
+# The tests two at a time (pytest-xdist; those marked `slow` first), then the ones marked
+# `serial` alone: they assert bandwidth or wall-clock bounds (the emulated tier, NAT routers,
+# gossip latency, timeouts). Both passes run; either one's failure fails the target.
 test: nftables $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

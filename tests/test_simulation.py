@@ -564,7 +564,7 @@ def test_the_clock_raises_the_gc_thresholds_only_while_events_run() -> None:
     assert gc.get_threshold() == before
 
 
-@pytest.mark.serial  # a core for a minute or more: run alone, after the rest
+@pytest.mark.slow  # a core for a minute or more (simulated time only): started first
 def test_ci_scenario() -> None:
     """The issue's bar, on configs/simulations/ci.toml (>= 200 peers)."""
     sc = load(ROOT / "configs/simulations/ci.toml")
