@@ -19,14 +19,20 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m node.demo
 
-test: $(STAMP)
+# The tests two at a time (pytest-xdist; those marked `slow` first), then the ones marked
+# `serial` alone: they assert bandwidth or wall-clock bounds (the emulated tier, NAT routers,
+# gossip latency, timeouts). Both passes run; either one's failure fails the target.
+test: nftables $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n 2 --dist worksteal -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -q --durations=15 -m serial; serial=$$?; \
+	exit $$(( parallel || serial ))
 
-# The emulated tier's NAT routers (tests/test_nat.py) need nftables' `nft`. As root with
-# apt-get (CI) this installs Debian's nftables when missing (apt-get update only if the install
-# fails); elsewhere it says so in one line and those tests skip. Never fails the build.
+# The emulated tier's NAT routers (tests/test_nat.py) need nftables' `nft`; `make test` runs
+# this first. As root with apt-get (CI) this installs Debian's nftables when missing (apt-get
+# update only if the install fails); elsewhere it says so in one line and those tests skip.
+# Never fails the build.
 nftables:
 	@if command -v nft >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \

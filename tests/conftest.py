@@ -16,6 +16,13 @@ settings.load_profile(
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run two at a time (``-n 2``), the tests marked ``slow`` start first, so that the pass
+    ends on short tests instead of one worker finishing a long one while the other idles."""
+    if hasattr(config, "workerinput") or config.getoption("numprocesses", None):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+
+
 @pytest.fixture(scope="session")
 def tiny_versions() -> list[dict[str, torch.Tensor]]:
     """Eleven successive versions of the tiny built-in model (lr high enough to change ~5-10%)."""

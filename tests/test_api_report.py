@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = r"""
 import json, logging, sys
 from pathlib import Path
@@ -41,6 +43,7 @@ print(json.dumps({"before": before, "after": after, "version": version}))
 """
 
 
+@pytest.mark.slow  # started first by `make test`'s parallel pass
 def test_the_api_reports_a_line_per_version_unless_asked_not_to(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path)],

@@ -26,6 +26,7 @@ def chain_of(base: dict, steps: int, density: float, seed: int) -> list[dict]:
     return chain
 
 
+@pytest.mark.slow  # started first by `make test`'s parallel pass
 @settings(max_examples=60, deadline=None)
 @given(
     version_pairs(),

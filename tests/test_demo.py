@@ -6,11 +6,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from node.demo import LEGEND, run
 
 
+@pytest.mark.slow  # started first by `make test`'s parallel pass
 def test_the_demo_reports_as_it_goes_and_names_the_late_joiners_sources(tmp_path: Path) -> None:
     console = Console(record=True, width=200)
     assert run(tmp_path, "tiny", 2, 1, console, followers=1) is True

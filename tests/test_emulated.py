@@ -43,6 +43,9 @@ from simulations.netns import (
 )
 from tests.netnsbase import leftovers
 
+# Shaped links and measured rates: run alone (`make test`'s serial pass), not beside other tests
+pytestmark = pytest.mark.serial
+
 # The swarm run: small enough for a loaded 2-core VM (~8 node processes), slow enough links
 # that the network, not the CPU, dominates each version's time.
 SWARM = EmulationConfig(

@@ -31,6 +31,9 @@ from simulations.netns import (
 )
 from tests.netnsbase import leftovers
 
+# Shaped links and measured rates: run alone (`make test`'s serial pass), not beside other tests
+pytestmark = pytest.mark.serial
+
 # host 0 public, 1 and 2 behind router 1 (one home LAN), 3 behind router 2, 4 public
 NAT = (0, 1, 1, 2)
 FAIL_S = 1.0  # a connect that a real router would drop is given up after this long

@@ -108,6 +108,7 @@ async def _until(condition: Callable[[], bool], timeout: float, what: str) -> No
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.serial  # a timing bound: run alone
 def test_swarm_from_one_bootstrap_address(swarm: Swarm, versions, tmp_path: Path) -> None:
     boot = swarm.start_bootstrap()
     assert boot.popen.stdout is not None

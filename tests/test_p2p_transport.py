@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import multiaddr
+import pytest
 import trio
 from libp2p.peer.id import ID
 
@@ -92,6 +93,7 @@ def _threads() -> set[str]:
     return {t.name for t in threading.enumerate() if not t.name.startswith("asyncio_")}
 
 
+@pytest.mark.serial  # a timing bound: run alone
 def test_peers_find_each_others_urls_gossip_and_stop_cleanly(tmp_path: Path) -> None:
     async def scenario() -> None:
         before = _threads()

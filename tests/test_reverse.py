@@ -356,6 +356,7 @@ def test_a_chunk_whose_pieces_keep_coming_over_a_channel_is_never_cut() -> None:
     assert took > 3 * 0.3  # ~1 s: a whole-reply limit of request_timeout_s cut it
 
 
+@pytest.mark.serial  # a timing bound: run alone
 def test_a_chunk_whose_pieces_stop_coming_over_a_channel_fails() -> None:
     got, took = asyncio.run(_trickled_reply(0.0, 2))
     assert isinstance(got, str) and "TimeoutError" in got

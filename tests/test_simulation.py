@@ -565,6 +565,7 @@ def test_the_clock_raises_the_gc_thresholds_only_while_events_run() -> None:
     assert gc.get_threshold() == before
 
 
+@pytest.mark.slow  # a core for a minute or more (simulated time only): started first
 def test_ci_scenario() -> None:
     """CI's bar, on configs/simulations/ci.toml (>= 200 peers)."""
     sc = load(ROOT / "configs/simulations/ci.toml")

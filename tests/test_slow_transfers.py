@@ -136,12 +136,14 @@ def test_the_client_waits_for_a_chunk_whose_bytes_keep_coming() -> None:
     assert took > 3 * LIMITS.request_timeout_s  # ~1 s: the old whole-request limit cut it
 
 
+@pytest.mark.serial  # a timing bound: run alone
 def test_the_client_gives_up_on_a_chunk_that_stops_coming() -> None:
     outcome, took = asyncio.run(_trickle(10, 0.0, 3))
     assert isinstance(outcome, PeerError)
     assert took == pytest.approx(2 * LIMITS.request_timeout_s, abs=0.4)  # not the 2 s of silence
 
 
+@pytest.mark.serial  # a timing bound: run alone
 def test_a_trickled_manifest_still_gets_the_whole_request_limit() -> None:
     """Nothing but the client's clock stops a peer that trickles a manifest: only chunks,
     which the scheduler's own timeout bounds, are timed by progress."""

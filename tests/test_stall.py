@@ -635,6 +635,7 @@ async def _over_http(
     return raised, took, half[evil_peer.STATS]["served"], evil_url
 
 
+@pytest.mark.serial  # a timing bound: run alone
 def test_a_peer_that_sends_half_of_every_chunk_then_nothing_stalls_the_download() -> None:
     """Over real HTTP: each request gets half its chunk and then silence; the transport cuts
     it (no byte for twice ``HttpLimits.request_timeout_s``), the chunk is asked again and
@@ -733,6 +734,7 @@ def test_a_rollout_whose_patch_stalls_re_plans_through_the_anchor(
     assert state_hash(out["weights"]) == state_hash(tiny_versions[1])
 
 
+@pytest.mark.serial  # a timing bound: run alone
 @pytest.mark.parametrize("mode", ["silent", "half"])
 def test_a_peer_claiming_every_chunk_and_serving_none_cannot_hold_a_rollout_back(
     tmp_path: Path, tiny_versions: list, mode: str

@@ -227,6 +227,7 @@ def test_eviction_forgets_manifests_the_node_is_past_and_holds_nothing_of(
     assert {m.digest for m in Store.open(tmp_path).manifests()} == kept  # gone from disk too
 
 
+@pytest.mark.slow  # started first by `make test`'s parallel pass
 def test_store_reopens_consistent_after_sigkill_at_random_points(tmp_path: Path) -> None:
     rnd = random.Random(1234)
     ctx = multiprocessing.get_context("forkserver")  # a clean process, torch imported once

@@ -28,6 +28,7 @@ def swarm(tmp_path: Path):
     s.stop()
 
 
+@pytest.mark.slow  # started first by `make test`'s parallel pass
 def test_six_rollouts_converge_bit_exact_and_relay(swarm: Swarm, versions) -> None:
     trainer = swarm.start_trainer()
     rollouts = swarm.start_rollouts([f"r{i}" for i in range(6)], [trainer.url])

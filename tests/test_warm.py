@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
@@ -53,6 +55,7 @@ print(json.dumps(late))
 """
 
 
+@pytest.mark.slow  # started first by `make test`'s parallel pass
 def test_after_warm_up_a_real_patch_compiles_nothing(tmp_path: Path) -> None:
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=str(ROOT))
     out = subprocess.run(
