@@ -22,6 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15
 
 # The emulated tier's NAT routers (tests/test_nat.py) need nftables' `nft`. As root with

@@ -7,18 +7,15 @@ import asyncio
 import collections
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2p_sync.bounded import remember, trim
 from p2p_sync.protocol.havelog import HaveLog
 from p2p_sync.protocol.peers import P2P, Source
 from p2p_sync.protocol.seeding import SuperSeeder
+from p2p_sync.runtime.ports import ViewHost
 from p2p_sync.store import HaveMark
 from p2p_sync.transport.dataplane import Pushed
-
-if TYPE_CHECKING:
-    from p2p_sync.runtime.node import Node
-
 
 MAX_LOGS = 64  # have logs kept (one per payload being served; the oldest forgotten)
 MAX_FOLLOWING = 256  # peers remembered per payload as following its have-map here
@@ -36,7 +33,7 @@ async def _wait(news: asyncio.Event, timeout: float) -> None:
 class DataView:
     """A rollout's (and a bootstrap's) data plane: it serves every chunk it holds."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ViewHost) -> None:
         self.node = node
         self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self._have_memo: dict[str, list[int]] = {}  # have-maps computed since that news
@@ -200,7 +197,7 @@ class SeedingView(DataView):
     """The trainer's data plane: each requester is shown a few chunks of its own
     (super-seeding), so rollouts fetch different chunks and trade them among themselves."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ViewHost) -> None:
         super().__init__(node)
         self.seeder = SuperSeeder.of(node.cfg.publish)
         self._asked: dict[str, float] = {}  # requester -> when it last asked for a have-map
