@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from p2p_sync.bounded import remember, trim
@@ -177,8 +177,13 @@ class DataView:
         node (its key proved in the handshake: as good as a signed record)."""
         if upload:
             self.node.add_peer(url, Source.REQUESTER, remote)
-        elif url.startswith(P2P) and self.node.linked(url):
+        elif url.startswith(P2P) and url.removeprefix(P2P) in self._linked_ids():
             self.node.add_peer(url, Source.RECORD, remote)
+
+    def _linked_ids(self) -> Iterable[str]:
+        """The peer ids connected to this node over libp2p now (their keys proved in the
+        connections' handshakes); none in memory, or with libp2p off."""
+        return getattr(self.node.p2p, "connected_ids", None) or ()
 
     def issued(self, nonce: str) -> bool:
         return self.node.reach.issued(nonce)

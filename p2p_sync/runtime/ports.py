@@ -96,8 +96,7 @@ class ViewHost(Naming, Protocol):
     metrics: Metrics
     learner: Announced
     reach: DialBack
-
-    def linked(self, url: str) -> bool: ...
+    p2p: Any
 
     def status(self) -> dict[str, Any]: ...
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,10 +76,10 @@ class TrainerNode(Node):
 
     view_class = SeedingView
 
-    @classmethod
-    def settle(cls, cfg: NodeConfig) -> NodeConfig:
+    def __init__(self, cfg: NodeConfig, *args: Any, **kwargs: Any) -> None:
         slots = cfg.publish.seed_uploads or cfg.download.max_sources
-        return replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
+        settled = replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
+        super().__init__(settled, *args, **kwargs)
 
 
 @dataclass
