@@ -25,6 +25,7 @@ demo: $(STAMP)
 test: nftables $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q --durations=15 -n 2 --dist worksteal -m "not serial"; parallel=$$?; \
 	$(PY) -m pytest -q --durations=15 -m serial; serial=$$?; \
 	exit $$(( parallel || serial ))

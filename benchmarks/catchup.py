@@ -3,7 +3,7 @@
 Builds a LLaMA-shaped model (``models.py``), takes ``--span`` AdamW-like steps, codes each 1-step
 patch (format 1, as the trainer's history keeps them) and writes them to a work dir. Then, each in a
 fresh process so that its peak RSS is its own: the whole-patch merge the trainer used to run (decode
-every step, merge them pairwise, encode) and ``p2p_sync.weights.catchup.merge_steps`` (one tensor at
+every step, merge them pairwise, encode) and ``p2p_sync.codec.catchup.merge_steps`` (one tensor at
 a time). Prints seconds, peak RSS against the model size, the merged patch's size, and whether both
 files are the same bytes.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.models import Model  # noqa: E402
 from p2p_sync import codec  # noqa: E402
-from p2p_sync.weights.catchup import merge_steps  # noqa: E402
+from p2p_sync.codec.catchup import merge_steps  # noqa: E402
 from p2p_sync.weights.patch import diff, merge  # noqa: E402
 
 WORKERS = os.cpu_count() or 1

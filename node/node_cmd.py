@@ -13,27 +13,17 @@ from pathlib import Path
 
 import aiohttp
 
+from node.config import FLAGS, load_args
+from node.errors import StartupError
 from node.patch_cmd import pick_device
 from p2p_sync import jsonbounds
-from p2p_sync.errors import P2PSyncError, StartupError
-from p2p_sync.runtime.config import ConfigError, NodeConfig, load
+from p2p_sync.errors import ConfigError, P2PSyncError
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.identity import policy_for
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
 from p2p_sync.runtime.trainer import Publisher, TrainerNode, watch
 from p2p_sync.store import Store
-from p2p_sync.trust.keys import load_public_key, load_signing_key
-from p2p_sync.trust.manifest import SwarmPolicy
-
-
-def policy_for(cfg: NodeConfig) -> tuple[SwarmPolicy, object | None]:
-    key = load_signing_key(cfg.key) if cfg.key else None
-    keys = tuple(load_public_key(t) for t in cfg.trust)
-    if key is not None and key.public not in keys:
-        keys = (key.public, *keys)
-    try:
-        return SwarmPolicy(cfg.swarm, keys, cfg.threshold), key
-    except ValueError as exc:
-        raise ConfigError(f"config: threshold: {exc}") from None
 
 
 def check_files(cfg: NodeConfig) -> None:
@@ -110,37 +100,9 @@ async def _run_role(node: Node, key: object | None, cfg: NodeConfig, stop: async
         await follower.run(stop)
 
 
-# flag (argparse dest) -> config setting it overrides
-_FLAGS = {
-    "role": "role",
-    "data_dir": "data_dir",
-    "listen": "listen",
-    "advertise_host": "advertise_host",
-    "key": "key",
-    "trust": "trust",
-    "peers": "peers",
-    "watch": "watch",
-    "export": "export",
-    "on_update": "on_update",
-    "swarm": "swarm",
-    "device": "device",
-    "workers": "workers",
-    "chunk_size": "publish.chunk_size",
-    "max_upload_mbps": "http.max_upload_mbps",
-    "tcp_congestion": "http.tcp_congestion",
-    "patch_format": "publish.patch_format",
-    "checkpoint_every": "store.checkpoint_every",
-    "p2p_listen": "p2p_listen",
-    "bootstrap": "bootstrap",
-    "reachability": "reachability.mode",
-}
-
-
 def cmd_node(args: argparse.Namespace) -> int:
-    overrides = {setting: getattr(args, dest) for dest, setting in _FLAGS.items()}
-    overrides["p2p"] = False if args.no_p2p else None
     try:
-        cfg = load(args.config, overrides)
+        cfg = load_args(args)
     except ConfigError as exc:
         raise StartupError(str(exc)) from None
     logging.basicConfig(
@@ -200,7 +162,7 @@ def _default(setting: str) -> str:
 def _flag(parser: argparse.ArgumentParser, flag: str, text: str, **kwargs: object) -> None:
     """A flag whose help ends with its default (the config setting it overrides)."""
     dest = flag.lstrip("-").replace("-", "_")
-    setting = _FLAGS.get(dest)
+    setting = FLAGS.get(dest)
     shown = _default(setting) if setting else "none"
     parser.add_argument(flag, help=f"{text} (default: {shown})", **kwargs)  # type: ignore[arg-type]
 

@@ -7,17 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
+from node.errors import CommandError
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
-from p2p_sync.errors import (  # noqa: F401 (CommandError re-exported)
-    BaseMismatchError,
-    CommandError,
-    PatchError,
-)
+from p2p_sync.errors import BaseMismatchError, ConfigError, PatchError
+from p2p_sync.runtime import identity
 from p2p_sync.weights.patch import Patch, apply, diff
 from p2p_sync.weights.statehash import state_hash
 from p2p_sync.weights.weights_io import load_weights, save_weights
@@ -31,12 +28,11 @@ CODINGS = {
 
 
 def pick_device(name: str) -> str:
-    """'auto' means CUDA when present; asking for CUDA without one is an error, not a fallback."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise CommandError(f"--device {name}: CUDA is not available on this machine")
-    return name
+    """The library's choice (``auto``: CUDA when present); a command refuses CUDA without one."""
+    try:
+        return identity.pick_device(name)
+    except ConfigError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def read_patch_file(path: Path) -> bytes:

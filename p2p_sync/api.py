@@ -39,9 +39,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from node.node_cmd import policy_for
-from node.patch_cmd import pick_device
-from p2p_sync.runtime.config import NodeConfig, load
+from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.configfile import load
+from p2p_sync.runtime.identity import pick_device, policy_for
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower, Update
 from p2p_sync.runtime.trainer import Publisher, TrainerNode

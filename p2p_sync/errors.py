@@ -1,7 +1,9 @@
 """Exceptions, one per failure class, so callers (and tests) can tell the problems apart.
 
-Every exception p2psync raises derives from :class:`P2PSyncError` and is defined here (the
-modules that raise them re-export their own, so older import paths keep working).
+Every exception the library raises derives from :class:`P2PSyncError` and is defined here (the
+modules that raise them re-export their own, so older import paths keep working). The
+application's errors (``node.errors``) and the simulator's (``simulations.errors``) derive from
+the same base and live in their own layer.
 
 Every error a patch can raise derives from :class:`PatchError`; a caller that only wants to
 refuse a bad patch catches that. Each subclass names exactly one way a patch can be wrong,
@@ -208,20 +210,6 @@ class ConfigError(P2PSyncError):
     """A config file or flag value is invalid (the message names the field)."""
 
 
-class StartupError(P2PSyncError):
-    """The node could not start: a port in use, a key it cannot read, a data dir it may not
-    write, a watch dir that is not there. The CLI prints one line and exits 2, as for a bad
-    flag: nothing ran, so nothing is lost."""
-
-
-class CommandError(P2PSyncError):
-    """A command cannot run as asked (bad file, bad argument)."""
-
-
-class ScenarioError(P2PSyncError):
-    """A scenario file or value is invalid (the message names the field)."""
-
-
 # ---------------------------------------------------------------- network
 
 
@@ -274,11 +262,6 @@ class DownloadStalledError(P2PSyncError):
 
 class P2PError(P2PSyncError):
     """libp2p could not start or a bridged call failed (the node falls back to --peers)."""
-
-
-class NetnsError(P2PSyncError, RuntimeError):
-    """An ``ip``/``tc`` command failed, or the machine cannot build namespaces (still a
-    RuntimeError, as before, for callers that catch that)."""
 
 
 class TornApplyError(PatchError):

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from p2p_sync.errors import NetnsError  # noqa: F401 (re-exported)
+from simulations.errors import NetnsError  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
 

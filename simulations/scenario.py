@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from p2p_sync.errors import ScenarioError  # noqa: F401 (re-exported)
 from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.settings import check_numbers, from_table
 from p2p_sync.trust.chunks import chunk_size_for
+from simulations.errors import ScenarioError  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)

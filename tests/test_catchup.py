@@ -1,4 +1,4 @@
-"""Catch-up patches merged tensor by tensor from encoded steps (``p2p_sync.weights.catchup``): the
+"""Catch-up patches merged tensor by tensor from encoded steps (``p2p_sync.codec.catchup``): the
 same
 file as decoding, merging and encoding whole patches; broken inputs refused by name."""
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from p2p_sync import codec
 from p2p_sync.codec import frames as codec_frames
+from p2p_sync.codec.catchup import merge_steps
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
-from p2p_sync.weights.catchup import merge_steps
 from p2p_sync.weights.patch import apply, diff, merge
 from tests.helpers import bit_equal, clone_set, random_bits
 from tests.test_roundtrip_properties import KINDS, change, version_pairs

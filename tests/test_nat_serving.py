@@ -20,7 +20,8 @@ from libp2p.peer.id import ID
 from p2p_sync import Rollout, Trainer
 from p2p_sync.errors import PeerError
 from p2p_sync.protocol.reachability import Reachability, ReachabilityLimits, Verdict
-from p2p_sync.runtime.config import ConfigError, load
+from p2p_sync.runtime.config import ConfigError
+from p2p_sync.runtime.configfile import load
 from p2p_sync.transport import frames, streams
 from p2p_sync.transport.messages import valid_peer_url
 from p2p_sync.trust.keys import SigningKey, write_keypair

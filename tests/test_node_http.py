@@ -20,7 +20,8 @@ import pytest
 from node.cli import main
 from p2p_sync.errors import PeerError
 from p2p_sync.protocol.peers import PeerLimits
-from p2p_sync.runtime.config import ConfigError, NodeConfig, load
+from p2p_sync.runtime.config import ConfigError, NodeConfig
+from p2p_sync.runtime.configfile import load
 from p2p_sync.runtime.early import _round_trip
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import HaveMark, Store

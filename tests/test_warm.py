@@ -1,4 +1,4 @@
-"""A fresh node compiles its codec's scans at start (``p2p_sync.runtime.node.warm_codec``), not on
+"""A fresh node compiles its codec's scans at start (``p2p_sync.runtime.warm.warm_codec``), not on
 its
 first version: numba compiles per argument types, and a warm-up that misses a path leaves
 seconds of compiling to the first real patch (7 s for the median rollout of the emulated
@@ -21,7 +21,7 @@ SCRIPT = r"""
 import json, sys
 import torch
 from numba.core import event
-from p2p_sync.runtime.node import warm_codec
+from p2p_sync.runtime.warm import warm_codec
 from p2p_sync import codec
 from p2p_sync.weights.patch import diff
 from p2p_sync.store.restore import apply_frames

@@ -1,4 +1,4 @@
-"""Node configuration: one tree of frozen dataclasses, loaded from TOML, overridden by flags.
+"""Node configuration: one tree of frozen dataclasses, and the checks a node makes of it.
 
 The top level holds what an operator sets per node (role, addresses, keys, peers, files). Every
 limit lives in a section, and each section is the very dataclass the code it bounds takes, so
@@ -27,8 +27,8 @@ private,
 reserved
 ==============  ===========================================  ================================
 
-Flags and keyword arguments name a section's field with a dot (``"download.stall_timeout_s"``)
-or give a whole section (a dict, or the dataclass). Errors name the field:
+Settings are read into it by :mod:`p2p_sync.runtime.configfile` (a TOML file, keyword
+arguments, flags); :func:`check` refuses what cannot work. Errors name the field:
 ``config: peers: 'ftp://x': the scheme must be http, https or p2p ...``,
 ``config: download.max_requests_total: must be >= 1``; a setting from before the tree names
 where it went.
@@ -37,17 +37,15 @@ where it went.
 from __future__ import annotations
 
 import re
-import tomllib
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 from p2p_sync.errors import ConfigError, MalformedPeerUrlError
 from p2p_sync.protocol.peers import PeerLimits, peer_name
 from p2p_sync.protocol.reachability import MODES, ReachabilityLimits, RelayBounds
 from p2p_sync.protocol.swarmconfig import SwarmConfig
 from p2p_sync.protocol.versions import PublishPolicy
-from p2p_sync.settings import check_numbers, from_table, typed
+from p2p_sync.settings import check_numbers
 from p2p_sync.store import StoreLimits
 from p2p_sync.transport import tcp
 from p2p_sync.transport.limits import HttpLimits
@@ -56,7 +54,7 @@ from p2p_sync.trust.manifest import ManifestLimits
 from p2p_sync.trust.trusted import TrustLimits
 from p2p_sync.weights.threads import usable_cores
 
-__all__ = ["ConfigError", "Libp2pLimits", "NodeConfig", "load"]
+__all__ = ["ConfigError", "Libp2pLimits", "NodeConfig", "check"]
 
 ROLES = ("trainer", "rollout", "bootstrap")
 MULTIADDR = re.compile(r"^(/[A-Za-z0-9.\-_:\[\]]+)+$")
@@ -122,8 +120,6 @@ class NodeConfig:
 
 
 SECTIONS = {f.name for f in fields(NodeConfig) if f.default_factory is not MISSING}
-_PATHS = {"data_dir", "key", "watch", "export"}
-_TUPLES = {"trust", "peers", "bootstrap", "publish.catchup_spans"}
 _ZERO_OK = {
     "download.seed",
     "download.request_bytes",  # 0: one chunk a request
@@ -138,118 +134,6 @@ _ZERO_OK = {
     "reachability.max_channels",  # 0: take no reverse channels
     "store.max_versions",  # 0: only what replay and newcomers need
 }
-_MOVED = {  # settings from before the tree -> where they live now
-    "chunk_size": "publish.chunk_size",
-    "patch_format": "publish.patch_format",
-    "anchor_every": "publish.anchor_every",
-    "catchup_spans": "publish.catchup_spans",
-    "manifest_lifetime_s": "publish.lifetime_s",
-    "seed_outstanding": "publish.seed_outstanding",
-    "reseed_after_s": "publish.reseed_after_s",
-    "watch_interval_s": "publish.watch_interval_s",
-    "checkpoint_every": "store.checkpoint_every",
-    "store_max_gb": "store.max_gb",
-    "max_upload_mbps": "http.max_upload_mbps",
-    "max_concurrent_uploads": "http.max_concurrent_uploads",
-    "upload_queue": "http.upload_queue",
-    "max_requests_per_peer": "download.max_requests_per_peer",
-    "min_requests_per_peer": "download.min_requests_per_peer",
-    "max_requests_total": "download.max_requests_total",
-    "min_request_timeout_s": "download.min_request_timeout_s",
-    "stall_timeout_s": "download.stall_timeout_s",
-    "have_poll_s": "download.have_poll_s",
-    "max_sources": "download.max_sources",
-    "max_peers": "directory.max_peers",
-    "max_unproven_peers": "directory.max_unproven",
-    "peer_max_failures": "directory.max_failures",
-    "poll_fanout": "directory.poll_fanout",
-    "poll_interval_s": "directory.poll_interval_s",
-    "announce_max_age_s": "announce.max_age_s",
-    "announce_per_s": "announce.per_s",
-    "p2p_max_connections": "libp2p.max_connections",
-    "p2p_max_rejects": "libp2p.max_rejects",
-    "p2p_refresh_s": "libp2p.refresh_s",
-    "p2p_start_timeout_s": "libp2p.start_timeout_s",
-}
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """A TOML or flag value in the field's type (paths, comma-separated lists)."""
-    if value is None:
-        return None
-    if name in _PATHS:
-        return Path(value)
-    if name in _TUPLES:
-        items = value.split(",") if isinstance(value, str) else list(value)
-        items = [i.strip() if isinstance(i, str) else i for i in items]
-        if name == "publish.catchup_spans":
-            return tuple(int(i) for i in items)
-        return tuple(i for i in items if i)
-    return value
-
-
-def _nest(values: dict[str, Any]) -> dict[str, Any]:
-    """Dotted keys (``download.stall_timeout_s``) into their section's table."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        section, dot, rest = key.partition(".")
-        if not dot:
-            out[key] = value
-            continue
-        if section not in SECTIONS:
-            raise ConfigError(f"config: {key}: unknown setting")
-        table = out.setdefault(section, {})
-        if not isinstance(table, dict):
-            table = out[section] = {f.name: getattr(table, f.name) for f in fields(table)}
-        table[rest] = value
-    return out
-
-
-def _unknown(key: str) -> ValueError:
-    moved = _MOVED.get(key)
-    if moved is None:
-        return ValueError(f"{key}: unknown setting")
-    section, _, name = moved.partition(".")
-    return ValueError(f"{key}: now {name} in the [{section}] table")
-
-
-def _build(values: dict[str, Any]) -> NodeConfig:
-    default = NodeConfig()
-    changes: dict[str, Any] = {}
-    for key, value in _nest(values).items():
-        try:
-            if key in SECTIONS:
-                changes[key] = from_table(key, getattr(default, key), value, _coerce)
-            elif key in {f.name for f in fields(NodeConfig)}:
-                changes[key] = typed(key, _coerce(key, value), getattr(default, key))
-            else:
-                raise _unknown(key)
-        except ValueError as exc:
-            raise ConfigError(f"config: {exc}") from None
-    return replace(default, **changes)
-
-
-def load(path: Path | None, overrides: dict[str, Any]) -> NodeConfig:
-    """Settings from the TOML file at ``path`` (if any), then non-None ``overrides``."""
-    values: dict[str, Any] = {}
-    if path is not None:
-        try:
-            values = tomllib.loads(path.read_text())
-        except OSError as exc:
-            raise ConfigError(f"config: cannot read {path} ({exc.strerror})") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config: {path} is not valid TOML ({exc})") from None
-    values = _nest(values)
-    for key, value in _nest({k: v for k, v in overrides.items() if v is not None}).items():
-        if key in SECTIONS and isinstance(value, dict) and isinstance(values.get(key), dict):
-            values[key] = {**values[key], **value}
-        else:
-            values[key] = value
-    cfg = _build(values)
-    check(cfg)
-    return cfg
-
-
 # ---------------------------------------------------------------- checks
 
 

@@ -6,19 +6,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Iterable
+from typing import Any
 
 from p2p_sync.bounded import remember, trim
 from p2p_sync.protocol.havelog import HaveLog
 from p2p_sync.protocol.peers import P2P, Source
 from p2p_sync.protocol.seeding import SuperSeeder
+from p2p_sync.runtime.ports import ViewHost
 from p2p_sync.store import HaveMark
 from p2p_sync.transport.announcement import Pushed
-
-if TYPE_CHECKING:
-    from p2p_sync.runtime.node import Node
-
 
 MAX_LOGS = 64  # have logs kept (one per payload being served; the oldest forgotten)
 MAX_FOLLOWING = 256  # peers remembered per payload as following its have-map here
@@ -36,7 +33,7 @@ async def _wait(news: asyncio.Event, timeout: float) -> None:
 class DataView:
     """A rollout's (and a bootstrap's) data plane: it serves every chunk it holds."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ViewHost) -> None:
         self.node = node
         self._have_news = asyncio.Event()  # set (and replaced) whenever a have-map grows
         self._have_memo: dict[str, list[int]] = {}  # have-maps computed since that news
@@ -180,8 +177,13 @@ class DataView:
         node (its key proved in the handshake: as good as a signed record)."""
         if upload:
             self.node.add_peer(url, Source.REQUESTER, remote)
-        elif url.startswith(P2P) and self.node.linked(url):
+        elif url.startswith(P2P) and url.removeprefix(P2P) in self._linked_ids():
             self.node.add_peer(url, Source.RECORD, remote)
+
+    def _linked_ids(self) -> Iterable[str]:
+        """The peer ids connected to this node over libp2p now (their keys proved in the
+        connections' handshakes); none in memory, or with libp2p off."""
+        return getattr(self.node.p2p, "connected_ids", None) or ()
 
     def issued(self, nonce: str) -> bool:
         return self.node.reach.issued(nonce)
@@ -200,7 +202,7 @@ class SeedingView(DataView):
     """The trainer's data plane: each requester is shown a few chunks of its own
     (super-seeding), so rollouts fetch different chunks and trade them among themselves."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ViewHost) -> None:
         super().__init__(node)
         self.seeder = SuperSeeder.of(node.cfg.publish)
         self._asked: dict[str, float] = {}  # requester -> when it last asked for a have-map

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import TYPE_CHECKING
 
 from p2p_sync.bounded import remember
 from p2p_sync.errors import PeerError
-
-if TYPE_CHECKING:
-    from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.ports import ForwardHost
 
 MAX_IN_FLIGHT = 32  # forwarded chunks on their way at once
 MAX_FAILED = 256  # (payload, peer) pairs a push failed for, remembered
@@ -40,7 +37,7 @@ MAX_FAILED = 256  # (payload, peer) pairs a push failed for, remembered
 class Forwarder:
     """One node's forwarded chunks."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ForwardHost) -> None:
         self.node = node
         self.sent = 0  # chunks forwarded (pushes that were accepted)
         self.posts = 0  # pushes tried (sent, and those that failed)

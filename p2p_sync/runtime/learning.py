@@ -14,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2p_sync.bounded import remember
 from p2p_sync.errors import (
@@ -32,15 +32,13 @@ from p2p_sync.protocol.versions import PATCH
 from p2p_sync.runtime.early import EarlyFeeds, follow_order
 from p2p_sync.runtime.forwarding import Forwarder
 from p2p_sync.runtime.peering import described
+from p2p_sync.runtime.ports import LearnHost
 from p2p_sync.runtime.pushed import PushedChunks
 from p2p_sync.transport.announcement import Pushed, pack_manifests
 from p2p_sync.transport.client import gather_quietly
 from p2p_sync.trust import announce
 from p2p_sync.trust.chunks import verify_chunk
 from p2p_sync.trust.manifest import Manifest
-
-if TYPE_CHECKING:
-    from p2p_sync.runtime.node import Node
 
 log = logging.getLogger("p2psync.node")
 _SAMPLER = random.Random()  # poll-target sampling (the sans-I/O directory takes it passed in)
@@ -51,7 +49,7 @@ MAX_SEEDS = 16  # peers remembered as seeds (their announcements carried offers)
 class Learner:
     """One node's manifest traffic, both ways."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: LearnHost) -> None:
         self.node = node
         self.new_info = asyncio.Event()  # set whenever a manifest is accepted
         self.announce_latency_ms: dict[int, int] = {}  # version -> trainer signing to here
@@ -522,7 +520,7 @@ class Learner:
         node = self.node
         if len(self._p2p_urls) < 4 * node.cfg.directory.max_peers:
             self._p2p_urls.add(url)
-        known = url in node.peers
+        known = url in node.peering.known
         node.add_peer(url, Source.GIVEN if bootstrap else Source.RECORD)
-        if not known and url in node.peers and node.cfg.role != "bootstrap":
+        if not known and url in node.peering.known and node.cfg.role != "bootstrap":
             self.spawn(self._ask_head(url))

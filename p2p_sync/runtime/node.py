@@ -1,36 +1,35 @@
 """A running node: store, trust gate, peers, data plane and client, libp2p, metrics.
 
 Trainer and rollout share this; each adds its own loop (``trainer.Publisher``,
-``rollout.Follower``). The parts, one concern each: ``Peering`` (the sans-I/O peer directory
-and what its actions do), ``Learner`` (manifests in and out: announcements, gossip, polls),
-``DataView`` (what the HTTP data plane serves), ``Metrics``. Peers are learned from
-``--peers``, from what proves a peer (a dial-back, a signed libp2p record, chunks it fetched
-from us: ``p2p_sync.protocol.peers``) and from trusted peers' ``/peers`` lists (peer exchange), so
-one
-shared list bootstraps everyone. New versions spread by push (``POST /announce``, relayed once
-by every node that accepts the manifest) with a periodic pull of ``/manifests`` as the
-fallback for anything missed.
+``rollout.Follower``). The node builds its parts, one concern each, and starts and stops
+them: ``Peering`` (the sans-I/O peer directory and what its actions do), ``Learner``
+(manifests in and out: announcements, gossip, polls), ``ReachabilityCheck`` (how peers see
+it), ``DataView`` (what the HTTP data plane serves), ``Metrics``. Each part names what it
+uses of the node in ``runtime.ports``, so none of them imports this module.
 
-The wire is the node's ``transport`` (``p2p_sync.runtime.transports``): sockets (aiohttp, libp2p)
-by default,
-or an in-memory network that puts many nodes in one process for tests; the node's parts answer
-and judge the same way on either.
+Peers are learned from ``--peers``, from what proves a peer (a dial-back, a signed libp2p
+record, chunks it fetched from us: ``p2p_sync.protocol.peers``) and from trusted peers'
+``/peers`` lists (peer exchange), so one shared list bootstraps everyone. New versions spread
+by push (``POST /announce``, relayed once by every node that accepts the manifest) with a
+periodic pull of ``/manifests`` as the fallback for anything missed.
 
-With libp2p (``transport/p2p.py``, on unless ``--no-p2p``) the peer source and the push path
-are pluggable additions, not a second code path: HTTP URLs from signed peer records feed
-``add_peer``; the trainer's signed gossip announcements, judged in the libp2p thread, feed
-the same store / ``learn`` path; and a newly discovered peer is asked for its head at once.
-HTTP pushes then go only to peers not reachable by gossip.
+The wire is the node's ``transport`` (``runtime.transports``): sockets (aiohttp, libp2p) by
+default, or an in-memory network that puts many nodes in one process for tests; the node's
+parts answer and judge the same way on either. libp2p (on unless ``--no-p2p``) is an
+addition, not a second code path: peers from signed records feed ``add_peer``, gossiped
+announcements the same ``learn`` path; HTTP pushes then go only to peers gossip misses.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from p2p_sync.protocol.peers import P2P, PeerDirectory, PeerEntry, Source
+from p2p_sync.protocol.peers import PeerDirectory, PeerEntry, Source
 from p2p_sync.protocol.reachability import Verdict
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.dataview import DataView
@@ -40,6 +39,7 @@ from p2p_sync.runtime.peering import Peering
 from p2p_sync.runtime.reachability import ReachabilityCheck
 from p2p_sync.runtime.timeline import Timeline
 from p2p_sync.runtime.transports import HttpTransport, MemoryTransport
+from p2p_sync.runtime.warm import warm_codec
 from p2p_sync.store import AcceptedState, Store
 from p2p_sync.transport.client import PeerClient
 from p2p_sync.transport.frames import peer_url
@@ -53,43 +53,6 @@ log = logging.getLogger("p2psync.node")
 Transport = HttpTransport | MemoryTransport
 
 
-def warm_codec() -> None:
-    """Diff, code and apply a small patch of each common float dtype, sparse and dense, so the
-    compiled scans of the codec and the state hash (numba, cached on disk) are ready before
-    the first version arrives: compiling them costs seconds of CPU per process, loading them
-    from the cache a few tenths, which would otherwise land on the first version.
-
-    Why 16,384 normal values and both patterns: numba compiles per argument types, and the
-    codec takes other paths (and array types) for dense frames, long gaps and wide exponent
-    spreads. Warmed with 4,096 evenly spaced values changed every 7th, a fresh node's first
-    real patch still compiled four scans (bf16, format 2, every element changed), two (format
-    1, 3% changed) or two (float32, format 2, dense): 1.7 s on its first apply against 0.13
-    s on the next, and in the emulated swarm (7 rollouts on 2 cores, a fresh cache) the
-    median rollout's first apply took 7 s. Now nothing compiles then (bf16, fp16 and fp32,
-    sparse and dense, both formats: checked with numba's compile events); warming takes
-    0.38 s from the cache (0.35 s before), ~6 s cold (3.4 s)."""
-    import torch
-
-    from p2p_sync import codec
-    from p2p_sync.store.restore import apply_frames
-    from p2p_sync.weights.patch import diff
-    from p2p_sync.weights.statehash import StateDigest
-
-    values = torch.randn(16384, generator=torch.Generator().manual_seed(0))  # real spreads
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        base = {"w": values.to(dtype)}
-        sparse = base["w"].clone()
-        sparse[::7] = -sparse[::7]
-        dense = (base["w"].float() * 1.01 + 0.001).to(dtype)
-        for new in (sparse, dense):
-            step = diff(base, {"w": new})
-            for data in (codec.encode(step, base=base), codec.encode(step)):  # formats 2, 1
-                weights = {"w": base["w"].clone()}  # applied as a rollout does, sums tracked
-                apply_frames(
-                    weights, memoryview(data), codec.read_header(data), StateDigest.of(weights)
-                )
-
-
 class Node:
     """Shared machinery of trainer and rollout nodes."""
 
@@ -98,11 +61,6 @@ class Node:
     # version handed off (logged *and* exported: the log comes first, rollout.py)
     reports_hand_off: bool = False
     handed_off: AcceptedState | None = None
-
-    @classmethod
-    def settle(cls, cfg: NodeConfig) -> NodeConfig:
-        """The settings this kind of node runs with (a trainer's upload slots: ``TrainerNode``)."""
-        return cfg
 
     def __init__(
         self,
@@ -113,19 +71,15 @@ class Node:
     ) -> None:
         """``transport``: sockets by default; ``MemoryTransport`` puts the node on an
         in-memory network (tests with many nodes in one process)."""
-        self.cfg, self.policy, self.store = self.settle(cfg), policy, store
+        self.cfg, self.policy, self.store = cfg, policy, store
         self.transport: Transport = transport or HttpTransport()
         self.metrics = Metrics()
         self.timeline = Timeline()  # when each step of a version happened here
         directory = PeerDirectory(cfg.directory, given=frozenset(cfg.peers))  # normalised
         self.peering = Peering(directory, self.metrics)
-        self.trusted = TrustedSet(
-            policy,
-            lambda: self.accepted_version,
-            cfg.trust_limits,
-            self._accepted_layout,
-            store.state_at,
-        )
+        layout = functools.partial(accepted_layout, store)
+        version = lambda: self.accepted_version  # noqa: E731 (read when asked)
+        self.trusted = TrustedSet(policy, version, cfg.trust_limits, layout, store.state_at)
         self.url: str | None = None  # its HTTP data plane (its name among peers: peer_url)
         self.client: PeerClient | None = None
         self.signer: SigningKey | None = None  # set on the trainer: signs gossip announcements
@@ -137,14 +91,7 @@ class Node:
         self.learner = Learner(self)
         self.reach = ReachabilityCheck(self)
         self.view = self.view_class(self)
-        self._check_store()
-
-    def _check_store(self) -> None:
-        """What the store holds passes the same gate as news (a key no longer trusted, a
-        manifest past its lifetime): refused ones are dropped."""
-        self.metrics.version.set(self.accepted_version if self.store.state else -1)
-        for digest, why in self.store.drop_refused(self.trusted.admit_stored):
-            log.warning("dropped stored manifest %s: %s", digest[:16], why)
+        drop_refused(self)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -154,8 +101,9 @@ class Node:
         self.peering.directory.me = {self.url}
         for peer in self.cfg.peers:
             self.add_peer(peer, Source.GIVEN)
-        if self.cfg.p2p:
-            await self._start_p2p()
+        if self.cfg.p2p:  # an addition: if it cannot start, the node carries on from --peers
+            self.p2p = await self.transport.gossip(self)
+            self.multiaddr = self.p2p.addr if self.p2p is not None else None
         self.renamed()
         await self.reach.first_round()
         self.reach.start()
@@ -168,11 +116,6 @@ class Node:
         # rollouts fetch 100 MB in 3.3 s instead of 4.0 s).
         gc.freeze()
         return self.url
-
-    async def _start_p2p(self) -> None:
-        """libp2p is an addition: if it cannot start, the node carries on from --peers."""
-        self.p2p = await self.transport.gossip(self)
-        self.multiaddr = self.p2p.addr if self.p2p is not None else None
 
     async def stop(self) -> None:
         await self.reach.stop()
@@ -190,8 +133,7 @@ class Node:
 
     @property
     def peer_url(self) -> str | None:
-        """How this node names itself to peers (``p2p_sync.runtime.reachability``): its HTTP URL
-        once
+        """How this node names itself to peers (``runtime.reachability``): its HTTP URL once
         someone could dial it; ``p2p://<peer id>`` when nobody could and libp2p streams carry
         its data plane; nothing while nobody has answered yet. Without streams (no libp2p,
         the in-memory network) it has no other name: its HTTP URL, unless behind NAT."""
@@ -201,12 +143,6 @@ class Node:
         if streams:
             return peer_url(self.p2p.peer_id) if verdict is Verdict.BEHIND_NAT else None
         return None if verdict is Verdict.BEHIND_NAT else self.url
-
-    def _lan_status(self) -> dict[str, Any] | None:
-        """LAN shortcuts to ``p2p://`` peers (``transport.lan``); None without libp2p."""
-        client = self.client
-        lan = client.lan if isinstance(client, RoutedClient) else None
-        return lan.status() if lan is not None else None
 
     @property
     def streams(self) -> bool:
@@ -223,30 +159,14 @@ class Node:
         if self.p2p is not None:
             behind_nat = self.reach.state.verdict is Verdict.BEHIND_NAT
             self.p2p.advertise(self.url if name == self.url else None, behind_nat)
-        self._relink()
+        relink(self.links, self.reach.state.verdict, self.peering.usable)
         log.info("reachability: %s", self.reach.describe())
-
-    def _relink(self) -> None:
-        """Behind NAT: reverse channels to the public peers known (up to the bound), which
-        then fetch from this node over them; reachable: none (peers dial it)."""
-        if self.links is None:
-            return
-        if self.reach.state.verdict is not Verdict.BEHIND_NAT:
-            self.links.drop_all()
-            return
-        for url in self.peering.usable():
-            self.links.offer(url)
-
-    @property
-    def peers(self) -> dict[str, PeerEntry]:
-        return self.peering.known
 
     def add_peer(
         self, url: str, source: Source = Source.HEARSAY, address: str | None = None
     ) -> None:
         """Someone named a peer, with what it proved (``p2p_sync.protocol.peers.Source``;
-        ``address``:
-        where the naming request came from)."""
+        ``address``: where the naming request came from)."""
         name = self.peering.add(url, source, address)
         if name is None:  # refused, banned or ourselves
             return
@@ -257,22 +177,14 @@ class Node:
     def ban(self, url: str, reason: str) -> None:
         self.peering.ban(url, reason)
 
-    def linked(self, url: str) -> bool:
-        """Does ``url`` (``p2p://<peer id>``) name a peer connected to this node over libp2p
-        now (its key proved in the connection's handshake)?"""
-        linked = getattr(self.p2p, "connected_ids", None) or ()  # none in memory, or off
-        return url.removeprefix(P2P) in linked
+    @property
+    def peers(self) -> dict[str, PeerEntry]:
+        return self.peering.known
 
     @property
     def accepted_version(self) -> int | None:
         state = self.store.state
         return state.version if state else None
-
-    def _accepted_layout(self) -> str | None:
-        """The layout of the weights held, when the artifact that made them is known."""
-        state = self.store.state
-        m = self.store.manifest(state.manifest) if state and state.manifest else None
-        return m.layout if m else None
 
     def evict(self) -> None:
         """Keep the chunk packs within the store's budget (after each new version)."""
@@ -306,6 +218,39 @@ class Node:
             "reachability": self.reach.status(),
             "reverse": self.transport.reverse_status(self),
             "tcp": self.transport.tcp_status(),
-            "lan": self._lan_status(),
+            "lan": lan_status(self.client),
             "forwarded": self.learner.forwarder.status(),
         }
+
+
+def drop_refused(node: Node) -> None:
+    """What the store holds passes the same gate as news (a key no longer trusted, a manifest
+    past its lifetime): refused ones are dropped."""
+    node.metrics.version.set(node.accepted_version if node.store.state else -1)
+    for digest, why in node.store.drop_refused(node.trusted.admit_stored):
+        log.warning("dropped stored manifest %s: %s", digest[:16], why)
+
+
+def accepted_layout(store: Store) -> str | None:
+    """The layout of the weights held, when the artifact that made them is known."""
+    state = store.state
+    m = store.manifest(state.manifest) if state and state.manifest else None
+    return m.layout if m else None
+
+
+def relink(links: ReverseLinks | None, verdict: Verdict, usable: Callable[[], list[str]]) -> None:
+    """Behind NAT: reverse channels to the public peers known (up to the bound), which then
+    fetch from this node over them; reachable: none (peers dial it)."""
+    if links is None:
+        return
+    if verdict is not Verdict.BEHIND_NAT:
+        links.drop_all()
+        return
+    for url in usable():
+        links.offer(url)
+
+
+def lan_status(client: PeerClient | None) -> dict[str, Any] | None:
+    """LAN shortcuts to ``p2p://`` peers (``transport.lan``); None without libp2p."""
+    lan = client.lan if isinstance(client, RoutedClient) else None
+    return lan.status() if lan is not None else None

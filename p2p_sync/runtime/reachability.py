@@ -16,17 +16,15 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from p2p_sync.errors import PeerError
 from p2p_sync.protocol.peers import Source
 from p2p_sync.protocol.reachability import Reachability, Verdict
 from p2p_sync.runtime.peering import described
+from p2p_sync.runtime.ports import ReachHost
 from p2p_sync.transport.frames import peer_url
 from p2p_sync.transport.messages import same_host
-
-if TYPE_CHECKING:
-    from p2p_sync.runtime.node import Node
 
 log = logging.getLogger("p2psync.node")
 NONCES = 64  # dial-back questions remembered (a bounded memory)
@@ -35,7 +33,7 @@ NONCES = 64  # dial-back questions remembered (a bounded memory)
 class ReachabilityCheck:
     """Asks, answers and keeps the verdict."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: ReachHost) -> None:
         self.node, self.limits = node, node.cfg.reachability
         self.state = Reachability(self.limits)
         self._nonces: collections.deque[str] = collections.deque(maxlen=NONCES)

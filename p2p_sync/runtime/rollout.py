@@ -33,10 +33,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from p2p_sync import jsonbounds
 from p2p_sync.errors import (
@@ -90,6 +89,16 @@ def hook_env(version: int, state_hash: str, export: Path | None) -> dict[str, st
     if export is not None:
         env["P2PSYNC_EXPORT"] = str(export.resolve())
     return env
+
+
+def _progress_bar() -> Any:
+    """A transient download bar on stderr (rich is loaded only when one is shown: an engine
+    importing the library does not pay for a terminal toolkit)."""
+    from rich.console import Console
+    from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
+
+    columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
+    return Progress(*columns, console=Console(stderr=True), transient=True)
 
 
 class Follower:
@@ -379,8 +388,7 @@ class Follower:
         unserved = self.unserved.get(m.digest)
         if not (self.node.cfg.progress or sys.stderr.isatty()):
             return await fetch_payload(self.node, m, unserved=unserved)
-        columns = (*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn())
-        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        with _progress_bar() as bar:
             task = bar.add_task(f"v{m.version} {m.kind}", total=m.payload_size)
             await fetch_payload(
                 self.node, m, on_chunk=lambda n: bar.advance(task, n), unserved=unserved

@@ -24,11 +24,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
+from p2p_sync.codec.catchup import merge_steps
 from p2p_sync.errors import LayoutMismatchError, StoreFullError, WeightsFileError
 from p2p_sync.protocol.versions import PublishPolicy, to_publish
 from p2p_sync.runtime.config import NodeConfig
@@ -39,7 +41,6 @@ from p2p_sync.store.restore import restore
 from p2p_sync.trust.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import PATCH, SNAPSHOT, Manifest, sign
-from p2p_sync.weights.catchup import merge_steps
 from p2p_sync.weights.patch import (
     DiffScratch,
     Patch,
@@ -75,10 +76,10 @@ class TrainerNode(Node):
 
     view_class = SeedingView
 
-    @classmethod
-    def settle(cls, cfg: NodeConfig) -> NodeConfig:
+    def __init__(self, cfg: NodeConfig, *args: Any, **kwargs: Any) -> None:
         slots = cfg.publish.seed_uploads or cfg.download.max_sources
-        return replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
+        settled = replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
+        super().__init__(settled, *args, **kwargs)
 
 
 @dataclass

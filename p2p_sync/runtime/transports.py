@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
+from p2p_sync.runtime.ports import WireHost
 from p2p_sync.transport.client import PeerClient
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.http import DataClient, DataServer
@@ -21,9 +22,6 @@ from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetw
 from p2p_sync.transport.reverse import ReverseClient, ReverseHub, ReverseLinks
 from p2p_sync.transport.streams import RoutedClient, StreamClient, direct_address
 from p2p_sync.trust import announce
-
-if TYPE_CHECKING:
-    from p2p_sync.runtime.node import Node
 
 log = logging.getLogger("p2psync.node")
 
@@ -34,17 +32,17 @@ class HttpTransport:
     def __init__(self) -> None:
         self.server: DataServer | None = None
 
-    async def serve(self, node: Node) -> str:
+    async def serve(self, node: WireHost) -> str:
         """Listen on the node's address; returns its advertised URL."""
         host, port = node.cfg.host_port
         self.server = DataServer(node.view, node.cfg.http)
         bound = await self.server.start(host, port)
         return f"http://{node.cfg.advertise_host or host}:{bound}"
 
-    def client(self, node: Node) -> PeerClient:
+    def client(self, node: WireHost) -> PeerClient:
         return DataClient(node.url, node.cfg.http)
 
-    async def gossip(self, node: Node) -> Any:
+    async def gossip(self, node: WireHost) -> Any:
         """A started libp2p host (its record names no HTTP URL until a peer could dial it);
         libp2p is an addition: if it cannot start, the node carries on from --peers (None)."""
         try:
@@ -75,7 +73,7 @@ class HttpTransport:
         self._serve_streams(node, host)
         return host
 
-    def _serve_streams(self, node: Node, host: Any) -> None:
+    def _serve_streams(self, node: WireHost, host: Any) -> None:
         """The data plane over libp2p streams and reverse channels too: the same router
         answers (one set of upload slots); ``p2p://`` peers are asked over their LAN shortcut
         (``transport.lan``), else the channel they opened here, else over streams. Behind NAT
@@ -96,7 +94,7 @@ class HttpTransport:
         node.client = RoutedClient(node.client, streams, reverse, lan)
         node.links = ReverseLinks(router, host.key_pair, host.peer_id, limits.links)
 
-    def reverse_status(self, node: Node) -> dict[str, Any] | None:
+    def reverse_status(self, node: WireHost) -> dict[str, Any] | None:
         """Reverse channels (``transport.reverse``): the ones this node opened behind NAT and
         the ones NATed peers opened to it; None without libp2p."""
         if node.links is None or self.server is None:
@@ -128,15 +126,15 @@ class MemoryTransport:
         self.url: str | None = None
         self.router: DataRouter | None = None
 
-    async def serve(self, node: Node) -> str:
+    async def serve(self, node: WireHost) -> str:
         self.router = DataRouter(node.view, node.cfg.http)
         self.url = self.network.listen(self.router, self.name)
         return self.url
 
-    def client(self, node: Node) -> PeerClient:
+    def client(self, node: WireHost) -> PeerClient:
         return MemoryClient(self.network, node.url, node.cfg.http)
 
-    async def gossip(self, node: Node) -> MemoryGossipHost:
+    async def gossip(self, node: WireHost) -> MemoryGossipHost:
         assert node.url is not None
         learner, limits = node.learner, node.cfg.libp2p
         host = MemoryGossipHost(
@@ -158,7 +156,7 @@ class MemoryTransport:
     def tcp_status(self) -> None:
         return None  # no sockets
 
-    def reverse_status(self, node: Node) -> None:
+    def reverse_status(self, node: WireHost) -> None:
         return None  # the in-memory network has no NAT
 
     async def stop(self) -> None:

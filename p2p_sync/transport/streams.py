@@ -35,13 +35,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import trio
 
 if TYPE_CHECKING:
     from p2p_sync.transport.lan import LanShortcuts
-    from p2p_sync.transport.reverse import ReverseClient
 
 from p2p_sync.errors import PeerError, PeerUnreachableError
 from p2p_sync.transport.client import PeerClient, check_reply
@@ -337,6 +336,19 @@ class StreamClient(FramedClient):
         )
 
 
+class ChannelHub(Protocol):
+    """The reverse channels peers opened to this node: does one lead to ``url`` now?"""
+
+    def has(self, url: str) -> bool: ...
+
+
+class ChannelClient(PeerClient, Protocol):
+    """A client over those channels (``transport.reverse.ReverseClient``): named here by what
+    the router uses of it, so this module need not import the channels' own."""
+
+    hub: ChannelHub
+
+
 class RoutedClient:
     """One client for all peers: ``p2p://`` names go over their LAN shortcut when one holds
     (``transport.lan``: plain HTTP on the peer's own network), else over the reverse channel
@@ -347,7 +359,7 @@ class RoutedClient:
         self,
         http: PeerClient,
         streams: StreamClient,
-        reverse: ReverseClient | None = None,
+        reverse: ChannelClient | None = None,
         lan: LanShortcuts | None = None,
     ) -> None:
         self.http, self.streams, self.reverse, self.lan = http, streams, reverse, lan

@@ -1,0 +1,19 @@
+"""The application's errors: a command that cannot run as asked, a node that cannot start.
+
+They derive from the library's :class:`~p2p_sync.errors.P2PSyncError`, so the CLI prints every
+failure the same way; the exit status tells them apart (2 for a node that could not start).
+"""
+
+from __future__ import annotations
+
+from p2p_sync.errors import P2PSyncError
+
+
+class StartupError(P2PSyncError):
+    """The node could not start: a port in use, a key it cannot read, a data dir it may not
+    write, a watch dir that is not there. The CLI prints one line and exits 2, as for a bad
+    flag: nothing ran, so nothing is lost."""
+
+
+class CommandError(P2PSyncError):
+    """A command cannot run as asked (bad file, bad argument)."""
