@@ -213,6 +213,10 @@ def _add_node_network(node: argparse.ArgumentParser) -> None:
         'TCP congestion control of the data plane\'s sockets, e.g. "bbr" on fast, long links; '
         "none: the host's",
     )
+    _add_node_libp2p(node)
+
+
+def _add_node_libp2p(node: argparse.ArgumentParser) -> None:
     _flag(
         node,
         "--bootstrap",
