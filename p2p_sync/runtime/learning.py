@@ -315,7 +315,7 @@ class Learner:
         behind: dict[str, int],
     ) -> tuple[dict[str, Any], list[bytes], bytes]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
-        the chunks we hand it (``_offers``) and, unless gossip reaches it, the manifests
+        the chunks we hand it (``_offers_to``) and, unless gossip reaches it, the manifests
         (``inline``: packed, and the size they unpack to) when within the receiver's limit
         (returned apart: the framed body carries them); whether the news also went out by
         gossip (a node on the mesh then takes the manifests from it: our view of the mesh is
@@ -323,7 +323,7 @@ class Learner:
         assert self.node.client is not None
         extra: dict[str, Any] = {}
         if peer in followers:
-            extra["offers"] = self._offers(peer, digests)
+            extra["offers"] = self._offers_to(peer, digests)
         if self.node.p2p is not None:
             extra["gossiped"] = True
         packed, size = inline
@@ -337,7 +337,7 @@ class Learner:
                 extra["pushing"] = pushing
         return extra, chunks, manifests
 
-    def _offers(self, peer: str, digests: list[str]) -> dict[str, Any]:
+    def _offers_to(self, peer: str, digests: list[str]) -> dict[str, Any]:
         """The chunks of each payload handed to the follower ``peer`` (its first have-map
         answer, ahead of its question)."""
         view = self.node.view
