@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -55,7 +56,6 @@ def run(
     print a line per version as it lands, then the table. True when every rollout ends
     bit-identical to the trainer."""
     swarm = Swarm(root, chunk_size=64 * 1024)
-    table = _version_table()
     try:
         console.print(
             f"starting a trainer and {followers} rollouts (each loads torch and the codec) ..."
@@ -65,21 +65,36 @@ def run(
         console.print(f"trainer {trainer.url}; rollouts " + ", ".join(r.url for r in rollouts))
         for line in LEGEND:
             console.print(f"  [dim]{line}[/]")
-        last = None
-        for v, weights in enumerate(Workload(size, lr=1e-6).versions(n_versions)):
-            if v == late_at:
-                rollouts.append(swarm.start_rollout("rollout-late", [rollouts[0].url]))
-                console.print(f"rollout-late joins at v{v} ({rollouts[-1].url})")
-            row = _publish_version(swarm, trainer, rollouts, v, weights)
-            table.add_row(*row)
-            console.print(f"v{v} {row[1]}: applied by all in {row[2]}, exported in {row[3]}")
-            last = weights
-        console.print(table)
+        last = _versions(swarm, trainer, rollouts, size, n_versions, late_at, console)
         if late_at < n_versions:
             console.print(_late_joiner(trainer, rollouts))
         return _check(swarm, rollouts, last, console)
     finally:
         swarm.stop()
+
+
+def _versions(
+    swarm: Swarm,
+    trainer: Proc,
+    rollouts: list[Proc],
+    size: str,
+    n_versions: int,
+    late_at: int,
+    console: Console,
+) -> Any:
+    """Publish the versions, a line per version as it lands (a rollout joins at ``late_at``),
+    then the table; returns the last version's weights."""
+    table, last = _version_table(), None
+    for v, weights in enumerate(Workload(size, lr=1e-6).versions(n_versions)):
+        if v == late_at:
+            rollouts.append(swarm.start_rollout("rollout-late", [rollouts[0].url]))
+            console.print(f"rollout-late joins at v{v} ({rollouts[-1].url})")
+        row = _publish_version(swarm, trainer, rollouts, v, weights)
+        table.add_row(*row)
+        console.print(f"v{v} {row[1]}: applied by all in {row[2]}, exported in {row[3]}")
+        last = weights
+    console.print(table)
+    return last
 
 
 def _late_joiner(trainer: Proc, rollouts: list[Proc]) -> str:

@@ -22,7 +22,8 @@ from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.identity import policy_for
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
-from p2p_sync.runtime.trainer import Publisher, TrainerNode, watch
+from p2p_sync.runtime.trainer import Publisher, TrainerNode
+from p2p_sync.runtime.watchdir import watch
 from p2p_sync.store import Store
 
 
@@ -212,6 +213,10 @@ def _add_node_network(node: argparse.ArgumentParser) -> None:
         'TCP congestion control of the data plane\'s sockets, e.g. "bbr" on fast, long links; '
         "none: the host's",
     )
+    _add_node_libp2p(node)
+
+
+def _add_node_libp2p(node: argparse.ArgumentParser) -> None:
     _flag(
         node,
         "--bootstrap",

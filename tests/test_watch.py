@@ -17,7 +17,8 @@ import torch
 from p2p_sync.protocol.versions import PublishPolicy
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
-from p2p_sync.runtime.trainer import REJECTED, Listed, Publisher, TrainerNode, aside, to_try, watch
+from p2p_sync.runtime.trainer import Publisher, TrainerNode
+from p2p_sync.runtime.watchdir import REJECTED, Listed, aside, to_try, watch
 from p2p_sync.store import Store
 from p2p_sync.trust.keys import SigningKey, write_keypair
 from p2p_sync.trust.manifest import SwarmPolicy
@@ -238,8 +239,8 @@ def test_a_full_disk_while_noting_a_published_file_is_one_line_and_noted_later(
     name stays remembered in memory, and the next write once there is room holds both."""
     import errno
 
-    import p2p_sync.runtime.trainer as trainer_mod
-    from p2p_sync.runtime.trainer import Spool
+    import p2p_sync.runtime.watchdir as trainer_mod
+    from p2p_sync.runtime.watchdir import Spool
 
     store = Store.open(tmp_path / "data")
     spool = Spool(tmp_path, store)

@@ -316,35 +316,44 @@ class Learner:
         behind: dict[str, int],
     ) -> tuple[dict[str, Any], list[bytes], bytes]:
         """What our own announcement carries to ``peer`` beyond the digests: to a follower,
-        the chunks we hand it (its first have-map answer, ahead of its question) and, unless
-        gossip reaches it, the manifests (``inline``: packed, ``pack_manifests``, and the
-        size they unpack to; it would fetch them from us right after), when that stays within
-        the receiver's limit (returned apart: the framed body carries them); and whether the
-        news also went out by gossip (a node on the mesh then takes the manifests from it: our
-        view of who is on the mesh is not complete, so a follower we think off the mesh may be
-        on it); and, to a follower over HTTP with the manifests inline, the first
-        ``behind[peer]`` chunks handed to it, sent behind them (returned apart too)."""
+        the chunks we hand it (``_offers_to``) and, unless gossip reaches it, the manifests
+        (``inline``: packed, and the size they unpack to) when within the receiver's limit
+        (returned apart: the framed body carries them); whether the news also went out by
+        gossip (a node on the mesh then takes the manifests from it: our view of the mesh is
+        not complete); and chunks sent behind inline manifests (``_pushed_behind``)."""
         assert self.node.client is not None
-        view, extra = self.node.view, {}
+        extra: dict[str, Any] = {}
         if peer in followers:
-            offers = {d: have for d in digests if (have := view.offer(d, peer)) is not None}
-            extra["offers"] = offers
+            extra["offers"] = self._offers_to(peer, digests)
         if self.node.p2p is not None:
             extra["gossiped"] = True
         packed, size = inline
-        manifests = b""
-        if peer in followers and peer not in self._p2p_urls:
-            if size <= self.node.client.limits.max_request_bytes:
-                manifests = packed
+        to_follower = peer in followers and peer not in self._p2p_urls
+        fits = size <= self.node.client.limits.max_request_bytes
+        manifests = packed if to_follower and fits else b""
         chunks: list[bytes] = []
         if manifests and behind.get(peer):
-            digest = self._push_digest(digests)
-            budget = self.node.client.limits.max_push_bytes
-            sent = view.pushable(digest, peer, behind[peer], budget)
-            if sent:
-                extra["pushing"] = [[digest, i, len(data)] for i, data in sent]
-                chunks = [data for _, data in sent]
+            pushing, chunks = self._pushed_behind(peer, digests, behind[peer])
+            if chunks:
+                extra["pushing"] = pushing
         return extra, chunks, manifests
+
+    def _offers_to(self, peer: str, digests: list[str]) -> dict[str, Any]:
+        """The chunks of each payload handed to the follower ``peer`` (its first have-map
+        answer, ahead of its question)."""
+        view = self.node.view
+        return {d: have for d in digests if (have := view.offer(d, peer)) is not None}
+
+    def _pushed_behind(
+        self, peer: str, digests: list[str], count: int
+    ) -> tuple[list[list[Any]], list[bytes]]:
+        """The first ``count`` chunks handed to ``peer``, to send behind the announcement
+        (within the push limit): their ``pushing`` entries and their bytes."""
+        assert self.node.client is not None
+        digest = self._push_digest(digests)
+        budget = self.node.client.limits.max_push_bytes
+        sent = self.node.view.pushable(digest, peer, count, budget)
+        return [[digest, i, len(data)] for i, data in sent], [data for _, data in sent]
 
     def _behind(self, digests: list[str], peers: list[str], followers: set[str]) -> dict[str, int]:
         """How many chunks each follower over HTTP gets behind the announcement: what our

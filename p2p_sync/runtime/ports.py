@@ -69,6 +69,12 @@ class Served(Protocol):
 
     def following(self, digest: str) -> list[str]: ...
 
+    def offer(self, digest: str, peer: str) -> list[int] | None: ...
+
+    def pushable(
+        self, digest: str, peer: str, count: int, budget: int
+    ) -> list[tuple[int, bytes]]: ...
+
 
 class Uploads(Protocol):
     """The wire, as the forwarder asks how busy the uplink is."""

@@ -124,11 +124,7 @@ class Follower:
         self.digest: StateDigest | None = None  # the weights' sums, kept current in O(patch)
         self.into = dict(into) if into is not None else None  # an engine's tensors, if attached
         self._rebuild(self.into)  # the head, from the checkpoint and the logged patches
-        self.refused: set[str] = set()  # manifests whose verified payload failed to apply
-        self.stalled: set[str] = set()  # manifests whose download stalled: planned around once
-        # by manifest, the peers that claimed a chunk of it and did not serve it when its
-        # download stalled: a later download of it does not count them as its sources
-        self.unserved: dict[str, dict[int, set[str]]] = {}
+        self._start_planning()
         self.pending: list[tuple[Manifest, float]] = []  # fetched, not yet applied (hold mode)
         self.ready = asyncio.Event()  # set while ``pending`` is not empty
         self.advanced = asyncio.Event()  # replaced (after being set) at every applied version
@@ -138,6 +134,14 @@ class Follower:
         self.full = False  # paused by a full disk: the next applied version says it resumed
         node.reports_hand_off = True  # a stale export is rewritten (run) before it is reported
         node.handed_off = None if self._export_stale() else node.store.state
+
+    def _start_planning(self) -> None:
+        """What the planner steers around, empty at first."""
+        self.refused: set[str] = set()  # manifests whose verified payload failed to apply
+        self.stalled: set[str] = set()  # manifests whose download stalled: planned around once
+        # by manifest, the peers that claimed a chunk of it and did not serve it when its
+        # download stalled: a later download of it does not count them as its sources
+        self.unserved: dict[str, dict[int, set[str]]] = {}
 
     # ------------------------------------------------------------ state
 
@@ -281,22 +285,14 @@ class Follower:
         self.weights = await asyncio.to_thread(self._apply_one, m)
         up.applied_at = time.time()
         t1 = time.perf_counter()
-        try:
-            self.node.store.record(m.version, m.target_state, m.digest)  # one fsynced line
-        except StoreFullError:  # not accepted after all: back to the logged state
-            await asyncio.to_thread(self._rebuild, self.weights)
-            raise
+        await self._record(m)
         t2 = time.perf_counter()
         exported = await self._export(m.version, m.target_state)
         self._checkpoint_if_due(m)
         if exported:
             self.node.handed_off = self.node.store.state
         up.apply_s, up.persist_s, up.export_s = t1 - t0, t2 - t1, time.perf_counter() - t2
-        up.at = time.time()
-        self.node.timeline.note(m.digest, "applied", up.applied_at)
-        self.node.timeline.note(m.digest, "handed_off", up.at)
-        up.timeline = self.node.timeline.of(m.digest)
-        self.node.evict()  # a few unlinks: inline
+        self._handed(m, up)
         self._note(up)
         self.node.metrics.version.set(m.version)
         if self.callback is not None:
@@ -304,6 +300,22 @@ class Follower:
         if exported:
             await self._hook(m)
         return up
+
+    async def _record(self, m: Manifest) -> None:
+        """The log record of ``m`` (one fsynced line); on a full disk, back to the logged state."""
+        try:
+            self.node.store.record(m.version, m.target_state, m.digest)
+        except StoreFullError:  # not accepted after all
+            await asyncio.to_thread(self._rebuild, self.weights)
+            raise
+
+    def _handed(self, m: Manifest, up: Update) -> None:
+        """``m`` is handed off now: its timeline noted, the store kept in budget."""
+        up.at = time.time()
+        self.node.timeline.note(m.digest, "applied", up.applied_at)
+        self.node.timeline.note(m.digest, "handed_off", up.at)
+        up.timeline = self.node.timeline.of(m.digest)
+        self.node.evict()  # a few unlinks: inline
 
     def _note(self, up: Update) -> None:
         if self.full:
@@ -405,30 +417,37 @@ class Follower:
         async with self._lock:
             await self._advance(m, fetch_s)
 
+    async def _take_plan(self, stop: asyncio.Event) -> bool:
+        """Step through the planned versions until one fails (then re-plan); False once
+        ``stop`` is set."""
+        for m in self._plan():
+            if stop.is_set():
+                return False
+            try:
+                await self.step(m)
+            except PatchError as exc:  # verified chunks, bad content: a trainer bug
+                log.error("v%d refused: %s; planning around it", m.version, exc)
+                self.refused.add(m.digest)
+                break
+            except DownloadStalledError as exc:  # nobody reachable serves it now
+                log.warning("%s; re-planning", exc)
+                self.stalled.add(exc.digest)
+                record = self.unserved.setdefault(exc.digest, {})
+                carry_unserved(record, exc.indices, exc.disowned)
+                self.node.learner.new_info.set()  # another path, at once
+                break
+            except StoreFullError:  # logged by the store: try again later
+                self.full = True
+                break
+        return True
+
     async def run(self, stop: asyncio.Event) -> None:
         await self._export_if_stale()
         try:
             while not stop.is_set():
                 self.node.learner.new_info.clear()
-                for m in self._plan():
-                    if stop.is_set():
-                        return
-                    try:
-                        await self.step(m)
-                    except PatchError as exc:  # verified chunks, bad content: a trainer bug
-                        log.error("v%d refused: %s; planning around it", m.version, exc)
-                        self.refused.add(m.digest)
-                        break
-                    except DownloadStalledError as exc:  # nobody reachable serves it now
-                        log.warning("%s; re-planning", exc)
-                        self.stalled.add(exc.digest)
-                        record = self.unserved.setdefault(exc.digest, {})
-                        carry_unserved(record, exc.indices, exc.disowned)
-                        self.node.learner.new_info.set()  # another path, at once
-                        break
-                    except StoreFullError:  # logged by the store: try again later
-                        self.full = True
-                        break
+                if not await self._take_plan(stop):
+                    return
                 wait = self.node.cfg.store.full_retry_s if self.full else 1.0
                 try:
                     await asyncio.wait_for(self.node.learner.new_info.wait(), wait)

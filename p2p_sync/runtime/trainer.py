@@ -5,9 +5,9 @@ drives it from ``--watch DIR``. Per version it publishes what ``versions.Publish
 (1-step patch, periodic anchor snapshot, aligned merged catch-up patches), stores and serves
 the chunks, persists the weights, and announces the manifests to its peers.
 
-Seeding: the trainer's have-map answers come from ``p2p_sync.protocol.seeding.SuperSeeder`` (each
-requester is shown chunks of its own), so the trainer's upload stays near one copy of the
-payload however many rollouts there are.
+Seeding: the trainer's have-map answers come from ``p2p_sync.protocol.seeding.SuperSeeder``
+(each requester is shown chunks of its own), so the trainer's upload stays near one copy of
+the payload however many rollouts there are. The ``--watch`` spool is ``runtime.watchdir``.
 """
 
 from __future__ import annotations
@@ -22,21 +22,20 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from p2p_sync import codec
-from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.codec.catchup import merge_steps
-from p2p_sync.errors import LayoutMismatchError, StoreFullError, WeightsFileError
+from p2p_sync.errors import StoreFullError, WeightsFileError
 from p2p_sync.protocol.versions import PublishPolicy, to_publish
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.dataview import SeedingView
 from p2p_sync.runtime.node import Node
-from p2p_sync.store import Store
+from p2p_sync.runtime.timings import Built, PublishTimings, sizes_line, timings_line
 from p2p_sync.store.restore import restore
 from p2p_sync.trust.chunks import file_chunk_hashes, manifest_for
 from p2p_sync.trust.keys import SigningKey
@@ -66,9 +65,6 @@ from p2p_sync.weights.weights_io import load_weights, open_weights, pread_into, 
 
 log = logging.getLogger("p2psync.trainer")
 
-# Frames are independent, and zstd and numpy release the GIL: encode on every core.
-Built = tuple[Manifest, bytes, bytes | Path]  # manifest, its signed bytes, payload (or its file)
-
 
 class TrainerNode(Node):
     """A node that seeds: each requester is shown a few chunks of its own (super-seeding),
@@ -80,25 +76,6 @@ class TrainerNode(Node):
         slots = cfg.publish.seed_uploads or cfg.download.max_sources
         settled = replace(cfg, http=replace(cfg.http, max_concurrent_uploads=slots))
         super().__init__(settled, *args, **kwargs)
-
-
-@dataclass
-class PublishTimings:
-    """Where one publish spent its time (seconds), for logs, /status and benchmarks."""
-
-    version: int = -1
-    diff_s: float = 0.0
-    encode_s: float = 0.0
-    hash_sign_s: float = 0.0
-    store_s: float = 0.0
-    snapshot_s: float = 0.0  # anchors: the full weights written as a pack and hashed (v1+:
-    # after the announcement, in the background)
-    total_s: float = 0.0
-    patch_bytes: int = 0
-    stored_at: float = 0.0  # wall clock (time.time()): stored and signed, about to be announced
-    finished_at: float = 0.0  # wall clock when the manifests were announced
-    catchup_s: float = 0.0  # merged catch-up patches, built after the announcement
-    catchup_bytes: int = 0
 
 
 class Publisher:
@@ -132,14 +109,7 @@ class Publisher:
         self.digest: StateDigest | None = None
         self._target_digest: StateDigest | None = None
         self.timings = PublishTimings()
-        # Recent 1-step patches for merged catch-up patches, kept encoded (format 1, fast to
-        # decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of
-        # positions; encoded they hold ~16 patch payloads. With format 2 on the wire the
-        # newest step waits decoded (a ``Patch``) until ``_encode_history`` codes it after the
-        # announcement: that coding is not on the way to the rollouts.
-        self.history: collections.deque[bytes | Patch] = collections.deque(
-            maxlen=max(self.policy.catchup_spans, default=0)
-        )
+        self.history = _history(self.policy)
         self._spans: asyncio.Task[None] | None = None  # catch-ups of the last version
         self._moved = False  # ``prev`` moved in place ahead of the store (a build in progress)
         self._rebuild_prev()
@@ -201,7 +171,8 @@ class Publisher:
     ) -> tuple[int, str, Patch | None, list[Built]]:
         """Each tensor diffed and coded as one frame while ``prev`` moves to it in place, as
         for a watched file: no whole ``Patch`` held (~0.3 GB of positions at 1B), no pass
-        left for ``_advance``."""
+        left for ``_advance``. Frames are independent, and zstd and numpy release the GIL:
+        every worker codes."""
         assert self.prev is not None and self.digest is not None
         layout = layout_of(self.prev)
         check_layout(layout, layout_of(new), "new version")
@@ -398,27 +369,33 @@ class Publisher:
         rollouts evict behind it (one that has applied ``version`` keeps its anchor as a
         record of that state: ``TrustedSet.is_record``). ``prev`` and the history hold
         ``version`` until this ends: the next publish waits for it (``spans_done``)."""
-        t, t0 = self.timings, time.perf_counter()  # still this version's timings
         with background_pool() as pool:  # the head's delivery and the next step go first
             loop = asyncio.get_running_loop()
             if self._span_jobs(version):
-                built = await loop.run_in_executor(pool, self._build_spans, version, target, layout)
-                await self._announce_behind(built)
-                t.catchup_s = time.perf_counter() - t0
-                t.catchup_bytes = sum(len(p) for *_, p in built)
-                log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, _sizes(built))
+                await self._spans_behind(loop, pool, version, target, layout)
             if anchor:
                 t1 = time.perf_counter()
                 snap = await loop.run_in_executor(
                     pool, self._snapshot, version, self.prev, target, layout
                 )
                 await self._announce_behind([snap])
-                t.snapshot_s = time.perf_counter() - t1
-                log.info("v%d anchor in %.2fs", version, t.snapshot_s)
+                self.timings.snapshot_s = time.perf_counter() - t1
+                log.info("v%d anchor in %.2fs", version, self.timings.snapshot_s)
             if checkpoint:
                 await loop.run_in_executor(pool, self._checkpoint, version, target)
             await loop.run_in_executor(pool, self._encode_history)
-        self.node.last_publish = dataclasses.asdict(t)
+        self.node.last_publish = dataclasses.asdict(self.timings)
+
+    async def _spans_behind(
+        self, loop: asyncio.AbstractEventLoop, pool: Any, version: int, target: str, layout: str
+    ) -> None:
+        """The catch-up spans of ``version``: built in ``pool``, stored and announced."""
+        t, t0 = self.timings, time.perf_counter()  # still this version's timings
+        built = await loop.run_in_executor(pool, self._build_spans, version, target, layout)
+        await self._announce_behind(built)
+        t.catchup_s = time.perf_counter() - t0
+        t.catchup_bytes = sum(len(p) for *_, p in built)
+        log.info("v%d catch-up patches in %.2fs: %s", version, t.catchup_s, sizes_line(built))
 
     async def _announce_behind(self, built: list[Built]) -> None:
         await asyncio.to_thread(self._put, built)
@@ -535,6 +512,17 @@ class Publisher:
             if self._moved:  # ``prev`` moved part or all of the way: back to the store's head
                 await asyncio.to_thread(self._rebuild_prev)
             raise
+        manifests = await self._announced(version, built, t0)
+        pending = any(isinstance(s, Patch) for s in self.history)
+        anchor, checkpoint = self._anchor_due(version), self._checkpoint_due(version)
+        if pending or anchor or checkpoint or self._span_jobs(version):
+            self._spans = asyncio.create_task(
+                self._publish_behind(version, target, manifests[0].layout, anchor, checkpoint)
+            )
+        return manifests
+
+    async def _announced(self, version: int, built: list[Built], t0: float) -> list[Manifest]:
+        """Stored: make room, announce the version and log what it cost (since ``t0``)."""
         self.node.evict()  # inline: the store is not shared across threads (a few unlinks)
         self.node.metrics.version.set(version)
         manifests = [m for m, _, _ in built]
@@ -544,13 +532,8 @@ class Publisher:
         t = self.timings
         t.total_s, t.finished_at = time.perf_counter() - t0, time.time()
         self.node.last_publish = dataclasses.asdict(t)
-        log.info("published v%d in %.2fs (%s): %s", version, t.total_s, _split(t), _sizes(built))
-        pending = any(isinstance(s, Patch) for s in self.history)
-        anchor, checkpoint = self._anchor_due(version), self._checkpoint_due(version)
-        if pending or anchor or checkpoint or self._span_jobs(version):
-            self._spans = asyncio.create_task(
-                self._publish_behind(version, target, manifests[0].layout, anchor, checkpoint)
-            )
+        summary = timings_line(t), sizes_line(built)
+        log.info("published v%d in %.2fs (%s): %s", version, t.total_s, *summary)
         return manifests
 
     async def aclose(self) -> None:
@@ -608,129 +591,10 @@ def _untied(weights: TensorSet) -> dict[str, torch.Tensor]:
     return {k: v.clone() if k in tied else v for k, v in weights.items()}
 
 
-def _split(t: PublishTimings) -> str:
-    return (
-        f"diff {t.diff_s:.2f}, encode {t.encode_s:.2f}, hash+sign {t.hash_sign_s:.2f}, "
-        f"store {t.store_s:.2f}, snapshot {t.snapshot_s:.2f}"
-    )
-
-
-def _sizes(built: list[Built]) -> str:
-    def one(m: Manifest) -> str:
-        since = "" if m.base_version is None else f" from v{m.base_version}"
-        return f"{m.kind}{since} {m.payload_size:,} B"
-
-    return ", ".join(one(m) for m, _, _ in built)
-
-
-REJECTED = "rejected"  # where --watch moves the files it cannot publish, inside the watch dir
-
-
-@dataclass(frozen=True)
-class Listed:
-    """A ``*.safetensors`` name in the watch dir, as listed: size and mtime -1 where it could
-    not be stat'ed (gone, or a dangling link: opening it says which)."""
-
-    path: Path
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, path: Path) -> Listed:
-        try:
-            st = path.lstat()
-        except OSError:
-            return cls(path, -1, -1)
-        return cls(path, st.st_size, st.st_mtime_ns)
-
-
-def to_try(listed: list[Listed], published: set[str], refused: set[Listed]) -> list[Path]:
-    """The files to publish now, oldest first (by mtime, then name): neither published (by
-    name) nor refused and left in place unchanged (by name, size and mtime)."""
-    fresh = [e for e in listed if e.path.name not in published and e not in refused]
-    return [e.path for e in sorted(fresh, key=lambda e: (e.mtime_ns, e.path.name))]
-
-
-def aside(directory: Path, name: str, taken: Callable[[Path], bool], tries: int = 1000) -> Path:
-    """Where a refused file goes: ``directory/rejected/name``, or ``name.1``, ``name.2``...
-    when an earlier one holds the name (the last try is overwritten)."""
-    folder = directory / REJECTED
-    for n in range(tries):
-        dest = folder / (name if n == 0 else f"{name}.{n}")
-        if not taken(dest):
-            return dest
-    return dest
-
-
-class Spool:
-    """The ``--watch`` dir as a spool: files renamed in are published once, in order; one
-    that cannot be (``refuse``) is moved aside to ``rejected/``. Names published are kept in
-    the data dir (``watched.txt``), so a restart does not publish them again."""
-
-    def __init__(self, directory: Path, store: Store) -> None:
-        self.directory, self.store = directory, store
-        seen_path = self.seen_path = store.root / "watched.txt"
-        self.published = set(seen_path.read_text().split("\n")) if seen_path.exists() else set()
-        self.refused: set[Listed] = set()  # refused but could not be moved: not retried as is
-
-    def fresh(self) -> list[Path]:
-        listed = [Listed.of(p) for p in self.directory.glob("*.safetensors")]
-        return to_try(listed, self.published, self.refused)
-
-    def done(self, path: Path) -> None:
-        """``path`` is published: remembered at once, written down as soon as the disk lets
-        (a full one is the store's one log line; the list is written again with the next)."""
-        self.published.add(path.name)
-        with contextlib.suppress(StoreFullError), self.store.writing("the watch list"):
-            atomic_write_bytes(self.seen_path, "\n".join(sorted(self.published)).encode())
-
-    def refuse(self, path: Path, problem: Exception) -> str:
-        """Move ``path`` aside; the log line: the file, the problem, and where it went."""
-        what = str(problem) if path.name in str(problem) else f"{path}: {problem}"
-        listed = Listed.of(path)
-        try:
-            (self.directory / REJECTED).mkdir(exist_ok=True)
-            dest = aside(self.directory, path.name, os.path.lexists)
-            os.rename(path, dest)
-        except FileNotFoundError:
-            return f"{what}; not published (the file is gone)"
-        except OSError as exc:
-            self.refused.add(listed)
-            return f"{what}; not published, left in place (cannot move it aside: {exc.strerror})"
-        return f"{what}; not published, moved to {dest}"
-
-
-async def watch(
-    publisher: Publisher, directory: Path, stop: asyncio.Event, interval: float = 0.2
-) -> None:
-    """Publish every ``*.safetensors`` that appears in ``directory``, in order of appearance.
-
-    Files must appear by rename (written elsewhere, then moved in), so a file is never read half
-    written. Names already published are remembered in the data dir across restarts.
-
-    A file that cannot be published (cut short or not safetensors, another layout or dtype than
-    v0, unreadable, a directory or a pipe) costs one log line naming it and the problem, and is
-    moved to ``directory/rejected/``; the trainer keeps serving and publishes the next file.
-    Moved rather than left in place: the watch dir is a spool, an operator finds every refused
-    file in one place, and none is read again at each restart. One that cannot be moved stays,
-    remembered by name, size and mtime until the process ends. Other failures (the store's
-    disk) are the node's, not the file's: a full one (``StoreFullError``) pauses the watch
-    until there is room, then the same file is published; the others stop the trainer.
-    """
-    spool = Spool(directory, publisher.node.store)
-    while not stop.is_set():
-        for path in spool.fresh():
-            try:
-                await publisher.publish_file(path)
-            except StoreFullError:  # logged by the store: this file again once there is room
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), publisher.node.cfg.store.full_retry_s)
-                break
-            except (WeightsFileError, LayoutMismatchError) as exc:
-                log.warning("watch: %s", spool.refuse(path, exc))
-                continue
-            spool.done(path)
-        try:
-            await asyncio.wait_for(stop.wait(), interval)
-        except TimeoutError:
-            pass
+def _history(policy: PublishPolicy) -> collections.deque[bytes | Patch]:
+    """Recent 1-step patches for merged catch-up patches, kept encoded (format 1, fast to
+    decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of positions;
+    encoded they hold ~16 patch payloads. With format 2 on the wire the newest step waits
+    decoded (a ``Patch``) until ``_encode_history`` codes it after the announcement: that
+    coding is not on the way to the rollouts."""
+    return collections.deque(maxlen=max(policy.catchup_spans, default=0))
