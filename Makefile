@@ -30,20 +30,20 @@ test: nftables $(STAMP)
 	$(PY) -m pytest -q --durations=15 -m serial; serial=$$?; \
 	exit $$(( parallel || serial ))
 
-# The emulated tier's NAT routers (tests/test_nat.py) need nftables' `nft`; `make test` runs
+# The emulated tier's NAT routers (tests/processes/test_nat.py) need nftables' `nft`; `make test` runs
 # this first. As root with apt-get (CI) this installs Debian's nftables when missing (apt-get
 # update only if the install fails); elsewhere it says so in one line and those tests skip.
 # Never fails the build.
 nftables:
 	@if command -v nft >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "nftables: nft missing, not installing (needs root and apt-get); tests/test_nat.py will skip"; \
+	  echo "nftables: nft missing, not installing (needs root and apt-get); tests/processes/test_nat.py will skip"; \
 	else \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  apt-get install -y -qq nftables >/dev/null 2>&1 \
 	  || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nftables >/dev/null 2>&1; } \
 	  && echo "nftables: installed $$(nft --version)" \
-	  || echo "nftables: apt-get could not install it; tests/test_nat.py will skip"; \
+	  || echo "nftables: apt-get could not install it; tests/processes/test_nat.py will skip"; \
 	fi
 
 format: $(STAMP)

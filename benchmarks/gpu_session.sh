@@ -46,15 +46,15 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
     | tee -a "$OUT/summary.txt"
 want() { [[ " ${STEPS:-cuda_tests device_7b api_7b node_tests} " == *" $1 "* ]]; }
 want cuda_tests && step cuda_tests "${CUDA_TESTS_S:-120}" python3 -m pytest -q -x \
-    -p no:cacheprovider tests/test_cuda.py tests/test_embedding.py tests/test_statehash.py \
-    tests/test_codec_v2.py
+    -p no:cacheprovider tests/codec/test_cuda.py tests/weights/test_embedding.py tests/weights/test_statehash.py \
+    tests/codec/test_codec_v2.py
 want device_7b && step device_7b "${DEVICE_S:-170}" python3 benchmarks/device.py --size 7b \
     --versions 3 --workers 8
 want api_7b && step api_7b "${API_S:-230}" python3 benchmarks/scale.py --size 7b --device cuda \
     --trainer-device cuda --skip-processes --versions 3 --patch-format "${API_FORMAT:-2}"
 want node_tests && step node_tests "${NODE_S:-120}" python3 -m pytest -q -p no:cacheprovider \
-    -n 8 tests/test_python_api.py tests/test_export.py tests/test_node_http.py \
-    tests/test_cli.py tests/test_swarm_integration.py tests/test_catchup.py tests/test_examples.py
+    -n 8 tests/library/test_python_api.py tests/weights/test_export.py tests/app/test_node_http.py \
+    tests/app/test_cli.py tests/processes/test_swarm_integration.py tests/weights/test_catchup.py tests/app/test_examples.py
 # where a 7B version's seconds go, serially (one worker: cProfile sees the main thread only);
 # the second version is profiled, so numba's first compile (no cache on a fresh machine) is not
 want profile_7b && step profile_7b "${PROFILE_S:-150}" python3 benchmarks/device.py --size 7b \

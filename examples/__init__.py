@@ -1,1 +1,1 @@
-"""Runnable examples of the Python API: tests/test_examples.py runs each of them."""
+"""Runnable examples of the Python API: tests/app/test_examples.py runs each of them."""

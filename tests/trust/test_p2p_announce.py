@@ -16,7 +16,7 @@ from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SwarmPolicy, canonical, sign
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOW_MS = 1_800_000_000_000
 TRAINER = SigningKey.generate()
 POLICY = SwarmPolicy("test", (TRAINER.public,))

@@ -1,7 +1,7 @@
 """Reverse channels (``p2p_sync.transport.reverse``): a node behind NAT serves a public peer over
 a WebSocket it opened. The handshake proves the peer id and refuses impersonation and channels
 passed on; hostile bytes either way close the channel and touch nothing else. Real aiohttp
-servers on loopback; the node-level run lives in tests/test_nat_serving.py."""
+servers on loopback; the node-level run lives in tests/transport/test_nat_serving.py."""
 
 from __future__ import annotations
 

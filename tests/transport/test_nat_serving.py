@@ -1,6 +1,7 @@
 """Nodes behind NAT: the reachability verdict from peers' dial-backs, the data plane over libp2p
 streams (``p2p://`` peers), and what hostile peers can and cannot do with either. Real aiohttp
-servers and real libp2p hosts on loopback; the netns tier (tests/test_emulated.py) runs them
+servers and real libp2p hosts on loopback; the netns tier (tests/processes/test_emulated.py) runs
+them
 behind real emulated NATs."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Its ports here are datagram socket pairs instead of AF_PACKET sockets on veths (a datagram keeps
 its boundaries, like a frame): one end is the switch's port, the other the host behind it. The
-delay over real namespaces is checked in ``tests/test_emulated.py``.
+delay over real namespaces is checked in ``tests/processes/test_emulated.py``.
 """
 
 from __future__ import annotations

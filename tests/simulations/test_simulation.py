@@ -25,7 +25,7 @@ from simulations.run import simulate
 from simulations.scenario import ScenarioError, from_dict, load
 from simulations.swarm_sim import SwarmSim, own_bound
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOWNLOAD = {f.name for f in fields(SwarmConfig)}
 MB = 1e6
 SMALL = dict(

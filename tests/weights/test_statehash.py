@@ -23,8 +23,8 @@ from p2p_sync.weights import hostsums, statehash
 from p2p_sync.weights.patch import Patch, apply, diff
 from p2p_sync.weights.statehash import StateDigest, state_hash
 from p2p_sync.weights.tensors import flat_bits, layout_of, spec_record
+from tests.codec.test_roundtrip_properties import DTYPES, SHAPES, change, version_pairs
 from tests.helpers import bit_equal, clone_set, random_bits
-from tests.test_roundtrip_properties import DTYPES, SHAPES, change, version_pairs
 
 
 def reference_sums(t: torch.Tensor) -> statehash.Sums:

@@ -1,7 +1,7 @@
 """LAN shortcuts (``transport.lan``): when a ``p2p://`` peer is reached over plain HTTP, and
 what a peer lying about itself gets. Real aiohttp servers on loopback play the peer's HTTP
 side; the libp2p side (a stream's answer, the connection's address) is given, as the end to
-end test in tests/test_nat_serving.py runs it for real."""
+end test in tests/transport/test_nat_serving.py runs it for real."""
 
 from __future__ import annotations
 

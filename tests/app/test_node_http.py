@@ -837,7 +837,7 @@ def test_a_trainer_sends_chunks_behind_its_announcement_over_http(
 ) -> None:
     from p2p_sync.runtime.dataview import SeedingView
 
-    # as measured in a running swarm: a round trip's worth of uplink (tests/test_behind.py)
+    # as measured in a running swarm: a round trip's worth of uplink (tests/protocol/test_behind.py)
     monkeypatch.setattr(SeedingView, "behind_budget", lambda self: 1e9)
     out = asyncio.run(_behind_over_http(tmp_path, tiny_versions[:2]))
 

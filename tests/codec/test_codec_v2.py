@@ -35,8 +35,8 @@ from p2p_sync.errors import (
 from p2p_sync.weights.patch import Patch, apply, diff, merge
 from p2p_sync.weights.statehash import state_hash
 from p2p_sync.weights.tensors import flat_bits, layout_of
+from tests.codec.test_roundtrip_properties import DENSITIES, KINDS, SHAPES, change, version_pairs
 from tests.helpers import bit_equal, clone_set, frame_from_streams, random_bits, rebuild
-from tests.test_roundtrip_properties import DENSITIES, KINDS, SHAPES, change, version_pairs
 
 FLOATS = [
     torch.bfloat16,

@@ -14,8 +14,8 @@ from p2p_sync.codec import frames as codec_frames
 from p2p_sync.codec.catchup import merge_steps
 from p2p_sync.errors import ChainBrokenError, LayoutMismatchError, MissingBaseError
 from p2p_sync.weights.patch import apply, diff, merge
+from tests.codec.test_roundtrip_properties import KINDS, change, version_pairs
 from tests.helpers import bit_equal, clone_set, random_bits
-from tests.test_roundtrip_properties import KINDS, change, version_pairs
 
 
 def chain_of(base: dict, steps: int, density: float, seed: int) -> list[dict]:

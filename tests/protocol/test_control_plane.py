@@ -399,7 +399,7 @@ def test_the_trainer_sends_a_follower_its_first_chunks_behind_the_news_and_they_
         return await serve(self, shas, req)
 
     monkeypatch.setattr(DataRouter, "_serve_chunks", spy)
-    # as measured in a running swarm: a round trip's worth of uplink (tests/test_behind.py)
+    # as measured in a running swarm: a round trip's worth of uplink (tests/protocol/test_behind.py)
     monkeypatch.setattr(SeedingView, "behind_budget", lambda self: 1e9)
     out = _run(_pushed_chunks(tmp_path, tiny_versions[:2], served))
     assert bit_equal(out["weights"], tiny_versions[1])

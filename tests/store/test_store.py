@@ -34,7 +34,7 @@ from p2p_sync.weights.statehash import state_hash
 from tests import store_writer
 from tests.helpers import snapshot_manifest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = SigningKey.generate()
 SWARM = SwarmPolicy("store", (KEY.public,)).swarm_id
 

@@ -43,7 +43,7 @@ from p2p_sync.trust.manifest import PATCH, SwarmPolicy
 from p2p_sync.weights.statehash import state_hash
 from tests.helpers import rollout_config, stop_follower_pair, trainer_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tmpfs_mountable() -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 from p2p_sync.transport.gossip import GossipValidator
 from p2p_sync.trust import announce
 from p2p_sync.trust.announce import Decision
-from tests.test_p2p_announce import NOW_MS, POLICY, message
+from tests.trust.test_p2p_announce import NOW_MS, POLICY, message
 
 FORWARDER = "12D3KooWforwarder"
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LINT = Path(sys.executable).with_name("lint-imports")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

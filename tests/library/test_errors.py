@@ -15,7 +15,7 @@ from node import errors as node_errors
 from p2p_sync import errors
 from simulations import errors as sim_errors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ELSEWHERE: dict[str, set[str]] = {}  # none: every exception class is in its layer's errors
 LAYERS = {"p2p_sync": errors, "node": node_errors, "simulations": sim_errors}
 HOME = {

@@ -13,7 +13,7 @@ import pytest
 from node.cli import build_parser, main
 from node.node_cmd import add_parsers
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRUST = ("--trust", "ed25519:" + "00" * 32)
 
 

@@ -1,0 +1,1 @@
+"""Tests of the library's edges: errors, bounded parsers, the layering, the embedding API."""

@@ -1,0 +1,1 @@
+"""Tests of the simulator: its models against closed forms, the CI scenario."""

@@ -1,0 +1,1 @@
+"""Tests of the durable store: checkpoint + log, packs, crash safety."""

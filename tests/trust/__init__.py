@@ -1,0 +1,1 @@
+"""Tests of trust: keys, manifests, the trusted gate, announcements, chunk checks."""

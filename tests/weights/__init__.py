@@ -1,0 +1,1 @@
+"""Tests of weights: diff, apply, merge, catch-up, state hash, export, engines."""
