@@ -437,7 +437,6 @@ def _arrivals(
     pids = [p.popen.pid for p in procs]
 
     def reached() -> bool:
-        now = time.monotonic()
         for p in procs:
             if p.popen.poll() is not None:
                 raise RuntimeError(
@@ -445,7 +444,9 @@ def _arrivals(
                     f"see {swarm.root / p.name}.log"
                 )
             if p.name not in seen and (p.status() or {}).get("version") == v:
-                seen[p.name], cpu[p.name] = now, CpuSample.take(pids)
+                # the clock read once the answer is in: a node's own hand-off time is never
+                # later (read before the questions, a late answer in a pass was dated early)
+                seen[p.name], cpu[p.name] = time.monotonic(), CpuSample.take(pids)
         return len(seen) == len(procs)
 
     return seen, cpu, reached
