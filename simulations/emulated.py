@@ -348,6 +348,27 @@ def _punched(rollouts: list[Proc], cfg: EmulationConfig) -> bool:
     return True
 
 
+# What a failed hole punch leaves in a node's py-libp2p log: the addresses each side offered,
+# where it dialed and how each dial ended (the CI machine is the one place a punch has failed)
+DCUTR_LOG = "relay.circuit_v2.dcutr:DEBUG"
+_DCUTR_WORDS = ("Advertising", "Error", "Timeout", "Failed", "failed", "Maximum", "Attempting")
+
+
+def _dcutr_trail(proc: Proc, keep: int = 12) -> list[str]:
+    """The last ``keep`` telling lines of ``proc``'s DCUtR log (none if it kept no log)."""
+    path = proc.data_dir.parent / f"{proc.name}.libp2p.log"
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    telling = [
+        line
+        for line in lines
+        if ("dcutr" in line or "transport.tcp" in line) and any(w in line for w in _DCUTR_WORDS)
+    ]
+    return [line[:300] for line in telling][-keep:]
+
+
 def _payload_of(trainer: Proc, version: int) -> int:
     """F: size of the artifact a follower fetches (the 1-step patch; v0: the snapshot)."""
     manifests = trainer.get(f"{trainer.url}/manifests?version={version}") or []
@@ -596,7 +617,9 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
         nbytes = int(cfg.rate_probe_mb * 1e6)
         result.link = measure_rate(topo, topo.hosts[0], topo.hosts[1], nbytes)  # both public
     versions = random_versions(cfg)
-    swarm = Swarm(root, chunk_size=cfg.chunk_size)
+    swarm = Swarm(
+        root, chunk_size=cfg.chunk_size, libp2p_debug=DCUTR_LOG if cfg.punch_wait_s else None
+    )
     try:
         trainer, rollouts = _start(swarm, topo, cfg)
         note = _await_verdicts([trainer, *rollouts], cfg) if cfg.bootstrap else None
@@ -616,6 +639,7 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
             tries = ", ".join(f"{r.name} {r.hole_punches}" for r in result.rollouts)
             result.notes.append(
                 f"no rollout punched a hole within {cfg.punch_wait_s:g} s (tries: {tries})"
+                + "".join(f"\n  {r.name}: {line}" for r in rollouts for line in _dcutr_trail(r))
             )
     finally:
         swarm.stop()

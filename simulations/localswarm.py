@@ -88,6 +88,9 @@ class Swarm:
     root: Path
     chunk_size: int = 16 * 1024
     procs: list[Proc] = field(default_factory=list)
+    # py-libp2p's own logging for every node (its ``LIBP2P_DEBUG`` syntax, e.g.
+    # ``"relay.circuit_v2.dcutr:DEBUG"``), each node's into ``<root>/<name>.libp2p.log``
+    libp2p_debug: str | None = None
 
     def __post_init__(self) -> None:
         self.key_path = self.root / "trainer.key"
@@ -115,6 +118,9 @@ class Swarm:
         # ROOT first, then whatever the caller's path held (a machine's packages may live there)
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
+        if self.libp2p_debug:
+            env["LIBP2P_DEBUG"] = self.libp2p_debug
+            env["LIBP2P_DEBUG_FILE"] = str(self.root / f"{name}.libp2p.log")
         log = open(self.root / f"{name}.log", "ab")
         return subprocess.Popen(
             [

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from p2p_sync.protocol import sourcing
 from p2p_sync.protocol.swarmconfig import SwarmConfig
-from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.ports import FetchHost
 from p2p_sync.transport.download import DataPlaneSource, HaveCursor, Timed, download
 from p2p_sync.transport.frames import SCHEME
 from p2p_sync.trust.manifest import Manifest
@@ -28,7 +28,7 @@ class _Listener:
     """Carries a download's news into the node: proof, bans, counters, progress."""
 
     def __init__(
-        self, node: Node, manifest: Manifest, on_chunk: Callable[[int], None] | None
+        self, node: FetchHost, manifest: Manifest, on_chunk: Callable[[int], None] | None
     ) -> None:
         self.node, self.digest, self.on_chunk = node, manifest.digest, on_chunk
 
@@ -52,7 +52,7 @@ class _NodeSource(DataPlaneSource):
     """The node's chunk source: its usable peers in the order a download should follow them,
     noting when a have-map first offered a chunk."""
 
-    def __init__(self, node: Node, digest: str) -> None:
+    def __init__(self, node: FetchHost, digest: str) -> None:
         assert node.client is not None
         super().__init__(node.client, node.peering.usable)
         self.timeline, self.known = node.timeline, node.peering.directory.known
@@ -109,14 +109,14 @@ class _NodeSource(DataPlaneSource):
                 yield answer
 
 
-def swarm_config(node: Node) -> SwarmConfig:
+def swarm_config(node: FetchHost) -> SwarmConfig:
     """The node's scheduler settings with a fresh tie-break seed: peers start on different
     chunks, so they have something to trade from the first second."""
     return replace(node.cfg.download, seed=random.getrandbits(31))
 
 
 async def fetch_payload(
-    node: Node,
+    node: FetchHost,
     manifest: Manifest,
     config: SwarmConfig | None = None,
     on_chunk: Callable[[int], None] | None = None,

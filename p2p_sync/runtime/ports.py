@@ -8,12 +8,15 @@ import contracts of pyproject.toml check it). The node satisfies every host belo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from p2p_sync.protocol.peers import Source
 from p2p_sync.runtime.config import NodeConfig
+from p2p_sync.runtime.early import EarlyFeeds
 from p2p_sync.runtime.metrics import Metrics
 from p2p_sync.runtime.peering import Peering
+from p2p_sync.runtime.pushed import PushedChunks
 from p2p_sync.runtime.timeline import Timeline
 from p2p_sync.store import Store
 from p2p_sync.transport.announcement import Pushed
@@ -133,6 +136,42 @@ class LearnHost(Naming, Protocol):
     def ban(self, url: str, reason: str) -> None: ...
 
 
+class Forwards(Protocol):
+    """The forwarder, as a download hands it each verified chunk."""
+
+    def forward(self, digest: str, index: int, data: bytes, source: str) -> None: ...
+
+
+class Follows(Protocol):
+    """The learner, as a download follows its news: offers and chunks pushed with
+    announcements, feeds asked while the manifest came, and the order to ask peers in."""
+
+    forwarder: Forwards
+    pushed: PushedChunks
+    early: EarlyFeeds
+    seeds: Mapping[str, None]
+
+    def take_offer(self, peer: str, digest: str) -> tuple[list[int] | None, list[int]]: ...
+
+    def follow_order(self, digest: str) -> list[str]: ...
+
+
+class FetchHost(Naming, Protocol):
+    """A download's host: the store it fills, the learner's news it follows (offers, pushed
+    chunks, early feeds), where it notes progress, and who it bans."""
+
+    store: Store
+    timeline: Timeline
+    metrics: Metrics
+    view: Served
+    learner: Follows
+
+    @property
+    def peer_url(self) -> str | None: ...
+
+    def ban(self, url: str, reason: str) -> None: ...
+
+
 class WireHost(Naming, Protocol):
     """The transports' host: what they serve, route and gossip for."""
 
@@ -146,6 +185,9 @@ class WireHost(Naming, Protocol):
 __all__ = [
     "Announced",
     "DialBack",
+    "FetchHost",
+    "Follows",
+    "Forwards",
     "ForwardHost",
     "LearnHost",
     "Naming",

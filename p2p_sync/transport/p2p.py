@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -158,7 +159,8 @@ class P2PHost:
     async def start(self) -> str:
         """Start the host; returns its dialable multiaddr (with ``/p2p/<peer-id>``)."""
         self._loop = asyncio.get_running_loop()
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its failures reach us as errors
+        if not os.environ.get("LIBP2P_DEBUG"):  # py-libp2p's own logs, when asked for
+            logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # its failures reach us
         ready: asyncio.Future[str] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="libp2p", daemon=True)
         self._thread.start()
