@@ -3,8 +3,8 @@
     python examples/hf_trainer.py --steps 20            # prints the trainer's URL and key file
 
 A tiny LLaMA is built locally (no download); each step is a real AdamW step on fp32 master
-weights whose bf16 copy is what rollouts run, as in RL post-training. ``publish`` is an ordinary
-synchronous call: the node's event loop runs in a background thread.
+weights, published as the bf16 that rollouts run (``serve_dtype``), as in RL post-training.
+``publish`` is an ordinary synchronous call: the node's event loop runs in a background thread.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
 
 
 class Policy:
-    """fp32 master weights trained by AdamW, and the bf16 copy that rollouts run."""
+    """fp32 master weights trained by AdamW (the trainer publishes them as bf16, what the
+    rollouts run: ``Trainer(serve_dtype=torch.bfloat16)``)."""
 
     def __init__(self) -> None:
-        self.master, self.served = tiny_llama(), tiny_llama().to(torch.bfloat16)
+        self.master = tiny_llama()
         self.opt = torch.optim.AdamW(self.master.parameters(), lr=1e-5)
 
     def train_step(self) -> None:
@@ -46,9 +47,6 @@ class Policy:
         self.master(input_ids=tokens, labels=tokens).loss.backward()
         self.opt.step()
         self.opt.zero_grad()
-        with torch.no_grad():
-            for p, q in zip(self.served.parameters(), self.master.parameters()):
-                p.copy_(q)
 
 
 def main() -> None:
@@ -61,12 +59,14 @@ def main() -> None:
     if not key_file.exists():
         write_keypair(SigningKey.generate(), key_file)
     policy = Policy()
-    with Trainer(key=key_file, data_dir=args.dir / "data", listen=args.listen) as trainer:
+    with Trainer(
+        key=key_file, data_dir=args.dir / "data", listen=args.listen, serve_dtype=torch.bfloat16
+    ) as trainer:
         print(f"trainer {trainer.url}; rollouts trust {key_file}.pub", flush=True)
         for step in range(args.steps):
             if step:
                 policy.train_step()
-            version = trainer.publish(policy.served.state_dict())
+            version = trainer.publish(policy.master.state_dict())  # cast to bf16 as read
             t = trainer.last_publish or {}
             print(
                 f"published v{version} ({t.get('patch_bytes', 0):,} B patch, "

@@ -9,6 +9,7 @@ models are bit-identical and generate the same tokens.
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 
@@ -23,11 +24,12 @@ def main(steps: int = 5) -> int:
     root = Path(tempfile.mkdtemp(prefix="p2psync-example-"))
     pub = write_keypair(SigningKey.generate(), root / "trainer.key")
     policy = Policy()
-    served = policy.served
     engine = tiny_llama().to(torch.bfloat16).eval()
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     with (
-        Trainer(key=root / "trainer.key", data_dir=root / "t") as trainer,
+        Trainer(
+            key=root / "trainer.key", data_dir=root / "t", serve_dtype=torch.bfloat16
+        ) as trainer,
         Rollout(
             trust=[str(pub)], peers=[trainer.url], data_dir=root / "r", model=engine
         ) as rollout,
@@ -35,8 +37,9 @@ def main(steps: int = 5) -> int:
         for step in range(steps):
             if step:
                 policy.train_step()
-            version = trainer.publish(served.state_dict())
+            version = trainer.publish(policy.master.state_dict())  # as bf16, cast as read
             rollout.wait_for_version(version, timeout=60)  # applies held versions as they come
+            served = copy.deepcopy(policy.master).to(torch.bfloat16)  # the reference, here only
             same = all(torch.equal(a, b) for a, b in zip(engine.parameters(), served.parameters()))
             with torch.no_grad():
                 tokens = [

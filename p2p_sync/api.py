@@ -46,7 +46,9 @@ from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower, Update
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
-from p2p_sync.trust.manifest import Manifest
+from p2p_sync.trust.manifest import PATCH, Manifest
+from p2p_sync.weights.layout import EngineLayout
+from p2p_sync.weights.served import ServedWeights
 
 T = TypeVar("T")
 log = logging.getLogger("p2psync.node")
@@ -86,12 +88,14 @@ def _config(
     return load(path, {**settings, "role": role})
 
 
-def _tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _tensors(
+    model: torch.nn.Module | Mapping[str, torch.Tensor], layout: EngineLayout | None = None
+) -> dict[str, torch.Tensor]:
     """The tensors a model's weights live in (state dict entries share the parameters'
-    storage, so writing into them updates the live model)."""
-    if isinstance(model, torch.nn.Module):
-        return dict(model.state_dict())
-    return dict(model)
+    storage, so writing into them updates the live model), as checkpoint tensors: views of
+    them where ``layout`` says the engine fuses or pads."""
+    tensors = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else dict(model)
+    return layout.views(tensors) if layout is not None else tensors
 
 
 class _LoopThread:
@@ -239,15 +243,24 @@ class Trainer(_Embedded):
 
     ``publish`` returns once the version is stored, signed and announced; the tensors are only
     read (the trainer keeps one copy of the last version, updated in place per patch).
+    ``serve_dtype=torch.bfloat16`` publishes fp32 master weights as the engines serve them,
+    each tensor cast on its own device as it is read (no second copy of the model).
     """
 
     role = "trainer"
 
     def __init__(
-        self, config: str | os.PathLike[str] | None = None, *, report: bool = True, **settings: Any
+        self,
+        config: str | os.PathLike[str] | None = None,
+        *,
+        serve_dtype: torch.dtype | None = None,
+        report: bool = True,
+        **settings: Any,
     ) -> None:
         super().__init__(config, settings, report)
         self.publisher: Publisher | None = None
+        self.serve_dtype = serve_dtype
+        self._warned = False
 
     async def _astart(self) -> None:
         node = await self._open_node(TrainerNode)
@@ -261,7 +274,25 @@ class Trainer(_Embedded):
 
     async def apublish(self, state_dict: Mapping[str, torch.Tensor]) -> list[Manifest]:
         assert self.publisher is not None, "Trainer is not open"
-        return await self.publisher.publish(dict(state_dict))
+        if self.serve_dtype is not None:
+            return await self.publisher.publish(ServedWeights(state_dict, self.serve_dtype))
+        manifests = await self.publisher.publish(dict(state_dict))
+        self._warn_fp32(state_dict, manifests)
+        return manifests
+
+    def _warn_fp32(self, state_dict: Mapping[str, torch.Tensor], published: list[Manifest]) -> None:
+        """Once, at the first patch of float32 weights published as they are: what it cost."""
+        patch = [m for m in published if m.kind == PATCH]
+        if self._warned or not patch:
+            return
+        if any(t.dtype == torch.float32 for t in state_dict.values()):
+            self._warned = True
+            log.warning(
+                "v%d: float32 weights published as they are (a %s-byte patch); if the engines "
+                "serve bfloat16, Trainer(serve_dtype=torch.bfloat16) publishes what they serve",
+                patch[0].version,
+                f"{patch[0].payload_size:,}",
+            )
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
         """Publish the next version from synchronous code; returns its version number."""
@@ -294,7 +325,9 @@ class Rollout(_Embedded):
 
     With ``model``, new versions are fetched and verified in the background but applied only
     in ``apply_updates`` (``hold=False`` applies them as they arrive instead). Without it the
-    node keeps its own copy, applied as versions arrive (``weights``, ``on_update``).
+    node keeps its own copy, applied as versions arrive (``weights``, ``on_update``). An engine
+    that fuses or pads its tensors passes its ``layout`` (``p2p_sync.weights.layout``), e.g.
+    ``fused_qkv_gate_up(checkpoint_config)``: patches are applied straight into its tensors.
     """
 
     role = "rollout"
@@ -304,13 +337,14 @@ class Rollout(_Embedded):
         config: str | os.PathLike[str] | None = None,
         *,
         model: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+        layout: EngineLayout | None = None,
         hold: bool | None = None,
         on_update: Any = None,
         report: bool = True,
         **settings: Any,
     ) -> None:
         super().__init__(config, settings, report)
-        self._model = _tensors(model) if model is not None else None
+        self._model = _tensors(model, layout) if model is not None else None
         self.hold = hold if hold is not None else model is not None
         self.callback = on_update
         self.follower: Follower | None = None

@@ -50,6 +50,7 @@ from p2p_sync.weights.patch import (
     diff,
     diff_tracked,
 )
+from p2p_sync.weights.served import copy_of, detached
 from p2p_sync.weights.statehash import StateDigest
 from p2p_sync.weights.tensors import (
     Layout,
@@ -468,16 +469,15 @@ class Publisher:
         elif self.prev is not None and step is not None:
             add_all(self.prev, step)  # its sums are the diff's target digest, adopted below
         else:
-            self.prev = {k: v.detach().clone() for k, v in new.items()}
+            self.prev = copy_of(new)
         self.prev_hash = bytes.fromhex(target)
         self.digest, self._target_digest = self._target_digest, None
         self._moved = False
 
     async def publish(self, state_dict: TensorSet, owned: bool = False) -> list[Manifest]:
-        """Publish ``state_dict`` as the next version; returns its manifests. The tensors are
-        only read; pass ``owned=True`` when the caller hands them over for good, so no copy is
-        kept."""
-        new = {k: v.detach() for k, v in state_dict.items()}
+        """Publish ``state_dict`` (``ServedWeights``: cast as read) as the next version; returns
+        its manifests. Tensors are only read; ``owned=True``: handed over for good, not copied."""
+        new = detached(state_dict)
         return await self._publish(lambda: self._build(new, owned), new, owned)
 
     async def publish_file(self, path: Path) -> list[Manifest]:

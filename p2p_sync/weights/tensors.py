@@ -110,7 +110,11 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def layout_of(tensors: TensorSet) -> Layout:
-    """The layout of a tensor set, sorted by name (the canonical order of every digest)."""
+    """The layout of a tensor set, sorted by name (the canonical order of every digest); a
+    set that knows its layout without reading its tensors (``served.ServedWeights``) says."""
+    own = getattr(tensors, "layout", None)
+    if callable(own):
+        return own()
     specs = []
     for name in sorted(tensors):
         t = tensors[name]
