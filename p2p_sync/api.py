@@ -39,11 +39,13 @@ from typing import Any, TypeVar
 
 import torch
 
+from p2p_sync.errors import PublishError
 from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.configfile import load
 from p2p_sync.runtime.identity import pick_device, policy_for
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower, Update
+from p2p_sync.runtime.sharded import ShardedPublishing, StepPublisher, is_sharded, rank
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
 from p2p_sync.trust.manifest import PATCH, Manifest
@@ -261,10 +263,15 @@ class Trainer(_Embedded):
         self.publisher: Publisher | None = None
         self.serve_dtype = serve_dtype
         self._warned = False
+        self._sharded: ShardedPublishing | None = None
 
     async def _astart(self) -> None:
+        if rank() != 0:  # a rank of a sharded trainer: it diffs its blocks, rank 0 publishes
+            self._sharded = ShardedPublishing(None)
+            return
         node = await self._open_node(TrainerNode)
-        self.publisher = await asyncio.to_thread(Publisher, node, self._key)
+        self.publisher = await asyncio.to_thread(StepPublisher, node, self._key)
+        self._sharded = ShardedPublishing(self.publisher)
 
     async def _astop(self) -> None:
         if self.publisher is not None:
@@ -295,7 +302,17 @@ class Trainer(_Embedded):
             )
 
     def publish(self, state_dict: Mapping[str, torch.Tensor]) -> int:
-        """Publish the next version from synchronous code; returns its version number."""
+        """Publish the next version from synchronous code; returns its version number. A
+        sharded state dict (DTensors: FSDP2, tensor parallel) is published by every rank
+        together, each diffing its own blocks (``runtime.sharded``)."""
+        if is_sharded(state_dict):
+            assert self._sharded is not None, "Trainer is not open"
+            served = state_dict
+            if self.serve_dtype is not None:
+                served = ServedWeights(state_dict, self.serve_dtype)
+            return self._sharded.publish(served, self._sync)
+        if rank() != 0:
+            raise PublishError("plain tensors are published by rank 0 alone (DTensors: by all)")
         manifests = self._sync(self.apublish(state_dict))
         return manifests[0].version
 

@@ -57,6 +57,11 @@ class LayoutMismatchError(PatchError):
     """The weights (or another patch) have different tensor names, shapes or dtypes."""
 
 
+class ShardLayoutError(LayoutMismatchError):
+    """A shard of a tensor that cannot be diffed or patched on its own: a block that splits
+    the 64-bit words the state hash is made of."""
+
+
 class BaseMismatchError(PatchError):
     """The weights are not the exact state the patch was made against."""
 
@@ -267,6 +272,10 @@ class P2PError(P2PSyncError):
 class TornApplyError(PatchError):
     """A patch failed part-way through a streaming apply: some tensors hold the new version,
     some the old. The caller rebuilds the weights from the checkpoint and log."""
+
+
+class PublishError(P2PSyncError):
+    """A version could not be published (a sharded publish: rank 0 failed, and says why)."""
 
 
 class WeightsFileError(P2PSyncError):

@@ -226,6 +226,7 @@ class RelayClient:
         self.reserved: set[ID] = set()  # relays holding a slot for us
         self.refused: dict[ID, float] = {}  # peer -> when it refused a reservation
         self.active = False  # reserve only while behind NAT
+        self._dialing: dict[ID, trio.Event] = {}  # peers being reached now: one dial each
 
     async def maintain(
         self, nursery: trio.Nursery, timeout: float, first: tuple[ID, ...] = ()
@@ -262,10 +263,29 @@ class RelayClient:
         """Reach ``peer`` when no connection exists: directly for a third of ``timeout`` (the
         same LAN, a forwarded port), then through each relay we are connected to (``first``
         first: the bootstrap peers, where NATed nodes reserve), until one carries the circuit
-        (a relay without a reservation for ``peer`` refuses at once). True if connected."""
+        (a relay without a reservation for ``peer`` refuses at once). True if connected.
+
+        One dial per peer at a time: requests that need the peer while a dial is under way
+        wait for it. Each used to dial its own circuit, and a version's burst of requests
+        left a pair with 8 relayed connections, py-libp2p's cap per peer: the hole punch's
+        direct connection was then refused by the node's own connection limits."""
         network = self.host.get_network()
         if network.get_connections(peer):
             return True
+        pending = self._dialing.get(peer)
+        if pending is not None:
+            with trio.move_on_after(timeout):
+                await pending.wait()
+            return bool(network.get_connections(peer))
+        done = self._dialing[peer] = trio.Event()
+        try:
+            return await self._dial(peer, timeout, first)
+        finally:
+            del self._dialing[peer]
+            done.set()
+
+    async def _dial(self, peer: ID, timeout: float, first: tuple[ID, ...]) -> bool:
+        network = self.host.get_network()
         with trio.move_on_after(min(timeout / 3, 1.0)):
             try:
                 await network.dial_peer(peer)

@@ -1,0 +1,125 @@
+"""A sharded trainer publishing: every rank diffs its own blocks, rank 0 signs and announces.
+
+``Trainer.publish(state_dict)`` with DTensors in it (FSDP2, tensor parallel) is a collective
+call. Each rank diffs its blocks of every tensor on its own device against its blocks of the
+last version (``weights.dtensors.ShardDiffer``); only the changes and the state-hash sum moves
+travel to rank 0 (O(patch)), where they become the checkpoint patch an unsharded publish of the
+same weights would make. Rank 0's node publishes it (:class:`StepPublisher`) and every rank
+returns the version number.
+
+v0 is the exception: the snapshot needs every byte, so its tensors are gathered whole, one at
+a time. Rank 0 also keeps the host copy of the last version that a publisher keeps for anchors,
+checkpoints and restarts (updated per version from the patch, O(patch)); the other ranks hold
+their blocks of it only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from p2p_sync import codec
+from p2p_sync.errors import BaseMismatchError, PublishError
+from p2p_sync.runtime.timings import Built, PublishTimings
+from p2p_sync.runtime.trainer import Publisher
+from p2p_sync.trust.manifest import Manifest
+from p2p_sync.weights.delta import Patch, check_layout
+from p2p_sync.weights.dtensors import ShardDiffer, assemble, gather_to
+from p2p_sync.weights.tensors import layout_of
+
+T = TypeVar("T")
+Run = Callable[[Coroutine[Any, Any, T]], T]  # runs a coroutine on rank 0's node loop
+
+
+def is_sharded(state_dict: Mapping[str, torch.Tensor]) -> bool:
+    """Whether publishing ``state_dict`` is a collective call (it holds DTensors); served
+    weights are asked of their originals (nothing is cast to learn it)."""
+    tensors = getattr(state_dict, "tensors", state_dict)
+    return any(isinstance(t, DTensor) for t in tensors.values())
+
+
+def rank() -> int:
+    """This process's rank (0 outside a torch.distributed job)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class StepPublisher(Publisher):
+    """A publisher fed finished patches: the ranks of a sharded trainer diffed the version."""
+
+    def _build_step(self, step: Patch) -> tuple[int, str, Patch, list[Built]]:
+        assert self.prev is not None and self.digest is not None
+        version, t0 = self.next_version, time.perf_counter()
+        t = self.timings = PublishTimings(version)
+        if step.base_hash != self.prev_hash:
+            raise BaseMismatchError(f"v{version}: the ranks diffed against another base")
+        check_layout(layout_of(self.prev), step.layout, "sharded version")
+        self._target_digest, self._moved = step.target_digest, False
+        base = self.prev if self.policy.patch_format == 2 else None
+        payload = codec.encode(step, workers=self.workers, base=base, base_hash=self.prev_hash)
+        if self.history.maxlen:
+            self.history.append(payload if base is None else step)
+        t.encode_s = time.perf_counter() - t0
+        target = step.target_hash.hex()
+        return version, target, step, self._artifacts(version, target, step.layout, {}, payload)
+
+    async def publish_step(self, step: Patch) -> list[Manifest]:
+        """Publish ``step`` (against the last version) as the next version."""
+        return await self._publish(lambda: self._build_step(step), None, False)
+
+
+class ShardedPublishing:
+    """One rank's side of publishing sharded state dicts; ``publisher`` on rank 0 only."""
+
+    def __init__(self, publisher: StepPublisher | None, group: Any = None) -> None:
+        self.publisher, self.group = publisher, group
+        self.differ: ShardDiffer | None = None
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int:
+        """Publish the next version, on every rank at once; every rank gets its number."""
+        outcome: Any = None
+        try:
+            if self.differ is None:
+                outcome = self._first(state_dict, run)
+            else:
+                outcome = self._next(state_dict, run)
+        except Exception as exc:  # the other ranks are told, then it is raised here
+            outcome = exc
+        shared = [outcome if rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        if isinstance(outcome, Exception):
+            raise outcome
+        if isinstance(shared[0], Exception):
+            raise PublishError(f"rank 0 could not publish: {shared[0]}")
+        return int(shared[0])
+
+    def _first(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
+        """v0 (or the first version since start): every tensor whole at rank 0, one at a time."""
+        whole = {}
+        for name in sorted(state_dict):
+            t = state_dict[name]
+            full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            if rank() == 0:
+                whole[name] = full.cpu().clone()
+            del full
+        self.differ = ShardDiffer(state_dict)
+        if self.publisher is None:
+            return None
+        return run(self.publisher.publish(whole, owned=True))[0].version
+
+    def _next(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
+        assert self.differ is not None
+        parts = gather_to(self.differ.step(state_dict), 0, self.group)
+        if self.publisher is None or parts is None:
+            return None
+        assert self.publisher.digest is not None
+        step, target = assemble(self.differ.layout, parts, self.publisher.digest)
+        step = Patch(step.layout, step.base_hash, step.target_hash, step.deltas, target)
+        return run(self.publisher.publish_step(step))[0].version
+
+
+__all__ = ["ShardedPublishing", "StepPublisher", "is_sharded", "rank"]

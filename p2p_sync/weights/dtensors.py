@@ -1,0 +1,145 @@
+"""Sharded state dicts (torch.distributed DTensor: FSDP2, tensor parallel, both) diffed where
+they live: every rank diffs its own blocks, and only the changes travel.
+
+A trainer's ranks each hold blocks of every parameter. :class:`ShardDiffer` keeps one rank's
+blocks of the last version and turns the next version's into deltas in checkpoint coordinates
+plus the moves of the state-hash sums (``shards``); :func:`gather_to` brings them to one rank
+with ``torch.distributed`` (O(patch) bytes), and :func:`assemble` makes the checkpoint patch
+there, identical to the diff of the unsharded tensors. No rank ever holds a whole tensor.
+
+Replicated placements (a norm under tensor parallelism, a tensor FSDP keeps whole) are held
+by several ranks; only the one at coordinate 0 of each replicated mesh dim counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from p2p_sync.errors import ShardLayoutError
+from p2p_sync.weights.delta import Patch, TensorDelta
+from p2p_sync.weights.shards import Box, add_sums, merge_blocks, shard_diff, shard_sums
+from p2p_sync.weights.statehash import StateDigest, Sums, add
+from p2p_sync.weights.tensors import Layout, TensorSpec, bits_dtype
+
+Parts = dict[str, tuple[TensorDelta | None, Sums]]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One rank's part of one tensor: its local values, where they sit, and whether this rank
+    is the one that counts them (replicas other than the first do not)."""
+
+    local: torch.Tensor
+    box: Box
+    counts: bool
+
+
+def block_of(t: torch.Tensor) -> Block:
+    """This rank's block of ``t`` (a DTensor, or a plain tensor every rank holds whole)."""
+    if not isinstance(t, DTensor):
+        whole = not dist.is_initialized() or dist.get_rank() == 0
+        return Block(t.detach(), Box.of_whole(tuple(t.shape)), whole)
+    if any(p.is_partial() for p in t.placements):
+        raise ShardLayoutError("a DTensor with Partial placements holds no weights yet")
+    mesh = t.device_mesh
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    counts = all(
+        mesh.get_local_rank(i) == 0 for i, p in enumerate(t.placements) if p.is_replicate()
+    )
+    local = t.to_local().detach()
+    if not local.is_contiguous():
+        local = local.contiguous()
+    return Block(local, Box(tuple(t.shape), tuple(offsets), tuple(shape)), counts)
+
+
+def layout_of_sharded(state_dict: Mapping[str, torch.Tensor]) -> Layout:
+    """The checkpoint layout of a sharded state dict (global shapes), in name order."""
+    specs = []
+    for name in sorted(state_dict):
+        t = state_dict[name]
+        bits_dtype(t.dtype)
+        specs.append(TensorSpec(name, tuple(int(d) for d in t.shape), t.dtype))
+    return tuple(specs)
+
+
+def partial_sums(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Sums]:
+    """This rank's share of every tensor's state-hash sums (zero where it does not count)."""
+    out = {}
+    for name in sorted(state_dict):
+        b = block_of(state_dict[name])
+        out[name] = shard_sums(b.local, b.box, name) if b.counts else (0, 0)
+    return out
+
+
+class ShardDiffer:
+    """One rank's side of a sharded publish: its blocks of the last version, kept in place."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.layout = layout_of_sharded(state_dict)
+        self.prev = {n: _owned_block(state_dict[n]) for n in sorted(state_dict)}
+
+    def step(self, state_dict: Mapping[str, torch.Tensor]) -> Parts:
+        """The deltas (checkpoint coordinates) and sum moves of this rank's counted blocks
+        from the last version to ``state_dict``; the kept blocks move to it."""
+        if layout_of_sharded(state_dict) != self.layout:
+            raise ShardLayoutError("the sharded state dict's names, shapes or dtypes changed")
+        spec = {s.name: s for s in self.layout}
+        parts: Parts = {}
+        for name, old in self.prev.items():
+            new = block_of(state_dict[name])
+            if old.counts:
+                parts[name] = shard_diff(spec[name], old.box, old.local, new.local)
+            old.local.copy_(new.local)
+        return parts
+
+
+def _owned_block(t: torch.Tensor) -> Block:
+    b = block_of(t)
+    return Block(b.local.clone(), b.box, b.counts)
+
+
+def gather_to(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
+    """Every rank's ``obj`` at rank ``dst`` (None elsewhere): the changes, never the weights."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def assemble(layout: Layout, ranks: list[Parts], base: StateDigest) -> tuple[Patch, StateDigest]:
+    """The checkpoint patch from every rank's parts, against ``base`` (the digest of the last
+    version), and the new version's digest."""
+    target = StateDigest(layout, dict(base.sums))
+    deltas = {}
+    for spec in layout:
+        parts = [r[spec.name] for r in ranks if spec.name in r]
+        target.sums[spec.name] = add(target.sums[spec.name], add_sums([m for _, m in parts]))
+        merged = merge_blocks(spec, [d for d, _ in parts])
+        if merged is not None:
+            deltas[spec.name] = merged
+    return Patch(layout, base.hash(), target.hash(), deltas), target
+
+
+def digest_of(layout: Layout, ranks: list[dict[str, Sums]]) -> StateDigest:
+    """A sharded state's digest from every rank's :func:`partial_sums`."""
+    return StateDigest(layout, {s.name: add_sums([r[s.name] for r in ranks]) for s in layout})
+
+
+__all__ = [
+    "Block",
+    "ShardDiffer",
+    "assemble",
+    "block_of",
+    "digest_of",
+    "gather_to",
+    "layout_of_sharded",
+    "partial_sums",
+]

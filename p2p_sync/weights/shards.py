@@ -1,0 +1,204 @@
+"""Shards of a tensor: a rank's block of a checkpoint tensor, diffed and patched where it lives.
+
+Sharded trainers (FSDP2, tensor parallel: DTensor) and tensor-parallel engines hold each
+checkpoint tensor as blocks spread over ranks. A :class:`Box` says where one rank's block sits
+in the whole tensor; with it a rank diffs its block into a delta in checkpoint coordinates
+(:func:`shard_diff`) and applies the part of a checkpoint patch that falls in its block
+(:func:`shard_apply`), in O(changes), never holding the whole tensor.
+
+The state hash is a sum of per-word terms (``statehash``), so it splits over ranks: each rank
+sums the terms of its own words at their global word indices (:func:`shard_sums`), and the
+whole tensor's sums are the ranks' sums added up. That needs every block to own whole 64-bit
+words of the tensor's bytes, which holds for the shapes models use (row and column counts that
+are multiples of 4 for 16-bit dtypes); a block that would split a word raises
+``ShardLayoutError`` naming the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from p2p_sync.errors import ShardLayoutError
+from p2p_sync.weights.delta import TensorDelta, canonical_delta
+from p2p_sync.weights.patch import diff_tensor
+from p2p_sync.weights.statehash import Sums, _lanes_torch, add, position_sums, sub, tensor_sums
+from p2p_sync.weights.tensors import TensorSpec, flat_bits
+
+CHUNK_WORDS = 1 << 22  # words summed per step: a few int64 temporaries of this size
+
+
+@dataclass(frozen=True)
+class Box:
+    """Rank-local block ``[offsets, offsets + shape)`` of a tensor of ``global_shape``."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of_whole(cls, shape: tuple[int, ...]) -> Box:
+        return cls(tuple(shape), (0,) * len(shape), tuple(shape))
+
+    def _strides(self, shape: tuple[int, ...]) -> list[int]:
+        out, step = [], 1
+        for d in reversed(shape):
+            out.append(step)
+            step *= d
+        return out[::-1]
+
+    def to_global(self, local: torch.Tensor) -> torch.Tensor:
+        """Flat positions in the block -> flat positions in the whole tensor (order kept)."""
+        out = torch.zeros_like(local)
+        rest = local
+        for stride, offset, gstride in zip(
+            self._strides(self.shape), self.offsets, self._strides(self.global_shape)
+        ):
+            coord = torch.div(rest, stride, rounding_mode="floor")
+            rest = rest - coord * stride
+            out += (coord + offset) * gstride
+        return out
+
+    def to_local(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of flat positions in the whole tensor, which fall in the block (a mask) and their
+        flat positions in the block (for those)."""
+        keep = torch.ones_like(positions, dtype=torch.bool)
+        local = torch.zeros_like(positions)
+        rest = positions
+        for size, offset, gstride, stride in zip(
+            self.shape, self.offsets, self._strides(self.global_shape), self._strides(self.shape)
+        ):
+            coord = torch.div(rest, gstride, rounding_mode="floor")
+            rest = rest - coord * gstride
+            keep &= (coord >= offset) & (coord < offset + size)
+            local += (coord - offset) * stride
+        return keep, local[keep]
+
+    @property
+    def whole(self) -> bool:
+        """The block is the whole tensor (a replicated or unsharded one)."""
+        return self.shape == self.global_shape
+
+    def check_words(self, itemsize: int, name: str) -> None:
+        """Raise unless every run of the block's elements (in the whole tensor's flat order)
+        starts and ends on a 64-bit word: then each word of the state hash is one rank's."""
+        if self.whole:
+            return
+        per_word, g = max(8 // itemsize, 1), self._strides(self.global_shape)
+        d = max(k for k in range(len(self.shape)) if self.shape[k] != self.global_shape[k])
+        between = self.global_shape[d] * g[d] if d else 0  # from one run's base to the next
+        if (
+            (self.offsets[d] * g[d]) % per_word
+            or (self.shape[d] * g[d]) % per_word
+            or (between % per_word)
+        ):
+            raise ShardLayoutError(
+                f"{name}: shard {self.offsets}+{self.shape} of {self.global_shape} splits "
+                f"the {8 // itemsize * itemsize}-byte words of the state hash"
+            )
+
+
+def _word_index(box: Box, local_words: torch.Tensor, per_word: int) -> torch.Tensor:
+    """Global word indices of the block's local words (each a whole global word)."""
+    return torch.div(box.to_global(local_words * per_word), per_word, rounding_mode="floor")
+
+
+def _terms(u: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Both lanes' sums of the terms of words ``u`` at global indices ``j``: int64 (2,)."""
+    return torch.stack([x.sum() for x in _lanes_torch(u, j)])
+
+
+def _read(sums: torch.Tensor) -> Sums:
+    a, b = sums.tolist()
+    return a & (2**64 - 1), b & (2**64 - 1)
+
+
+def _words(local: torch.Tensor) -> torch.Tensor:
+    flat = local.detach().reshape(-1)
+    return flat.view(torch.uint8).view(torch.int64) if flat.numel() else flat.view(torch.int64)
+
+
+def shard_sums(local: torch.Tensor, box: Box, name: str = "tensor") -> Sums:
+    """The state-hash sums of the block's words at their places in the whole tensor."""
+    if box.whole:  # a replicated tensor: the statehash's own sums (its padded tail too)
+        return tensor_sums(local)
+    box.check_words(local.element_size(), name)
+    words = _words(local)
+    per_word = max(8 // local.element_size(), 1)
+    total = torch.zeros(2, dtype=torch.int64, device=local.device)
+    for start in range(0, words.numel(), CHUNK_WORDS):
+        u = words[start : start + CHUNK_WORDS]
+        idx = torch.arange(start, start + u.numel(), device=u.device, dtype=torch.int64)
+        total += _terms(u, _word_index(box, idx, per_word))
+    return _read(total)
+
+
+def _sums_at(t: torch.Tensor, box: Box, local_pos: torch.Tensor) -> Sums:
+    """The sums of the block's words holding sorted ``local_pos``, at their global indices."""
+    if box.whole:
+        return position_sums(t, local_pos, t.element_size())
+    per_word = max(8 // t.element_size(), 1)
+    idx = torch.unique_consecutive(torch.div(local_pos, per_word, rounding_mode="floor"))
+    return _read(_terms(_words(t)[idx.to(t.device)], _word_index(box, idx, per_word)))
+
+
+def shard_diff(
+    spec: TensorSpec, box: Box, old: torch.Tensor, new: torch.Tensor
+) -> tuple[TensorDelta | None, Sums]:
+    """The block's change from ``old`` to ``new`` as a delta of the whole tensor ``spec``
+    (sorted global positions), and how the block's sums move; ``old`` is left as it was."""
+    box.check_words(spec.itemsize, spec.name)
+    local_spec = TensorSpec(spec.name, box.shape, spec.dtype)
+    delta = diff_tensor(local_spec, old, new)
+    if delta is None:
+        return None, (0, 0)
+    positions = delta.positions
+    if positions is None:  # dense in memory: its nonzero entries
+        positions = torch.nonzero(delta.deltas).reshape(-1)
+        deltas = delta.deltas[positions]
+    else:
+        deltas = delta.deltas
+    positions = positions.cpu()
+    moved = sub(_sums_at(new.to(old.device), box, positions), _sums_at(old, box, positions))
+    return TensorDelta(spec, box.to_global(positions), deltas.cpu()), moved
+
+
+def shard_apply(local: torch.Tensor, box: Box, delta: TensorDelta) -> Sums:
+    """Add the part of ``delta`` (a whole-tensor delta) that falls in the block to ``local``
+    in place; returns how the block's sums moved."""
+    if delta.positions is None:
+        positions = torch.nonzero(delta.deltas).reshape(-1)
+        deltas = delta.deltas[positions]
+    else:
+        positions, deltas = delta.positions, delta.deltas
+    keep, local_pos = box.to_local(positions)
+    if not local_pos.numel():
+        return (0, 0)
+    flat = flat_bits(local)
+    before = _sums_at(local, box, local_pos)
+    with torch.no_grad():
+        flat[local_pos.to(flat.device)] += deltas[keep].to(flat.device)
+    return sub(_sums_at(local, box, local_pos), before)
+
+
+def merge_blocks(spec: TensorSpec, parts: list[TensorDelta | None]) -> TensorDelta | None:
+    """The ranks' deltas of one tensor (disjoint blocks) as one delta, positions sorted."""
+    found = [p for p in parts if p is not None and p.positions is not None]
+    if not found:
+        return None
+    positions = torch.cat([p.positions for p in found])  # type: ignore[misc]
+    deltas = torch.cat([p.deltas for p in found])
+    order = torch.argsort(positions)
+    return canonical_delta(spec, positions[order], deltas[order])
+
+
+def add_sums(parts: list[Sums]) -> Sums:
+    """The whole tensor's sums (or moves) from its blocks'."""
+    total: Sums = (0, 0)
+    for p in parts:
+        total = add(total, p)
+    return total
+
+
+__all__ = ["Box", "add_sums", "merge_blocks", "shard_apply", "shard_diff", "shard_sums"]

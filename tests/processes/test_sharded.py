@@ -1,0 +1,156 @@
+"""A sharded trainer's state (real torch.distributed, gloo on CPU, 2 ranks): every rank diffs its
+own DTensor blocks, only the changes reach rank 0, and the patch it assembles is the unsharded
+diff of the same weights, with the same state hashes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from p2p_sync.weights.dtensors import (
+    ShardDiffer,
+    assemble,
+    digest_of,
+    gather_to,
+    layout_of_sharded,
+    partial_sums,
+)
+from p2p_sync.weights.patch import apply, diff
+from p2p_sync.weights.statehash import state_hash
+
+WORLD = 2
+PLACED = {  # name: (shape, dtype, placement): row- and column-sharded, uneven, replicated
+    "attn.qkv.weight": ((8, 16), torch.bfloat16, Shard(0)),
+    "attn.o.weight": ((4, 16), torch.bfloat16, Shard(1)),
+    "embed.weight": ((5, 8), torch.bfloat16, Shard(0)),  # 3 rows and 2
+    "norm.weight": ((16,), torch.bfloat16, Replicate()),
+    "head.bias": ((8,), torch.float32, Shard(0)),
+}
+
+
+def _weights(step: int) -> dict[str, torch.Tensor]:
+    """The whole model at ``step`` (every rank builds the same): a sparse change per step."""
+    g = torch.Generator().manual_seed(0)
+    out = {n: torch.randn(shape, generator=g).to(dt) for n, (shape, dt, _) in PLACED.items()}
+    for s in range(1, step + 1):
+        g = torch.Generator().manual_seed(s)
+        for t in out.values():
+            mask = torch.rand(t.shape, generator=g) < 0.2
+            t[mask] = (t.float() + torch.randn(t.shape, generator=g)).to(t.dtype)[mask]
+    return out
+
+
+def _sparse(d: object) -> tuple[list[int], list[int]]:
+    pos = d.positions if d.positions is not None else torch.nonzero(d.deltas).reshape(-1)  # type: ignore[attr-defined]
+    vals = d.deltas if d.positions is not None else d.deltas[pos]  # type: ignore[attr-defined]
+    return pos.tolist(), vals.tolist()
+
+
+def _rank(rank: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+
+        def sharded(step: int) -> dict[str, torch.Tensor]:
+            w = _weights(step)
+            return {n: distribute_tensor(w[n], mesh, [PLACED[n][2]]) for n in PLACED}
+
+        v0 = sharded(0)
+        layout = layout_of_sharded(v0)
+        sums = gather_to(partial_sums(v0))
+        differ = ShardDiffer(v0)
+        digest = digest_of(layout, sums) if sums is not None else None
+        if digest is not None:
+            assert digest.hash() == state_hash(_weights(0))
+        for step in (1, 2):
+            parts = gather_to(differ.step(sharded(step)))
+            if parts is None:
+                continue
+            assert digest is not None
+            patch, digest = assemble(layout, parts, digest)
+            old, new = _weights(step - 1), _weights(step)
+            assert patch.target_hash == state_hash(new)
+            want = diff(old, new)
+            assert patch.deltas.keys() == want.deltas.keys()
+            for name, d in want.deltas.items():
+                assert _sparse(patch.deltas[name]) == _sparse(d), name
+            apply(old, patch)  # checks the base and the target hash in full
+            assert all(torch.equal(old[n].view(torch.uint8), new[n].view(torch.uint8)) for n in new)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_diff_their_own_blocks_into_the_unsharded_patch(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def _box_slices(box: object) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.shape))  # type: ignore[attr-defined]
+
+
+def _trainer_rank(rank: int, store: str, root: str) -> None:
+    """FSDP2 (fully_shard) on 2 ranks publishing 3 versions through Trainer.publish on every
+    rank; rank 0 also follows them with a rollout and checks it bit for bit."""
+    from torch.distributed.fsdp import fully_shard
+
+    from p2p_sync import Rollout, Trainer
+    from p2p_sync.weights.dtensors import block_of
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        model = model.to(torch.bfloat16)
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        base = Path(root)
+        with Trainer(key=base / "trainer.key", data_dir=base / f"t{rank}") as trainer:
+            follower = None
+            if rank == 0:
+                follower = Rollout(
+                    trust=[str(base / "trainer.key.pub")],
+                    peers=[trainer.url],
+                    data_dir=base / "r",
+                    download={"have_poll_s": 0.05},
+                    directory={"poll_interval_s": 0.2},
+                ).open()
+            try:
+                for v in range(3):
+                    if v:  # a sparse step, written into each rank's own shards
+                        g = torch.Generator().manual_seed(v)
+                        for t in full.values():
+                            mask = torch.rand(t.shape, generator=g) < 0.1
+                            t[mask] = (t.float() + 0.5).to(t.dtype)[mask]
+                        with torch.no_grad():
+                            for name, p in model.state_dict().items():
+                                p.to_local().copy_(full[name][_box_slices(block_of(p).box)])
+                    assert trainer.publish(model.state_dict()) == v
+                    if follower is not None:
+                        follower.wait_for_version(v)
+                        held = follower.weights or {}
+                        assert held.keys() == full.keys()
+                        for n, t in full.items():
+                            assert torch.equal(held[n].view(torch.int16), t.view(torch.int16)), n
+            finally:
+                if follower is not None:
+                    follower.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two ranks, each importing torch.distributed: started first
+def test_an_fsdp2_trainer_publishes_from_every_rank_and_a_rollout_follows(tmp_path: Path) -> None:
+    from p2p_sync.trust.keys import SigningKey, write_keypair
+
+    write_keypair(SigningKey.generate(), tmp_path / "trainer.key")
+    args = (str(tmp_path / "store"), str(tmp_path))
+    mp.spawn(_trainer_rank, args=args, nprocs=WORLD, join=True)
