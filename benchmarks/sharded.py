@@ -3,10 +3,10 @@ changes, assemble and code the patch on rank 0; against one process diffing the 
 
 Each rank holds its row blocks (Shard(0), as FSDP2 places them) of a LLaMA-shaped bf16 model
 and its fp32 master blocks; a version is one AdamW-like step on them. Per version it prints,
-per rank, the diff time (``ShardDiffer.step``) and the bytes it sent to rank 0 (the pickled
-changes), rank 0's gather + assemble + encode time, and the patch size; then the unsharded
-baseline in one process with as many threads as there are ranks (``diff`` + ``codec.encode``
-of the whole model) and the peak RSS of every rank against its blocks.
+per rank, the diff + frame coding time (``ShardDiffer.step``, ``code_parts``) and the bytes
+it sent to rank 0 (its pickled frames), rank 0's gather + assemble + encode time, and the
+patch size; then the unsharded baseline in one process with as many threads as there are
+ranks (``diff`` + ``codec.encode`` of the whole model) and every rank's peak RSS.
 
     python benchmarks/sharded.py --size 1b --ranks 2
 """
@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from benchmarks.models import llama_shapes
 from p2p_sync import codec
+from p2p_sync.runtime.sharded import code_parts, decode_parts
 from p2p_sync.weights.dtensors import (
     ShardDiffer,
     assemble,
@@ -90,25 +91,26 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         blocks.step()
         dist.barrier()
         t0 = time.perf_counter()
-        parts = differ.step(blocks.served)
+        parts = code_parts(differ.step(blocks.served))  # as Trainer.publish sends them
         t1 = time.perf_counter()
         sent = len(pickle.dumps(parts))
         gathered = gather_to(parts)
         t2 = time.perf_counter()
         if gathered is not None and digest is not None:
-            patch, digest = assemble(layout, gathered, digest)
+            specs = {s.name: s for s in layout}
+            patch, digest = assemble(layout, [decode_parts(r, specs) for r in gathered], digest)
             t3 = time.perf_counter()
             data = codec.encode(patch, workers=1)
             t4 = time.perf_counter()
             lines.append(
-                f"v{v}: rank 0 diff {t1 - t0:.2f} s, gather {t2 - t1:.2f} s, assemble "
+                f"v{v}: rank 0 diff+code {t1 - t0:.2f} s, gather {t2 - t1:.2f} s, assemble "
                 f"{t3 - t2:.2f} s, encode {t4 - t3:.2f} s, total {t4 - t0:.2f} s; "
                 f"patch {len(data) / 1e6:.1f} MB"
             )
         sent_all = gather_to((rank, t1 - t0, sent))
         if sent_all is not None:
             lines.append(
-                "    per rank (diff s, MB sent): "
+                "    per rank (diff+code s, MB sent): "
                 + ", ".join(f"r{r} {d:.2f} s {s / 1e6:.1f} MB" for r, d, s in sent_all)
             )
     shard_mb = sum(t.to_local().numel() * 2 for t in blocks.served.values()) / 1e6

@@ -24,15 +24,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from p2p_sync import codec
+from p2p_sync.codec import Frame, FrameInfo
 from p2p_sync.errors import BaseMismatchError, PublishError
 from p2p_sync.runtime.timings import Built, PublishTimings
 from p2p_sync.runtime.trainer import Publisher
 from p2p_sync.trust.manifest import Manifest
 from p2p_sync.weights.delta import Patch, check_layout
-from p2p_sync.weights.dtensors import ShardDiffer, assemble, gather_to
-from p2p_sync.weights.tensors import layout_of
+from p2p_sync.weights.dtensors import Parts, ShardDiffer, assemble, gather_to
+from p2p_sync.weights.shards import Box
+from p2p_sync.weights.statehash import Sums
+from p2p_sync.weights.tensors import TensorSpec, layout_of
 
 T = TypeVar("T")
+SHIP_LEVEL = 1  # zstd level of the frames sent to rank 0 (it re-codes the whole patch)
 Run = Callable[[Coroutine[Any, Any, T]], T]  # runs a coroutine on rank 0's node loop
 
 
@@ -113,13 +117,47 @@ class ShardedPublishing:
 
     def _next(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
         assert self.differ is not None
-        parts = gather_to(self.differ.step(state_dict), 0, self.group)
-        if self.publisher is None or parts is None:
+        coded = gather_to(code_parts(self.differ.step(state_dict)), 0, self.group)
+        if self.publisher is None or coded is None:
             return None
         assert self.publisher.digest is not None
+        specs = {s.name: s for s in self.differ.layout}
+        parts = [decode_parts(r, specs) for r in coded]
         step, target = assemble(self.differ.layout, parts, self.publisher.digest)
         step = Patch(step.layout, step.base_hash, step.target_hash, step.deltas, target)
         return run(self.publisher.publish_step(step))[0].version
 
 
-__all__ = ["ShardedPublishing", "StepPublisher", "is_sharded", "rank"]
+def code_parts(parts: Parts) -> dict[str, tuple[Box, Frame | None, Sums]]:
+    """A rank's block deltas as codec frames for the trip to rank 0 (about the patch's
+    size, where raw positions and deltas take ~10 bytes per change)."""
+    return {
+        name: (box, None if d is None else codec.encode_frame(d.host(), SHIP_LEVEL), moved)
+        for name, (box, d, moved) in parts.items()
+    }
+
+
+def decode_parts(
+    coded: dict[str, tuple[Box, Frame | None, Sums]], specs: Mapping[str, TensorSpec]
+) -> Parts:
+    """A rank's frames back into block deltas (rank 0; the frames are its own ranks')."""
+    out: Parts = {}
+    for name, (box, frame, moved) in coded.items():
+        delta = None
+        if frame is not None:
+            coding, count, data = frame
+            local = TensorSpec(name, box.shape, specs[name].dtype)
+            row = FrameInfo(local, coding, count, 0, len(data))
+            delta = codec.decode_frame(row, memoryview(data))
+        out[name] = (box, delta, moved)
+    return out
+
+
+__all__ = [
+    "ShardedPublishing",
+    "StepPublisher",
+    "code_parts",
+    "decode_parts",
+    "is_sharded",
+    "rank",
+]

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -24,11 +25,18 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import Patch, TensorDelta
-from p2p_sync.weights.shards import Box, add_sums, merge_blocks, shard_diff, shard_sums
+from p2p_sync.weights.shards import (
+    Box,
+    add_sums,
+    merge_blocks,
+    shard_diff,
+    shard_sums,
+    to_whole,
+)
 from p2p_sync.weights.statehash import StateDigest, Sums, add
 from p2p_sync.weights.tensors import Layout, TensorSpec, bits_dtype
 
-Parts = dict[str, tuple[TensorDelta | None, Sums]]
+Parts = dict[str, tuple[Box, TensorDelta | None, Sums]]  # per tensor: block, its delta, moves
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,11 @@ class ShardDiffer:
     def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.layout = layout_of_sharded(state_dict)
         self.prev = {n: _owned_block(state_dict[n]) for n in sorted(state_dict)}
+        most = max((b.local.numel() for b in self.prev.values()), default=0)
+        self._scratch = np.empty(most, dtype=bool)  # the diff's mask, reused for every block
 
     def step(self, state_dict: Mapping[str, torch.Tensor]) -> Parts:
-        """The deltas (checkpoint coordinates) and sum moves of this rank's counted blocks
+        """The deltas (positions in each block) and sum moves of this rank's counted blocks
         from the last version to ``state_dict``; the kept blocks move to it."""
         if layout_of_sharded(state_dict) != self.layout:
             raise ShardLayoutError("the sharded state dict's names, shapes or dtypes changed")
@@ -95,7 +105,8 @@ class ShardDiffer:
         for name, old in self.prev.items():
             new = block_of(state_dict[name])
             if old.counts:
-                parts[name] = shard_diff(spec[name], old.box, old.local, new.local)
+                delta, moved = shard_diff(spec[name], old.box, old.local, new.local, self._scratch)
+                parts[name] = (old.box, delta, moved)
             old.local.copy_(new.local)
         return parts
 
@@ -121,8 +132,9 @@ def assemble(layout: Layout, ranks: list[Parts], base: StateDigest) -> tuple[Pat
     deltas = {}
     for spec in layout:
         parts = [r[spec.name] for r in ranks if spec.name in r]
-        target.sums[spec.name] = add(target.sums[spec.name], add_sums([m for _, m in parts]))
-        merged = merge_blocks(spec, [d for d, _ in parts])
+        target.sums[spec.name] = add(target.sums[spec.name], add_sums([m for *_, m in parts]))
+        whole = [to_whole(spec, box, d) for box, d, _ in parts if d is not None]
+        merged = merge_blocks(spec, whole)
         if merged is not None:
             deltas[spec.name] = merged
     return Patch(layout, base.hash(), target.hash(), deltas), target

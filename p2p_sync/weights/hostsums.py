@@ -254,6 +254,16 @@ def _diff_py(
     return w, k, a, b, c, d
 
 
+def _pairs_py(u: np.ndarray, j: np.ndarray) -> tuple:
+    """The host kernel for a shard's words: both lanes' sums of the terms of words ``u`` at
+    indices ``j`` (their places in the whole tensor, ``weights.shards``)."""
+    a, b = _ZERO, _ZERO
+    for k in range(u.size):
+        a += _lane0(u[k], j[k])
+        b += _lane1(u[k], j[k])
+    return a, b
+
+
 _KERNELS: dict[str, Callable] = {}
 
 
@@ -261,6 +271,6 @@ def _kernels() -> dict[str, Callable]:
     """The host scans, compiled by numba (cached on disk) on first use; without numba, the
     Python kernel (correct, and very slow)."""
     if not _KERNELS:
-        kernels = {"sums": _sums_py, "diff": _diff_py}
+        kernels = {"sums": _sums_py, "diff": _diff_py, "pairs": _pairs_py}
         _KERNELS.update(jit.compile_kernels(kernels) or kernels)
     return _KERNELS

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import TensorDelta, canonical_delta
+from p2p_sync.weights.hostsums import _kernels
 from p2p_sync.weights.patch import diff_tensor
 from p2p_sync.weights.statehash import Sums, _lanes_torch, add, position_sums, sub, tensor_sums
 from p2p_sync.weights.tensors import TensorSpec, flat_bits
@@ -50,6 +52,8 @@ class Box:
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         """Flat positions in the block -> flat positions in the whole tensor (order kept)."""
+        if self.shape[1:] == self.global_shape[1:]:  # whole rows (FSDP's blocks): a shift
+            return local + self.offsets[0] * self._strides(self.global_shape)[0]
         out = torch.zeros_like(local)
         rest = local
         for stride, offset, gstride in zip(
@@ -140,38 +144,51 @@ def _sums_at(t: torch.Tensor, box: Box, local_pos: torch.Tensor) -> Sums:
         return position_sums(t, local_pos, t.element_size())
     per_word = max(8 // t.element_size(), 1)
     idx = torch.unique_consecutive(torch.div(local_pos, per_word, rounding_mode="floor"))
-    return _read(_terms(_words(t)[idx.to(t.device)], _word_index(box, idx, per_word)))
+    j = _word_index(box, idx, per_word)
+    if t.device.type == "cpu":  # the host kernel: one pass, no temporaries
+        u = _words(t)[idx].numpy().view(np.uint64)
+        a, b = _kernels()["pairs"](u, j.numpy().view(np.uint64))
+        return int(a), int(b)
+    return _read(_terms(_words(t)[idx.to(t.device)], j.to(t.device)))
 
 
 def shard_diff(
-    spec: TensorSpec, box: Box, old: torch.Tensor, new: torch.Tensor
+    spec: TensorSpec,
+    box: Box,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    scratch: np.ndarray | None = None,
 ) -> tuple[TensorDelta | None, Sums]:
-    """The block's change from ``old`` to ``new`` as a delta of the whole tensor ``spec``
-    (sorted global positions), and how the block's sums move; ``old`` is left as it was."""
+    """The block's change from ``old`` to ``new`` (positions in the block; ``to_whole`` puts
+    them in the whole tensor ``spec``), and how the block's sums move; ``old`` is left as it
+    was. ``scratch``: a bool array of at least the block's size, reused across calls."""
     box.check_words(spec.itemsize, spec.name)
-    local_spec = TensorSpec(spec.name, box.shape, spec.dtype)
-    delta = diff_tensor(local_spec, old, new)
+    delta = diff_tensor(TensorSpec(spec.name, box.shape, spec.dtype), old, new, scratch)
     if delta is None:
         return None, (0, 0)
-    positions = delta.positions
-    if positions is None:  # dense in memory: its nonzero entries
-        positions = torch.nonzero(delta.deltas).reshape(-1)
-        deltas = delta.deltas[positions]
-    else:
-        deltas = delta.deltas
-    positions = positions.cpu()
+    positions = _sparse(delta)[0].cpu()
     moved = sub(_sums_at(new.to(old.device), box, positions), _sums_at(old, box, positions))
-    return TensorDelta(spec, box.to_global(positions), deltas.cpu()), moved
+    return delta, moved
+
+
+def _sparse(delta: TensorDelta) -> tuple[torch.Tensor, torch.Tensor]:
+    """A delta's changed positions and their deltas (a dense delta's nonzero entries)."""
+    if delta.positions is None:
+        positions = torch.nonzero(delta.deltas).reshape(-1)
+        return positions, delta.deltas[positions]
+    return delta.positions, delta.deltas
+
+
+def to_whole(spec: TensorSpec, box: Box, local: TensorDelta) -> TensorDelta:
+    """A block's delta as a delta of the whole tensor ``spec`` (sorted global positions)."""
+    positions, deltas = _sparse(local)
+    return TensorDelta(spec, box.to_global(positions.cpu()), deltas.cpu())
 
 
 def shard_apply(local: torch.Tensor, box: Box, delta: TensorDelta) -> Sums:
     """Add the part of ``delta`` (a whole-tensor delta) that falls in the block to ``local``
     in place; returns how the block's sums moved."""
-    if delta.positions is None:
-        positions = torch.nonzero(delta.deltas).reshape(-1)
-        deltas = delta.deltas[positions]
-    else:
-        positions, deltas = delta.positions, delta.deltas
+    positions, deltas = _sparse(delta)
     keep, local_pos = box.to_local(positions)
     if not local_pos.numel():
         return (0, 0)
@@ -201,4 +218,12 @@ def add_sums(parts: list[Sums]) -> Sums:
     return total
 
 
-__all__ = ["Box", "add_sums", "merge_blocks", "shard_apply", "shard_diff", "shard_sums"]
+__all__ = [
+    "Box",
+    "add_sums",
+    "merge_blocks",
+    "shard_apply",
+    "shard_diff",
+    "shard_sums",
+    "to_whole",
+]

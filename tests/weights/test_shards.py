@@ -18,6 +18,7 @@ from p2p_sync.weights.shards import (
     shard_apply,
     shard_diff,
     shard_sums,
+    to_whole,
 )
 from p2p_sync.weights.statehash import sub, tensor_sums
 from p2p_sync.weights.tensors import TensorSpec, flat_bits
@@ -78,10 +79,10 @@ def test_blocks_diffed_alone_make_the_whole_tensors_diff_and_state(case: tuple) 
     spec = TensorSpec("w", (rows, cols), dtype)
     olds, news = _blocks(old, dim, cuts), _blocks(new, dim, cuts)
     assert add_sums([shard_sums(b, box) for box, b in olds]) == tensor_sums(old)
-    parts = [shard_diff(spec, box, a, b) for (box, a), (_, b) in zip(olds, news)]
-    merged = merge_blocks(spec, [d for d, _ in parts])
+    parts = [(box, *shard_diff(spec, box, a, b)) for (box, a), (_, b) in zip(olds, news)]
+    merged = merge_blocks(spec, [to_whole(spec, box, d) for box, d, _ in parts if d is not None])
     assert _sparse(merged) == _sparse(diff_tensor(spec, old, new))
-    moved = add_sums([m for _, m in parts])
+    moved = add_sums([m for *_, m in parts])
     assert moved == sub(tensor_sums(new), tensor_sums(old))
 
 
