@@ -280,6 +280,8 @@ class Trainer(_Embedded):
             await self.node.stop()
 
     async def apublish(self, state_dict: Mapping[str, torch.Tensor]) -> list[Manifest]:
+        if is_sharded(state_dict):
+            raise PublishError("a sharded state dict is published by publish() on every rank")
         assert self.publisher is not None, "Trainer is not open"
         if self.serve_dtype is not None:
             return await self.publisher.publish(ServedWeights(state_dict, self.serve_dtype))

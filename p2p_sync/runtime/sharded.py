@@ -15,13 +15,13 @@ their blocks of it only.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from p2p_sync import codec
 from p2p_sync.codec import Frame, FrameInfo
@@ -30,10 +30,12 @@ from p2p_sync.runtime.timings import Built, PublishTimings
 from p2p_sync.runtime.trainer import Publisher
 from p2p_sync.trust.manifest import Manifest
 from p2p_sync.weights.delta import Patch, check_layout
-from p2p_sync.weights.dtensors import Parts, ShardDiffer, assemble, gather_to
 from p2p_sync.weights.shards import Box
 from p2p_sync.weights.statehash import Sums
 from p2p_sync.weights.tensors import TensorSpec, layout_of
+
+if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: only sharded runs pay it
+    from p2p_sync.weights.dtensors import Parts, ShardDiffer
 
 T = TypeVar("T")
 SHIP_LEVEL = 1  # zstd level of the frames sent to rank 0 (it re-codes the whole patch)
@@ -43,8 +45,11 @@ Run = Callable[[Coroutine[Any, Any, T]], T]  # runs a coroutine on rank 0's node
 def is_sharded(state_dict: Mapping[str, torch.Tensor]) -> bool:
     """Whether publishing ``state_dict`` is a collective call (it holds DTensors); served
     weights are asked of their originals (nothing is cast to learn it)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    if dtensor is None:
+        return False
     tensors = getattr(state_dict, "tensors", state_dict)
-    return any(isinstance(t, DTensor) for t in tensors.values())
+    return any(isinstance(t, dtensor.DTensor) for t in tensors.values())
 
 
 def rank() -> int:
@@ -106,16 +111,20 @@ class ShardedPublishing:
         whole = {}
         for name in sorted(state_dict):
             t = state_dict[name]
-            full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
             if rank() == 0:
                 whole[name] = full.cpu().clone()
             del full
+        from p2p_sync.weights.dtensors import ShardDiffer
+
         self.differ = ShardDiffer(state_dict)
         if self.publisher is None:
             return None
         return run(self.publisher.publish(whole, owned=True))[0].version
 
     def _next(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
+        from p2p_sync.weights.dtensors import assemble, gather_to
+
         assert self.differ is not None
         coded = gather_to(code_parts(self.differ.step(state_dict)), 0, self.group)
         if self.publisher is None or coded is None:
