@@ -52,6 +52,8 @@ class Box:
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         """Flat positions in the block -> flat positions in the whole tensor (order kept)."""
+        if not self.shape:  # a scalar
+            return local.clone()
         if self.shape[1:] == self.global_shape[1:]:  # whole rows (FSDP's blocks): a shift
             return local + self.offsets[0] * self._strides(self.global_shape)[0]
         out = torch.zeros_like(local)

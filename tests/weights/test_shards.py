@@ -104,6 +104,14 @@ def test_a_replicated_tensor_is_one_block_with_its_own_tail() -> None:
     assert shard_sums(t, Box.of_whole((5,))) == tensor_sums(t)
 
 
+def test_a_scalar_is_a_block_of_its_own() -> None:
+    old, new = torch.tensor(1.0), torch.tensor(2.0)
+    spec, box = TensorSpec("step", (), torch.float32), Box.of_whole(())
+    delta, moved = shard_diff(spec, box, old, new)
+    assert delta is not None and _sparse(to_whole(spec, box, delta))[0] == [0]
+    assert moved == sub(tensor_sums(new), tensor_sums(old))
+
+
 @pytest.mark.parametrize(
     ("box", "itemsize"),
     [
