@@ -25,6 +25,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import Patch, TensorDelta
+from p2p_sync.weights.patch import add_delta
 from p2p_sync.weights.shards import (
     Box,
     add_sums,
@@ -34,7 +35,7 @@ from p2p_sync.weights.shards import (
     to_whole,
 )
 from p2p_sync.weights.statehash import StateDigest, Sums, add
-from p2p_sync.weights.tensors import Layout, TensorSpec, bits_dtype
+from p2p_sync.weights.tensors import Layout, TensorSpec, bits_dtype, flat_bits
 
 Parts = dict[str, tuple[Box, TensorDelta | None, Sums]]  # per tensor: block, its delta, moves
 
@@ -91,7 +92,9 @@ class ShardDiffer:
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.layout = layout_of_sharded(state_dict)
-        self.prev = {n: _owned_block(state_dict[n]) for n in sorted(state_dict)}
+        blocks = {n: block_of(state_dict[n]) for n in sorted(state_dict)}
+        # only the blocks this rank counts are diffed (and kept): a replica's are another's
+        self.prev = {n: _owned(b) for n, b in blocks.items() if b.counts}
         most = max((b.local.numel() for b in self.prev.values()), default=0)
         self._scratch = np.empty(most, dtype=bool)  # the diff's mask, reused for every block
 
@@ -104,15 +107,14 @@ class ShardDiffer:
         parts: Parts = {}
         for name, old in self.prev.items():
             new = block_of(state_dict[name])
-            if old.counts:
-                delta, moved = shard_diff(spec[name], old.box, old.local, new.local, self._scratch)
-                parts[name] = (old.box, delta, moved)
-            old.local.copy_(new.local)
+            delta, moved = shard_diff(spec[name], old.box, old.local, new.local, self._scratch)
+            parts[name] = (old.box, delta, moved)
+            if delta is not None:  # the kept block moves by the change alone: O(changes)
+                add_delta(flat_bits(old.local), delta, +1)
         return parts
 
 
-def _owned_block(t: torch.Tensor) -> Block:
-    b = block_of(t)
+def _owned(b: Block) -> Block:
     return Block(b.local.clone(), b.box, b.counts)
 
 

@@ -203,13 +203,17 @@ def shard_apply(local: torch.Tensor, box: Box, delta: TensorDelta) -> Sums:
 
 def merge_blocks(spec: TensorSpec, parts: list[TensorDelta | None]) -> TensorDelta | None:
     """The ranks' deltas of one tensor (disjoint blocks) as one delta, positions sorted."""
-    found = [p for p in parts if p is not None and p.positions is not None]
+    found = [p for p in parts if p is not None and p.positions is not None and p.count]
     if not found:
         return None
+    found.sort(key=lambda p: int(p.positions[0]))  # type: ignore[index]
     positions = torch.cat([p.positions for p in found])  # type: ignore[misc]
     deltas = torch.cat([p.deltas for p in found])
-    order = torch.argsort(positions)
-    return canonical_delta(spec, positions[order], deltas[order])
+    ends = [(int(a.positions[-1]), int(b.positions[0])) for a, b in zip(found, found[1:])]  # type: ignore[index]
+    if any(last >= first for last, first in ends):  # blocks interleave (columns): sort
+        order = torch.argsort(positions, stable=True)
+        positions, deltas = positions[order], deltas[order]
+    return canonical_delta(spec, positions, deltas)
 
 
 def add_sums(parts: list[Sums]) -> Sums:

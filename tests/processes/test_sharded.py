@@ -4,6 +4,7 @@ diff of the same weights, with the same state hashes."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -96,10 +97,12 @@ def _box_slices(box: object) -> tuple[slice, ...]:
 
 def _trainer_rank(rank: int, store: str, root: str) -> None:
     """FSDP2 (fully_shard) on 2 ranks publishing 3 versions through Trainer.publish on every
-    rank; rank 0 also follows them with a rollout and checks it bit for bit."""
+    rank; rank 0 also follows them with a rollout and checks it bit for bit (and that the
+    asyncio face, which cannot be collective, refuses the sharded state dict)."""
     from torch.distributed.fsdp import fully_shard
 
     from p2p_sync import Rollout, Trainer
+    from p2p_sync.errors import PublishError
     from p2p_sync.weights.dtensors import block_of
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -115,7 +118,9 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
         base = Path(root)
         with Trainer(key=base / "trainer.key", data_dir=base / f"t{rank}") as trainer:
             follower = None
-            if rank == 0:
+            if rank == 0:  # the asyncio face refuses a sharded state dict: publishing is collective
+                with pytest.raises(PublishError, match=r"publish\(\) on every rank"):
+                    asyncio.run(trainer.apublish(model.state_dict()))
                 follower = Rollout(
                     trust=[str(base / "trainer.key.pub")],
                     peers=[trainer.url],
@@ -154,39 +159,3 @@ def test_an_fsdp2_trainer_publishes_from_every_rank_and_a_rollout_follows(tmp_pa
     write_keypair(SigningKey.generate(), tmp_path / "trainer.key")
     args = (str(tmp_path / "store"), str(tmp_path))
     mp.spawn(_trainer_rank, args=args, nprocs=WORLD, join=True)
-
-
-def _async_face(rank: int, store: str, root: str) -> None:
-    """A sharded state dict handed to the asyncio face is refused (the call is collective),
-    before anything is published."""
-    import asyncio
-
-    from p2p_sync import Trainer
-    from p2p_sync.errors import PublishError
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        sd = {"w": distribute_tensor(torch.randn(4, 8).bfloat16(), mesh, [Shard(0)])}
-        base = Path(root)
-
-        async def main() -> None:
-            async with Trainer(key=base / "trainer.key", data_dir=base / "t") as trainer:
-                try:
-                    await trainer.apublish(sd)
-                except PublishError as exc:
-                    assert "publish() on every rank" in str(exc)
-                else:
-                    raise AssertionError("apublish took a sharded state dict")
-                assert trainer.version is None
-
-        asyncio.run(main())
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_asyncio_face_refuses_a_sharded_state_dict(tmp_path: Path) -> None:
-    from p2p_sync.trust.keys import SigningKey, write_keypair
-
-    write_keypair(SigningKey.generate(), tmp_path / "trainer.key")
-    mp.spawn(_async_face, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=1, join=True)

@@ -71,22 +71,20 @@ def _follow(tmp: Path, versions: int, **trainer: object) -> tuple[list[int], dic
     return sizes, {"held": held, "master": master}
 
 
-def test_fp32_masters_are_published_as_the_bf16_the_engines_serve(tmp_path: Path) -> None:
+def test_fp32_masters_are_published_as_the_bf16_the_engines_serve(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     served, got = _follow(tmp_path / "served", 3, serve_dtype=torch.bfloat16)
     held, master = got["held"], got["master"]
     assert held["a.weight"].dtype == torch.bfloat16
     for name in ("a.weight", "b.bias"):
         assert torch.equal(held[name].view(torch.int16), master[name].bfloat16().view(torch.int16))
     assert torch.equal(held["steps"], master["steps"])
-    as_is, _ = _follow(tmp_path / "fp32", 3)
-    assert sum(served) < sum(as_is)  # the same steps, half the bits per value or less
-
-
-def test_fp32_published_as_it_is_warns_once_with_the_patch_size(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+    assert not [r for r in caplog.records if "float32" in r.getMessage()]
     caplog.set_level(logging.WARNING, logger="p2psync")
-    _follow(tmp_path, 3)
+    as_is, _ = _follow(tmp_path / "fp32", 3)  # the same steps published as fp32
+    assert sum(served) < sum(as_is)  # half the bits per value or less
+    # which costs a warning, once, with the patch size
     warned = [r.getMessage() for r in caplog.records if "float32" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("v1: float32 weights"), warned
     assert "-byte patch" in warned[0] and "serve_dtype=torch.bfloat16" in warned[0]
