@@ -100,6 +100,8 @@ class ShardedPublishing:
             outcome = exc
         shared = [outcome if rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0, group=self.group)
+        if isinstance(outcome, Exception) or isinstance(shared[0], Exception):
+            self.differ = None  # blocks may have moved part-way: the next version starts over
         if isinstance(outcome, Exception):
             raise outcome
         if isinstance(shared[0], Exception):
@@ -126,9 +128,18 @@ class ShardedPublishing:
         from p2p_sync.weights.dtensors import assemble, gather_to
 
         assert self.differ is not None
-        coded = gather_to(code_parts(self.differ.step(state_dict)), 0, self.group)
+        try:
+            mine: Any = code_parts(self.differ.step(state_dict))
+        except Exception as exc:  # still joins the gather: a rank missing from it hangs all
+            mine = exc
+        coded = gather_to(mine, 0, self.group)
+        if isinstance(mine, Exception):
+            raise mine
         if self.publisher is None or coded is None:
             return None
+        failed = [(r, c) for r, c in enumerate(coded) if isinstance(c, Exception)]
+        if failed:
+            raise PublishError(f"rank {failed[0][0]} could not diff its blocks: {failed[0][1]}")
         assert self.publisher.digest is not None
         specs = {s.name: s for s in self.differ.layout}
         parts = [decode_parts(r, specs) for r in coded]

@@ -102,7 +102,7 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from p2p_sync import Rollout, Trainer
-    from p2p_sync.errors import PublishError
+    from p2p_sync.errors import PublishError, ShardLayoutError
     from p2p_sync.weights.dtensors import block_of
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
@@ -138,7 +138,11 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
                         with torch.no_grad():
                             for name, p in model.state_dict().items():
                                 p.to_local().copy_(full[name][_box_slices(block_of(p).box)])
-                    assert trainer.publish(model.state_dict()) == v
+                    if v == 2:  # a failed version first: every rank raises, none hangs
+                        bad = {**model.state_dict(), "extra": torch.zeros(4)}
+                        with pytest.raises(ShardLayoutError, match="names, shapes or dtypes"):
+                            trainer.publish(bad)
+                    assert trainer.publish(model.state_dict()) == v  # and the next one works
                     if follower is not None:
                         follower.wait_for_version(v)
                         held = follower.weights or {}
