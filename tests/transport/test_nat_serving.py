@@ -391,6 +391,8 @@ async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict
         async with nat, public:
             if channels:  # versions go out once the NATed node's channel is up
                 await _until(lambda: _holds_a_channel(public), "the reverse channel", 30)
+            else:  # or once the public node knows it by its peer id (else it may never ask)
+                await _until(lambda: _knows(public, nat), "the NATed node's name", 30)
             await _publish_all(trainer, versions, (nat, public))
             return {
                 "nat": await _status(nat.url),
@@ -402,6 +404,12 @@ async def _nat_swarm(tmp_path: Path, versions: list, channels: int = 64) -> dict
 
 async def _holds_a_channel(public: Rollout) -> bool:
     return bool((await _status(public.url))["reverse"]["channels"])
+
+
+async def _knows(a: Rollout, b: Rollout) -> bool:
+    """Whether ``a`` lists ``b`` among its peers by the name ``b`` gives itself."""
+    name = (await _status(b.url))["reachability"].get("name")
+    return bool(name) and name in (await _status(a.url))["peers"]
 
 
 async def _at(r: Rollout, v: int) -> bool:
