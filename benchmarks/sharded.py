@@ -36,11 +36,11 @@ from p2p_sync.weights.dtensors import (
     assemble,
     digest_of,
     gather_to,
-    layout_of_sharded,
     partial_sums,
 )
 from p2p_sync.weights.patch import diff
 from p2p_sync.weights.statehash import StateDigest
+from p2p_sync.weights.tensors import layout_of
 
 
 def _rows(n: int, rank: int, ranks: int) -> tuple[int, int]:
@@ -82,7 +82,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.ranks)
     mesh = init_device_mesh("cpu", (args.ranks,))
     blocks = Blocks(args.size, rank, args.ranks, mesh, args.lr)
-    layout = layout_of_sharded(blocks.served)
+    layout = layout_of(blocks.served)
     sums = gather_to(partial_sums(blocks.served))
     digest = digest_of(layout, sums) if sums is not None else None
     differ = ShardDiffer(blocks.served)

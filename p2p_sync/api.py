@@ -284,10 +284,16 @@ class Trainer(_Embedded):
             raise PublishError("a sharded state dict is published by publish() on every rank")
         assert self.publisher is not None, "Trainer is not open"
         if self.serve_dtype is not None:
-            return await self.publisher.publish(ServedWeights(state_dict, self.serve_dtype))
+            return await self.publisher.publish(self._served(state_dict))
         manifests = await self.publisher.publish(dict(state_dict))
         self._warn_fp32(state_dict, manifests)
         return manifests
+
+    def _served(self, state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """``state_dict`` as the engines serve it (``serve_dtype``), cast as it is read."""
+        if self.serve_dtype is None:
+            return state_dict
+        return ServedWeights(state_dict, self.serve_dtype)
 
     def _warn_fp32(self, state_dict: Mapping[str, torch.Tensor], published: list[Manifest]) -> None:
         """Once, at the first patch of float32 weights published as they are: what it cost."""
@@ -309,10 +315,7 @@ class Trainer(_Embedded):
         together, each diffing its own blocks (``runtime.sharded``)."""
         if is_sharded(state_dict):
             assert self._sharded is not None, "Trainer is not open"
-            served = state_dict
-            if self.serve_dtype is not None:
-                served = ServedWeights(state_dict, self.serve_dtype)
-            return self._sharded.publish(served, self._sync)
+            return self._sharded.publish(self._served(state_dict), self._sync)
         if rank() != 0:
             raise PublishError("plain tensors are published by rank 0 alone (DTensors: by all)")
         manifests = self._sync(self.apublish(state_dict))

@@ -16,7 +16,6 @@ their blocks of it only.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -61,20 +60,14 @@ class StepPublisher(Publisher):
     """A publisher fed finished patches: the ranks of a sharded trainer diffed the version."""
 
     def _build_step(self, step: Patch) -> tuple[int, str, Patch, list[Built]]:
-        assert self.prev is not None and self.digest is not None
-        version, t0 = self.next_version, time.perf_counter()
-        t = self.timings = PublishTimings(version)
+        assert self.prev is not None
+        version = self.next_version
+        self.timings = PublishTimings(version)
         if step.base_hash != self.prev_hash:
             raise BaseMismatchError(f"v{version}: the ranks diffed against another base")
         check_layout(layout_of(self.prev), step.layout, "sharded version")
-        self._target_digest, self._moved = step.target_digest, False
-        base = self.prev if self.policy.patch_format == 2 else None
-        payload = codec.encode(step, workers=self.workers, base=base, base_hash=self.prev_hash)
-        if self.history.maxlen:
-            self.history.append(payload if base is None else step)
-        t.encode_s = time.perf_counter() - t0
-        target = step.target_hash.hex()
-        return version, target, step, self._artifacts(version, target, step.layout, {}, payload)
+        self._moved = False  # ``_advance`` applies the step to ``prev``
+        return self._coded(version, step, {})
 
     async def publish_step(self, step: Patch) -> list[Manifest]:
         """Publish ``step`` (against the last version) as the next version."""

@@ -5,9 +5,8 @@ drives it from ``--watch DIR``. Per version it publishes what ``versions.Publish
 (1-step patch, periodic anchor snapshot, aligned merged catch-up patches), stores and serves
 the chunks, persists the weights, and announces the manifests to its peers.
 
-Seeding: the trainer's have-map answers come from ``p2p_sync.protocol.seeding.SuperSeeder``
-(each requester is shown chunks of its own), so the trainer's upload stays near one copy of
-the payload however many rollouts there are. The ``--watch`` spool is ``runtime.watchdir``.
+Seeding: have-map answers come from ``protocol.seeding.SuperSeeder`` (each requester is shown
+chunks of its own): the upload stays near one copy of the payload however many rollouts.
 """
 
 from __future__ import annotations
@@ -186,22 +185,23 @@ class Publisher:
         )
         return self._assemble(version, layout, digest, done, t0)
 
-    def _build_on_device(
-        self, version: int, new: TensorSet, owned: bool, t0: float
-    ) -> tuple[int, str, Patch | None, list[Built]]:
+    def _build_on_device(self, version: int, new: TensorSet, owned: bool, t0: float) -> tuple:
         """The whole patch, diffed on the weights' device (format 2's scans run there too);
         in format 1 the diff moves ``prev`` in its pass, else ``_advance`` does."""
         assert self.prev is not None and self.digest is not None
-        t = self.timings
         self._moved = self.policy.patch_format == 1 and not owned
         step = diff(self.prev, new, digest=self.digest, workers=self.workers, advance=self._moved)
-        self._target_digest = step.target_digest
-        t1 = time.perf_counter()
+        self.timings.diff_s = time.perf_counter() - t0
+        return self._coded(version, step, new)
+
+    def _coded(self, version: int, step: Patch, new: TensorSet) -> tuple:
+        """Code a whole 1-step patch (kept in the history) and sign the head's artifacts."""
+        t1, self._target_digest = time.perf_counter(), step.target_digest
         base = self.prev if self.policy.patch_format == 2 else None
         payload = codec.encode(step, workers=self.workers, base=base, base_hash=self.prev_hash)
         if self.history.maxlen:  # kept in format 1: merging it needs no base (coded later)
             self.history.append(payload if base is None else step)
-        t.diff_s, t.encode_s = t1 - t0, time.perf_counter() - t1
+        self.timings.encode_s = time.perf_counter() - t1
         target = step.target_hash.hex()
         return version, target, step, self._artifacts(version, target, step.layout, new, payload)
 

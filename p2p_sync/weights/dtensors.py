@@ -35,7 +35,7 @@ from p2p_sync.weights.shards import (
     to_whole,
 )
 from p2p_sync.weights.statehash import StateDigest, Sums, add
-from p2p_sync.weights.tensors import Layout, TensorSpec, bits_dtype, flat_bits
+from p2p_sync.weights.tensors import Layout, flat_bits, layout_of
 
 Parts = dict[str, tuple[Box, TensorDelta | None, Sums]]  # per tensor: block, its delta, moves
 
@@ -68,16 +68,6 @@ def block_of(t: torch.Tensor) -> Block:
     return Block(local, Box(tuple(t.shape), tuple(offsets), tuple(shape)), counts)
 
 
-def layout_of_sharded(state_dict: Mapping[str, torch.Tensor]) -> Layout:
-    """The checkpoint layout of a sharded state dict (global shapes), in name order."""
-    specs = []
-    for name in sorted(state_dict):
-        t = state_dict[name]
-        bits_dtype(t.dtype)
-        specs.append(TensorSpec(name, tuple(int(d) for d in t.shape), t.dtype))
-    return tuple(specs)
-
-
 def partial_sums(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Sums]:
     """This rank's share of every tensor's state-hash sums (zero where it does not count)."""
     out = {}
@@ -91,7 +81,7 @@ class ShardDiffer:
     """One rank's side of a sharded publish: its blocks of the last version, kept in place."""
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self.layout = layout_of_sharded(state_dict)
+        self.layout = layout_of(state_dict)
         blocks = {n: block_of(state_dict[n]) for n in sorted(state_dict)}
         # only the blocks this rank counts are diffed (and kept): a replica's are another's
         self.prev = {n: _owned(b) for n, b in blocks.items() if b.counts}
@@ -101,7 +91,7 @@ class ShardDiffer:
     def step(self, state_dict: Mapping[str, torch.Tensor]) -> Parts:
         """The deltas (positions in each block) and sum moves of this rank's counted blocks
         from the last version to ``state_dict``; the kept blocks move to it."""
-        if layout_of_sharded(state_dict) != self.layout:
+        if layout_of(state_dict) != self.layout:
             raise ShardLayoutError("the sharded state dict's names, shapes or dtypes changed")
         spec = {s.name: s for s in self.layout}
         parts: Parts = {}
@@ -154,6 +144,5 @@ __all__ = [
     "block_of",
     "digest_of",
     "gather_to",
-    "layout_of_sharded",
     "partial_sums",
 ]

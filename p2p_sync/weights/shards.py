@@ -24,7 +24,7 @@ import torch
 from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import TensorDelta, canonical_delta
 from p2p_sync.weights.hostsums import _kernels
-from p2p_sync.weights.patch import diff_tensor
+from p2p_sync.weights.patch import add_delta, diff_tensor
 from p2p_sync.weights.statehash import Sums, _lanes_torch, add, position_sums, sub, tensor_sums
 from p2p_sync.weights.tensors import TensorSpec, flat_bits
 
@@ -132,12 +132,21 @@ def shard_sums(local: torch.Tensor, box: Box, name: str = "tensor") -> Sums:
     box.check_words(local.element_size(), name)
     words = _words(local)
     per_word = max(8 // local.element_size(), 1)
-    total = torch.zeros(2, dtype=torch.int64, device=local.device)
+    total: Sums = (0, 0)
     for start in range(0, words.numel(), CHUNK_WORDS):
         u = words[start : start + CHUNK_WORDS]
-        idx = torch.arange(start, start + u.numel(), device=u.device, dtype=torch.int64)
-        total += _terms(u, _word_index(box, idx, per_word))
-    return _read(total)
+        idx = torch.arange(start, start + u.numel(), dtype=torch.int64)
+        total = add(total, _pair_sums(u, _word_index(box, idx, per_word)))
+    return total
+
+
+def _pair_sums(u: torch.Tensor, j: torch.Tensor) -> Sums:
+    """Both lanes' sums of the terms of words ``u`` at global indices ``j`` (host indices):
+    the host kernel on the CPU (one pass), torch on a device."""
+    if u.device.type == "cpu":
+        a, b = _kernels()["pairs"](u.numpy().view(np.uint64), j.numpy().view(np.uint64))
+        return int(a), int(b)
+    return _read(_terms(u, j.to(u.device)))
 
 
 def _sums_at(t: torch.Tensor, box: Box, local_pos: torch.Tensor) -> Sums:
@@ -146,12 +155,7 @@ def _sums_at(t: torch.Tensor, box: Box, local_pos: torch.Tensor) -> Sums:
         return position_sums(t, local_pos, t.element_size())
     per_word = max(8 // t.element_size(), 1)
     idx = torch.unique_consecutive(torch.div(local_pos, per_word, rounding_mode="floor"))
-    j = _word_index(box, idx, per_word)
-    if t.device.type == "cpu":  # the host kernel: one pass, no temporaries
-        u = _words(t)[idx].numpy().view(np.uint64)
-        a, b = _kernels()["pairs"](u, j.numpy().view(np.uint64))
-        return int(a), int(b)
-    return _read(_terms(_words(t)[idx.to(t.device)], j.to(t.device)))
+    return _pair_sums(_words(t)[idx.to(t.device)], _word_index(box, idx, per_word))
 
 
 def shard_diff(
@@ -194,10 +198,11 @@ def shard_apply(local: torch.Tensor, box: Box, delta: TensorDelta) -> Sums:
     keep, local_pos = box.to_local(positions)
     if not local_pos.numel():
         return (0, 0)
-    flat = flat_bits(local)
+    part = TensorDelta(
+        TensorSpec(delta.spec.name, box.shape, delta.spec.dtype), local_pos, deltas[keep]
+    )
     before = _sums_at(local, box, local_pos)
-    with torch.no_grad():
-        flat[local_pos.to(flat.device)] += deltas[keep].to(flat.device)
+    add_delta(flat_bits(local), part, +1)  # the library's in-place add (numpy's on the host)
     return sub(_sums_at(local, box, local_pos), before)
 
 

@@ -19,11 +19,11 @@ from p2p_sync.weights.dtensors import (
     assemble,
     digest_of,
     gather_to,
-    layout_of_sharded,
     partial_sums,
 )
 from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.statehash import state_hash
+from p2p_sync.weights.tensors import layout_of
 
 WORLD = 2
 PLACED = {  # name: (shape, dtype, placement): row- and column-sharded, uneven, replicated
@@ -63,7 +63,7 @@ def _rank(rank: int, store: str) -> None:
             return {n: distribute_tensor(w[n], mesh, [PLACED[n][2]]) for n in PLACED}
 
         v0 = sharded(0)
-        layout = layout_of_sharded(v0)
+        layout = layout_of(v0)
         sums = gather_to(partial_sums(v0))
         differ = ShardDiffer(v0)
         digest = digest_of(layout, sums) if sums is not None else None
