@@ -46,6 +46,7 @@ from p2p_sync.runtime.identity import pick_device, policy_for
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower, Update
 from p2p_sync.runtime.sharded import ShardedPublishing, StepPublisher, is_sharded, rank
+from p2p_sync.runtime.tp_engine import TensorParallel
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
 from p2p_sync.trust.manifest import PATCH, Manifest
@@ -350,6 +351,11 @@ class Rollout(_Embedded):
     node keeps its own copy, applied as versions arrive (``weights``, ``on_update``). An engine
     that fuses or pads its tensors passes its ``layout`` (``p2p_sync.weights.layout``), e.g.
     ``fused_qkv_gate_up(checkpoint_config)``: patches are applied straight into its tensors.
+
+    A tensor-parallel engine (a model whose parameters are DTensors, e.g. Hugging Face's
+    ``tp_plan="auto"``) opens a Rollout on every rank; rank 0 runs the node, and opening,
+    ``wait_for_update``, ``apply_updates`` and ``wait_for_version`` are collective calls that
+    every rank makes together (``runtime.tp_engine``; ``group``: the engine's process group).
     """
 
     role = "rollout"
@@ -363,28 +369,46 @@ class Rollout(_Embedded):
         hold: bool | None = None,
         on_update: Any = None,
         report: bool = True,
+        group: Any = None,
         **settings: Any,
     ) -> None:
         super().__init__(config, settings, report)
         self._model = _tensors(model, layout) if model is not None else None
         self.hold = hold if hold is not None else model is not None
+        self.tp = TensorParallel(self._model, group) if is_sharded(self._model or {}) else None
         self.callback = on_update
         self.follower: Follower | None = None
         self._stop: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
+    def open(self) -> Rollout:
+        """Start the node (on a tensor-parallel engine: rank 0's, then every rank attaches)."""
+        if self.tp is None:
+            return super().open()
+        if self.tp.leader:
+            super().open()
+        try:
+            self.tp.attach(self._head)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     async def _astart(self) -> None:
         node = await self._open_node(Node)
-        device = self._device()
+        if self.tp is not None and self._thread is None:
+            raise RuntimeError("a tensor-parallel engine uses the synchronous face on every rank")
+        tp = self.tp is not None  # the node keeps the head on the host; the ranks take frames
         self.follower = await asyncio.to_thread(
             Follower,
             node,
-            device,
+            "cpu" if tp else self._device(),
             self.cfg.export,
             self.cfg.on_update,
             self.callback,
-            hold=self.hold,
-            into=self._model,
+            hold=self.hold and not tp,
+            into=None if tp else self._model,
+            engine=self.tp.queue if self.tp is not None else None,
         )
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(self.follower.run(self._stop))
@@ -431,16 +455,38 @@ class Rollout(_Embedded):
 
     def wait_for_update(self, timeout: float | None = None) -> bool:
         """Block until a new version is ready (see ``await_update``); False on timeout."""
+        if self.tp is not None:
+            return self.tp.sync.ready(timeout)
         return self._sync(self.await_update(timeout))
 
     def apply_updates(self) -> HandOff:
         """Apply every version fetched so far to the model, in place, now; returns the version
         reached and the pause (decode, apply, target-hash check, log record)."""
+        if self.tp is not None:
+            t0 = time.perf_counter()
+            updates = self.tp.sync.apply()
+            return HandOff(self.tp.sync.state.version, time.perf_counter() - t0, updates)
         return self._sync(self.aapply_updates())
+
+    def _head(self, fn: Any) -> Any:
+        """``fn(weights, state)`` on the node's verified head, between two applied versions."""
+        return self._sync(self._ahead(fn))
+
+    async def _ahead(self, fn: Any) -> Any:
+        assert self.follower is not None
+        async with self.follower.lock:
+            return await asyncio.to_thread(fn, self.follower.weights, self.follower.state)
+
+    @property
+    def version(self) -> int | None:
+        """The version the weights hold (a tensor-parallel engine's: verified on every rank)."""
+        return self.tp.sync.state.version if self.tp is not None else super().version
 
     def wait_for_version(self, version: int, timeout: float = 60.0) -> None:
         """Block until the weights hold ``version`` or newer (applying held versions as they
         come, in hold mode); raises TimeoutError."""
+        if self.tp is not None:
+            return self.tp.until(version, timeout)
         deadline = time.monotonic() + timeout
         while (self.version is None or self.version < version) and time.monotonic() < deadline:
             if self.wait_for_update(max(deadline - time.monotonic(), 0)) and self.hold:

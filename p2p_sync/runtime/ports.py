@@ -19,10 +19,11 @@ from p2p_sync.runtime.peering import Peering
 from p2p_sync.runtime.pushed import PushedChunks
 from p2p_sync.runtime.timeline import Timeline
 from p2p_sync.store import Store
+from p2p_sync.store.restore import FrameSink
 from p2p_sync.transport.announcement import Pushed
 from p2p_sync.transport.client import PeerClient
 from p2p_sync.trust.keys import SigningKey
-from p2p_sync.trust.manifest import SwarmPolicy
+from p2p_sync.trust.manifest import Manifest, SwarmPolicy
 from p2p_sync.trust.trusted import TrustedSet
 
 
@@ -154,6 +155,17 @@ class Follows(Protocol):
     def take_offer(self, peer: str, digest: str) -> tuple[list[int] | None, list[int]]: ...
 
     def follow_order(self, digest: str) -> list[str]: ...
+
+
+class EngineFeed(Protocol):
+    """Where a rollout's applied versions go on to a tensor-parallel engine's ranks
+    (``runtime.tp_engine.EngineQueue``)."""
+
+    def collector(self) -> FrameSink: ...
+
+    def took(self, m: Manifest, frames: Any) -> None: ...
+
+    def lost(self) -> None: ...
 
 
 class FetchHost(Naming, Protocol):

@@ -49,6 +49,7 @@ from p2p_sync.protocol.stalls import carry_unserved
 from p2p_sync.protocol.versions import Artifact, PeerState, plan
 from p2p_sync.runtime.fetch import fetch_payload
 from p2p_sync.runtime.node import Node
+from p2p_sync.runtime.ports import EngineFeed
 from p2p_sync.store.restore import TornApplyError, apply_artifact, load_snapshot, restore
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest
 from p2p_sync.weights.export import write_export
@@ -114,8 +115,10 @@ class Follower:
         checkpoint_every: int | None = None,
         hold: bool = False,
         into: Mapping[str, torch.Tensor] | None = None,
+        engine: EngineFeed | None = None,
     ):
         self.node, self.device = node, device
+        self.engine = engine  # a tensor-parallel engine's ranks, fed what the weights take
         self.workers = node.cfg.threads  # threads for per-tensor work
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
         self.checkpoint_every = checkpoint_every or node.cfg.store.checkpoint_every
@@ -129,7 +132,7 @@ class Follower:
         self.ready = asyncio.Event()  # set while ``pending`` is not empty
         self.advanced = asyncio.Event()  # replaced (after being set) at every applied version
         self.updates: list[Update] = []  # the last few hand-offs, newest last
-        self._lock = asyncio.Lock()  # one apply at a time (engine call vs. the loop)
+        self.lock = asyncio.Lock()  # one apply at a time (engine call vs. the loop)
         self._checkpointing: asyncio.Task[None] | None = None
         self.full = False  # paused by a full disk: the next applied version says it resumed
         node.reports_hand_off = True  # a stale export is rewritten (run) before it is reported
@@ -186,6 +189,8 @@ class Follower:
             target = self.into if self.into is not None else self.weights
             try:
                 weights, self.digest = load_snapshot(self.node.store, m, self.device, target)
+                if self.engine is not None:
+                    self.engine.lost()
                 return weights
             except PatchError:
                 if target is not None:  # they may be half-overwritten
@@ -193,17 +198,22 @@ class Follower:
                 raise
         if self.weights is None or self.digest is None:
             raise PatchError(f"v{m.version}: a patch needs weights to apply to")
+        sink = self.engine.collector() if self.engine is not None else None
         try:
-            apply_artifact(self.node.store, m, self.weights, self.digest, self.workers)
+            apply_artifact(self.node.store, m, self.weights, self.digest, self.workers, sink)
         except TornApplyError:
             self._rebuild(self.weights)
             raise
+        if self.engine is not None:
+            self.engine.took(m, sink)
         return self.weights
 
     def _rebuild(self, target: Mapping[str, torch.Tensor] | None) -> None:
         """Rebuild the accepted state from the store (at start, or to bring half-written
         tensors back), in place into ``target`` when given."""
         restored = restore(self.node.store, self.device, target, self.workers)
+        if self.engine is not None and restored is not None:
+            self.engine.lost()
         self.weights = restored.weights if restored is not None else None
         self.digest = restored.digest if restored is not None else None
         if restored is not None:
@@ -347,7 +357,7 @@ class Follower:
             self.node.learner.new_info.set()  # re-plan from where the weights are now
 
     async def _apply_all(self) -> list[Update]:
-        async with self._lock:
+        async with self.lock:
             done = []
             while self.pending:
                 m, fetch_s = self.pending[0]  # stays pending while applied: plans skip it
@@ -414,7 +424,7 @@ class Follower:
             self.pending.append((m, fetch_s))
             self.ready.set()
             return
-        async with self._lock:
+        async with self.lock:
             await self._advance(m, fetch_s)
 
     async def _take_plan(self, stop: asyncio.Event) -> bool:

@@ -17,7 +17,7 @@ tensors or into an engine's live ones, one tensor at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from p2p_sync.errors import (
 )
 from p2p_sync.store import AcceptedState, Checkpoint, Store
 from p2p_sync.trust.manifest import Manifest
+from p2p_sync.weights.delta import TensorDelta
 from p2p_sync.weights.patch import (
     add_delta,
     check_layout,
@@ -50,6 +51,9 @@ log = logging.getLogger("p2psync.restore")
 HASH_WORKERS = 2
 
 Weights = dict[str, torch.Tensor]
+# Shown each applied frame: (its row, its bytes, None), or for a coding-3 frame, whose decoding
+# needs the base weights, (row, bytes, block) for each decoded block (``runtime.tp_engine``).
+FrameSink = Callable[[codec.FrameInfo, memoryview, TensorDelta | None], None]
 
 
 @dataclass
@@ -95,7 +99,12 @@ def load_snapshot(
 
 
 def apply_artifact(
-    store: Store, m: Manifest, weights: Weights, digest: StateDigest, workers: int = 1
+    store: Store,
+    m: Manifest,
+    weights: Weights,
+    digest: StateDigest,
+    workers: int = 1,
+    sink: FrameSink | None = None,
 ) -> None:
     """Apply the verified patch artifact ``m`` to ``weights`` (whose sums ``digest`` holds, and
     brings along) in place, checking its header against the signed manifest and the result
@@ -107,7 +116,7 @@ def apply_artifact(
     info = codec.read_header(payload)
     if info.base_hash.hex() != m.base_state or info.target_hash.hex() != m.target_state:
         raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
-    apply_frames(weights, payload, info, digest, apply_threads(weights, info, workers))
+    apply_frames(weights, payload, info, digest, apply_threads(weights, info, workers), sink)
 
 
 # Threads that decode into GPU weights, by whether a patch has class-coded frames (format 2).
@@ -132,6 +141,7 @@ def apply_frames(
     info: codec.PatchInfo,
     digest: StateDigest,
     workers: int = 1,
+    sink: FrameSink | None = None,
 ) -> None:
     """Decode and apply a patch one tensor frame at a time, ``workers`` tensors at once, and
     bring ``digest`` (the weights' sums) along: the target hash is checked in O(patch).
@@ -147,7 +157,7 @@ def apply_frames(
     rows = _rows_to_apply(weights, info, digest)
     written: list[str] = []
     try:
-        _write_frames(weights, rows, data, digest, written, workers)
+        _write_frames(weights, rows, data, digest, written, workers, sink)
         _check_target(digest, info.target_hash)
     except PatchError as exc:
         if not written:
@@ -162,11 +172,12 @@ def _write_frames(
     digest: StateDigest,
     written: list[str],
     workers: int,
+    sink: FrameSink | None,
 ) -> None:
     """Decode and write every changed tensor (tied ones once; aliases take their sums), naming in
     ``written`` each one written, so a failure can tell a torn apply from an untouched one."""
     map_workers(
-        lambda n: _apply_frame(weights, rows[n], data, digest, written),
+        lambda n: _apply_frame(weights, rows[n], data, digest, written, sink),
         distinct_tensors(weights, rows),
         workers,
     )
@@ -203,10 +214,12 @@ def _apply_frame(
     data: memoryview,
     digest: StateDigest,
     written: list[str],
+    sink: FrameSink | None = None,
 ) -> None:
     """Decode one frame (coding 3 against the tensor itself) and add it in place, a block of
     positions at a time (``codec.decode_frame_blocks``: a worker holds one block's positions,
-    not a whole embedding's). The tensor counts as written from its first block on."""
+    not a whole embedding's). The tensor counts as written from its first block on. ``sink``
+    is shown what was applied: the frame, or each decoded block of a coding-3 frame."""
     flat = flat_bits(weights[row.spec.name])
     bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
     frame = data[row.offset : row.offset + row.size]
@@ -214,6 +227,9 @@ def _apply_frame(
         delta.validate()
         if i == 0:
             written.append(row.spec.name)
+        if sink is not None:
+            sink(row, frame, delta if bits is not None else None)
+            sink = sink if bits is not None else None  # a plain frame is shown once, whole
         add_delta(flat, delta, +1, digest)
     digest.settle(row.spec.name)  # a GPU tensor's sums: read back once, not per block
 
