@@ -4,12 +4,12 @@ own shards.
 Rank 0 runs the node. It fetches, verifies and applies each version to a host copy of the
 weights: the verified head that it checkpoints, serves to peers and exports, and that the
 exponent-class frames of the default patch format decode against. While applying a version it
-keeps the version's frames for the engine, coded so that they decode without a base
-(:class:`EngineQueue`). The engine's ranks call ``apply_updates`` together, between generation
-batches, as they call ``generate``: rank 0 broadcasts the waiting frames (O(patch)), every rank
-adds what falls in its blocks, in place, on its device (``weights.engine_shards``), and the
-ranks' shares of the state-hash sums, added up at rank 0, must give each version's signed
-target. When they do not, or when the engine holds no version the node can patch from (at
+cuts the version's changes into each rank's blocks and codes them for that rank, without a base
+(:class:`FrameCollector`, off the engine's pause). The engine's ranks call ``apply_updates``
+together, between generation batches, as they call ``generate``: rank 0 scatters the waiting
+frames (each rank gets its part: O(patch) in all), every rank decodes and adds its part, in
+place, on its device (``weights.engine_shards``), and the ranks' shares of the state-hash sums,
+added up at rank 0, must give each version's signed target. When they do not, or when the engine holds no version the node can patch from (at
 start, after a snapshot), rank 0 sends the verified head whole, one tensor at a time.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -30,9 +30,10 @@ from p2p_sync.errors import LayoutMismatchError
 from p2p_sync.protocol.versions import PeerState
 from p2p_sync.runtime.rollout import Update
 from p2p_sync.trust.manifest import Manifest
-from p2p_sync.weights.delta import Layout, TensorDelta
+from p2p_sync.weights.delta import TensorDelta
 from p2p_sync.weights.dtensors import digest_of, gather_to
 from p2p_sync.weights.engine_shards import EngineShards
+from p2p_sync.weights.shards import Box, part_in
 from p2p_sync.weights.statehash import StateDigest, add
 from p2p_sync.weights.tensors import flat_bits, layout_of
 
@@ -42,8 +43,8 @@ QUEUE_BYTES = 1 << 30  # frames kept for an engine that does not apply; past it:
 
 @dataclass(frozen=True)
 class ShippedFrame:
-    """One tensor's changes in a version, as they travel to an engine's ranks: a codec frame
-    of a coding that needs no base weights (a coding-3 frame is re-coded by the node first)."""
+    """The changes of one rank's block of a tensor in a version, as they travel to that rank:
+    a codec frame of positions in the block, in a coding that needs no base weights."""
 
     name: str
     coding: int
@@ -51,50 +52,60 @@ class ShippedFrame:
     data: bytes
 
 
-def decoded(frames: list[ShippedFrame], layout: Layout) -> Iterator[TensorDelta]:
+def decoded(frames: list[ShippedFrame], shards: EngineShards) -> Iterator[TensorDelta]:
     """The frames' changes, a block of positions at a time (never a whole tensor's)."""
-    specs = {s.name: s for s in layout}
     for f in frames:
-        spec = specs.get(f.name)
-        if spec is None:
-            raise LayoutMismatchError(f"engine: no tensor {f.name!r} to patch")
-        row = FrameInfo(spec, f.coding, f.count, 0, len(f.data))
+        row = FrameInfo(shards.spec(f.name), f.coding, f.count, 0, len(f.data))
         yield from codec.decode_frame_blocks(row, memoryview(f.data))
 
 
 class FrameCollector:
-    """The frames of one version as the node applies it (a ``restore.FrameSink``): plain
-    frames as they are, coding-3 blocks re-coded without the base."""
+    """A version's changes cut into each rank's blocks and re-coded, as the node applies them
+    (a ``restore.FrameSink``): every rank then decodes its own part only, and none needs the
+    base weights that exponent-class frames are coded against."""
 
-    def __init__(self) -> None:
-        self.frames: list[ShippedFrame] = []
+    def __init__(self, boxes: list[dict[str, Box]]) -> None:
+        self.boxes = boxes  # per rank: where its block of each tensor sits
+        self.frames: list[list[ShippedFrame]] = [[] for _ in boxes]
         self._lock = threading.Lock()  # the node applies tensors in several threads
 
-    def __call__(self, row: FrameInfo, frame: memoryview, delta: TensorDelta | None) -> None:
-        if delta is None:
-            shipped = ShippedFrame(row.spec.name, row.coding, row.count, bytes(frame))
-        else:
-            coding, count, data = codec.encode_frame(delta, SHIP_LEVEL)
-            shipped = ShippedFrame(row.spec.name, coding, count, data)
-        with self._lock:
-            self.frames.append(shipped)
+    def __call__(self, delta: TensorDelta) -> None:
+        name, once = delta.spec.name, None
+        for rank, boxes in enumerate(self.boxes):
+            box = boxes.get(name)
+            if box is None:
+                continue
+            if box.whole and once is not None:  # a replicated tensor: coded once, sent to all
+                shipped = once
+            else:
+                part = part_in(box, delta)
+                if part is None:
+                    continue
+                shipped = ShippedFrame(name, *codec.encode_frame(part, SHIP_LEVEL))
+                once = shipped if box.whole else None
+            with self._lock:
+                self.frames[rank].append(shipped)
 
     @property
     def size(self) -> int:
-        return sum(len(f.data) for f in self.frames)
+        return sum(len(f.data) for frames in self.frames for f in frames)
 
 
 @dataclass(frozen=True)
 class Queued:
-    """A version the engine has not taken: its target state and its frames."""
+    """A version the engine has not taken: its target state and its frames (per rank, at rank
+    0; a rank is sent its own)."""
 
     version: int
     target: str
-    frames: list[ShippedFrame]
+    frames: list[list[ShippedFrame]]
 
     @property
     def size(self) -> int:
-        return sum(len(f.data) for f in self.frames)
+        return sum(len(f.data) for frames in self.frames for f in frames)
+
+    def of(self, rank: int) -> Queued:
+        return Queued(self.version, self.target, [self.frames[rank]])
 
 
 class EngineQueue:
@@ -102,19 +113,24 @@ class EngineQueue:
 
     def __init__(self, limit: int = QUEUE_BYTES) -> None:
         self.limit = limit
+        self.boxes: list[dict[str, Box]] = []  # every rank's blocks, once the engine attached
         self.versions: list[Queued] = []
         self.whole = True  # the engine needs the head whole (until it is found to hold it)
         self.news = threading.Event()  # set while there is something to apply
         self._lock = threading.Lock()
 
-    def collector(self) -> FrameCollector:
-        """Where the node shows the frames of the version it applies next."""
-        return FrameCollector()
+    def collector(self) -> FrameCollector | None:
+        """Where the node shows the changes of the version it applies next (None while the
+        engine is to get the head whole anyway: nothing to cut)."""
+        with self._lock:
+            return None if self.whole or not self.boxes else FrameCollector(self.boxes)
 
-    def took(self, m: Manifest, frames: FrameCollector) -> None:
+    def took(self, m: Manifest, frames: FrameCollector | None) -> None:
         """The node applied ``m``: its frames wait for the engine (unless it goes whole)."""
         with self._lock:
-            if not self.whole:
+            if not self.whole and frames is None:  # attached while ``m`` was being applied
+                self.whole = True
+            if not self.whole and frames is not None:
                 self.versions.append(Queued(m.version, m.target_state, frames.frames))
                 if sum(q.size for q in self.versions) > self.limit:
                     self.whole, self.versions = True, []
@@ -187,9 +203,23 @@ class EngineSync:
         return digest_of(self.shards.layout, ranks) if ranks is not None else None
 
     def attach(self) -> None:
-        """At start: whether the engine already holds the node's head (then only patches go)."""
+        """At start: where every rank's blocks sit, and whether the engine already holds the
+        node's head (then only patches go)."""
+        boxes = gather_to(self.shards.boxes(), 0, self.group)
+        if self.queue is not None and boxes is not None:
+            self.queue.boxes = boxes
         self.digest = self.measure()
         self.state = self.share(self._read(self._found)) or PeerState()
+
+    def _scatter(self, plan: Shipment | None) -> Shipment:
+        """Each rank's part of rank 0's ``plan``: its own frames of every version."""
+        mine: list[Any] = [None]
+        parts = None
+        if plan is not None:
+            size = dist.get_world_size(self.group)
+            parts = [replace(plan, versions=[q.of(r) for q in plan.versions]) for r in range(size)]
+        dist.scatter_object_list(mine, parts, src=0, group=self.group)
+        return mine[0]
 
     def _found(self, _: object, state: PeerState) -> PeerState | None:
         assert self.queue is not None and self.digest is not None
@@ -205,8 +235,8 @@ class EngineSync:
         return bool(self.share(news))
 
     def apply(self) -> list[Update]:
-        """Apply what waits, on every rank together; the updates made (rank 0's, everywhere)."""
-        plan: Shipment = self.share(self._read(self._plan))
+        """Apply what waits, on every rank together; the updates made (sizes: this rank's)."""
+        plan = self._scatter(self._read(self._plan))
         done: list[Update] = []
         self.state = plan.held or self.state
         if plan.whole:
@@ -237,7 +267,7 @@ class EngineSync:
         """Apply one queued version's frames on every rank and check the target at rank 0
         (the engine's layout is the head's: its hash matched, at start or when sent whole)."""
         t0 = time.perf_counter()
-        moved = self.shards.apply(decoded(q.frames, self.shards.layout))
+        moved = self.shards.apply(decoded(q.frames[0], self.shards))
         ranks = gather_to(moved, 0, self.group)
         ok = None
         if ranks is not None and self.digest is not None:

@@ -51,9 +51,8 @@ log = logging.getLogger("p2psync.restore")
 HASH_WORKERS = 2
 
 Weights = dict[str, torch.Tensor]
-# Shown each applied frame: (its row, its bytes, None), or for a coding-3 frame, whose decoding
-# needs the base weights, (row, bytes, block) for each decoded block (``runtime.tp_engine``).
-FrameSink = Callable[[codec.FrameInfo, memoryview, TensorDelta | None], None]
+# Shown each block of changes as it is applied (``runtime.tp_engine`` re-codes them per rank).
+FrameSink = Callable[[TensorDelta], None]
 
 
 @dataclass
@@ -219,7 +218,7 @@ def _apply_frame(
     """Decode one frame (coding 3 against the tensor itself) and add it in place, a block of
     positions at a time (``codec.decode_frame_blocks``: a worker holds one block's positions,
     not a whole embedding's). The tensor counts as written from its first block on. ``sink``
-    is shown what was applied: the frame, or each decoded block of a coding-3 frame."""
+    is shown each block applied."""
     flat = flat_bits(weights[row.spec.name])
     bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
     frame = data[row.offset : row.offset + row.size]
@@ -228,8 +227,7 @@ def _apply_frame(
         if i == 0:
             written.append(row.spec.name)
         if sink is not None:
-            sink(row, frame, delta if bits is not None else None)
-            sink = sink if bits is not None else None  # a plain frame is shown once, whole
+            sink(delta)
         add_delta(flat, delta, +1, digest)
     digest.settle(row.spec.name)  # a GPU tensor's sums: read back once, not per block
 

@@ -4,8 +4,9 @@ where they live.
 An engine sharded by tensor parallelism (Hugging Face ``tp_plan``, or any DTensor model) holds
 each checkpoint tensor as blocks over its ranks: column-parallel along dim 0, row-parallel
 along dim 1, small tensors replicated. :class:`EngineShards` is one rank's view of them. It
-applies a version's changes (deltas in checkpoint coordinates) to the positions that fall in
-its blocks, in place, in O(changes), and reports how its share of the state-hash sums moved:
+applies the parts of a version's changes that fall in its blocks (cut out by the rank that
+decoded the version: ``shards.part_in``), in place, in O(changes), and reports how its share of
+the state-hash sums moved:
 added over the ranks, they give the engine's state hash without any rank holding a whole tensor.
 """
 
@@ -18,9 +19,9 @@ import torch
 from p2p_sync.errors import LayoutMismatchError
 from p2p_sync.weights.delta import Layout, TensorDelta, check_layout
 from p2p_sync.weights.dtensors import Block, block_of
-from p2p_sync.weights.shards import shard_apply, shard_sums
+from p2p_sync.weights.shards import Box, apply_part, shard_sums
 from p2p_sync.weights.statehash import Sums, add
-from p2p_sync.weights.tensors import layout_of
+from p2p_sync.weights.tensors import TensorSpec, layout_of
 
 
 class EngineShards:
@@ -44,23 +45,34 @@ class EngineShards:
         """This rank's share of every tensor's state-hash sums (zero where it does not count)."""
         return {n: _sums(n, b) for n, b in self.blocks.items()}
 
-    def apply(self, deltas: Iterable[TensorDelta]) -> dict[str, Sums]:
-        """Add the changes (whole-tensor deltas, several per tensor allowed) that fall in this
-        rank's blocks, in place; how this rank's share of each changed tensor's sums moved
+    def apply(self, parts: Iterable[TensorDelta]) -> dict[str, Sums]:
+        """Add each part (positions in this rank's block of its tensor, several per tensor
+        allowed) in place; how this rank's share of each changed tensor's sums moved
         (aliases take their tensor's)."""
         moved: dict[str, Sums] = {}
-        for delta in deltas:
-            name = delta.spec.name
-            if name not in self.blocks:
-                raise LayoutMismatchError(f"engine: no tensor {name!r} to patch")
-            delta.validate()
+        for part in parts:
+            name = part.spec.name
             block = self.blocks[self.alias.get(name, name)]
-            step = shard_apply(block.local, block.box, delta)  # a replica is patched too
+            if part.spec.shape != block.box.shape:
+                raise LayoutMismatchError(f"engine: {name!r} part is not of its block's shape")
+            part.validate()
+            step = apply_part(block.local, block.box, part)  # a replica is patched too
             moved[name] = add(moved.get(name, (0, 0)), step if block.counts else (0, 0))
         for alias, name in self.alias.items():
             if name in moved:
                 moved[alias] = moved[name]
         return moved
+
+    def boxes(self) -> dict[str, Box]:
+        """Where this rank's blocks sit (what rank 0 splits each version by)."""
+        return {n: b.box for n, b in self.blocks.items() if n not in self.alias}
+
+    def spec(self, name: str) -> TensorSpec:
+        """The spec of this rank's block of tensor ``name`` (what its parts are coded in)."""
+        if name not in self.blocks:
+            raise LayoutMismatchError(f"engine: no tensor {name!r} to patch")
+        b = self.blocks[name]
+        return TensorSpec(name, b.box.shape, b.local.dtype)
 
     def load(self, name: str, whole: torch.Tensor) -> None:
         """Copy this rank's block of ``whole`` (the checkpoint tensor ``name``) into place."""

@@ -194,16 +194,28 @@ def to_whole(spec: TensorSpec, box: Box, local: TensorDelta) -> TensorDelta:
 def shard_apply(local: torch.Tensor, box: Box, delta: TensorDelta) -> Sums:
     """Add the part of ``delta`` (a whole-tensor delta) that falls in the block to ``local``
     in place; returns how the block's sums moved."""
+    part = part_in(box, delta)
+    return apply_part(local, box, part) if part is not None else (0, 0)
+
+
+def part_in(box: Box, delta: TensorDelta) -> TensorDelta | None:
+    """The part of ``delta`` (a whole-tensor delta) that falls in the block, at positions in
+    the block (sorted, as the whole tensor's are); None when nothing does."""
     positions, deltas = _sparse(delta)
     keep, local_pos = box.to_local(positions)
     if not local_pos.numel():
-        return (0, 0)
-    part = TensorDelta(
+        return None
+    return TensorDelta(
         TensorSpec(delta.spec.name, box.shape, delta.spec.dtype), local_pos, deltas[keep]
     )
-    before = _sums_at(local, box, local_pos)
+
+
+def apply_part(local: torch.Tensor, box: Box, part: TensorDelta) -> Sums:
+    """Add ``part`` (positions in the block) to ``local`` in place; how the block's sums moved."""
+    positions = _sparse(part)[0]
+    before = _sums_at(local, box, positions)
     add_delta(flat_bits(local), part, +1)  # the library's in-place add (numpy's on the host)
-    return sub(_sums_at(local, box, local_pos), before)
+    return sub(_sums_at(local, box, positions), before)
 
 
 def merge_blocks(spec: TensorSpec, parts: list[TensorDelta | None]) -> TensorDelta | None:
@@ -232,7 +244,9 @@ def add_sums(parts: list[Sums]) -> Sums:
 __all__ = [
     "Box",
     "add_sums",
+    "apply_part",
     "merge_blocks",
+    "part_in",
     "shard_apply",
     "shard_diff",
     "shard_sums",

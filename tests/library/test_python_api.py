@@ -124,9 +124,9 @@ def test_the_workers_setting_is_each_sides_thread_count(
         used.append(("trainer", workers))
         return map_workers(fn, items, workers)
 
-    def spy_apply(store, m, weights, digest, workers=1):  # noqa: ANN001, ANN202
+    def spy_apply(store, m, weights, digest, workers=1, sink=None):  # noqa: ANN001, ANN202
         used.append(("rollout", workers))
-        return apply_artifact(store, m, weights, digest, workers)
+        return apply_artifact(store, m, weights, digest, workers, sink)
 
     monkeypatch.setattr(trainer_mod, "map_workers", spy_map)
     monkeypatch.setattr(rollout_mod, "apply_artifact", spy_apply)

@@ -70,14 +70,17 @@ def _changed(old: dict[str, torch.Tensor], seed: int, fraction: float) -> dict[s
 
 
 def _node_applies(
-    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], classed: bool
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    classed: bool,
+    shards: list[EngineShards],
 ) -> FrameCollector:
     """What a node keeps for its engine while it applies old -> new to its host copy."""
     host = {n: t.clone() for n, t in old.items()}
     data = codec.encode(diff(old, new), base=old if classed else None)
     if classed:
         assert any(r.coding == codec.CLASSED for r in codec.read_header(data).rows)
-    collected = FrameCollector()
+    collected = FrameCollector([s.boxes() for s in shards])
     info, digest = codec.read_header(data), StateDigest.of(host)
     apply_frames(host, memoryview(data), info, digest, 1, collected)
     assert all(torch.equal(host[n].view(torch.int16), new[n].view(torch.int16)) for n in new)
@@ -111,9 +114,10 @@ def _check_ranks(
     shards: list[EngineShards],
     classed: bool,
 ) -> None:
-    collected = _node_applies(old, new, classed)
-    assert all(f.coding != codec.CLASSED for f in collected.frames)  # decodable by any rank
-    moves = [s.apply(decoded(collected.frames, s.layout)) for s in shards]
+    collected = _node_applies(old, new, classed, shards)
+    sent = [f for frames in collected.frames for f in frames]
+    assert all(f.coding != codec.CLASSED for f in sent)  # decodable without the base
+    moves = [s.apply(decoded(collected.frames[r], s)) for r, s in enumerate(shards)]
     for name in new:
         want = sub(tensor_sums(new[name]), tensor_sums(old[name]))
         assert add_sums([m.get(name, (0, 0)) for m in moves]) == want, name
