@@ -36,10 +36,13 @@ from p2p_sync import codec  # noqa: E402
 from p2p_sync.protocol.versions import PeerState  # noqa: E402
 from p2p_sync.runtime.tp_engine import EngineQueue, EngineSync  # noqa: E402
 from p2p_sync.store.restore import apply_frames  # noqa: E402
-from p2p_sync.weights.dtensors import Block, gather_to  # noqa: E402
+from p2p_sync.weights.dtensors import gather_to  # noqa: E402
 from p2p_sync.weights.engine_shards import EngineShards  # noqa: E402
 from p2p_sync.weights.patch import diff  # noqa: E402
-from p2p_sync.weights.shards import Box  # noqa: E402
+from p2p_sync.weights.shards import (
+    Block,  # noqa: E402
+    Box,  # noqa: E402
+)
 from p2p_sync.weights.statehash import StateDigest  # noqa: E402
 from p2p_sync.weights.tensors import layout_of  # noqa: E402
 

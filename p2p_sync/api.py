@@ -35,7 +35,7 @@ import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -46,12 +46,14 @@ from p2p_sync.runtime.identity import pick_device, policy_for
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower, Update
 from p2p_sync.runtime.sharded import ShardedPublishing, StepPublisher, is_sharded, rank
-from p2p_sync.runtime.tp_engine import TensorParallel
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
 from p2p_sync.trust.manifest import PATCH, Manifest
 from p2p_sync.weights.layout import EngineLayout
 from p2p_sync.weights.served import ServedWeights
+
+if TYPE_CHECKING:
+    from p2p_sync.runtime.tp_engine import TensorParallel
 
 T = TypeVar("T")
 log = logging.getLogger("p2psync.node")
@@ -99,6 +101,20 @@ def _tensors(
     them where ``layout`` says the engine fuses or pads."""
     tensors = dict(model.state_dict()) if isinstance(model, torch.nn.Module) else dict(model)
     return layout.views(tensors) if layout is not None else tensors
+
+
+def _tensor_parallel(model: Any, layout: EngineLayout | None, group: Any) -> TensorParallel | None:
+    """The tensor-parallel side of a rollout whose engine holds shards (DTensors, or a layout
+    for one rank of a sharded engine); None for any other. Imported only then: it loads
+    ``torch.distributed.tensor``."""
+    if model is None:
+        return None
+    tensors = _tensors(model)
+    if not (is_sharded(tensors) or (layout is not None and layout.sharded)):
+        return None
+    from p2p_sync.runtime.tp_engine import TensorParallel
+
+    return TensorParallel(tensors, group, layout)
 
 
 class _LoopThread:
@@ -375,7 +391,7 @@ class Rollout(_Embedded):
         super().__init__(config, settings, report)
         self._model = _tensors(model, layout) if model is not None else None
         self.hold = hold if hold is not None else model is not None
-        self.tp = TensorParallel(self._model, group) if is_sharded(self._model or {}) else None
+        self.tp = _tensor_parallel(model, layout, group)
         self.callback = on_update
         self.follower: Follower | None = None
         self._stop: asyncio.Event | None = None

@@ -178,3 +178,33 @@ def publish_snapshot(
     node.store.put_payload(m, payload)
     node.store.put_manifest(m, sign(m, [key]))
     return m, payload
+
+
+def vllm_rank(
+    ck: dict[str, torch.Tensor], rank: int, size: int, padded: int
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank`` of ``size``'s tensors of LLaMA checkpoint ``ck`` as vLLM's loader makes
+    them: q/k/v and gate/up row blocks stacked, o/down column blocks, the vocabulary padded to
+    ``padded`` rows and cut into row blocks, norms whole."""
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.chunk(size, 0)[rank]
+
+    out = {}
+    for name, t in ck.items():
+        if name.endswith(("q_proj.weight", "gate_proj.weight")):
+            fused = "qkv_proj" if "q_proj" in name else "gate_up_proj"
+            parts = ("q_proj", "k_proj", "v_proj") if "q_proj" in name else ("gate_proj", "up_proj")
+            prefix = name.rsplit(".", 2)[0]
+            out[f"{prefix}.{fused}.weight"] = torch.cat(
+                [rows(ck[f"{prefix}.{p}.weight"]) for p in parts]
+            )
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = t.chunk(size, 1)[rank].contiguous().clone()
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            pad = torch.zeros(padded - t.shape[0], t.shape[1], dtype=t.dtype)
+            padded_t = torch.cat([t, pad])
+            out[name] = rows(padded_t).clone()
+        elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+            out[name] = t.clone()
+    return out

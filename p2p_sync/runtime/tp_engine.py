@@ -9,8 +9,9 @@ cuts the version's changes into each rank's blocks and codes them for that rank,
 together, between generation batches, as they call ``generate``: rank 0 scatters the waiting
 frames (each rank gets its part: O(patch) in all), every rank decodes and adds its part, in
 place, on its device (``weights.engine_shards``), and the ranks' shares of the state-hash sums,
-added up at rank 0, must give each version's signed target. When they do not, or when the engine holds no version the node can patch from (at
-start, after a snapshot), rank 0 sends the verified head whole, one tensor at a time.
+added up at rank 0, must give each version's signed target. When they do not, or when the
+engine holds no version the node can patch from (at start, after a snapshot), rank 0 sends the
+verified head whole, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from p2p_sync.trust.manifest import Manifest
 from p2p_sync.weights.delta import TensorDelta
 from p2p_sync.weights.dtensors import digest_of, gather_to
 from p2p_sync.weights.engine_shards import EngineShards
+from p2p_sync.weights.layout import EngineLayout
 from p2p_sync.weights.shards import Box, part_in
 from p2p_sync.weights.statehash import StateDigest, add
 from p2p_sync.weights.tensors import flat_bits, layout_of
@@ -321,11 +323,19 @@ class EngineSync:
 class TensorParallel:
     """A Rollout's tensor-parallel side: this rank's shards, and rank 0's queue for them."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], group: Any = None) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        group: Any = None,
+        layout: EngineLayout | None = None,
+    ) -> None:
+        """``tensors``: the engine's (DTensors; or this rank's local tensors, which ``layout``
+        places in the checkpoint's)."""
         self.group = group
         self.leader = dist.get_rank(group) == 0
         self.queue = EngineQueue() if self.leader else None
-        self.sync = EngineSync(EngineShards.of(tensors), group, self.queue)
+        shards = EngineShards.of(tensors) if layout is None else EngineShards.laid(tensors, layout)
+        self.sync = EngineSync(shards, group, self.queue)
 
     def attach(self, head: HeadReader) -> None:
         """Every rank at once, once rank 0's node is open: where the engine stands."""

@@ -14,7 +14,6 @@ by several ranks; only the one at coordinate 0 of each replicated mesh dim count
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import Patch, TensorDelta
 from p2p_sync.weights.patch import add_delta
 from p2p_sync.weights.shards import (
+    Block,
     Box,
     add_sums,
     merge_blocks,
@@ -38,16 +38,6 @@ from p2p_sync.weights.statehash import StateDigest, Sums, add
 from p2p_sync.weights.tensors import Layout, flat_bits, layout_of
 
 Parts = dict[str, tuple[Box, TensorDelta | None, Sums]]  # per tensor: block, its delta, moves
-
-
-@dataclass(frozen=True)
-class Block:
-    """One rank's part of one tensor: its local values, where they sit, and whether this rank
-    is the one that counts them (replicas other than the first do not)."""
-
-    local: torch.Tensor
-    box: Box
-    counts: bool
 
 
 def block_of(t: torch.Tensor) -> Block:

@@ -18,10 +18,11 @@ import torch
 
 from p2p_sync.errors import LayoutMismatchError
 from p2p_sync.weights.delta import Layout, TensorDelta, check_layout
-from p2p_sync.weights.dtensors import Block, block_of
-from p2p_sync.weights.shards import Box, apply_part, shard_sums
+from p2p_sync.weights.dtensors import block_of
+from p2p_sync.weights.layout import EngineLayout
+from p2p_sync.weights.shards import Block, Box, apply_part, shard_sums
 from p2p_sync.weights.statehash import Sums, add
-from p2p_sync.weights.tensors import TensorSpec, layout_of
+from p2p_sync.weights.tensors import TensorSpec, layout_of, layout_of_specs
 
 
 class EngineShards:
@@ -36,6 +37,13 @@ class EngineShards:
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> EngineShards:
         """This rank's blocks of ``tensors`` (DTensors report their global shapes)."""
         return cls(layout_of(tensors), {n: block_of(tensors[n]) for n in sorted(tensors)})
+
+    @classmethod
+    def laid(cls, engine: Mapping[str, torch.Tensor], layout: EngineLayout) -> EngineShards:
+        """This rank's blocks of an engine's local tensors, placed by ``layout``."""
+        blocks = layout.blocks(engine)
+        specs = [(n, b.local.dtype, b.box.global_shape) for n, b in blocks.items()]
+        return cls(layout_of_specs(specs), dict(sorted(blocks.items())))
 
     def check(self, layout: Layout) -> None:
         """Raise ``LayoutMismatchError`` (naming the tensor) unless ``layout`` is the engine's."""

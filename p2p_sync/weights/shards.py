@@ -105,6 +105,16 @@ class Box:
             )
 
 
+@dataclass(frozen=True)
+class Block:
+    """One rank's part of one tensor: its local values, where they sit, and whether this rank
+    is the one that counts them (replicas other than the first do not)."""
+
+    local: torch.Tensor
+    box: Box
+    counts: bool
+
+
 def _word_index(box: Box, local_words: torch.Tensor, per_word: int) -> torch.Tensor:
     """Global word indices of the block's local words (each a whole global word)."""
     return torch.div(box.to_global(local_words * per_word), per_word, rounding_mode="floor")
@@ -242,6 +252,7 @@ def add_sums(parts: list[Sums]) -> Sums:
 
 
 __all__ = [
+    "Block",
     "Box",
     "add_sums",
     "apply_part",

@@ -6,8 +6,10 @@ tensor-parallel model loaded from the trainer's weights."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 WORLD = 2
+PADDED = 192  # the fused engine's vocabulary rows (the checkpoint's 128, padded)
 PROMPT = [[1, 7, 42, 9, 3]]
 
 
@@ -133,11 +136,57 @@ def _rank(root: str) -> None:
             _save(full, base / "v4")
         dist.barrier()
         assert tokens == _generate(_load_tp(base / "v4"))
+        _fused_engine(rank, base, url[0], trainer, full)
     finally:
         rollout.close()
         if trainer is not None:
             trainer.close()
         dist.destroy_process_group()
+
+
+def _fused_engine(rank: int, base: Path, url: str, trainer: object, full: dict) -> None:
+    """An engine laid out as vLLM loads LLaMA under tensor parallelism (fused q/k/v and
+    gate/up row blocks, o/down column blocks, a padded vocabulary in row blocks), loaded from
+    v4, takes v5 in its own tensors through ``fused_qkv_gate_up(..., tp_rank, tp_size)``."""
+    from p2p_sync import Rollout
+    from p2p_sync.weights.layout import fused_qkv_gate_up
+    from tests.helpers import vllm_rank
+
+    fused = vllm_rank(full, rank, WORLD, PADDED)
+    layout = fused_qkv_gate_up(
+        _config(), vocab_size=128, padded_vocab=PADDED, tp_rank=rank, tp_size=WORLD
+    )
+    rollout = Rollout(
+        trust=[str(base / "trainer.key.pub")],
+        peers=[url],
+        data_dir=base / "r2",
+        model=fused,
+        layout=layout,
+        download={"have_poll_s": 0.05},
+        directory={"poll_interval_s": 0.2},
+    ).open()
+    try:
+        _node_at(rollout, 4)
+        assert _follow(rollout, 4) == []  # found to hold v4 by its hash: nothing sent
+        _step(full, 5)
+        if trainer is not None:
+            trainer.publish(full)  # type: ignore[attr-defined]
+        assert _follow(rollout, 5) == ["patch"]
+        want = vllm_rank(full, rank, WORLD, PADDED)
+        assert [n for n, t in fused.items() if not torch.equal(t, want[n])] == []
+    finally:
+        rollout.close()
+
+
+def _node_at(rollout: object, version: int) -> None:
+    """Wait (bounded) until rank 0's node holds ``version``, then go on together."""
+    if rollout.node is not None:  # type: ignore[attr-defined]
+        for _ in range(600):
+            state = rollout.node.store.state  # type: ignore[attr-defined]
+            if state is not None and state.version >= version:
+                break
+            time.sleep(0.05)  # polls the node's own state: bounded, not a synchronisation
+    dist.barrier()
 
 
 @pytest.mark.slow  # two ranks, each loading transformers: started first
@@ -147,7 +196,12 @@ def test_a_tensor_parallel_engine_patches_its_shards_in_place(tmp_path: Path) ->
     write_keypair(SigningKey.generate(), tmp_path / "trainer.key")
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     run += [f"--nproc-per-node={WORLD}", __file__, str(tmp_path)]
-    done = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    root = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 

@@ -4,6 +4,8 @@ new version's slice, and the blocks' sum moves add up to the whole tensors'."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,12 +15,13 @@ from p2p_sync import codec
 from p2p_sync.errors import LayoutMismatchError
 from p2p_sync.runtime.tp_engine import FrameCollector, decoded
 from p2p_sync.store.restore import apply_frames
-from p2p_sync.weights.dtensors import Block
 from p2p_sync.weights.engine_shards import EngineShards
+from p2p_sync.weights.layout import fused_qkv_gate_up
 from p2p_sync.weights.patch import diff
-from p2p_sync.weights.shards import Box, add_sums
+from p2p_sync.weights.shards import Block, Box, add_sums
 from p2p_sync.weights.statehash import StateDigest, sub, tensor_sums
 from p2p_sync.weights.tensors import layout_of
+from tests.helpers import vllm_rank
 
 
 def _split(t: torch.Tensor, dim: int, ranks: int) -> list[tuple[Box, torch.Tensor]]:
@@ -142,3 +145,66 @@ def test_an_engine_that_does_not_fit_is_named() -> None:
     other = {**_model(1, 2), "o.weight": torch.zeros(16, 12).bfloat16()}
     with pytest.raises(LayoutMismatchError, match="o.weight"):
         shards.check(layout_of(other))
+
+
+# ---------------------------------------------------------------- a fused, sharded engine
+
+CFG = SimpleNamespace(
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    hidden_size=16,
+    intermediate_size=32,
+    vocab_size=50,
+    model_type="llama",
+)
+PADDED = 64  # the engine pads the vocabulary (vLLM: to a multiple of 64), then splits it
+
+
+def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, kv, i = CFG.hidden_size, CFG.num_key_value_heads * 2, CFG.intermediate_size
+    shapes = {"model.embed_tokens.weight": (50, h), "lm_head.weight": (50, h)}
+    shapes["model.norm.weight"] = (h,)
+    for n in range(CFG.num_hidden_layers):
+        a, m = f"model.layers.{n}.self_attn.", f"model.layers.{n}.mlp."
+        shapes |= {a + "q_proj.weight": (h, h), a + "k_proj.weight": (kv, h)}
+        shapes |= {a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, h)}
+        shapes |= {m + "gate_proj.weight": (i, h), m + "up_proj.weight": (i, h)}
+        shapes |= {m + "down_proj.weight": (h, i), f"model.layers.{n}.input_layernorm.weight": (h,)}
+    return {k: torch.randn(s, generator=g).bfloat16() for k, s in shapes.items()}
+
+
+@settings(max_examples=15, deadline=None)
+@given(size=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**31 - 1), fraction=st.floats(0, 0.5))
+def test_a_fused_tensor_parallel_engine_takes_patches_in_its_own_tensors(
+    size: int, seed: int, fraction: float
+) -> None:
+    old = _checkpoint(seed)
+    new = _changed(old, seed + 1, fraction)
+    engines = [vllm_rank(old, r, size, PADDED) for r in range(size)]
+    pointers = [{n: t.data_ptr() for n, t in e.items()} for e in engines]
+    layouts = [
+        fused_qkv_gate_up(CFG, vocab_size=50, padded_vocab=PADDED, tp_rank=r, tp_size=size)
+        for r in range(size)
+    ]
+    shards = [EngineShards.laid(e, lay) for e, lay in zip(engines, layouts)]
+    assert all(s.layout == layout_of(old) for s in shards)  # the checkpoint's, whole
+    sums = [s.sums() for s in shards]
+    assert {n: add_sums([r[n] for r in sums]) for n in old} == StateDigest.of(old).sums
+    collected = _node_applies(old, new, False, shards)
+    moves = [s.apply(decoded(collected.frames[r], s)) for r, s in enumerate(shards)]
+    for r, engine in enumerate(engines):
+        want = vllm_rank(new, r, size, PADDED)
+        assert engine.keys() == want.keys()
+        for name, t in engine.items():
+            assert torch.equal(t.view(torch.int16), want[name].view(torch.int16)), (r, name)
+            assert t.data_ptr() == pointers[r][name]  # in place
+    for name in new:
+        got = add_sums([m.get(name, (0, 0)) for m in moves])
+        assert got == sub(tensor_sums(new[name]), tensor_sums(old[name])), name
+
+
+def test_kv_heads_that_do_not_split_over_the_ranks_are_refused() -> None:
+    with pytest.raises(LayoutMismatchError, match="4 kv heads do not split over 8 ranks"):
+        fused_qkv_gate_up(CFG, tp_rank=0, tp_size=8)
