@@ -9,6 +9,8 @@ patch size; then the unsharded baseline in one process with as many threads as t
 ranks (``diff`` + ``codec.encode`` of the whole model) and every rank's peak RSS.
 
     python benchmarks/sharded.py --size 1b --ranks 2
+
+The engine side (a tensor-parallel engine's pause per version) is ``benchmarks/tp_engine.py``.
 """
 
 from __future__ import annotations

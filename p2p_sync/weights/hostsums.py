@@ -230,12 +230,14 @@ def _diff_py(
     positions: np.ndarray,
     deltas: np.ndarray,
     advance: bool,
+    word0: int,
 ) -> tuple:
     """DIFF (kernel of :func:`scan_diff`): from word ``start``, each word where ``old`` and
     ``new`` differ gets its terms summed before and after, its changed elements listed and,
     with ``advance``, ``new``'s copy written over ``old``'s, ``SCAN_BLOCK`` words at a time.
     Stops at the end or before a block that might not fit the outputs (the block shrinks to
-    what fits, at least a word). Returns (next word, entries, sums x4)."""
+    what fits, at least a word). ``word0``: the index of word 0 in the state hash (a row
+    block of a larger tensor; 0 for a whole one). Returns (next word, entries, sums x4)."""
     a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
     us, vs = np.empty(SCAN_BLOCK, np.uint64), np.empty(SCAN_BLOCK, np.uint64)
     at = np.empty(SCAN_BLOCK, np.int64)
@@ -246,7 +248,7 @@ def _diff_py(
             break
         m = _changed_words(old, new, w, end, us, vs, at)
         for i in range(m):  # gathered, then visited while in cache: 2x a branch per word
-            j = np.uint64(at[i])
+            j = np.uint64(at[i] + word0)
             a, b = a + _lane0(us[i], j), b + _lane1(us[i], j)
             c, d = c + _lane0(vs[i], j), d + _lane1(vs[i], j)
         k = _list_changed(us, vs, at, m, per_word, positions, deltas, k, old, advance)

@@ -164,19 +164,16 @@ def _vocab(
     """The embedding and LM head: the checkpoint's vocabulary, padded by the engine to
     ``padded`` rows and split into equal row blocks over the ranks (vocabulary parallel)."""
     rank, size = tp
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    if size == 1:  # the rows the checkpoint has, when the engine pads beyond them
+        return [Piece(n, n, 0, vocab_size) for n in names if vocab_size is not None], []
     vocab = vocab_size or config.vocab_size
     per = -(-(padded or vocab) // size)
     first, last = min(rank * per, vocab), min((rank + 1) * per, vocab)
-    pieces, ignored = [], []
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        if last == first:  # this rank holds padding only
-            ignored.append(name)
-        elif size > 1:
-            box = Box((vocab, config.hidden_size), (first, 0), (last - first, config.hidden_size))
-            pieces.append(Piece(name, name, 0, last - first, box))
-        elif vocab_size is not None:
-            pieces.append(Piece(name, name, 0, vocab_size))
-    return pieces, ignored
+    if last == first:  # this rank holds padding only
+        return [], list(names)
+    box = Box((vocab, config.hidden_size), (first, 0), (last - first, config.hidden_size))
+    return [Piece(n, n, 0, last - first, box) for n in names], []
 
 
 def fused_qkv_gate_up(

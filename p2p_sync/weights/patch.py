@@ -137,18 +137,22 @@ def diff_tracked(
     digest: StateDigest,
     scratch: DiffScratch | None = None,
     advance: bool = False,
+    word0: int = 0,
 ) -> TensorDelta | None:
     """The change from ``base`` to ``new`` (on ``base``'s device), with ``digest`` moved to
     ``new``'s sums and, with ``advance``, ``base`` made equal to ``new``. On the host one
     kernel pass does all three while each word is in cache; on a device, or for a view whose
-    words are not its memory, the diff, the sums and the copy are separate steps."""
+    words are not its memory, the diff, the sums and the copy are separate steps. ``word0``
+    (host only): the tensors are a row block whose first word is word ``word0`` of the whole."""
     scratch = scratch if scratch is not None else DiffScratch()
     old = flat_bits(base.detach())
     cur = flat_bits(new.detach().to(base.device, non_blocking=True))
     if old.device.type == "cpu" and base.is_contiguous() and cur.is_contiguous():
-        scanned = _diff_scanned(spec, old, cur, digest, scratch, advance)
+        scanned = _diff_scanned(spec, old, cur, digest, scratch, advance, word0)
         if scanned is not False:
             return scanned
+    if word0:
+        raise ValueError("a row block is diffed by the host kernel only")
     delta = diff_tensor(spec, base, new, scratch.mask(spec.numel))
     if delta is not None:
         update(digest, spec, base, new, delta.positions)
@@ -164,10 +168,11 @@ def _diff_scanned(
     digest: StateDigest,
     scratch: DiffScratch,
     advance: bool,
+    word0: int = 0,
 ) -> TensorDelta | None | bool:
     """The one-pass host diff (``diff_tracked``); False when the kernel cannot see the
     tensors' memory as words (nothing done)."""
-    scanned = _scan_words(spec, old, cur, scratch, advance)
+    scanned = _scan_words(spec, old, cur, scratch, advance, word0)
     if scanned is None:
         return False
     parts, moved, whole = scanned
@@ -188,7 +193,12 @@ def _diff_scanned(
 
 
 def _scan_words(
-    spec: TensorSpec, old: torch.Tensor, cur: torch.Tensor, scratch: DiffScratch, advance: bool
+    spec: TensorSpec,
+    old: torch.Tensor,
+    cur: torch.Tensor,
+    scratch: DiffScratch,
+    advance: bool,
+    word0: int = 0,
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], tuple[Sums, Sums], int] | None:
     """Run the DIFF kernel over the whole words until they end or the changes grow past a
     sparse delta: (listed entries, sums moved, whole words, or -1 when it stopped early).
@@ -198,7 +208,7 @@ def _scan_words(
     whole, word, count = spec.numel * spec.itemsize // 8, 0, 0
     out = scratch.deltas(spec.itemsize)
     while word < whole and count <= DENSE_IN_MEMORY_FRACTION * spec.numel:
-        scan = scan_diff(old, cur, word, scratch.positions, out, advance)
+        scan = scan_diff(old, cur, word, scratch.positions, out, advance, word0)
         if scan is None:
             return None
         moved = (add(moved[0], scan.before), add(moved[1], scan.after))

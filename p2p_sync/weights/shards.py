@@ -24,8 +24,16 @@ import torch
 from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import TensorDelta, canonical_delta
 from p2p_sync.weights.hostsums import _kernels
-from p2p_sync.weights.patch import add_delta, diff_tensor
-from p2p_sync.weights.statehash import Sums, _lanes_torch, add, position_sums, sub, tensor_sums
+from p2p_sync.weights.patch import add_delta, diff_tensor, diff_tracked
+from p2p_sync.weights.statehash import (
+    StateDigest,
+    Sums,
+    _lanes_torch,
+    add,
+    position_sums,
+    sub,
+    tensor_sums,
+)
 from p2p_sync.weights.tensors import TensorSpec, flat_bits
 
 CHUNK_WORDS = 1 << 22  # words summed per step: a few int64 temporaries of this size
@@ -179,12 +187,45 @@ def shard_diff(
     them in the whole tensor ``spec``), and how the block's sums move; ``old`` is left as it
     was. ``scratch``: a bool array of at least the block's size, reused across calls."""
     box.check_words(spec.itemsize, spec.name)
-    delta = diff_tensor(TensorSpec(spec.name, box.shape, spec.dtype), old, new, scratch)
+    local = TensorSpec(spec.name, box.shape, spec.dtype)
+    word0 = _row_block_word0(box, local, old, new)
+    if word0 is not None:  # one fused pass, as an unsharded diff: changes and sums together
+        return _diff_rows(local, box, old, new, word0)
+    delta = diff_tensor(local, old, new, scratch)
     if delta is None:
         return None, (0, 0)
     positions = _sparse(delta)[0].cpu()
     moved = sub(_sums_at(new.to(old.device), box, positions), _sums_at(old, box, positions))
     return delta, moved
+
+
+def _row_block_word0(
+    box: Box, local: TensorSpec, old: torch.Tensor, new: torch.Tensor
+) -> int | None:
+    """The state-hash index of the block's first word, when the host kernel can diff it in
+    one pass: a block of whole rows (FSDP2's) of whole words, both tensors contiguous on the
+    host. None otherwise."""
+    if box.whole or box.shape[1:] != box.global_shape[1:] or not box.shape:
+        return None
+    if (local.numel * local.itemsize) % 8 or old.device.type != "cpu":
+        return None
+    if not (old.is_contiguous() and new.is_contiguous() and new.device.type == "cpu"):
+        return None
+    row = local.numel // box.shape[0] if box.shape[0] else 0
+    return box.offsets[0] * row * local.itemsize // 8
+
+
+def _diff_rows(
+    local: TensorSpec, box: Box, old: torch.Tensor, new: torch.Tensor, word0: int
+) -> tuple[TensorDelta | None, Sums]:
+    """:func:`shard_diff` of a row block by the host kernel, its sums at their global words."""
+    moves = StateDigest((local,), {local.name: (0, 0)})
+    delta = diff_tracked(local, old, new, moves, word0=word0)
+    if delta is None:
+        return None, (0, 0)
+    if delta.positions is None:  # dense: the kernel's sums were the block's own, recount
+        return delta, sub(shard_sums(new, box, local.name), shard_sums(old, box, local.name))
+    return delta, moves.sums[local.name]
 
 
 def _sparse(delta: TensorDelta) -> tuple[torch.Tensor, torch.Tensor]:

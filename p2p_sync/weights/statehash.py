@@ -397,18 +397,26 @@ def scan_diff(
     positions: np.ndarray,
     deltas: np.ndarray,
     advance: bool,
+    word0: int = 0,
 ) -> DiffScan | None:
     """One call of the DIFF kernel over the whole words of host bit views ``old`` and ``new``
     (same shape and dtype), from word ``start``; None when a tensor's words are not a view of
     its memory (an unaligned view): the caller then diffs the two-pass way. Elements past the
-    last whole word are the caller's."""
+    last whole word are the caller's. ``word0``: the state-hash index of word 0 (a row block)."""
     wo, wn = _words(old), _words(new)
     if any(w.body.numel() and w.body.data_ptr() != t.data_ptr() for w, t in ((wo, old), (wn, new))):
         return None
     size = old.element_size()
     elems = np.dtype(f"u{size}")  # unsigned: the kernel's subtraction wraps, as the codec's does
     w, k, a, b, c, d = _kernels()["diff"](
-        _host(wo.body), _host(wn.body), start, 8 // size, positions, deltas.view(elems), advance
+        _host(wo.body),
+        _host(wn.body),
+        start,
+        8 // size,
+        positions,
+        deltas.view(elems),
+        advance,
+        word0,
     )
     return DiffScan(int(w), int(k), (int(a), int(b)), (int(c), int(d)))
 
