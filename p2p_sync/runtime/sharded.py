@@ -7,10 +7,10 @@ travel to rank 0 (O(patch)), where they become the checkpoint patch an unsharded
 same weights would make. Rank 0's node publishes it (:class:`StepPublisher`) and every rank
 returns the version number.
 
-v0 is the exception: the snapshot needs every byte, so its tensors are gathered whole, one at
-a time. Rank 0 also keeps the host copy of the last version that a publisher keeps for anchors,
-checkpoints and restarts (updated per version from the patch, O(patch)); the other ranks hold
-their blocks of it only.
+v0 is the exception: the snapshot needs every byte, so rank 0 gathers its tensors whole, one at
+a time (the other ranks send their blocks and hold no whole tensor). Rank 0 also keeps the host
+copy of the last version that a publisher keeps for anchors, checkpoints and restarts (updated
+per version from the patch, O(patch)); the other ranks hold their blocks of it only.
 """
 
 from __future__ import annotations
@@ -102,16 +102,15 @@ class ShardedPublishing:
         return int(shared[0])
 
     def _first(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
-        """v0 (or the first version since start): every tensor whole at rank 0, one at a time."""
+        """v0 (or the first version since start): every tensor whole at rank 0 only, one at a
+        time, from the blocks the ranks count (no other rank holds a whole tensor)."""
+        from p2p_sync.weights.dtensors import ShardDiffer, whole_at
+
         whole = {}
         for name in sorted(state_dict):
-            t = state_dict[name]
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
-            if rank() == 0:
-                whole[name] = full.cpu().clone()
-            del full
-        from p2p_sync.weights.dtensors import ShardDiffer
-
+            t = whole_at(state_dict[name], 0, self.group)
+            if t is not None:
+                whole[name] = t
         self.differ = ShardDiffer(state_dict)
         if self.publisher is None:
             return None

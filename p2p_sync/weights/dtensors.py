@@ -107,6 +107,21 @@ def gather_to(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
     return out
 
 
+def whole_at(t: torch.Tensor, dst: int = 0, group: Any = None) -> torch.Tensor | None:
+    """Tensor ``t`` whole on the host of rank ``dst`` (None elsewhere), from the blocks the
+    ranks count: each sends its own, only ``dst`` holds the whole."""
+    b = block_of(t)
+    mine = (b.box, b.local.cpu()) if b.counts else None
+    blocks = gather_to(mine, dst, group)
+    if blocks is None:
+        return None
+    out = torch.empty(tuple(t.shape), dtype=t.dtype)
+    for box, local in (x for x in blocks if x is not None):
+        region = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.shape))
+        out[region] = local.reshape(box.shape)
+    return out
+
+
 def assemble(layout: Layout, ranks: list[Parts], base: StateDigest) -> tuple[Patch, StateDigest]:
     """The checkpoint patch from every rank's parts, against ``base`` (the digest of the last
     version), and the new version's digest."""
@@ -135,4 +150,5 @@ __all__ = [
     "digest_of",
     "gather_to",
     "partial_sums",
+    "whole_at",
 ]

@@ -20,6 +20,7 @@ from p2p_sync.weights.dtensors import (
     digest_of,
     gather_to,
     partial_sums,
+    whole_at,
 )
 from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.statehash import state_hash
@@ -63,6 +64,11 @@ def _rank(rank: int, store: str) -> None:
             return {n: distribute_tensor(w[n], mesh, [PLACED[n][2]]) for n in PLACED}
 
         v0 = sharded(0)
+        for name, t in v0.items():  # whole at rank 0 only, from the blocks the ranks count
+            whole = whole_at(t)
+            assert (whole is None) == (rank != 0)
+            if whole is not None:
+                assert torch.equal(whole.view(torch.uint8), _weights(0)[name].view(torch.uint8))
         layout = layout_of(v0)
         sums = gather_to(partial_sums(v0))
         differ = ShardDiffer(v0)
