@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from benchmarks.memory import status_kb
 from benchmarks.models import llama_shapes
 from p2p_sync import codec
 from p2p_sync.runtime.sharded import code_parts, decode_parts
@@ -89,9 +90,12 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     digest = digest_of(layout, sums) if sums is not None else None
     differ = ShardDiffer(blocks.served)
     lines = []
+    resident, grew = status_kb("VmRSS"), 0
     for v in range(1, args.versions + 1):
         blocks.step()
         dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # the peak of this publish alone
+        before = status_kb("VmRSS")
         t0 = time.perf_counter()
         parts = code_parts(differ.step(blocks.served))  # as Trainer.publish sends them
         t1 = time.perf_counter()
@@ -109,6 +113,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
                 f"{t3 - t2:.2f} s, encode {t4 - t3:.2f} s, total {t4 - t0:.2f} s; "
                 f"patch {len(data) / 1e6:.1f} MB"
             )
+        grew = max(grew, status_kb("VmHWM") - before)
         sent_all = gather_to((rank, t1 - t0, sent))
         if sent_all is not None:
             lines.append(
@@ -117,12 +122,14 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             )
     shard_mb = sum(t.to_local().numel() * 2 for t in blocks.served.values()) / 1e6
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
-    peaks = gather_to((rank, peak, shard_mb))
+    peaks = gather_to((rank, peak, shard_mb, resident / 1e3, grew / 1e3))
     if peaks is not None:
         lines += [
             f"  rank {r}: peak RSS {p:,.0f} MB; its bf16 blocks {s:,.0f} MB, fp32 masters "
-            f"{2 * s:,.0f} MB (rss / (blocks + masters) {p / (3 * s):.2f})"
-            for r, p, s in peaks
+            f"{2 * s:,.0f} MB (rss / (blocks + masters) {p / (3 * s):.2f}); resident before "
+            f"publishing {at:,.0f} MB (blocks, masters, the kept last version, the runtime), "
+            f"a publish adds at most {g:,.0f} MB ({(at + g) / at:.2f}x)"
+            for r, p, s, at, g in peaks
         ]
         Path(out).write_text("\n".join(lines) + "\n")
     dist.destroy_process_group()

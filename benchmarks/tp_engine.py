@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.memory import status_kb  # noqa: E402
 from benchmarks.models import Model  # noqa: E402
 from p2p_sync import codec  # noqa: E402
 from p2p_sync.protocol.versions import PeerState  # noqa: E402
@@ -84,7 +85,7 @@ def _rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
     sync = EngineSync(shards, None, queue, (lambda fn: fn(host, state)) if rank == 0 else None)
     sync.attach()
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here: the versions alone
-    base_kb = _kb("VmRSS")
+    base_kb = status_kb("VmRSS")
     lines = []
     for v in range(1, args.versions + 1):
         node_s = 0.0
@@ -109,7 +110,7 @@ def _rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
                 f"sent to the ranks {shipped / 1e6:.1f} MB in all (patch {len(data) / 1e6:.1f} MB)"
             )
             print(lines[-1], flush=True)
-    grew = (_kb("VmHWM") - base_kb) / 1e3
+    grew = (status_kb("VmHWM") - base_kb) / 1e3
     mine = sum(b.local.numel() * b.local.element_size() for b in blocks.values()) / 1e6
     peaks = gather_to((rank, base_kb / 1e3, grew, mine))
     if peaks is not None:
@@ -119,13 +120,6 @@ def _rank(rank: int, args: argparse.Namespace, tmp: str) -> None:
                 f"peak +{g:,.0f} MB while applying them"
             )
     dist.destroy_process_group()
-
-
-def _kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 def make_versions(args: argparse.Namespace, tmp: str) -> None:

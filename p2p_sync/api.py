@@ -411,9 +411,9 @@ class Rollout(_Embedded):
         return self
 
     async def _astart(self) -> None:
-        node = await self._open_node(Node)
-        if self.tp is not None and self._thread is None:
+        if self.tp is not None and self._thread is None:  # before any rank opens a node
             raise RuntimeError("a tensor-parallel engine uses the synchronous face on every rank")
+        node = await self._open_node(Node)
         tp = self.tp is not None  # the node keeps the head on the host; the ranks take frames
         self.follower = await asyncio.to_thread(
             Follower,

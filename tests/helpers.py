@@ -208,3 +208,19 @@ def vllm_rank(
         elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
             out[name] = t.clone()
     return out
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A transformers LLaMA config small enough for a test (built locally, never downloaded)."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaConfig(**{**fields, **overrides})

@@ -6,6 +6,7 @@ tensor-parallel model loaded from the trainer's weights."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -22,17 +23,9 @@ PROMPT = [[1, 7, 42, 9, 3]]
 
 
 def _config() -> object:
-    from transformers import LlamaConfig
+    from tests.helpers import tiny_llama_config
 
-    return LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    return tiny_llama_config()
 
 
 def _step(full: dict[str, torch.Tensor], v: int) -> None:
@@ -107,6 +100,8 @@ def _rank(root: str) -> None:
     url = [trainer.url if trainer is not None else None]
     dist.broadcast_object_list(url, src=0)
     engine = _load_tp(base / "v0")  # the checkpoint the trainer starts from
+    with pytest.raises(RuntimeError, match="synchronous face on every rank"):  # no async face
+        asyncio.run(Rollout(trust=[str(base / "trainer.key.pub")], model=engine).__aenter__())
     rollout = Rollout(
         trust=[str(base / "trainer.key.pub")],
         peers=[url[0]],

@@ -21,22 +21,13 @@ from p2p_sync.store import Store
 from p2p_sync.trust.keys import SigningKey, write_keypair
 from p2p_sync.trust.manifest import SwarmPolicy
 from tests import store_writer
-from tests.helpers import bit_equal, rollout_config, trainer_config
+from tests.helpers import bit_equal, rollout_config, tiny_llama_config, trainer_config
 
 transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama(seed: int) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    cfg = tiny_llama_config(tie_word_embeddings=True)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
