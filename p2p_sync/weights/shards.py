@@ -253,12 +253,17 @@ def part_in(box: Box, delta: TensorDelta) -> TensorDelta | None:
     """The part of ``delta`` (a whole-tensor delta) that falls in the block, at positions in
     the block (sorted, as the whole tensor's are); None when nothing does."""
     positions, deltas = _sparse(delta)
+    spec = TensorSpec(delta.spec.name, box.shape, delta.spec.dtype)
+    if box.shape and box.shape[1:] == box.global_shape[1:]:  # whole rows: one slice of them
+        row = spec.numel // box.shape[0] if box.shape[0] else 0
+        lo, hi = box.offsets[0] * row, (box.offsets[0] + box.shape[0]) * row
+        ends = torch.searchsorted(positions, torch.tensor([lo, hi], dtype=positions.dtype))
+        a, b = int(ends[0]), int(ends[1])
+        return TensorDelta(spec, positions[a:b] - lo, deltas[a:b]) if b > a else None
     keep, local_pos = box.to_local(positions)
     if not local_pos.numel():
         return None
-    return TensorDelta(
-        TensorSpec(delta.spec.name, box.shape, delta.spec.dtype), local_pos, deltas[keep]
-    )
+    return TensorDelta(spec, local_pos, deltas[keep])
 
 
 def apply_part(local: torch.Tensor, box: Box, part: TensorDelta) -> Sums:

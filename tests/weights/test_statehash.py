@@ -251,15 +251,18 @@ def plain_python_kernels() -> Iterator[None]:
         yield
 
 
-def run_diff(kernel: Callable, old: torch.Tensor, new: torch.Tensor, entries: int) -> tuple:
+def run_diff(
+    kernel: Callable, old: torch.Tensor, new: torch.Tensor, entries: int, word0: int = 0
+) -> tuple:
     """``kernel`` (DIFF) called until it has scanned every whole word of ``old`` (advanced in
-    place) with room for ``entries`` entries a call: (positions, deltas, the four sums)."""
+    place) with room for ``entries`` entries a call: (positions, deltas, the four sums).
+    ``word0``: where word 0 sits in the state hash (a row block of a larger tensor)."""
     size = old.element_size()
     positions, deltas = np.empty(entries, np.int64), np.empty(entries, f"u{size}")
     o, n = (statehash._host(statehash._words(t).body) for t in (old, new))
     start, listed, moved = 0, [(positions[:0], deltas[:0])], (0, 0, 0, 0)
     while start < o.size:
-        w, k, *sums = kernel(o, n, start, 8 // size, positions, deltas, True)
+        w, k, *sums = kernel(o, n, start, 8 // size, positions, deltas, True, word0)
         assert w > start  # every call makes progress
         listed.append((positions[:k].copy(), deltas[:k].copy()))
         moved = tuple((x + int(y)) & statehash.MASK for x, y in zip(moved, sums))
@@ -282,27 +285,32 @@ def run_apply(kernel: Callable, flat: torch.Tensor, positions: np.ndarray, delta
     st.sampled_from([0.001, 0.05, 0.5, 1.0]),
     st.integers(0, 2**32 - 1),
     st.sampled_from([8, 100, 1 << 14]),
+    st.sampled_from([0, 37]),
 )
 def test_blocked_host_kernels_equal_plain_python_and_the_definition(
-    dtype: torch.dtype, numel: int, density: float, seed: int, entries: int
+    dtype: torch.dtype, numel: int, density: float, seed: int, entries: int, word0: int
 ) -> None:
     """The DIFF and APPLY kernels take ``SCAN_BLOCK`` words or positions at a time (a word's
     elements can straddle two APPLY blocks; a DIFF block shrinks to the room left in its
     output). Compiled and as plain Python they list the same entries and move the sums by the
-    same amount: the changed words' terms, before and after, as the definition has them."""
+    same amount: the changed words' terms, before and after, as the definition has them (for
+    a row block, ``word0``: the terms at the words' places in the whole tensor, here one with
+    ``word0`` words in front)."""
     old = flat_bits(random_bits((numel,), dtype, seed))
     new = flat_bits(change(old, density, "random", seed + 1))
     whole = statehash._words(old).body.numel() * 8 // dtype.itemsize  # the tail is the caller's
     changed = np.flatnonzero(old.numpy()[:whole] != new.numpy()[:whole])
     words = torch.from_numpy(np.unique(changed // (8 // dtype.itemsize)))
-    want = (*statehash.word_sums(old, words), *statehash.word_sums(new, words))
+    front = torch.zeros(word0 * 8 // dtype.itemsize, dtype=old.dtype)
+    placed = [torch.cat([front, t[:whole]]) for t in (old, new)]
+    want = tuple(x for t in placed for x in statehash.word_sums(t, words + word0))
     compiled = hostsums._kernels()
     runs = {}
     for name in ("numba", "python"):
         advanced, flat = old.clone(), old.clone()
         with plain_python_kernels() if name == "python" else contextlib.nullcontext():
             diff_kernel = hostsums._diff_py if name == "python" else compiled["diff"]
-            positions, deltas, moved = run_diff(diff_kernel, advanced, new, entries)
+            positions, deltas, moved = run_diff(diff_kernel, advanced, new, entries, word0)
             apply_kernel = hostsums._sums_py if name == "python" else compiled["sums"]
             a, b, c, d, used = run_apply(apply_kernel, flat, positions, deltas)
         assert np.array_equal(positions, changed) and moved == want
