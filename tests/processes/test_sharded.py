@@ -89,6 +89,7 @@ def _rank(rank: int, store: str) -> None:
                 assert _sparse(patch.deltas[name]) == _sparse(d), name
             apply(old, patch)  # checks the base and the target hash in full
             assert all(torch.equal(old[n].view(torch.uint8), new[n].view(torch.uint8)) for n in new)
+        dist.barrier()  # leave together: a rank gone while another still talks aborts it
     finally:
         dist.destroy_process_group()
 
@@ -158,6 +159,7 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
             finally:
                 if follower is not None:
                     follower.close()
+        dist.barrier()  # leave together (on success: a failed rank is ended by spawn)
     finally:
         dist.destroy_process_group()
 

@@ -132,6 +132,7 @@ def _rank(root: str) -> None:
         dist.barrier()
         assert tokens == _generate(_load_tp(base / "v4"))
         _fused_engine(rank, base, url[0], trainer, full)
+        dist.barrier()  # leave together: a rank gone while another still talks aborts it
     finally:
         rollout.close()
         if trainer is not None:
