@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 # hidden, intermediate, layers, heads, kv heads, vocab
@@ -64,3 +66,13 @@ class Model:
                 m.mul_(1 - 0.1 * self.lr)  # decoupled weight decay
             self.bf16[name].copy_(m)
             del u
+
+
+def ranked_args(description: str) -> argparse.ArgumentParser:
+    """The flags every multi-rank benchmark takes: model size, ranks, versions, step size."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    return ap

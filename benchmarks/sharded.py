@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from benchmarks.memory import status_kb
-from benchmarks.models import llama_shapes
+from benchmarks.models import llama_shapes, ranked_args
 from p2p_sync import codec
 from p2p_sync.runtime.sharded import code_parts, decode_parts
 from p2p_sync.weights.dtensors import (
@@ -161,11 +161,7 @@ def unsharded(args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--size", default="1b")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--versions", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    ap = ranked_args(__doc__.split("\n", 1)[0])
     ap.add_argument("--skip-baseline", action="store_true")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

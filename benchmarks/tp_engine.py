@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.memory import status_kb  # noqa: E402
-from benchmarks.models import Model  # noqa: E402
+from benchmarks.models import Model, ranked_args  # noqa: E402
 from p2p_sync import codec  # noqa: E402
 from p2p_sync.protocol.versions import PeerState  # noqa: E402
 from p2p_sync.runtime.tp_engine import EngineQueue, EngineSync  # noqa: E402
@@ -149,11 +149,7 @@ def unsharded(args: argparse.Namespace, tmp: str) -> list[float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--size", default="1b")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--versions", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    ap = ranked_args(__doc__.split("\n", 1)[0])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         make_versions(args, tmp)
