@@ -823,10 +823,10 @@ class SwarmSim:
     def _flush_have(self, key: tuple[int, int]) -> None:
         indices = self.pending_have.pop(key)
         p = self.peers[key[1]]
-        promised = self.promised.pop(key, set()) & indices  # forwarded: said in the answer
+        promised = self.promised.pop(key, None)  # forwarded: said in the answer
         if p.sched is not None and p.online and key[0] not in p.banned:
-            if promised:
-                self._feed(p, PeerPushes(key[0], frozenset(promised)))
+            if promised and promised & indices:
+                self._feed(p, PeerPushes(key[0], frozenset(promised & indices)))
             self._feed(p, PeerHad(key[0], frozenset(indices), None, self._owed(p, key[0])))
         elif p.early is not None and p.online:  # news on an early feed: kept
             p.early.setdefault(key[0], set()).update(indices)

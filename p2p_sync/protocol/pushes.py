@@ -57,6 +57,8 @@ class PushWait:
 
     def claimed(self, peer: str, indices: Iterable[int], now: float) -> None:
         """``peer`` says it holds ``indices`` (a have-map, or part of one)."""
+        if not self.pusher:
+            return  # no push expected (the usual case: every have-map answer asks)
         for i in indices:
             owner = self.pusher.get(i)
             if owner is not None:
@@ -88,6 +90,8 @@ class PushWait:
 
     def deadlines(self) -> list[float]:
         """When something next becomes overdue (for the scheduler's ``next_timer``)."""
+        if not self._claimed and not self._pusher_claimed:
+            return []  # nothing expected is claimed (asked after every event: the usual case)
         return [*self._stopped_at().values(), *self._lagging_at().values()]
 
     def expire(self, now: float) -> list[str]:

@@ -111,7 +111,11 @@ class Scheduler:
     def next_timer(self, now: float) -> float | None:
         """When the scheduler next needs a :class:`TimerFired`: the oldest request's timeout,
         the end of a busy peer's back-off, or a stall deadline (``None``: only news helps)."""
-        times = [t for t in self.busy_until.values() if t > now]
+        busy = self.busy_until
+        if busy:  # an ended back-off never binds again (time only moves on): dropped here
+            for peer in [p for p, t in busy.items() if t <= now]:
+                del busy[peer]
+        times = list(busy.values())
         if self.inflight:
             times.append(self._first_timeout())
         if self._orphans and not self._stall_reported:
@@ -183,11 +187,17 @@ class Scheduler:
         and the round trip it took."""
         if owed:
             self.owed.add(peer)
-        stats = self.stats.setdefault(peer, PeerStats())
+        stats = self._stats_of(peer)
         if rtt is not None:
             stats.rtt_sample(rtt)
             self._depths.pop(peer, None)
         self._recount(peer)
+
+    def _stats_of(self, peer: str) -> PeerStats:
+        stats = self.stats.get(peer)
+        if stats is None:  # (not ``setdefault``: that builds a PeerStats on every event)
+            stats = self.stats[peer] = PeerStats()
+        return stats
 
     def _promised(self, pusher: str, indices: frozenset[int], now: float) -> None:
         """Wait for ``indices`` from ``pusher``; a chunk some peer already holds counts as
@@ -234,7 +244,7 @@ class Scheduler:
 
     def _verified(self, ev: ChunkVerified, now: float) -> list[Action]:
         started = self._drop_request(ev.peer, ev.index)
-        stats = self.stats.setdefault(ev.peer, PeerStats())
+        stats = self._stats_of(ev.peer)
         if started is not None:
             self._measure(ev, stats, started, now)
         stats.verified += 1
@@ -285,7 +295,7 @@ class Scheduler:
         # A peer that cannot serve a chunk it claimed no longer counts as holding it.
         self.peer_chunks.get(peer, set()).discard(index)
         self._unhold(peer, index)
-        self.stats.setdefault(peer, PeerStats()).failures += 1
+        self._stats_of(peer).failures += 1
         return []
 
     def _ban(self, peer: str, reason: str) -> list[Action]:
@@ -406,7 +416,7 @@ class Scheduler:
             if started is None:
                 continue
             actions.append(CancelRequest(peer, i))
-            self.stats.setdefault(peer, PeerStats()).failures += 1
+            self._stats_of(peer).failures += 1
             self._censored(now - started)
         return actions
 
@@ -429,8 +439,9 @@ class Scheduler:
         """Whether ``peer`` has room for another run of requests, kept in ``_open`` as its
         requests and depth change: scheduling after every event then looks only at peers
         with room (a busy download has few), not at every peer followed."""
-        depth, run = self._depth_run(peer)
-        if len(self.peer_inflight.get(peer, ())) + min(run, depth) <= depth:
+        cached = self._depths.get(peer)  # (the cache hit inlined: this runs after every event)
+        depth, run = self._depth_run(peer) if cached is None else cached
+        if len(self.peer_inflight.get(peer, ())) + (run if run < depth else depth) <= depth:
             self._open.add(peer)
         else:
             self._open.discard(peer)
