@@ -5,15 +5,16 @@ the right length (honest nodes must ban it and still converge), ``silent`` accep
 and never answers, ``half`` sends half of the chunk's bytes and then falls silent (honest nodes
 must count either as not served, stop waiting on it, and still reach the head).
 
-Run as a process (``python -m tests.evil_peer TRAINER_URL``: garbage), or in a test's own
-event loop: ``app(TRAINER_URL, mode)``, an :class:`aiohttp.web.Application`.
+Run in a test's own event loop: ``app(TRAINER_URL, mode)``, an
+:class:`aiohttp.web.Application` (``serve`` starts it on loopback). A peer that holds the real
+artifacts and corrupts what it serves runs on the in-memory swarm instead
+(``tests/protocol/test_control_plane.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 import aiohttp
 from aiohttp import web
@@ -124,13 +125,3 @@ async def serve(application: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
-
-
-async def main(trainer: str) -> None:
-    _, url = await serve(app(trainer))
-    print(url, flush=True)
-    await asyncio.Event().wait()
-
-
-if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))

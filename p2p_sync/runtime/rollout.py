@@ -171,9 +171,12 @@ class Follower:
         usable = [artifact(m) for m in newer if m.digest not in self.refused]
         live = {a.ident for a in usable}
         self.unserved = {d: r for d, r in self.unserved.items() if d in live and r}
+        if not usable:
+            return []
+        head = max(a.version for a in usable)  # fixed: avoiding the only way there is no path
         for avoid in (self.stalled, set()):
             try:
-                path = plan(start, [a for a in usable if a.ident not in avoid])
+                path = plan(start, [a for a in usable if a.ident not in avoid], head)
             except NoPathError:
                 continue
             if not avoid:

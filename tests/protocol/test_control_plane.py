@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import zstandard
 
 from p2p_sync.errors import PeerError
@@ -16,7 +20,9 @@ from p2p_sync.runtime.dataview import SeedingView
 from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.timeline import STEPS
 from p2p_sync.transport.announcement import Pushed, pack_manifests
+from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.memory import MemoryClient
+from p2p_sync.transport.messages import Reply, Request
 from p2p_sync.trust import announce
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
@@ -144,6 +150,66 @@ def test_a_peer_offering_a_forged_manifest_is_banned_and_honest_versions_still_a
     assert out["evil"] in out["banned"] and out["evil"] not in out["usable"]
     assert not out["has forged"]
     assert bit_equal(out["weights"], tiny_versions[1])
+
+
+class Corrupting:
+    """A real node's data plane whose chunk replies carry flipped bytes (the right length):
+    the node claims and serves what it holds, and every chunk it serves fails its hash."""
+
+    def __init__(self, router: DataRouter) -> None:
+        self.router, self.served = router, 0
+
+    @asynccontextmanager
+    async def serve(self, req: Request) -> AsyncIterator[Reply]:
+        async with self.router.serve(req) as reply:
+            if reply.upload and reply.body:
+                self.served += 1
+                flipped = (np.frombuffer(reply.body, np.uint8) ^ 0xFF).tobytes()
+                reply = replace(reply, body=flipped)
+            yield reply
+
+    def sent(self, reply: Reply) -> None:
+        self.router.sent(reply)
+
+    def close(self) -> None:
+        self.router.close()
+
+
+async def _corrupt(tmp_path: Path, versions: list) -> dict:
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer = await swarm.start_trainer()
+        for tensors in versions:
+            await swarm.publish(tensors)
+        evil = await swarm.node("evil")  # holds every genuine artifact, fetched from nobody
+        for m in trainer.store.manifests():
+            evil.store.put_payload(m, bytes(trainer.store.payload(m) or b""))
+            evil.store.put_manifest(m, trainer.store.manifest_bytes(m.digest) or b"")
+        assert evil.url is not None and trainer.url is not None
+        tampered = Corrupting(swarm.network.routers[evil.url])
+        swarm.network.routers[evil.url] = tampered  # type: ignore[assignment]
+        rollouts = [
+            await swarm.start_rollout(f"r{i}", peers=(evil.url, trainer.url)) for i in range(3)
+        ]
+        await swarm.converge(len(versions) - 1)
+        return {
+            "evil": evil.url,
+            "banned": [set(r.peering.banned) for r in rollouts],
+            "states": [r.status()["state_hash"] for r in rollouts],
+            "served": tampered.served,
+        }
+
+
+def test_a_peer_serving_corrupt_chunks_is_banned_and_honest_rollouts_converge(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    """Three honest rollouts that know the trainer and a peer holding every artifact whose
+    chunks all fail their hashes: whoever got a bad chunk from it bans it (and nobody
+    else), and all reach the head."""
+    out = _run(_corrupt(tmp_path, tiny_versions[:4]))
+    assert out["served"] > 0  # it was asked for chunks
+    assert any(out["evil"] in banned for banned in out["banned"])
+    assert all(banned <= {out["evil"]} for banned in out["banned"])  # no honest peer banned
+    assert all(s == state_hash(tiny_versions[3]).hex() for s in out["states"])
 
 
 # ---------------------------------------------------------------- gossip

@@ -51,6 +51,7 @@ from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy
 from p2p_sync.weights.statehash import state_hash
 from tests import evil_peer
 from tests.helpers import bit_equal, rollout_config, stop_follower_pair, trainer_config
+from tests.nodebase import MemorySwarm
 
 CHUNK = 16 * 1024
 
@@ -662,6 +663,33 @@ def test_a_chunk_trickling_in_over_several_stall_timeouts_completes() -> None:
 
 
 # ---------------------------------------------------------------- a rollout re-plans
+
+
+async def _plans_around(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> list:
+    """A rollout knowing the trainer's manifests plans a path; then every artifact on it
+    stalls once, and it plans again."""
+    async with MemorySwarm(tmp_path) as swarm:
+        trainer = await swarm.start_trainer()
+        for tensors in versions:
+            await swarm.publish(tensors)
+        node = await swarm.node("r0")
+        for m in trainer.store.manifests():
+            node.store.put_manifest(m, trainer.store.manifest_bytes(m.digest) or b"")
+        follower = Follower(node)
+        first = [m.digest for m in follower._plan()]
+        follower.stalled.update(first)
+        return [first, [m.digest for m in follower._plan()], set(follower.stalled)]
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_stalled_artifact_on_the_only_path_is_planned_again(
+    tmp_path: Path, tiny_versions: list, count: int
+) -> None:
+    """Planning around stalled artifacts must not read "no artifact left" as "at the head":
+    a rollout whose only way to the head stalled (a late joiner whose one other source of
+    v0 served garbage) tries that way again, and the stalled artifacts get a fresh chance."""
+    first, again, stalled = asyncio.run(_plans_around(tmp_path, tiny_versions[:count]))
+    assert first and again == first and not stalled
 
 
 async def _replan(
