@@ -41,6 +41,19 @@ def snapshot_manifest(payload: bytes, chunk_size: int = 16 * 1024, swarm: str = 
     )
 
 
+def make_node(tmp_path: Path, **kw: Any) -> Node:
+    """A rollout node (not started) with a fresh key and slow polls: one a test drives."""
+    cfg = NodeConfig(
+        role="rollout",
+        data_dir=tmp_path,
+        trust=("x",),
+        directory=PeerLimits(poll_interval_s=60),
+        **kw,
+    )
+    policy = SwarmPolicy("t", (SigningKey.generate().public,))
+    return Node(cfg, policy, Store.open(tmp_path))
+
+
 def node_holding(
     tmp_path: Path, payload: bytes, chunk_size: int, http: HttpLimits
 ) -> tuple[Node, Manifest]:

@@ -15,7 +15,7 @@ import pytest
 from p2p_sync.runtime.node import Node
 from p2p_sync.transport import tcp
 from p2p_sync.transport.limits import HttpLimits
-from tests.app.test_node_http import make_node
+from tests.helpers import make_node
 
 
 def _host_default() -> str:

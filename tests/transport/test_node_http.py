@@ -1,13 +1,10 @@
-"""A real node's HTTP data plane: status, metrics, hostile requests; config and CLI errors."""
+"""A real node's HTTP data plane on loopback: status and metrics, hostile requests, long polls
+and have feeds, the seed's offers, framed announcements, chunks behind them, forwarding."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import re
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,11 +14,9 @@ import aiohttp
 import aiohttp.web
 import pytest
 
-from node.cli import main
 from p2p_sync.errors import PeerError
 from p2p_sync.protocol.peers import PeerLimits
-from p2p_sync.runtime.config import ConfigError, NodeConfig
-from p2p_sync.runtime.configfile import load
+from p2p_sync.runtime.config import NodeConfig
 from p2p_sync.runtime.early import _round_trip
 from p2p_sync.runtime.node import Node
 from p2p_sync.store import HaveMark, Store
@@ -31,9 +26,9 @@ from p2p_sync.transport.messages import PEER_HEADER as PEER
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, SwarmPolicy, sign
-from simulations.localswarm import ROOT
 from tests.helpers import (
     bit_equal,
+    make_node,
     rollout_config,
     snapshot_manifest,
     stop_follower_pair,
@@ -41,18 +36,6 @@ from tests.helpers import (
 )
 
 HEX = "ab" * 32
-
-
-def make_node(tmp_path: Path, **kw: Any) -> Node:
-    cfg = NodeConfig(
-        role="rollout",
-        data_dir=tmp_path,
-        trust=("x",),
-        directory=PeerLimits(poll_interval_s=60),
-        **kw,
-    )
-    policy = SwarmPolicy("t", (SigningKey.generate().public,))
-    return Node(cfg, policy, Store.open(tmp_path))
 
 
 def _store_snapshot(node: Node, key: SigningKey) -> Manifest:
@@ -240,117 +223,6 @@ def test_status_and_metrics_report_the_documented_fields(tmp_path: Path) -> None
     for key in ("version", "state_hash", "peers", "bytes_uploaded", "bytes_downloaded"):
         assert key in status
     assert "p2psync_bytes_uploaded_total" in metrics and "p2psync_version" in metrics
-
-
-async def _ban(node, url: str) -> None:
-    node.ban(url, "served chunk 3 failing its hash")
-
-
-def test_status_command_prints_a_running_node(tmp_path: Path) -> None:
-    given = "http://127.0.0.1:9"  # nothing listens there: a given peer that is down
-    node = make_node(tmp_path, peers=(given,))
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    urls: list[str] = []
-
-    async def serve() -> None:
-        urls.append(await node.start())
-        started.set()
-
-    thread = threading.Thread(
-        target=lambda: (loop.run_until_complete(serve()), loop.run_forever()), daemon=True
-    )
-    thread.start()
-    try:
-        assert started.wait(10)
-        bad = "http://127.0.0.1:7"
-        asyncio.run_coroutine_threadsafe(_ban(node, bad), loop).result(10)
-        out = subprocess.run(
-            [sys.executable, "-m", "node", "status", urls[0]],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert out.returncode == 0, out.stderr
-        assert "bytes_uploaded" in out.stdout and urls[0] in out.stdout
-        assert f"given peer       {given} " in out.stdout  # and its state
-        assert re.search(rf"banned +{bad} since 20\d\d-.*: served chunk 3 failing", out.stdout)
-    finally:
-        asyncio.run_coroutine_threadsafe(node.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-
-
-@pytest.mark.parametrize(
-    ("toml", "flags", "message"),
-    [
-        ("colour = 'blue'\n", {}, "colour: unknown setting"),
-        ("role = 'rollout'\ntrust = ['k']\npeers = ['ftp://x']\n", {}, "peers:"),
-        ("role = 'rollout'\n", {}, "trust:"),
-        ("role = 'trainer'\n", {}, "key:"),
-        ("role = 'boss'\n", {}, "role:"),
-        ("role = 'rollout'\ntrust = ['k']\nlisten = 'nope'\n", {}, "listen:"),
-        ("role = 'rollout'\ntrust = ['k']\n[publish]\nchunk_size = 10\n", {}, "publish: chunk"),
-        (
-            "role = 'rollout'\ntrust = ['k']\n[publish]\nseed_quiet_factor = -1\n",
-            {},
-            "publish: seed_quiet_factor must be >= 0",
-        ),
-        (
-            "role = 'rollout'\ntrust = ['k']\n[directory]\npoll_interval_s = 'x'\n",
-            {},
-            "directory.p",
-        ),
-        (
-            "role = 'rollout'\ntrust = ['k']\n[download]\nmax_requests_total = 0\n",
-            {},
-            "total: must",
-        ),
-        ("role = 'rollout'\ntrust = ['k']\n[download]\nwarp = 9\n", {}, "download.warp: unknown"),
-        ("role = 'rollout'\ntrust = ['k']\ndownload = 3\n", {}, "download: expected a table"),
-        ("role = 'rollout'\ntrust = ['k']\nstore_max_gb = 2\n", {}, r"max_gb in the \[store\]"),
-        ("role = 'rollout'\ntrust = ['k']\n", {"store.max_gb": -1.0}, "store.max_gb: must be pos"),
-        ("role = 'rollout'\ntrust = ['k']\nworkers = -1\n", {}, "workers: -1 must be >= 0"),
-        ("role = 'rollout'\ntrust = ['k']\nworkers = 'x'\n", {}, "workers: expected int"),
-        (
-            "role = 'rollout'\ntrust = ['k']\n[http]\ntcp_congestion = 'warp'\n",
-            {},
-            "http.tcp_congestion: 'warp' is not offered by this kernel",
-        ),
-        ("role = [\n", {}, "not valid TOML"),
-        ("role = 'trainer'\nkey = 'k'\n", {"role": "rollout"}, "trust:"),  # flags override
-    ],
-)
-def test_bad_config_names_the_field(tmp_path: Path, toml: str, flags: dict, message: str) -> None:
-    path = tmp_path / "c.toml"
-    path.write_text(toml)
-    with pytest.raises(ConfigError, match=message):
-        load(path, flags)
-
-
-def test_example_configs_load() -> None:
-    for name in ("trainer", "rollout", "bootstrap"):
-        cfg = load(ROOT / "configs" / f"{name}.toml", {})
-        assert cfg.role == name
-    assert load(ROOT / "configs" / "bootstrap.toml", {}).libp2p.max_connections == 64
-
-
-def test_sections_come_from_the_file_and_flags_override_one_field(tmp_path: Path) -> None:
-    path = tmp_path / "c.toml"
-    path.write_text("role = 'rollout'\ntrust = ['k']\n[download]\nmax_requests_total = 9\n")
-    cfg = load(path, {"download.stall_timeout_s": 4, "publish.catchup_spans": "2,8"})
-    assert cfg.download.max_requests_total == 9 and cfg.download.stall_timeout_s == 4.0
-    assert cfg.publish.catchup_spans == (2, 8)
-    assert cfg.download.min_requests_per_peer == NodeConfig().download.min_requests_per_peer
-
-
-def test_cli_bad_config_is_a_one_line_error(tmp_path: Path, capsys) -> None:
-    assert main(["node", "--role", "rollout", "--data-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("p2psync: error: config: trust:") and err.count("\n") == 1
-    assert main(["status", "http://127.0.0.1:9"]) == 1
-    assert "no status" in capsys.readouterr().err
 
 
 async def _manifests_by_version(node: Node) -> tuple[list, list, list]:
