@@ -28,7 +28,9 @@ and the node's messaging, as follows.
 * Have-maps: a downloading peer subscribes to each neighbour's have-map for the artifact (the
   node's have feed, ``GET /have?feed=1``); the answer comes after a round trip, and from then
   on the neighbour pushes each newly verified chunk, coalesced while a push is on its way (one
-  latency), as the feed writes each answer on the open response.
+  latency), as the feed writes each answer on the open response. The news a follower gets
+  within ``NEWS_BATCH_S`` is taken in one scheduling decision, as the node's driver takes the
+  events that queued up while its loop was busy (``Scheduler.handle_many``).
 * Requests: the chunks one scheduler step asks of one public peer go in one request (a run:
   ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
   serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the
@@ -87,6 +89,7 @@ from typing import TypeVar
 
 from p2p_sync.protocol import sourcing
 from p2p_sync.protocol.schedule_events import (
+    Action,
     CancelRequest,
     ChunkCorrupted,
     ChunkFailed,
@@ -121,6 +124,10 @@ HAVE_WAIT_S = HttpLimits().have_wait_s  # a have feed quiet this long ends (aske
 # JSON text: 72 B a chunk; the earlier base64 form in the JSON: 46 B)
 MANIFEST_BYTES_PER_CHUNK = 34
 MBPS = 1e6 / 8  # bytes/s in one Mbit/s
+# have-map news reaching a follower within this window is taken in one scheduling decision
+# (a node's driver takes what queued up while its loop was busy): the have news is most of a
+# swarm's events, and one decision per item made the scheduler most of the run's cost
+NEWS_BATCH_S = 0.001
 V = TypeVar("V")
 
 
@@ -251,6 +258,7 @@ class SwarmSim:
         self.seeder = SuperSeeder.of(scenario)
         self.artifacts: list[Artifact] = []
         self.pending_have: dict[tuple[int, int], set[int]] = {}
+        self.inbox: dict[tuple[int, float], list[int]] = {}  # (follower, when): whose news
         self.served: dict[tuple[int, int], int] = {}  # (uploader, requester): chunks started
         self.requests_sent = 0  # requests (runs of chunks) sent by every rollout
         self.chunks_requested = 0  # the chunks they named
@@ -713,11 +721,18 @@ class SwarmSim:
             self._feed(p, TimerFired())
 
     def _feed(self, p: Peer, event: Event) -> None:
-        sched = p.sched
-        if sched is None:
-            return
+        if p.sched is not None:
+            self._carry_out(p, p.sched.handle(event, self.clock.now))
+
+    def _feed_many(self, p: Peer, events: list[Event]) -> None:
+        """Events that reach ``p`` together: one scheduling decision (as the node's driver
+        takes what queued up while it was busy)."""
+        if p.sched is not None and events:
+            self._carry_out(p, p.sched.handle_many(events, self.clock.now))
+
+    def _carry_out(self, p: Peer, actions: list[Action]) -> None:
         runs: dict[int, list[int]] = {}  # a peer's chunks asked at once: one request
-        for action in sched.handle(event, self.clock.now):
+        for action in actions:
             if isinstance(action, RequestChunk):
                 runs.setdefault(action.peer, []).append(action.index)
             elif isinstance(action, CancelRequest):
@@ -812,24 +827,41 @@ class SwarmSim:
             self._feed(p, PeerHad(q_idx, indices, rtt, self._owed(p, q_idx)))
 
     def _push_have(self, q: Peer, p_idx: int, index: int) -> None:
+        """``q`` tells follower ``p_idx`` of a new chunk: coalesced while the news is on its
+        way (a latency), delivered with the other news ``p`` gets in the same
+        ``NEWS_BATCH_S`` (one scheduling decision for all of it)."""
         key = (q.idx, p_idx)
         pending = self.pending_have.get(key)
         if pending is not None:
             pending.add(index)
             return
         self.pending_have[key] = {index}
-        self.clock.after(self.lat, self._flush_have, key)
+        t0 = self.published_at  # windows from the version's start: each version alike
+        due = t0 + -(-(self.clock.now + self.lat - t0) // NEWS_BATCH_S) * NEWS_BATCH_S
+        inbox = self.inbox.get((p_idx, due))
+        if inbox is None:
+            inbox = self.inbox[(p_idx, due)] = []
+            self.clock.at(due, self._flush_news, p_idx, due)
+        inbox.append(q.idx)
 
-    def _flush_have(self, key: tuple[int, int]) -> None:
-        indices = self.pending_have.pop(key)
-        p = self.peers[key[1]]
-        promised = self.promised.pop(key, None)  # forwarded: said in the answer
-        if p.sched is not None and p.online and key[0] not in p.banned:
+    def _flush_news(self, p_idx: int, due: float) -> None:
+        p, events = self.peers[p_idx], []
+        for q_idx in self.inbox.pop((p_idx, due)):
+            events += self._news(p, q_idx, self.pending_have.pop((q_idx, p_idx)))
+        self._feed_many(p, events)
+
+    def _news(self, p: Peer, q_idx: int, indices: set[int]) -> list[Event]:
+        """What ``q``'s news of ``indices`` tells ``p``'s download (kept, on an early feed)."""
+        promised = self.promised.pop((q_idx, p.idx), None)  # forwarded: said in the answer
+        if p.sched is not None and p.online and q_idx not in p.banned:
+            out: list[Event] = []
             if promised and promised & indices:
-                self._feed(p, PeerPushes(key[0], frozenset(promised & indices)))
-            self._feed(p, PeerHad(key[0], frozenset(indices), None, self._owed(p, key[0])))
-        elif p.early is not None and p.online:  # news on an early feed: kept
-            p.early.setdefault(key[0], set()).update(indices)
+                out.append(PeerPushes(q_idx, frozenset(promised & indices)))
+            out.append(PeerHad(q_idx, frozenset(indices), None, self._owed(p, q_idx)))
+            return out
+        if p.early is not None and p.online:  # news on an early feed: kept
+            p.early.setdefault(q_idx, set()).update(indices)
+        return []
 
     def _owed(self, p: Peer, q_idx: int) -> bool:
         """``q``'s uplink is one few can use (the node's ``ChunkSource.owed``): it is behind

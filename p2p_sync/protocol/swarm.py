@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, field
 
 from p2p_sync.protocol.peerstats import PeerStats
@@ -131,6 +131,24 @@ class Scheduler:
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply one event, then schedule; returns the actions to carry out."""
+        actions = self._apply(event, now)
+        if isinstance(event, ChunkMoving):  # the same requests stay in flight: nothing to do
+            return actions
+        return actions + self._schedule(now) + self._stalled(now)
+
+    def handle_many(self, events: Sequence[Event], now: float) -> list[Action]:
+        """Apply events that arrived together (a driver's queue drained at once), then
+        schedule once: the decision sees all of them, and is paid for once. One event is
+        :meth:`handle`'s."""
+        if len(events) == 1:
+            return self.handle(events[0], now)
+        actions: list[Action] = []
+        for event in events:
+            actions += self._apply(event, now)
+        return actions + self._schedule(now) + self._stalled(now)
+
+    def _apply(self, event: Event, now: float) -> list[Action]:
+        """What one event changes, and the actions that follow at once (cancels, bans)."""
         actions: list[Action] = []
         if isinstance(event, PeerHad):
             self._peer_had(event.peer, event.indices, event.rtt_s, event.owed, now)
@@ -150,10 +168,9 @@ class Scheduler:
                 self.busy_until[event.peer] = now + self.config.busy_backoff_s
         elif isinstance(event, TimerFired):
             actions += self._timeouts(now)
-        elif isinstance(event, ChunkMoving):  # the same requests stay in flight: nothing to do
+        elif isinstance(event, ChunkMoving):
             self._moving(event, now)
-            return actions
-        return actions + self._schedule(now) + self._stalled(now)
+        return actions
 
     def _peer_had(
         self,

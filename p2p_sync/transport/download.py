@@ -65,6 +65,9 @@ from p2p_sync.transport.messages import CHUNK_ROUTE, MAX_RUN, chunks_url
 from p2p_sync.trust.chunks import verify_chunk
 from p2p_sync.trust.manifest import Manifest
 
+# events taken into one scheduling decision at most: those that queued up while the loop was
+# busy (have-map news from many followers, mostly), each applied, then one decision for all
+MAX_BATCH = 256
 Timed = tuple[list[int], "HaveCursor", float | None]  # an answer, and the round trip it took
 
 
@@ -527,8 +530,10 @@ class Download:
         try:
             self._act(self.sched.handle(TimerFired(), loop.time()))
             while not self.done.is_set():
-                event = await self._next_event(loop)
-                self._act(self.sched.handle(event, loop.time()))
+                batch = [await self._next_event(loop)]
+                while len(batch) < MAX_BATCH and not self.events.empty():
+                    batch.append(self.events.get_nowait())  # queued while we were busy
+                self._act(self.sched.handle_many(batch, loop.time()))
         finally:
             self.done.set()
             pending = [watcher, pushes, *self.requests.values(), *self.followers.values()]

@@ -169,6 +169,27 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.feed(PeerHad(peer, chunks, rtt, owed))
 
     @rule(data=st.data())
+    def news_arrives_together(self, data: st.DataObject) -> None:
+        """Have-maps from several peers, and maybe a chunk, taken in one decision (a
+        driver's queue drained at once): every action is checked as for one event."""
+        peers = {p: sorted(c) for p, c in {**self.honest, **self.evil}.items() if c}
+        if not peers:
+            return
+        names = data.draw(st.lists(st.sampled_from(sorted(peers)), min_size=2, max_size=4))
+        events: list[Event] = [
+            PeerHad(p, frozenset(data.draw(st.sets(st.sampled_from(peers[p]))))) for p in names
+        ]
+        honest = [(p, i) for p, i in self.pending if p in self.honest and i not in self.verified]
+        if honest and data.draw(st.booleans()):  # a verified chunk in the same batch
+            peer, index = honest[0]
+            self.pending.remove((peer, index))
+            self.arriving = (peer, index)
+            self.verified.add(index)
+            events.append(ChunkVerified(peer, index, 1000 if index < self.n - 1 else 300))
+        for action in self.sched.handle_many(events, self.now):
+            self.check(action)
+
+    @rule(data=st.data())
     def peer_lost(self, data: st.DataObject) -> None:
         peer = data.draw(st.sampled_from(sorted({**self.honest, **self.evil})))
         self.feed(PeerLost(peer))
