@@ -1,0 +1,319 @@
+"""The coding-4 frame: exponent classes per segment, capped Rice codes, no zstd.
+
+A tensor is cut into segments of 2^span elements; a changed element is named by its rank among
+its exponent class's members in its segment, so segments encode and decode apart (threads on
+the host, blocks of a GPU, a tensor-parallel rank's own rows). Every stream is a Rice code or
+raw bits, packed and read by whole-tensor torch ops on the base's own device.
+docs/format.md, "Format version 3", is the specification.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from p2p_sync.codec import bitstreams, segment_scans
+from p2p_sync.codec.classes import Bits
+from p2p_sync.codec.limits import MANTISSA_BITS, N_CLASSES
+from p2p_sync.errors import CountMismatchError, IndexOutOfRangeError, MalformedPatchError
+from p2p_sync.weights.delta import TensorDelta
+from p2p_sync.weights.tensors import TensorSpec, bits_dtype
+
+# per class: the Rice parameters of its five streams (file order), then its mode
+_CLASS = struct.Struct("<BBBBBB")
+_HEAD = struct.Struct("<B")
+_TAIL = struct.Struct("<QQ")
+HEAD_SIZE = _HEAD.size + N_CLASSES * _CLASS.size + _TAIL.size
+WIDE = 1  # mode bit: every value's magnitude is coded (else only those of size 2 or more)
+MIN_SPAN, MAX_SPAN = 12, 30
+# changes a segment holds on average: its counts then cost ~0.3% of its bits, and a 7B model
+# still has tens of thousands of segments to decode at once
+SEGMENT_CHANGES = 4096
+SEGMENTED_DTYPES = {d for d in MANTISSA_BITS if torch.empty(0, dtype=d).element_size() <= 4}
+
+
+def segmented_dtype(dtype: torch.dtype) -> bool:
+    """Whether coding 4 can carry a tensor of ``dtype`` (a float of at most 4 bytes)."""
+    return dtype in SEGMENTED_DTYPES
+
+
+def span_for(numel: int, count: int) -> int:
+    """log2 of the segment length: ~SEGMENT_CHANGES changes per segment."""
+    if count == 0:
+        return MAX_SPAN
+    want = max(1, numel * SEGMENT_CHANGES // count)
+    return min(MAX_SPAN, max(MIN_SPAN, want.bit_length() - 1))
+
+
+@dataclass(frozen=True)
+class _Params:
+    """Per class: the Rice parameters of [counts, escape counts, rank gaps, escape gaps,
+    magnitudes] (the file's order), and the mode."""
+
+    k: torch.Tensor  # (16, 5) int64
+    mode: torch.Tensor  # (16,) int64
+
+    def head(self, span: int, unary: int, remainder: int) -> bytes:
+        rows = torch.cat([self.k, self.mode[:, None]], 1).tolist()
+        body = b"".join(_CLASS.pack(*row[:5], row[5]) for row in rows)
+        return _HEAD.pack(span) + body + _TAIL.pack(unary, remainder)
+
+
+def _group_gaps(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Gap of each entry after the previous one of its group (the first after -1); groups are
+    runs of equal ``key``, ``x`` ascends within each."""
+    prev = torch.cat([x.new_tensor([-1]), x[:-1]])
+    fresh = torch.cat([key.new_tensor([True], dtype=torch.bool), key[1:] != key[:-1]])
+    return x - torch.where(fresh, -1, prev) - 1
+
+
+@dataclass(frozen=True)
+class _Changes:
+    """A tensor's changes in code order (segment, class, position): their group key
+    (segment * 16 + class), class rank and signed delta; every group's size."""
+
+    key: torch.Tensor
+    rank: torch.Tensor
+    value: torch.Tensor
+    groups: torch.Tensor
+
+    @property
+    def cls(self) -> torch.Tensor:
+        return self.key & 15
+
+    def within(self) -> torch.Tensor:
+        """Each change's index in its group."""
+        first = torch.cumsum(self.groups, 0) - self.groups
+        return torch.arange(self.key.numel(), device=self.key.device) - first[self.key]
+
+
+def _changes(delta: TensorDelta, base_bits: Bits, span: int) -> _Changes:
+    pos, d = delta.to_sparse()
+    cls, rank = segment_scans.ranks(base_bits, MANTISSA_BITS[delta.spec.dtype], pos, span)
+    pos = pos.to(cls.device)
+    key, order = torch.sort((pos >> span) * N_CLASSES + cls, stable=True)
+    segments = segment_scans.segment_count(delta.spec.numel, span)
+    groups = torch.bincount(key, minlength=segments * N_CLASSES)
+    value = d.to(cls.device).to(torch.int64)[order]
+    return _Changes(key, rank[order], value, groups)
+
+
+def _parts(ch: _Changes, wide: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The five code streams, in file order, as (values, class of each): every group's change
+    count; each narrow class's escape count where its group changes; rank gaps; escape gaps
+    (index gaps among the group's changes); magnitudes (|v| - 1 in a wide class, |v| - 2 for a
+    narrow class's escapes). ``wide``: bool per class."""
+    col = torch.arange(ch.groups.numel(), device=ch.key.device) & 15
+    cls, mag = ch.cls, ch.value.abs()
+    is_wide = wide[cls]
+    escaped = ~is_wide & (mag != 1)
+    coded = is_wide | escaped
+    present = ~wide[col] & (ch.groups > 0)
+    esc_counts = torch.bincount(ch.key[escaped], minlength=ch.groups.numel())
+    return [
+        (ch.groups, col),
+        (esc_counts[present], col[present]),
+        (_group_gaps(ch.rank, ch.key), cls),
+        (_group_gaps(ch.within()[escaped], ch.key[escaped]), cls[escaped]),
+        (torch.where(is_wide, mag - 1, mag - 2)[coded], cls[coded]),
+    ]
+
+
+def _class_params(values: torch.Tensor, cls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per class, the Rice parameter that spends the fewest bits on its values, and the bits."""
+    k = torch.zeros(N_CLASSES, dtype=torch.int64)
+    cost = torch.zeros(N_CLASSES, dtype=torch.int64)
+    for c in torch.unique(cls).tolist():
+        mine = values[cls == c]
+        k[c] = bitstreams.best_k(mine)
+        cost[c] = bitstreams.rice_cost(mine, int(k[c]))
+    return k, cost
+
+
+def _params(ch: _Changes) -> tuple[_Params, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each class's mode (WIDE where coding every magnitude costs fewer bits than escaping the
+    ones that are not 1), the Rice parameters, and the streams they code."""
+    choices = []
+    for wide in (False, True):
+        parts = _parts(ch, torch.full((N_CLASSES,), wide, device=ch.key.device))
+        params = [_class_params(v.cpu(), c.cpu()) for v, c in parts]
+        choices.append((parts, params, sum(cost for _, cost in params[1:2] + params[3:])))
+    mode = (choices[1][2] < choices[0][2]).to(torch.int64)
+    parts = _parts(ch, (mode == WIDE).to(ch.key.device))
+    k = torch.stack([_class_params(v.cpu(), c.cpu())[0] for v, c in parts], 1)
+    return _Params(k, mode), parts
+
+
+def encode_segmented(delta: TensorDelta, base_bits: Bits) -> bytes:
+    """A coding-4 frame of ``delta`` against the base's bits (host numpy or device tensor)."""
+    span = span_for(delta.spec.numel, delta.count)
+    ch = _changes(delta, base_bits, span)
+    params, parts = _params(ch)
+    values = torch.cat([v for v, _ in parts])
+    k = torch.cat([params.k[:, i].to(c.device)[c] for i, (_, c) in enumerate(parts)])
+    unary, remainder = bitstreams.encode(values, k)
+    signs = bitstreams.pack_bits((ch.value < 0).to(torch.uint8))
+    head = params.head(span, unary.numel(), remainder.numel())
+    return head + b"".join(t.cpu().numpy().tobytes() for t in (unary, remainder, signs))
+
+
+@dataclass(frozen=True)
+class _Head:
+    span: int
+    k: torch.Tensor
+    mode: torch.Tensor
+    unary: int
+    remainder: int
+
+
+def _read_head(raw: memoryview, spec: TensorSpec, count: int) -> _Head:
+    name = spec.name
+    if len(raw) < HEAD_SIZE:
+        raise CountMismatchError(f"{name}: frame ends before its class table")
+    (span,) = _HEAD.unpack_from(raw)
+    rows = [_CLASS.unpack_from(raw, _HEAD.size + c * _CLASS.size) for c in range(N_CLASSES)]
+    unary, remainder = _TAIL.unpack_from(raw, HEAD_SIZE - _TAIL.size)
+    k = torch.tensor([r[:5] for r in rows], dtype=torch.int64)
+    mode = torch.tensor([r[5] for r in rows], dtype=torch.int64)
+    if not MIN_SPAN <= span <= MAX_SPAN:
+        raise MalformedPatchError(f"{name}: segment span 2^{span} out of range")
+    if int(k.max()) > bitstreams.MAX_K or int(mode.max()) > WIDE:
+        raise MalformedPatchError(f"{name}: class table holds a parameter or mode past range")
+    if len(raw) != HEAD_SIZE + unary + remainder + (count + 7) // 8:
+        raise CountMismatchError(f"{name}: frame size does not match its streams and count")
+    return _Head(span, k, mode, unary, remainder)
+
+
+class _Reader:
+    """Codes taken from the front of the two streams, one part of the frame at a time."""
+
+    def __init__(self, q: torch.Tensor, remainder: torch.Tensor, name: str) -> None:
+        self.q, self.remainder, self.name = q, remainder, name
+        self.code, self.bit = 0, 0
+
+    def take(self, k: torch.Tensor) -> torch.Tensor:
+        """The next ``len(k)`` values, code i with Rice parameter ``k[i]``."""
+        n = k.numel()
+        if self.code + n > self.q.numel():
+            raise CountMismatchError(f"{self.name}: unary stream ends before its last code")
+        q = self.q[self.code : self.code + n]
+        w = bitstreams.widths(q, k)
+        low = bitstreams.read_fields(self.remainder, self.bit, w, self.name)
+        self.code += n
+        self.bit += int(w.sum()) if n else 0
+        return bitstreams.decode(q, k, low)
+
+    def finish(self) -> None:
+        if self.code != self.q.numel():
+            raise CountMismatchError(f"{self.name}: unary stream holds codes past the last")
+        bitstreams.check_end(self.remainder, self.bit, self.name)
+
+
+def _segment_sizes(numel: int, span: int, device: torch.device) -> torch.Tensor:
+    segments = segment_scans.segment_count(numel, span)
+    size = torch.full((segments,), 1 << span, dtype=torch.int64, device=device)
+    size[-1] = numel - ((segments - 1) << span)
+    return size
+
+
+def _running(gaps: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Values from their gaps within each group (runs of ``groups[i]`` entries)."""
+    ends = torch.cumsum(gaps + 1, 0)
+    first = torch.cumsum(groups, 0) - groups
+    before = torch.cat([ends.new_zeros(1), ends])[first]
+    return ends - 1 - torch.repeat_interleave(before, groups)
+
+
+def _bounded_running(
+    gaps: torch.Tensor, groups: torch.Tensor, limit: torch.Tensor, what: str
+) -> torch.Tensor:
+    """:func:`_running`, after checking every group's values stay below its ``limit`` (summed
+    in float64, so hostile gaps cannot overflow before the check)."""
+    group = torch.repeat_interleave(torch.arange(groups.numel(), device=gaps.device), groups)
+    span = torch.zeros(groups.numel(), dtype=torch.float64, device=gaps.device)
+    span.index_add_(0, group, gaps.to(torch.float64) + 1)
+    if bool(torch.any(span > limit.to(torch.float64))):
+        raise IndexOutOfRangeError(f"{what} runs past the end of its segment or group")
+    return _running(gaps, groups)
+
+
+def _read_counts(reader: _Reader, head: _Head, spec: TensorSpec, count: int) -> torch.Tensor:
+    """Every group's change count, checked against its segment and the row's count."""
+    sizes = _segment_sizes(spec.numel, head.span, reader.q.device)
+    col = torch.arange(sizes.numel() * N_CLASSES, device=sizes.device) & 15
+    groups = reader.take(head.k[:, 0].to(col.device)[col])
+    per_segment = groups.view(-1, N_CLASSES).sum(1)
+    if bool(torch.any(per_segment > sizes)) or int(groups.sum()) != count:
+        raise CountMismatchError(f"{spec.name}: group counts do not add up to {count} changes")
+    return groups
+
+
+def _read_escape_counts(reader: _Reader, head: _Head, groups: torch.Tensor) -> torch.Tensor:
+    """How many of each group's changes a narrow class escapes (0 in wide classes)."""
+    col = torch.arange(groups.numel(), device=groups.device) & 15
+    present = (head.mode.to(groups.device)[col] != WIDE) & (groups > 0)
+    escapes = torch.zeros_like(groups)
+    escapes[present] = reader.take(head.k[:, 1].to(groups.device)[col[present]])
+    if bool(torch.any(escapes > groups)):
+        raise CountMismatchError(f"{reader.name}: a group escapes more values than it changes")
+    return escapes
+
+
+def _read_magnitudes(
+    reader: _Reader, head: _Head, groups: torch.Tensor, escapes: torch.Tensor
+) -> torch.Tensor:
+    """Every change's magnitude in code order, from the escape gaps and magnitude codes."""
+    device, name = groups.device, reader.name
+    k = head.k.to(device)
+    col = torch.arange(groups.numel(), device=device) & 15
+    cls = torch.repeat_interleave(col, groups)
+    gaps = reader.take(k[torch.repeat_interleave(col, escapes), 3])
+    index = _bounded_running(gaps, escapes, groups, f"{name}: an escape index")
+    first = torch.cumsum(groups, 0) - groups
+    escaped = torch.zeros(cls.numel(), dtype=torch.bool, device=device)
+    escaped[torch.repeat_interleave(first, escapes) + index] = True
+    wide = (head.mode.to(device) == WIDE)[cls]
+    coded = wide | escaped
+    mag = torch.ones_like(cls)
+    mag[coded] = reader.take(k[cls[coded], 4]) + torch.where(wide[coded], 1, 2)
+    return mag
+
+
+def _signed(mag: torch.Tensor, signs: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """Deltas from magnitudes and sign bits, refused outside the dtype's signed range."""
+    n = mag.numel()
+    bits = bitstreams.unpack_bits(signs)
+    if bool(torch.any(bits[n:])):
+        raise MalformedPatchError(f"{spec.name}: sign stream pads with one bits")
+    negative = bits[:n].bool()
+    top = 1 << (8 * spec.itemsize - 1)
+    if bool(torch.any(mag > torch.where(negative, top, top - 1))):
+        raise MalformedPatchError(f"{spec.name}: a delta lies outside its dtype's range")
+    return torch.where(negative, -mag, mag)
+
+
+def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: Bits) -> TensorDelta:
+    """Decode and fully validate a coding-4 frame against the base's bits."""
+    head = _read_head(raw, spec, count)
+    device = base_bits.device if isinstance(base_bits, torch.Tensor) else torch.device("cpu")
+    data = torch.frombuffer(bytearray(raw[HEAD_SIZE:]), dtype=torch.uint8).to(device)
+    unary, rest = data[: head.unary], data[head.unary :]
+    reader = _Reader(bitstreams.quotients(unary, spec.name), rest[: head.remainder], spec.name)
+    groups = _read_counts(reader, head, spec, count)
+    escapes = _read_escape_counts(reader, head, groups)
+    col = torch.arange(groups.numel(), device=device)
+    cls = torch.repeat_interleave(col & 15, groups)
+    gaps = reader.take(head.k[:, 2].to(device)[cls])
+    limit = _segment_sizes(spec.numel, head.span, device).repeat_interleave(N_CLASSES)
+    rank = _bounded_running(gaps, groups, limit, f"{spec.name}: a class rank")
+    mag = _read_magnitudes(reader, head, groups, escapes)
+    reader.finish()
+    value = _signed(mag, rest[head.remainder :], spec)
+    codes = torch.stack([torch.repeat_interleave(col >> 4, groups), cls, rank], 1)
+    mantissa = MANTISSA_BITS[spec.dtype]
+    pos, order = segment_scans.select(base_bits, mantissa, head.span, codes.cpu(), spec.name)
+    d = value[order.to(device)].to(bits_dtype(spec.dtype)).cpu()
+    return TensorDelta(spec, pos.cpu(), d)
