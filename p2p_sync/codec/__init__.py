@@ -2,7 +2,8 @@
 
 The format's specification is docs/format.md; the code follows it. The package splits by
 concern: :mod:`limits` (constants and bounds), :mod:`values` and :mod:`positions` (the two
-stream codings), :mod:`classes`, :mod:`rice` and :mod:`classed` (coding 3, exponent classes),
+stream codings), :mod:`classes`, :mod:`rice` and :mod:`classed` (coding 3, exponent classes), :mod:`bitstreams`,
+:mod:`segment_scans` and :mod:`segmented` (coding 4, exponent classes per segment),
 :mod:`kernels` (host loops numba compiles), :mod:`compression` (zstd frames), :mod:`table`
 (header and row table), :mod:`frames` (one tensor) and :mod:`container` (whole patches).
 The names callers use are re-exported here: ``from p2p_sync import codec; codec.encode(...)``.
@@ -23,6 +24,7 @@ from p2p_sync.codec.classes import (
     element_classes,
     scan_ranks,
     scan_select,
+    segmented_dtype,
 )
 from p2p_sync.codec.compression import _compress
 from p2p_sync.codec.container import (
@@ -40,6 +42,7 @@ from p2p_sync.codec.limits import (
     _CLASSED_HEAD,
     _SPARSE_HEAD,
     _VALUE_HEAD,
+    BASED,
     BLOCK,
     CLASSED,
     CLASSED_MIN_SAVING,
@@ -55,6 +58,7 @@ from p2p_sync.codec.limits import (
     MANTISSA_BITS,
     MAX_EXPANSION,
     N_CLASSES,
+    SEGMENTED,
     SPARSE,
     SUPPORTED_VERSIONS,
     UNCHANGED,
@@ -68,6 +72,7 @@ from p2p_sync.codec.values import _decode_value_body, _value_head, decode_values
 from p2p_sync.weights.tensors import TensorSpec
 
 __all__ = [
+    "BASED",
     "BLOCK",
     "CLASSED",
     "CLASSED_MIN_SAVING",
@@ -83,6 +88,7 @@ __all__ = [
     "MANTISSA_BITS",
     "MAX_EXPANSION",
     "N_CLASSES",
+    "SEGMENTED",
     "SPARSE",
     "SUPPORTED_VERSIONS",
     "UNCHANGED",
@@ -118,6 +124,7 @@ __all__ = [
     "scan_ranks",
     "scan_select",
     "scan_view",
+    "segmented_dtype",
     # internals the tests reach through the package
     "_CLASSED_HEAD",
     "_SPARSE_HEAD",

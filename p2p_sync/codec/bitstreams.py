@@ -8,15 +8,13 @@ widths. The same ops run on the host and on a GPU and give the same bytes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from p2p_sync.codec.kernels import _kernels
+from p2p_sync.codec.limits import MAX_K, QCAP, RAW
+from p2p_sync.codec.rice_kernels import FIELDS_END, NOT_CANONICAL, PAST_CAP, READ_OK, UNARY_ENDS
 from p2p_sync.errors import CountMismatchError, MalformedPatchError
-
-# A quotient of QCAP or more is written as QCAP zeros and a one, its value raw in RAW bits: a
-# far outlier (a sign flip near zero, an empty stretch of a class) costs 81 bits, not millions.
-QCAP = 32
-RAW = 48
-MAX_K = 40
 
 
 def _weights(device: torch.device) -> torch.Tensor:
@@ -42,27 +40,50 @@ def widths(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= QCAP, RAW, k)
 
 
-def rice_cost(values: torch.Tensor, k: int) -> int:
-    """Bits the capped Rice code with parameter ``k`` spends on ``values``."""
+def best_k(values: torch.Tensor, cls: torch.Tensor, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per class (``cls``: each value's, below ``classes``), the capped-Rice parameter that
+    spends the fewest bits on its values, and those bits (int64 each). The five candidates lie
+    around log2 of the class's mean, where the optimum for a geometric source is; ties go to
+    the smaller parameter."""
+    count = torch.bincount(cls, minlength=classes).to(torch.float64)
+    total = torch.bincount(cls, weights=values.to(torch.float64), minlength=classes)
+    guess = torch.log2(total / count.clamp(min=1) + 1).floor().to(torch.int64)
+    options = (guess[None, :] + torch.arange(-2, 3, device=guess.device)[:, None]).clamp(0, MAX_K)
+    cost = torch.stack([_cost(values, cls, row, classes) for row in options])
+    pick = torch.argmin(cost, 0)
+    best = torch.arange(classes, device=cls.device)
+    return options[pick, best], cost[pick, best].to(torch.int64)
+
+
+def _cost(values: torch.Tensor, cls: torch.Tensor, k: torch.Tensor, classes: int) -> torch.Tensor:
+    """Bits per class of the capped Rice code, each class with its parameter ``k[class]``."""
+    kv = k[cls]
+    q = values >> kv
+    bits = torch.where(q >= QCAP, QCAP + 1 + RAW, q + 1 + kv)
+    return torch.bincount(cls, weights=bits.to(torch.float64), minlength=classes)
+
+
+def encode(values: torch.Tensor, k: torch.Tensor, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unary stream, remainder stream) of non-negative int64 ``values``, each with its own
+    parameter ``k`` (int64, same length): by the compiled kernel (``host``) or torch ops."""
+    if host:
+        return _encode_host(values.numpy(), k.numpy())
+    return encode_ops(values, k)
+
+
+def _encode_host(values: np.ndarray, k: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     q = values >> k
     capped = q >= QCAP
-    return int(torch.where(capped, QCAP + 1 + RAW, q + 1 + k).sum())
+    unary_bits = int(np.where(capped, QCAP, q).sum()) + values.size
+    rem_bits = int(np.where(capped, RAW, k).sum())
+    unary = np.zeros((unary_bits + 7) // 8, np.uint8)
+    rem = np.zeros((rem_bits + 7) // 8, np.uint8)
+    _kernels()["rice_write"](values, k, unary, rem)
+    return torch.from_numpy(unary), torch.from_numpy(rem)
 
 
-def best_k(values: torch.Tensor) -> int:
-    """The parameter among five around log2 of the mean that spends the fewest bits (ties to
-    the smaller): the optimum for a geometric source lies there."""
-    if values.numel() == 0:
-        return 0
-    mean = float(values.sum()) / values.numel()
-    guess = max(0, int(torch.tensor(mean + 1.0).log2()))
-    candidates = [k for k in range(guess - 2, guess + 3) if 0 <= k <= MAX_K]
-    return min(candidates, key=lambda k: (rice_cost(values, k), k))
-
-
-def encode(values: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unary stream, remainder stream) of non-negative int64 ``values``, each with its own
-    parameter ``k`` (int64, same length)."""
+def encode_ops(values: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` by whole-tensor torch ops, on the values' device."""
     q = values >> k
     capped = q >= QCAP
     q = torch.where(capped, QCAP, q)
@@ -130,3 +151,63 @@ def decode(q: torch.Tensor, k: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     if bool(torch.any(capped & ((low >> k) < QCAP))):
         raise MalformedPatchError("a raw Rice code holds a value its parameter codes in short")
     return torch.where(capped, low, (q << k) | low)
+
+
+_READ_ERRORS = {
+    UNARY_ENDS: (CountMismatchError, "unary stream ends before its last code"),
+    PAST_CAP: (MalformedPatchError, f"a unary code runs past the cap of {QCAP}"),
+    FIELDS_END: (CountMismatchError, "remainder stream ends inside its fields"),
+    NOT_CANONICAL: (MalformedPatchError, "a raw Rice code holds a value its parameter codes in short"),
+}
+
+
+class HostReader:
+    """Codes read from the front of the two streams by the compiled kernel, part by part."""
+
+    def __init__(self, unary: torch.Tensor, remainder: torch.Tensor, name: str) -> None:
+        self.unary, self.remainder = unary.numpy(), remainder.numpy()
+        self.at = np.zeros(2, np.int64)
+        self.name = name
+
+    def take(self, k: torch.Tensor) -> torch.Tensor:
+        """The next ``len(k)`` values, code i with Rice parameter ``k[i]``."""
+        out = np.empty(k.numel(), np.int64)
+        status = _kernels()["rice_read"](self.unary, self.remainder, k.numpy(), self.at, out)
+        if status != READ_OK:
+            error, what = _READ_ERRORS[status]
+            raise error(f"{self.name}: {what}")
+        return torch.from_numpy(out)
+
+    def finish(self) -> None:
+        """No code may follow the last, and both streams end in their last byte's padding."""
+        nbits = self.unary.size * 8
+        tail = np.unpackbits(self.unary, bitorder="little")[int(self.at[0]) :]
+        if tail.any():
+            raise CountMismatchError(f"{self.name}: unary stream holds codes past the last")
+        if nbits - self.at[0] >= 8:
+            raise MalformedPatchError(f"{self.name}: unary stream runs on past its last code")
+        check_end(torch.from_numpy(self.remainder), int(self.at[1]), self.name)
+
+
+class OpsReader:
+    """:class:`HostReader` by torch ops on the streams' device (every quotient found at once)."""
+
+    def __init__(self, unary: torch.Tensor, remainder: torch.Tensor, name: str) -> None:
+        self.q, self.remainder, self.name = quotients(unary, name), remainder, name
+        self.code, self.bit = 0, 0
+
+    def take(self, k: torch.Tensor) -> torch.Tensor:
+        n = k.numel()
+        if self.code + n > self.q.numel():
+            raise CountMismatchError(f"{self.name}: unary stream ends before its last code")
+        q = self.q[self.code : self.code + n]
+        w = widths(q, k)
+        low = read_fields(self.remainder, self.bit, w, self.name)
+        self.code += n
+        self.bit += int(w.sum()) if n else 0
+        return decode(q, k, low)
+
+    def finish(self) -> None:
+        if self.code != self.q.numel():
+            raise CountMismatchError(f"{self.name}: unary stream holds codes past the last")
+        check_end(self.remainder, self.bit, self.name)

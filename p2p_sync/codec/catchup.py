@@ -88,5 +88,5 @@ def _check_chain(infos: Sequence[codec.PatchInfo]) -> None:
                 f"patch with base {nxt.base_hash.hex()} does not follow "
                 f"one with target {prev.target_hash.hex()}"
             )
-    if any(r.coding == codec.CLASSED for info in infos for r in info.rows):
+    if any(r.coding in codec.BASED for info in infos for r in info.rows):
         raise MissingBaseError("catch-up merges take version-1 patches (no exponent classes)")

@@ -34,6 +34,12 @@ def classed_dtype(dtype: torch.dtype) -> bool:
     return dtype in MANTISSA_BITS
 
 
+def segmented_dtype(dtype: torch.dtype) -> bool:
+    """Whether coding 4 can carry a tensor of ``dtype``: a float of at most 4 bytes (its
+    magnitudes then fit the 48 raw bits of a capped Rice code with room to spare)."""
+    return dtype in MANTISSA_BITS and dtype.itemsize <= 4
+
+
 def element_classes(base_bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """The exponent field (and for some dtypes the sign above it) of every base element, as
     uint8, zero-padded to a whole number of 64-element words. Only its low 4 bits, the class,

@@ -12,7 +12,8 @@ from p2p_sync.codec.classed import _classed_head, _coded_ranks
 from p2p_sync.codec.classes import Bits, classed_dtype
 from p2p_sync.codec.compression import _decompress
 from p2p_sync.codec.frames import _frame_bound, _frames, decode_frame
-from p2p_sync.codec.limits import CLASSED, DEFAULT_LEVEL, UNCHANGED, CodecLimits
+from p2p_sync.codec.limits import BASED, CLASSED, DEFAULT_LEVEL, SEGMENTED, UNCHANGED, CodecLimits
+from p2p_sync.codec.segmented import read_codes
 from p2p_sync.codec.table import FrameInfo, Frames, _file_size, _join, _table, read_header
 from p2p_sync.errors import BaseMismatchError, LayoutMismatchError, MissingBaseError
 from p2p_sync.weights.delta import Patch, TensorDelta
@@ -52,18 +53,23 @@ def encode(
     workers: int = 1,
     base: TensorSet | None = None,
     base_hash: bytes | None = None,
+    segmented: bool = False,
 ) -> bytes:
     """Serialize ``patch``; with ``workers > 1`` tensor frames are compressed in parallel.
 
     With ``base`` (the weights the patch applies to, read only) float tensors may take the
-    exponent-class coding (format version 2); without it every frame is a version-1 coding, as
-    is the file. ``base_hash``: the caller's record of ``base``'s state hash, if it has one.
+    exponent-class coding (format version 2), or with ``segmented`` the segmented one (format
+    3, coding 4: no zstd, coded and decoded where the base lives); without a base every frame
+    is a version-1 coding, as is the file. ``base_hash``: the caller's record of ``base``'s
+    state hash, if it has one.
     """
     patch.validate()
     if base is not None:
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
-    pairs = map_workers(lambda d: _frames(d, level, _base_bits(base, d.spec)), changed, workers)
+    pairs = map_workers(
+        lambda d: _frames(d, level, _base_bits(base, d.spec), segmented), changed, workers
+    )
     frames = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
     table = _table(patch.layout, frames, level)
     if any(p[0] is not p[1] for p in pairs):
@@ -98,7 +104,7 @@ def _decode_rows(
     limits: CodecLimits,
 ) -> list[TensorDelta]:
     def one(row: FrameInfo) -> TensorDelta:
-        bits = _base_bits(base, row.spec) if row.coding == CLASSED else None
+        bits = _base_bits(base, row.spec) if row.coding in BASED else None
         return decode_frame(row, data[row.offset : row.offset + row.size], bits, limits)
 
     return map_workers(one, rows, workers)
@@ -106,14 +112,19 @@ def _decode_rows(
 
 def check_without_base(data: bytes | memoryview, limits: CodecLimits = CodecLimits()) -> list[str]:
     """Verify everything in a patch that needs no base: the header, the table, every frame's
-    zstd checksum and structure, sparse and dense frames in full, and the position codes of
-    exponent-class frames. Returns the names of those frames: which elements their codes
-    select, and their values, can only be checked against the base's bits."""
+    zstd checksum and structure, sparse and dense frames in full, the position codes of
+    exponent-class frames (coding 3) and every stream of segmented ones (coding 4). Returns
+    the names of the class-coded frames: which elements their codes select (and coding 3's
+    values) can only be checked against the base's bits."""
     data = memoryview(data)
     need: list[str] = []
     for row in read_header(data, limits).rows:
         frame = data[row.offset : row.offset + row.size]
         if row.coding == UNCHANGED:
+            continue
+        if row.coding == SEGMENTED:
+            read_codes(frame, row.spec, row.count, None)
+            need.append(row.spec.name)
             continue
         if row.coding != CLASSED:
             decode_frame(row, frame, None, limits)
@@ -141,7 +152,7 @@ def decode(
     data = memoryview(data)
     info = read_header(data, limits)
     changed = [r for r in info.rows if r.coding != UNCHANGED]
-    if any(r.coding == CLASSED for r in changed):
+    if any(r.coding in BASED for r in changed):
         if base is None:
             raise MissingBaseError("patch has exponent-class frames: decoding needs its base")
         _check_base(base, info.layout, info.base_hash, base_hash)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from p2p_sync.codec.classed import _classed_streams, _decode_classed
-from p2p_sync.codec.classes import Bits, classed_dtype
+from p2p_sync.codec.classes import Bits, classed_dtype, segmented_dtype
 from p2p_sync.codec.compression import _compress, _decompress
 from p2p_sync.codec.limits import (
     _CLASSED_HEAD,
@@ -23,6 +23,7 @@ from p2p_sync.codec.limits import (
     CLASSED_MIN_SAVING,
     DENSE,
     DENSE_TRY_FRACTION,
+    SEGMENTED,
     SPARSE,
     CodecLimits,
 )
@@ -33,6 +34,7 @@ from p2p_sync.codec.positions import (
     _position_body_size,
     encode_positions,
 )
+from p2p_sync.codec.segmented import decode_segmented, encode_segmented
 from p2p_sync.codec.table import FrameInfo
 from p2p_sync.codec.values import (
     _check_size,
@@ -64,20 +66,27 @@ def _dense_streams(delta: TensorDelta) -> list[bytes]:
 
 
 def encode_frame(
-    delta: TensorDelta, level: int, base_bits: Bits | None = None
+    delta: TensorDelta, level: int, base_bits: Bits | None = None, segmented: bool = False
 ) -> tuple[int, int, bytes]:
     """(coding, count, frame) for one tensor: the smallest of the codings it may use. Coding 3
-    needs the base's bits; without them (or for a dtype with no exponent) it is not tried."""
-    return _frames(delta, level, base_bits)[0]
+    needs the base's bits; without them (or for a dtype with no exponent) it is not tried.
+    ``segmented``: a float tensor takes coding 4 (format 3: no zstd, decodable by segment)."""
+    return _frames(delta, level, base_bits, segmented)[0]
 
 
 Frame = tuple[int, int, bytes]
 
 
-def _frames(delta: TensorDelta, level: int, base_bits: Bits | None) -> tuple[Frame, Frame]:
+def _frames(
+    delta: TensorDelta, level: int, base_bits: Bits | None, segmented: bool = False
+) -> tuple[Frame, Frame]:
     """(the smallest frame, the smallest of the version-1 codings): the same when coding 3
-    does not win."""
+    does not win. With ``segmented`` a float tensor takes coding 4 whatever its size: the
+    point is a frame the device codes and reads without zstd."""
     count = delta.count
+    if segmented and base_bits is not None and segmented_dtype(delta.spec.dtype):
+        frame = (SEGMENTED, count, encode_segmented(delta, base_bits))
+        return frame, frame
     plain = (SPARSE, count, _compress(_sparse_streams(delta), level))
     if count >= DENSE_TRY_FRACTION * delta.spec.numel:
         dense = _compress(_dense_streams(delta), level)
@@ -164,11 +173,15 @@ def decode_frame(
     base_bits: Bits | None = None,
     limits: CodecLimits = CodecLimits(),
 ) -> TensorDelta:
-    """Decode and fully validate one tensor's frame (coding 3 needs the base's bits)."""
+    """Decode and fully validate one tensor's frame (codings 3 and 4 need the base's bits)."""
+    if row.coding in (CLASSED, SEGMENTED) and base_bits is None:
+        raise MissingBaseError(f"{row.spec.name}: exponent-class frame needs the base weights")
+    if row.coding == SEGMENTED:
+        assert base_bits is not None
+        return decode_segmented(frame, row.spec, row.count, base_bits)
     raw = _decompress(frame, _frame_bound(row), row.spec.name, limits)
     if row.coding == CLASSED:
-        if base_bits is None:
-            raise MissingBaseError(f"{row.spec.name}: exponent-class frame needs the base weights")
+        assert base_bits is not None
         return _decode_classed(raw, row.spec, row.count, base_bits)
     if row.coding == DENSE:
         return _decode_dense(raw, row.spec, row.count)

@@ -13,6 +13,7 @@ import numpy as np
 
 from p2p_sync import jit
 from p2p_sync.codec.limits import _GAP_ESCAPE
+from p2p_sync.codec.rice_kernels import _rice_read_py, _rice_write_py
 
 
 def _gap_planes_py(pos: np.ndarray, planes: np.ndarray, escapes: np.ndarray) -> int:
@@ -249,6 +250,8 @@ def _kernels() -> dict[str, Callable]:
                 "gap_planes": _gap_planes_py,
                 "gaps": _positions_from_gaps_py,
                 "gap_stats": _gap_stats_py,
+                "rice_write": _rice_write_py,
+                "rice_read": _rice_read_py,
             }
         )
         _KERNELS.update(compiled or {}, fast=compiled is not None)

@@ -12,14 +12,20 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = b"P2PPATCH"
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, 2})
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 _HEADER = struct.Struct("<8sHHIII16s16s16s")
 HEADER_SIZE = _HEADER.size  # 72
 
-UNCHANGED, SPARSE, DENSE, CLASSED = 0, 1, 2, 3
+UNCHANGED, SPARSE, DENSE, CLASSED, SEGMENTED = 0, 1, 2, 3, 4
 # The codings each format version may use: a version-1 file never holds a coding-3 frame.
-CODINGS_BY_VERSION = {1: (UNCHANGED, SPARSE, DENSE), 2: (UNCHANGED, SPARSE, DENSE, CLASSED)}
+CODINGS_BY_VERSION = {
+    1: (UNCHANGED, SPARSE, DENSE),
+    2: (UNCHANGED, SPARSE, DENSE, CLASSED),
+    3: (UNCHANGED, SPARSE, DENSE, CLASSED, SEGMENTED),
+}
+# Codings that name elements by the base's exponent classes: they decode only against it.
+BASED = frozenset({CLASSED, SEGMENTED})
 _ROW_HEAD = struct.Struct("<H")
 _ROW_TYPE = struct.Struct("<BB")
 _ROW_TAIL = struct.Struct("<BQQ")
@@ -79,6 +85,12 @@ _CLASS_ROW = struct.Struct("<QBB")
 _CLASS_TAIL = struct.Struct("<Q")
 _CLASSED_HEAD = _CLASS_ROW.size * N_CLASSES + _CLASS_TAIL.size + 2 * _VALUE_HEAD.size
 _COMPLEMENT, _GROUP = 1, 2
+# Capped Rice codes (coding 4): a quotient of QCAP or more is written as QCAP zeros and a one,
+# its value raw in RAW bits, so a far outlier (a sign flip near zero, an empty stretch of a
+# class) costs 81 bits, not millions; parameters go up to MAX_K.
+QCAP = 32
+RAW = 48
+MAX_K = 40
 _MAX_RICE = 63
 # A class whose changed fraction is at least this sends its values in group 1: there the step is
 # large against the ulp and deltas span several ulps; elsewhere 99% are +-1. Measured on the

@@ -23,11 +23,12 @@ def segment_count(numel: int, span: int) -> int:
     return max(1, -(-numel >> span))
 
 
-def _host(base_bits: Bits) -> bool:
+def on_host(base_bits: Bits) -> bool:
+    """Whether the base's scans (and the frame's codes) run by the compiled host kernels."""
     return isinstance(base_bits, np.ndarray) and bool(_kernels()["fast"])
 
 
-def _as_torch(base_bits: Bits) -> torch.Tensor:
+def as_torch(base_bits: Bits) -> torch.Tensor:
     return base_bits if isinstance(base_bits, torch.Tensor) else torch.from_numpy(base_bits)
 
 
@@ -36,9 +37,9 @@ def ranks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(class, rank among the class's members in the position's segment) of each sorted
     position, int64 on the host (or on the base's device)."""
-    if _host(base_bits):
+    if on_host(base_bits):
         return _host_ranks(_unsigned(base_bits), mantissa, pos.numpy(), span)
-    return _device_ranks(_as_torch(base_bits), mantissa, pos, span)
+    return _device_ranks(as_torch(base_bits), mantissa, pos, span)
 
 
 def _bounds(pos: np.ndarray, span: int, segments: int) -> np.ndarray:
@@ -90,9 +91,9 @@ def select(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions named by ``codes`` (rows of segment, class, rank; sorted by segment, then
     class, then rank), in ascending order, with the index of the code that named each."""
-    if _host(base_bits):
+    if on_host(base_bits):
         return _host_select(_unsigned(base_bits), mantissa, span, codes.numpy(), name)
-    return _device_select(_as_torch(base_bits), mantissa, span, codes, name)
+    return _device_select(as_torch(base_bits), mantissa, span, codes, name)
 
 
 def _host_select(

@@ -26,20 +26,13 @@ from p2p_sync.weights.tensors import TensorSpec, bits_dtype
 _CLASS = struct.Struct("<BBBBBB")
 _HEAD = struct.Struct("<B")
 _TAIL = struct.Struct("<QQ")
+Reader = bitstreams.HostReader | bitstreams.OpsReader
 HEAD_SIZE = _HEAD.size + N_CLASSES * _CLASS.size + _TAIL.size
 WIDE = 1  # mode bit: every value's magnitude is coded (else only those of size 2 or more)
 MIN_SPAN, MAX_SPAN = 12, 30
 # changes a segment holds on average: its counts then cost ~0.3% of its bits, and a 7B model
 # still has tens of thousands of segments to decode at once
 SEGMENT_CHANGES = 4096
-SEGMENTED_DTYPES = {d for d in MANTISSA_BITS if torch.empty(0, dtype=d).element_size() <= 4}
-
-
-def segmented_dtype(dtype: torch.dtype) -> bool:
-    """Whether coding 4 can carry a tensor of ``dtype`` (a float of at most 4 bytes)."""
-    return dtype in SEGMENTED_DTYPES
-
-
 def span_for(numel: int, count: int) -> int:
     """log2 of the segment length: ~SEGMENT_CHANGES changes per segment."""
     if count == 0:
@@ -122,29 +115,21 @@ def _parts(ch: _Changes, wide: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
     ]
 
 
-def _class_params(values: torch.Tensor, cls: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per class, the Rice parameter that spends the fewest bits on its values, and the bits."""
-    k = torch.zeros(N_CLASSES, dtype=torch.int64)
-    cost = torch.zeros(N_CLASSES, dtype=torch.int64)
-    for c in torch.unique(cls).tolist():
-        mine = values[cls == c]
-        k[c] = bitstreams.best_k(mine)
-        cost[c] = bitstreams.rice_cost(mine, int(k[c]))
-    return k, cost
+def _class_params(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple]:
+    return [bitstreams.best_k(v, c, N_CLASSES) for v, c in parts]
 
 
 def _params(ch: _Changes) -> tuple[_Params, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each class's mode (WIDE where coding every magnitude costs fewer bits than escaping the
-    ones that are not 1), the Rice parameters, and the streams they code."""
-    choices = []
-    for wide in (False, True):
-        parts = _parts(ch, torch.full((N_CLASSES,), wide, device=ch.key.device))
-        params = [_class_params(v.cpu(), c.cpu()) for v, c in parts]
-        choices.append((parts, params, sum(cost for _, cost in params[1:2] + params[3:])))
-    mode = (choices[1][2] < choices[0][2]).to(torch.int64)
-    parts = _parts(ch, (mode == WIDE).to(ch.key.device))
-    k = torch.stack([_class_params(v.cpu(), c.cpu())[0] for v, c in parts], 1)
-    return _Params(k, mode), parts
+    ones that are not 1), the Rice parameters, and the streams they code. A class's streams
+    depend on its own mode only, so both modes are costed once for every class."""
+    device = ch.key.device
+    narrow = _class_params(_parts(ch, torch.zeros(N_CLASSES, dtype=torch.bool, device=device)))
+    wide = _class_params(_parts(ch, torch.ones(N_CLASSES, dtype=torch.bool, device=device)))
+    mode_of = [1, 3, 4]  # the streams a mode changes
+    is_wide = sum(wide[i][1] for i in mode_of) < sum(narrow[i][1] for i in mode_of)
+    k = [torch.where(is_wide, w[0], n[0]) for n, w in zip(narrow, wide)]
+    return _Params(torch.stack(k, 1).cpu(), is_wide.to(torch.int64).cpu()), _parts(ch, is_wide)
 
 
 def encode_segmented(delta: TensorDelta, base_bits: Bits) -> bytes:
@@ -154,7 +139,7 @@ def encode_segmented(delta: TensorDelta, base_bits: Bits) -> bytes:
     params, parts = _params(ch)
     values = torch.cat([v for v, _ in parts])
     k = torch.cat([params.k[:, i].to(c.device)[c] for i, (_, c) in enumerate(parts)])
-    unary, remainder = bitstreams.encode(values, k)
+    unary, remainder = bitstreams.encode(values, k, segment_scans.on_host(base_bits))
     signs = bitstreams.pack_bits((ch.value < 0).to(torch.uint8))
     head = params.head(span, unary.numel(), remainder.numel())
     return head + b"".join(t.cpu().numpy().tobytes() for t in (unary, remainder, signs))
@@ -187,31 +172,6 @@ def _read_head(raw: memoryview, spec: TensorSpec, count: int) -> _Head:
     return _Head(span, k, mode, unary, remainder)
 
 
-class _Reader:
-    """Codes taken from the front of the two streams, one part of the frame at a time."""
-
-    def __init__(self, q: torch.Tensor, remainder: torch.Tensor, name: str) -> None:
-        self.q, self.remainder, self.name = q, remainder, name
-        self.code, self.bit = 0, 0
-
-    def take(self, k: torch.Tensor) -> torch.Tensor:
-        """The next ``len(k)`` values, code i with Rice parameter ``k[i]``."""
-        n = k.numel()
-        if self.code + n > self.q.numel():
-            raise CountMismatchError(f"{self.name}: unary stream ends before its last code")
-        q = self.q[self.code : self.code + n]
-        w = bitstreams.widths(q, k)
-        low = bitstreams.read_fields(self.remainder, self.bit, w, self.name)
-        self.code += n
-        self.bit += int(w.sum()) if n else 0
-        return bitstreams.decode(q, k, low)
-
-    def finish(self) -> None:
-        if self.code != self.q.numel():
-            raise CountMismatchError(f"{self.name}: unary stream holds codes past the last")
-        bitstreams.check_end(self.remainder, self.bit, self.name)
-
-
 def _segment_sizes(numel: int, span: int, device: torch.device) -> torch.Tensor:
     segments = segment_scans.segment_count(numel, span)
     size = torch.full((segments,), 1 << span, dtype=torch.int64, device=device)
@@ -240,9 +200,11 @@ def _bounded_running(
     return _running(gaps, groups)
 
 
-def _read_counts(reader: _Reader, head: _Head, spec: TensorSpec, count: int) -> torch.Tensor:
+def _read_counts(
+    reader: Reader, head: _Head, spec: TensorSpec, count: int, device: torch.device
+) -> torch.Tensor:
     """Every group's change count, checked against its segment and the row's count."""
-    sizes = _segment_sizes(spec.numel, head.span, reader.q.device)
+    sizes = _segment_sizes(spec.numel, head.span, device)
     col = torch.arange(sizes.numel() * N_CLASSES, device=sizes.device) & 15
     groups = reader.take(head.k[:, 0].to(col.device)[col])
     per_segment = groups.view(-1, N_CLASSES).sum(1)
@@ -251,7 +213,7 @@ def _read_counts(reader: _Reader, head: _Head, spec: TensorSpec, count: int) -> 
     return groups
 
 
-def _read_escape_counts(reader: _Reader, head: _Head, groups: torch.Tensor) -> torch.Tensor:
+def _read_escape_counts(reader: Reader, head: _Head, groups: torch.Tensor) -> torch.Tensor:
     """How many of each group's changes a narrow class escapes (0 in wide classes)."""
     col = torch.arange(groups.numel(), device=groups.device) & 15
     present = (head.mode.to(groups.device)[col] != WIDE) & (groups > 0)
@@ -263,7 +225,7 @@ def _read_escape_counts(reader: _Reader, head: _Head, groups: torch.Tensor) -> t
 
 
 def _read_magnitudes(
-    reader: _Reader, head: _Head, groups: torch.Tensor, escapes: torch.Tensor
+    reader: Reader, head: _Head, groups: torch.Tensor, escapes: torch.Tensor
 ) -> torch.Tensor:
     """Every change's magnitude in code order, from the escape gaps and magnitude codes."""
     device, name = groups.device, reader.name
@@ -295,14 +257,27 @@ def _signed(mag: torch.Tensor, signs: torch.Tensor, spec: TensorSpec) -> torch.T
     return torch.where(negative, -mag, mag)
 
 
-def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: Bits) -> TensorDelta:
-    """Decode and fully validate a coding-4 frame against the base's bits."""
+@dataclass(frozen=True)
+class Codes:
+    """A coding-4 frame read without its base: each change's (segment, class, rank), in code
+    order, its delta, and the segment span."""
+
+    span: int
+    codes: torch.Tensor
+    value: torch.Tensor
+
+
+def read_codes(raw: memoryview, spec: TensorSpec, count: int, device: torch.device | None) -> Codes:
+    """Every stream of a coding-4 frame decoded and checked: all that needs no base. On the
+    host by the compiled kernels (``device`` None), else by torch ops on ``device``."""
     head = _read_head(raw, spec, count)
-    device = base_bits.device if isinstance(base_bits, torch.Tensor) else torch.device("cpu")
-    data = torch.frombuffer(bytearray(raw[HEAD_SIZE:]), dtype=torch.uint8).to(device)
+    data = torch.frombuffer(bytearray(raw[HEAD_SIZE:]), dtype=torch.uint8)
+    data = data if device is None else data.to(device)
     unary, rest = data[: head.unary], data[head.unary :]
-    reader = _Reader(bitstreams.quotients(unary, spec.name), rest[: head.remainder], spec.name)
-    groups = _read_counts(reader, head, spec, count)
+    make = bitstreams.HostReader if device is None else bitstreams.OpsReader
+    reader = make(unary, rest[: head.remainder], spec.name)
+    device = data.device
+    groups = _read_counts(reader, head, spec, count, device)
     escapes = _read_escape_counts(reader, head, groups)
     col = torch.arange(groups.numel(), device=device)
     cls = torch.repeat_interleave(col & 15, groups)
@@ -312,8 +287,17 @@ def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: B
     mag = _read_magnitudes(reader, head, groups, escapes)
     reader.finish()
     value = _signed(mag, rest[head.remainder :], spec)
-    codes = torch.stack([torch.repeat_interleave(col >> 4, groups), cls, rank], 1)
+    segment = torch.repeat_interleave(col >> 4, groups)
+    return Codes(head.span, torch.stack([segment, cls, rank], 1), value)
+
+
+def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: Bits) -> TensorDelta:
+    """Decode and fully validate a coding-4 frame against the base's bits."""
+    host = segment_scans.on_host(base_bits)
+    device = None if host else segment_scans.as_torch(base_bits).device
+    got = read_codes(raw, spec, count, device)
+    device = got.value.device
     mantissa = MANTISSA_BITS[spec.dtype]
-    pos, order = segment_scans.select(base_bits, mantissa, head.span, codes.cpu(), spec.name)
-    d = value[order.to(device)].to(bits_dtype(spec.dtype)).cpu()
+    pos, order = segment_scans.select(base_bits, mantissa, got.span, got.codes.cpu(), spec.name)
+    d = got.value[order.to(device)].to(bits_dtype(spec.dtype)).cpu()
     return TensorDelta(spec, pos.cpu(), d)

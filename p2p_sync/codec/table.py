@@ -10,7 +10,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from p2p_sync.codec.classes import classed_dtype
+from p2p_sync.codec.classes import classed_dtype, segmented_dtype
 from p2p_sync.codec.compression import _compress, _decompress
 from p2p_sync.codec.limits import (
     _HEADER,
@@ -21,6 +21,7 @@ from p2p_sync.codec.limits import (
     CODINGS_BY_VERSION,
     DENSE,
     HEADER_SIZE,
+    SEGMENTED,
     MAGIC,
     SPARSE,
     SUPPORTED_VERSIONS,
@@ -129,7 +130,8 @@ def _file_size(frames: Frames, table: tuple[bytes, int]) -> int:
 def _join(
     layout: Layout, base_hash: bytes, target_hash: bytes, frames: Frames, table: tuple[bytes, int]
 ) -> bytes:
-    version = 2 if any(f[0] == CLASSED for f in frames.values()) else 1
+    codings = {f[0] for f in frames.values()}
+    version = 3 if SEGMENTED in codings else 2 if CLASSED in codings else 1
     header = _HEADER.pack(
         MAGIC,
         version,
@@ -190,6 +192,8 @@ def _check_row(
         raise UnsupportedFormatError(f"{spec.name}: unknown coding {coding} in format {version}")
     if coding == CLASSED and not classed_dtype(spec.dtype):
         raise MalformedPatchError(f"{spec.name}: coding 3 needs a float dtype, not {spec.dtype}")
+    if coding == SEGMENTED and not segmented_dtype(spec.dtype):
+        raise MalformedPatchError(f"{spec.name}: coding 4 needs a float dtype of <= 4 bytes")
     if count > spec.numel:
         raise CountMismatchError(f"{spec.name}: {count} changes in {spec.numel} elements")
     if (coding == UNCHANGED) != (count == 0) or (coding == UNCHANGED) != (size == 0):
@@ -203,8 +207,10 @@ def _check_row(
 
 def _least_content(spec: TensorSpec, coding: int, count: int) -> int:
     """The fewest bytes a frame of this row unpacks to: 2 per change (the gap planes) for a
-    sparse frame, half a byte per element for a dense one (coding 3 needs the base, whose
-    size bounds it: 0 here)."""
+    sparse frame, half a byte per element for a dense one, a sign bit per change for coding 4
+    (coding 3 needs the base, whose size bounds it: 0 here)."""
+    if coding == SEGMENTED:
+        return (count + 7) // 8
     if coding == SPARSE:
         return 2 * count
     if coding == DENSE:

@@ -131,7 +131,7 @@ def apply_threads(weights: Weights, info: codec.PatchInfo, workers: int) -> int:
     """``workers``, capped for weights on a GPU (:data:`GPU_APPLY_THREADS`)."""
     if not any(t.device.type == "cuda" for t in weights.values()):
         return workers
-    return min(workers, GPU_APPLY_THREADS[any(r.coding == codec.CLASSED for r in info.rows)])
+    return min(workers, GPU_APPLY_THREADS[any(r.coding in codec.BASED for r in info.rows)])
 
 
 def apply_frames(
@@ -220,7 +220,7 @@ def _apply_frame(
     not a whole embedding's). The tensor counts as written from its first block on. ``sink``
     is shown each block applied."""
     flat = flat_bits(weights[row.spec.name])
-    bits = codec.scan_view(flat) if row.coding == codec.CLASSED else None
+    bits = codec.scan_view(flat) if row.coding in codec.BASED else None
     frame = data[row.offset : row.offset + row.size]
     for i, delta in enumerate(codec.decode_frame_blocks(row, frame, bits)):
         delta.validate()
