@@ -24,6 +24,7 @@ CODINGS = {
     codec.SPARSE: "sparse",
     codec.DENSE: "dense",
     codec.CLASSED: "sparse-by-exponent",
+    codec.SEGMENTED: "segments-by-exponent",
 }
 
 

@@ -49,7 +49,11 @@ def best_k(values: torch.Tensor, cls: torch.Tensor, classes: int) -> tuple[torch
     total = torch.bincount(cls, weights=values.to(torch.float64), minlength=classes)
     guess = torch.log2(total / count.clamp(min=1) + 1).floor().to(torch.int64)
     options = (guess[None, :] + torch.arange(-2, 3, device=guess.device)[:, None]).clamp(0, MAX_K)
-    cost = torch.stack([_cost(values, cls, row, classes) for row in options])
+    if values.device.type == "cpu" and _kernels()["fast"]:
+        cost = torch.zeros(options.shape, dtype=torch.int64)
+        _kernels()["rice_costs"](values.numpy(), cls.numpy(), options.numpy(), cost.numpy())
+    else:
+        cost = torch.stack([_cost(values, cls, row, classes) for row in options])
     pick = torch.argmin(cost, 0)
     best = torch.arange(classes, device=cls.device)
     return options[pick, best], cost[pick, best].to(torch.int64)

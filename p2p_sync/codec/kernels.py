@@ -13,7 +13,7 @@ import numpy as np
 
 from p2p_sync import jit
 from p2p_sync.codec.limits import _GAP_ESCAPE
-from p2p_sync.codec.rice_kernels import _rice_read_py, _rice_write_py
+from p2p_sync.codec.rice_kernels import _rice_costs_py, _rice_read_py, _rice_write_py
 
 
 def _gap_planes_py(pos: np.ndarray, planes: np.ndarray, escapes: np.ndarray) -> int:
@@ -252,6 +252,7 @@ def _kernels() -> dict[str, Callable]:
                 "gap_stats": _gap_stats_py,
                 "rice_write": _rice_write_py,
                 "rice_read": _rice_read_py,
+                "rice_costs": _rice_costs_py,
             }
         )
         _KERNELS.update(compiled or {}, fast=compiled is not None)

@@ -102,3 +102,14 @@ def _rice_read_py(
             out[i] = (q << k[i]) | low
     at[0], at[1] = ubit, rbit
     return READ_OK
+
+
+def _rice_costs_py(values: np.ndarray, cls: np.ndarray, options: np.ndarray, cost: np.ndarray) -> None:
+    """Kernel: ``cost[o, c]`` += the bits of the capped Rice code with parameter
+    ``options[o, c]`` over class c's values (``cls``: each value's class)."""
+    for i in range(values.size):
+        v, c = values[i], cls[i]
+        for o in range(options.shape[0]):
+            k = options[o, c]
+            q = v >> k
+            cost[o, c] += QCAP + 1 + RAW if q >= QCAP else q + 1 + k

@@ -115,21 +115,22 @@ def _parts(ch: _Changes, wide: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
     ]
 
 
-def _class_params(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple]:
-    return [bitstreams.best_k(v, c, N_CLASSES) for v, c in parts]
-
-
 def _params(ch: _Changes) -> tuple[_Params, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each class's mode (WIDE where coding every magnitude costs fewer bits than escaping the
     ones that are not 1), the Rice parameters, and the streams they code. A class's streams
-    depend on its own mode only, so both modes are costed once for every class."""
+    depend on its own mode only, and a wide class codes nothing but magnitudes, so each class
+    is costed once per mode."""
     device = ch.key.device
-    narrow = _class_params(_parts(ch, torch.zeros(N_CLASSES, dtype=torch.bool, device=device)))
-    wide = _class_params(_parts(ch, torch.ones(N_CLASSES, dtype=torch.bool, device=device)))
-    mode_of = [1, 3, 4]  # the streams a mode changes
-    is_wide = sum(wide[i][1] for i in mode_of) < sum(narrow[i][1] for i in mode_of)
-    k = [torch.where(is_wide, w[0], n[0]) for n, w in zip(narrow, wide)]
-    return _Params(torch.stack(k, 1).cpu(), is_wide.to(torch.int64).cpu()), _parts(ch, is_wide)
+    parts = _parts(ch, torch.zeros(N_CLASSES, dtype=torch.bool, device=device))
+    narrow = [bitstreams.best_k(v, c, N_CLASSES) for v, c in parts]
+    mag = ch.value.abs() - 1
+    wide = bitstreams.best_k(mag, ch.cls, N_CLASSES)
+    is_wide = wide[1].cpu() < sum(narrow[i][1] for i in (1, 3, 4)).cpu()
+    k = [n[0].cpu() for n in narrow]
+    k[4] = torch.where(is_wide, wide[0].cpu(), k[4])
+    if bool(is_wide.any()):
+        parts = _parts(ch, is_wide.to(device))
+    return _Params(torch.stack(k, 1), is_wide.to(torch.int64)), parts
 
 
 def encode_segmented(delta: TensorDelta, base_bits: Bits) -> bytes:
