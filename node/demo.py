@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         "--patch-format",
         type=int,
         default=1,
-        choices=[1, 2],
-        help="1 (default here: on loopback bytes are free, and format 2's exponent-class scans"
-        " cost O(model) per version on a CPU) or 2 (1.4x smaller: the node's default, for slow"
-        " links)",
+        choices=[1, 2, 3],
+        help="1 (default here: on loopback bytes are free, and the exponent-class scans of"
+        " formats 2 and 3 cost O(model) per version on a CPU), 2 (1.4x smaller) or 3 (as small,"
+        " no zstd: the GPU's format)",
     )
     args = parser.parse_args(argv)
     console = Console(width=120)

@@ -186,9 +186,11 @@ def _add_node_files(node: argparse.ArgumentParser) -> None:
     _flag(
         node,
         "--patch-format",
-        "trainer: 2 codes positions by the base's exponents, smaller; 1 is faster to code on a CPU",
+        "trainer: 3 codes positions by the base's exponents per segment (smallest; coded and "
+        "applied on a GPU where the weights live), 2 the same with zstd, 1 by gaps alone "
+        "(no scan of the base)",
         type=int,
-        choices=[1, 2],
+        choices=[1, 2, 3],
     )
     _flag(node, "--checkpoint-every", "write full weights every N versions", type=int)
 

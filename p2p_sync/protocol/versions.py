@@ -39,8 +39,10 @@ class PublishPolicy:
     anchor_every: int = 10
     catchup_spans: tuple[int, ...] = (4, 16)
     chunk_size: int = 0  # 0: picked from each payload's size (p2p_sync.trust.chunks.chunk_size_for)
-    patch_format: int = 2  # 2 codes positions by the base's exponents (smaller); 1 is faster
-    # to encode and decode on a CPU (see README: what a version costs)
+    # 3 codes positions by the base's exponents per segment, no zstd (the smallest, and the
+    # one a GPU codes and applies); 2 by the base's exponents with zstd; 1 by gaps alone, no
+    # scan of the base (see README: what a version costs)
+    patch_format: int = 2
     lifetime_s: int = 7 * 86400  # manifests expire (and are re-signed) after this
     # super-seeding: chunks handed to one requester at a time at first (in a small swarm
     # doubled each time it fetched half, up to half a fair share: p2p_sync.protocol.seeding)
@@ -66,6 +68,16 @@ class PublishPolicy:
     push_chunks: int = 2
     watch_interval_s: float = 0.02  # how often --watch looks for new weights files
 
+    @property
+    def based(self) -> bool:
+        """Whether patches name positions by the base's exponent classes (formats 2 and 3)."""
+        return self.patch_format in (2, 3)
+
+    @property
+    def segmented(self) -> bool:
+        """Whether patches take format 3's segmented frames."""
+        return self.patch_format == 3
+
     def __post_init__(self) -> None:
         if self.anchor_every < 1 or any(s < 2 for s in self.catchup_spans):
             raise ValueError("anchor_every must be >= 1 and catch-up spans >= 2")
@@ -73,8 +85,8 @@ class PublishPolicy:
             raise ValueError("push_chunks must be >= 0")
         if self.seed_quiet_factor < 0:
             raise ValueError("seed_quiet_factor must be >= 0")
-        if self.patch_format not in (1, 2):
-            raise ValueError("patch_format must be 1 or 2")
+        if self.patch_format not in (1, 2, 3):
+            raise ValueError("patch_format must be 1, 2 or 3")
         if self.chunk_size and not 16 * 1024 <= self.chunk_size <= 64 * 2**20:
             raise ValueError("chunk_size must be 0 (by payload size) or 16 KiB to 64 MiB")
 

@@ -189,7 +189,7 @@ class Publisher:
         """The whole patch, diffed on the weights' device (format 2's scans run there too);
         in format 1 the diff moves ``prev`` in its pass, else ``_advance`` does."""
         assert self.prev is not None and self.digest is not None
-        self._moved = self.policy.patch_format == 1 and not owned
+        self._moved = not self.policy.based and not owned
         step = diff(self.prev, new, digest=self.digest, workers=self.workers, advance=self._moved)
         self.timings.diff_s = time.perf_counter() - t0
         return self._coded(version, step, new)
@@ -197,8 +197,8 @@ class Publisher:
     def _coded(self, version: int, step: Patch, new: TensorSet) -> tuple:
         """Code a whole 1-step patch (kept in the history) and sign the head's artifacts."""
         t1, self._target_digest = time.perf_counter(), step.target_digest
-        base = self.prev if self.policy.patch_format == 2 else None
-        payload = codec.encode(step, workers=self.workers, base=base, base_hash=self.prev_hash)
+        base, seg = self.prev if self.policy.based else None, self.policy.segmented
+        payload = codec.encode(step, codec.DEFAULT_LEVEL, self.workers, base, self.prev_hash, seg)
         if self.history.maxlen:  # kept in format 1: merging it needs no base (coded later)
             self.history.append(payload if base is None else step)
         self.timings.encode_s = time.perf_counter() - t1
@@ -237,7 +237,7 @@ class Publisher:
         payload = codec.assemble(layout, self.prev_hash, target_hash, frames)
         if self.history.maxlen:
             history = {name: h for name, _, h in done if h is not None}
-            if self.policy.patch_format == 1:
+            if not self.policy.based:
                 self.history.append(codec.assemble(layout, self.prev_hash, target_hash, history))
             else:
                 self.history.append(Patch(layout, self.prev_hash, target_hash, history))
@@ -272,18 +272,18 @@ class Publisher:
         self, spec: TensorSpec, new: torch.Tensor, digest: StateDigest, scratch: DiffScratch
     ) -> tuple[tuple | None, tuple | TensorDelta | None]:
         """One tensor's frame and history entry (None, None if unchanged): its format-1 frame,
-        or in format 2 the delta, coded after the announcement. ``prev``'s tensor and the
-        digest move to ``new`` in place. Format 1 moves it in the diff's own pass; format 2
-        codes against the old bits first, then copies."""
+        or in formats 2 and 3 the delta, coded after the announcement. ``prev``'s tensor and
+        the digest move to ``new`` in place. Format 1 moves it in the diff's own pass; formats
+        2 and 3 code against the old bits first, then copy."""
         assert self.prev is not None
         old = self.prev[spec.name]
-        fmt2 = self.policy.patch_format == 2
-        delta = diff_tracked(spec, old, new, digest, scratch, advance=not fmt2)
+        based = self.policy.based
+        delta = diff_tracked(spec, old, new, digest, scratch, advance=not based)
         if delta is None:
             return None, None
-        bits = flat_bits(old).numpy() if fmt2 else None
-        frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits)
-        if not fmt2:
+        bits = flat_bits(old).numpy() if based else None
+        frame = codec.encode_frame(delta, codec.DEFAULT_LEVEL, bits, self.policy.segmented)
+        if not based:
             return frame, frame
         old.copy_(new)
         return frame, delta

@@ -369,12 +369,12 @@ async def _publish_files(tmp_path: Path, versions: list, patch_format: int) -> t
     return after_torn, manifests, publisher.prev, node.store
 
 
-@pytest.mark.parametrize("patch_format", [1, 2])
+@pytest.mark.parametrize("patch_format", [1, 2, 3])
 def test_watched_files_publish_streaming_and_a_torn_file_changes_nothing(
     tmp_path: Path, tiny_versions: list, patch_format: int
 ) -> None:
     """Each tensor is read into a reused buffer and ``prev`` moves in place: in the diff's
-    own pass (format 1) or after coding against the old bits (format 2)."""
+    own pass (format 1) or after coding against the old bits (formats 2 and 3)."""
     run = _publish_files(tmp_path, tiny_versions, patch_format)
     after_torn, manifests, prev, store = asyncio.run(run)
     assert after_torn and bit_equal(prev, tiny_versions[2])
@@ -422,7 +422,7 @@ async def _publish_in_memory(tmp_path: Path, versions: list, patch_format: int) 
     return after_failure, manifests, publisher, tied
 
 
-@pytest.mark.parametrize("patch_format", [1, 2])
+@pytest.mark.parametrize("patch_format", [1, 2, 3])
 def test_an_in_memory_publish_moves_prev_in_its_diff_and_a_failure_moves_it_back(
     tmp_path: Path, tiny_versions: list, patch_format: int
 ) -> None:
@@ -433,7 +433,8 @@ def test_an_in_memory_publish_moves_prev_in_its_diff_and_a_failure_moves_it_back
     assert bit_equal(publisher.prev, tied[2]) and publisher.prev_hash == state_hash(tied[2])
     weights = {k: v.clone() for k, v in tied[1].items()}
     payload = bytes(publisher.node.store.payload(manifests[0]) or b"")
-    patch = codec.decode(payload, base=weights)  # format 2 decodes against its base
+    assert (codec.read_header(payload).version == 3) == (patch_format == 3)
+    patch = codec.decode(payload, base=weights)  # formats 2 and 3 decode against their base
     assert manifests[0].base_version == 1 and "tied.copy" in patch.deltas  # both names change
     apply(weights, patch)  # checks the signed target: the tie did not hide a change
     assert bit_equal(weights, tied[2])
