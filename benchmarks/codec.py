@@ -1,15 +1,16 @@
-"""Codec benchmark on the built-in workload: sizes, ratios and speeds, format 1 beside format 2.
+"""Codec benchmark on the built-in workload: sizes, ratios and speeds of formats 1, 2 and 3.
 
 For each learning rate and each patch span (1 step, 8 steps) it prints the density; bits per
-changed element and ratio vs dense for format 1 (``encode(patch)``: no base, v1 codings only)
-and format 2 (``encode(patch, base=...)``: exponent-class positions where they are smaller);
-format 2's ratio vs a grail v3.1-style reference encoder on the same pair; two entropy bounds
-(bits per changed element and the ratio they would give): order 0 of gaps + deltas per tensor,
-and the exponent-conditioned one (changed-or-not per element given tensor and base exponent,
-plus deltas given tensor and base exponent); and create (diff + encode) and apply (decode +
-apply, base and target hash checks included) throughput in MB/s of dense model size for both
-formats, on one CPU core and on CUDA when present. Format 2 is timed the way a trainer and a
-rollout call it: against the base, with its state hash already known (the trainer's patch
+changed element and ratio vs dense for format 1 (``encode(patch)``: no base, v1 codings only),
+format 2 (``encode(patch, base=...)``: exponent-class positions where they are smaller) and
+format 3 (``segmented=True``: exponent classes per segment, no zstd); format 2's ratio vs a
+grail v3.1-style reference encoder on the same pair; two entropy bounds (bits per changed
+element and the ratio they would give): order 0 of gaps + deltas per tensor, and the
+exponent-conditioned one (changed-or-not per element given tensor and base exponent, plus
+deltas given tensor and base exponent); and create (diff + encode) and apply (decode + apply,
+base and target hash checks included) throughput in MB/s of dense model size for each format,
+on one CPU core and on CUDA when present. Formats 2 and 3 are timed the way a trainer and a
+rollout call them: against the base, with its state hash already known (the trainer's patch
 carries it; a rollout that verified its last apply knows it), so the base is not hashed twice.
 `make demo` runs it; `make bench` too.
 
@@ -103,26 +104,33 @@ def clone_to(tensors: TensorSet, device: str) -> dict[str, torch.Tensor]:
     return {k: v.to(device).clone() for k, v in tensors.items()}
 
 
-def _create(b: TensorSet, n: TensorSet, v2: bool) -> bytes:
-    """diff + encode as a trainer does it; format 2 encodes against the base, whose state hash
-    the patch already carries (diff computed it), so the base is not hashed twice."""
+# format: (encodes against the base, segmented frames)
+FORMATS = {"v1": (False, False), "v2": (True, False), "v3": (True, True)}
+
+
+def _create(b: TensorSet, n: TensorSet, fmt: str) -> bytes:
+    """diff + encode as a trainer does it; formats 2 and 3 encode against the base, whose
+    state hash the patch already carries (diff computed it), so the base is not hashed twice."""
     patch = diff(b, n)
-    return codec.encode(patch, base=b if v2 else None, base_hash=patch.base_hash)
+    based, segmented = FORMATS[fmt]
+    return codec.encode(
+        patch, base=b if based else None, base_hash=patch.base_hash, segmented=segmented
+    )
 
 
 def speeds(
-    base: TensorSet, new: TensorSet, data: bytes, device: str, repeat: int, v2: bool
+    base: TensorSet, new: TensorSet, data: bytes, device: str, repeat: int, fmt: str
 ) -> tuple:
     """(create MB/s, apply MB/s) on ``device``, in MB of dense model size per second. Format 2
     decodes against the weights being patched and is given their state hash, as a rollout that
     verified its last apply knows it (apply still hashes base and target itself)."""
     b, n = clone_to(base, device), clone_to(new, device)
     dense = total_bytes(base) / 1e6
-    create = best_time(lambda: _create(b, n, v2), repeat)
+    create = best_time(lambda: _create(b, n, fmt), repeat)
     work = clone_to(base, device)
     known = state_hash(work)
-    undo = invert(codec.decode(data, base=work if v2 else None, base_hash=known))
-    base_arg = work if v2 else None
+    base_arg = work if FORMATS[fmt][0] else None
+    undo = invert(codec.decode(data, base=base_arg, base_hash=known))
 
     def decode_apply() -> None:
         apply(work, codec.decode(data, base=base_arg, base_hash=known))
@@ -137,9 +145,14 @@ def speeds(
 def measure(base: TensorSet, new: TensorSet, devices: list[str], repeat: int) -> dict:
     """Every figure of one table row for the pair (base, new)."""
     patch = diff(base, new)
-    data = {"v1": codec.encode(patch), "v2": codec.encode(patch, base=base)}
-    decoded = codec.decode(data["v2"], base=base)
-    assert all(decoded.deltas[k].same_change(d) for k, d in patch.deltas.items()), "v2 lossy"
+    data = {
+        "v1": codec.encode(patch),
+        "v2": codec.encode(patch, base=base),
+        "v3": codec.encode(patch, base=base, segmented=True),
+    }
+    for fmt in ("v2", "v3"):
+        decoded = codec.decode(data[fmt], base=base)
+        assert all(decoded.deltas[k].same_change(d) for k, d in patch.deltas.items()), fmt
     reference = grail_reference.encode(base, new)
     check = clone_to(base, "cpu")
     grail_reference.decode_apply(check, reference)
@@ -160,7 +173,7 @@ def measure(base: TensorSet, new: TensorSet, devices: list[str], repeat: int) ->
     for device in devices:
         for fmt, blob in data.items():
             row[f"create_mbs_{fmt}_{device}"], row[f"apply_mbs_{fmt}_{device}"] = speeds(
-                base, new, blob, device, repeat, fmt == "v2"
+                base, new, blob, device, repeat, fmt
             )
     return row
 
@@ -181,7 +194,7 @@ def run(
 
 def render(rows: list[dict], devices: list[str], title: str) -> Table:
     table = Table(title=title)
-    speed_cols = [(k, f, d) for d in devices for k in ("create", "apply") for f in ("v1", "v2")]
+    speed_cols = [(k, f, d) for d in devices for k in ("create", "apply") for f in FORMATS]
     for col in (
         "lr",
         "steps",
@@ -191,6 +204,8 @@ def render(rows: list[dict], devices: list[str], title: str) -> Table:
         "v2 bits/chg",
         "v2 vs dense",
         "v2 vs grail",
+        "v3 bits/chg",
+        "v3 vs dense",
         "order-0 bound",
         "exponent bound",
         *(f"{k} {f} {d} MB/s" for k, f, d in speed_cols),
@@ -206,6 +221,8 @@ def render(rows: list[dict], devices: list[str], title: str) -> Table:
             f"{r['bits_per_changed_v2']:.2f}",
             f"{r['ratio_vs_dense_v2']:.1f}x",
             f"{r['vs_grail']:.2f}x",
+            f"{r['bits_per_changed_v3']:.2f}",
+            f"{r['ratio_vs_dense_v3']:.1f}x",
             f"{r['order0_bits_per_changed']:.2f} b ({r['order0_ratio']:.0f}x)",
             f"{r['exponent_bits_per_changed']:.2f} b ({r['exponent_ratio']:.0f}x)",
             *(f"{r[f'{k}_mbs_{f}_{d}']:,.0f}" for k, f, d in speed_cols),

@@ -5,10 +5,10 @@ version is one AdamW-like step, ~1-3% of bf16 elements change), then per version
 trainer and a rollout do with weights that live there, through the library (no network):
 
 * trainer: ``diff`` against the previous version (with the previous version's state digest,
-  so the target state hash costs O(patch)), ``encode`` in format 1 and format 2 (format 2's
-  exponent-class scans run on the device);
-* rollout: decode + apply in place, one frame at a time (``restore.apply_frames``), format 2
-  then format 1 (undone between), checking the target state hash incrementally;
+  so the target state hash costs O(patch)), ``encode`` in formats 1, 2 and 3 (the
+  exponent-class scans of 2 and 3 run on the device, and format 3's coding too);
+* rollout: decode + apply in place, one frame at a time (``restore.apply_frames``), formats 1
+  and 3 (each undone after), then format 2, checking the target state hash incrementally;
 * the full state hash of the whole model on the device, against what format 1 of the hash
   needed (copy every tensor to the host, then XXH3).
 
@@ -80,16 +80,23 @@ def one_version(args: argparse.Namespace, model: Model, prev: dict, digest: Stat
     v2, row["encode2"] = timed(
         dev, lambda: codec.encode(patch, workers=w, base=prev, base_hash=patch.base_hash)
     )
-    row["bytes1"], row["bytes2"] = len(v1), len(v2)
-    # the rollout: format 1 applied and undone (exactly), then format 2 for good
+    v3, row["encode3"] = timed(
+        dev,
+        lambda: codec.encode(
+            patch, workers=w, base=prev, base_hash=patch.base_hash, segmented=True
+        ),
+    )
+    row["bytes1"], row["bytes2"], row["bytes3"] = len(v1), len(v2), len(v3)
+    # the rollout: formats 1 and 3 applied and undone (exactly), then format 2 for good
     probe = digest.copy()
-    _, row["apply1"] = timed(dev, lambda: apply_payload(prev, v1, probe, w))
-    assert probe.hash() == patch.target_hash
     undo = codec.encode(invert(patch))
-    apply_payload(prev, undo, probe, w)
-    assert probe.hash() == patch.base_hash
+    for name, data in (("apply1", v1), ("apply3", v3)):
+        _, row[name] = timed(dev, lambda: apply_payload(prev, data, probe, w))
+        assert probe.hash() == patch.target_hash
+        apply_payload(prev, undo, probe, w)
+        assert probe.hash() == patch.base_hash
     for n in args.sweep:  # the same two payloads with n threads each, applied and undone
-        for name, data in (("f1", v1), ("f2", v2)):
+        for name, data in (("f1", v1), ("f2", v2), ("f3", v3)):
             run = functools.partial(apply_payload, prev, data, probe, n)
             _, row[f"{name}@{n}"] = timed(dev, run)
             assert probe.hash() == patch.target_hash
@@ -152,8 +159,8 @@ def main() -> None:
         f"format-1 hash (host copy + XXH3): {old}"
     )
     head = (
-        f"{'v':>2} {'changed':>8} {'diff':>6} {'enc f1':>7} {'enc f2':>7} {'MB f1':>7} "
-        f"{'MB f2':>7} {'apply f1':>8} {'apply f2':>8}"
+        f"{'v':>2} {'changed':>8} {'diff':>6} {'enc f1':>7} {'enc f2':>7} {'enc f3':>7} "
+        f"{'MB f1':>7} {'MB f2':>7} {'MB f3':>7} {'apply f1':>8} {'apply f2':>8} {'apply f3':>8}"
     )
     print(head)
     for v in range(1, args.versions + 1):
@@ -163,13 +170,17 @@ def main() -> None:
             r = one_version(args, model, prev, digest)  # type: ignore[arg-type]
         print(
             f"{v:>2} {r['changed']:>8.2%} {r['diff']:>6.3f} {r['encode1']:>7.3f} "
-            f"{r['encode2']:>7.3f} {r['bytes1'] / 1e6:>7.1f} {r['bytes2'] / 1e6:>7.1f} "
-            f"{r['apply1']:>8.3f} {r['apply2']:>8.3f}"
+            f"{r['encode2']:>7.3f} {r['encode3']:>7.3f} {r['bytes1'] / 1e6:>7.1f} "
+            f"{r['bytes2'] / 1e6:>7.1f} {r['bytes3'] / 1e6:>7.1f} "
+            f"{r['apply1']:>8.3f} {r['apply2']:>8.3f} {r['apply3']:>8.3f}"
         )
         if args.sweep:
             print(
                 "   apply by threads: "
-                + ", ".join(f"{n}: f1 {r[f'f1@{n}']:.3f} f2 {r[f'f2@{n}']:.3f}" for n in args.sweep)
+                + ", ".join(
+                    f"{n}: " + " ".join(f"{f} {r[f'{f}@{n}']:.3f}" for f in ("f1", "f2", "f3"))
+                    for n in args.sweep
+                )
             )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     gpu = ""

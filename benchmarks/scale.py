@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="where the API's trainer keeps its model (the process tier's trainer reads files)",
     )
-    parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2])
+    parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2, 3])
     parser.add_argument(
         "--back-to-back",
         action="store_true",

@@ -2,11 +2,12 @@
 
 The format's specification is docs/format.md; the code follows it. The package splits by
 concern: :mod:`limits` (constants and bounds), :mod:`values` and :mod:`positions` (the two
-stream codings), :mod:`classes`, :mod:`rice` and :mod:`classed` (coding 3, exponent classes), :mod:`bitstreams`,
-:mod:`segment_scans` and :mod:`segmented` (coding 4, exponent classes per segment),
-:mod:`kernels` (host loops numba compiles), :mod:`compression` (zstd frames), :mod:`table`
-(header and row table), :mod:`frames` (one tensor) and :mod:`container` (whole patches).
-The names callers use are re-exported here: ``from p2p_sync import codec; codec.encode(...)``.
+stream codings), :mod:`classes`, :mod:`rice` and :mod:`classed` (coding 3, exponent classes),
+:mod:`bitstreams`, :mod:`segment_scans`, :mod:`segment_host` and :mod:`segmented` (coding 4,
+exponent classes per segment), :mod:`kernels` and :mod:`rice_kernels` (host loops numba
+compiles), :mod:`compression` (zstd frames), :mod:`table` (header and row table),
+:mod:`frames` (one tensor) and :mod:`container` (whole patches). The names callers use are
+re-exported here: ``from p2p_sync import codec; codec.encode(...)``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import torch
 
 from p2p_sync.codec.kernels import _kernels
 from p2p_sync.codec.limits import MAX_K, QCAP, RAW
-from p2p_sync.codec.rice_kernels import FIELDS_END, NOT_CANONICAL, PAST_CAP, READ_OK, UNARY_ENDS
 from p2p_sync.errors import CountMismatchError, MalformedPatchError
 
 
@@ -40,7 +39,9 @@ def widths(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.where(q >= QCAP, RAW, k)
 
 
-def best_k(values: torch.Tensor, cls: torch.Tensor, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def best_k(
+    values: torch.Tensor, cls: torch.Tensor, classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per class (``cls``: each value's, below ``classes``), the capped-Rice parameter that
     spends the fewest bits on its values, and those bits (int64 each). The five candidates lie
     around log2 of the class's mean, where the optimum for a geometric source is; ties go to
@@ -140,10 +141,10 @@ def read_fields(data: torch.Tensor, start: int, w: torch.Tensor, name: str) -> t
     return (word >> (offsets & 7)) & ((1 << w) - 1)
 
 
-def check_end(data: torch.Tensor, total: int, name: str) -> None:
+def check_end(data: torch.Tensor | np.ndarray, total: int, name: str) -> None:
     """A stream of ``total`` bits fills ``data`` up to its last byte's zero padding."""
-    if data.numel() != (total + 7) // 8:
-        raise CountMismatchError(f"{name}: a stream is {data.numel()} bytes, its codes {total} bits")
+    if len(data) != (total + 7) // 8:
+        raise CountMismatchError(f"{name}: a stream is {len(data)} bytes, its codes {total} bits")
     if total % 8 and int(data[-1]) >> (total % 8):
         raise MalformedPatchError(f"{name}: a stream pads its last byte with one bits")
 
@@ -157,44 +158,9 @@ def decode(q: torch.Tensor, k: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     return torch.where(capped, low, (q << k) | low)
 
 
-_READ_ERRORS = {
-    UNARY_ENDS: (CountMismatchError, "unary stream ends before its last code"),
-    PAST_CAP: (MalformedPatchError, f"a unary code runs past the cap of {QCAP}"),
-    FIELDS_END: (CountMismatchError, "remainder stream ends inside its fields"),
-    NOT_CANONICAL: (MalformedPatchError, "a raw Rice code holds a value its parameter codes in short"),
-}
-
-
-class HostReader:
-    """Codes read from the front of the two streams by the compiled kernel, part by part."""
-
-    def __init__(self, unary: torch.Tensor, remainder: torch.Tensor, name: str) -> None:
-        self.unary, self.remainder = unary.numpy(), remainder.numpy()
-        self.at = np.zeros(2, np.int64)
-        self.name = name
-
-    def take(self, k: torch.Tensor) -> torch.Tensor:
-        """The next ``len(k)`` values, code i with Rice parameter ``k[i]``."""
-        out = np.empty(k.numel(), np.int64)
-        status = _kernels()["rice_read"](self.unary, self.remainder, k.numpy(), self.at, out)
-        if status != READ_OK:
-            error, what = _READ_ERRORS[status]
-            raise error(f"{self.name}: {what}")
-        return torch.from_numpy(out)
-
-    def finish(self) -> None:
-        """No code may follow the last, and both streams end in their last byte's padding."""
-        nbits = self.unary.size * 8
-        tail = np.unpackbits(self.unary, bitorder="little")[int(self.at[0]) :]
-        if tail.any():
-            raise CountMismatchError(f"{self.name}: unary stream holds codes past the last")
-        if nbits - self.at[0] >= 8:
-            raise MalformedPatchError(f"{self.name}: unary stream runs on past its last code")
-        check_end(torch.from_numpy(self.remainder), int(self.at[1]), self.name)
-
-
 class OpsReader:
-    """:class:`HostReader` by torch ops on the streams' device (every quotient found at once)."""
+    """Codes read from the front of the two streams, part by part, by torch ops on the
+    streams' device (every quotient found at once)."""
 
     def __init__(self, unary: torch.Tensor, remainder: torch.Tensor, name: str) -> None:
         self.q, self.remainder, self.name = quotients(unary, name), remainder, name

@@ -13,7 +13,15 @@ import numpy as np
 
 from p2p_sync import jit
 from p2p_sync.codec.limits import _GAP_ESCAPE
-from p2p_sync.codec.rice_kernels import _rice_costs_py, _rice_read_py, _rice_write_py
+from p2p_sync.codec.rice_kernels import (
+    _escape_codes_py,
+    _gather_codes_py,
+    _read_counts_py,
+    _read_rest_py,
+    _rice_costs_py,
+    _rice_write_py,
+    _segment_select_py,
+)
 
 
 def _gap_planes_py(pos: np.ndarray, planes: np.ndarray, escapes: np.ndarray) -> int:
@@ -251,8 +259,12 @@ def _kernels() -> dict[str, Callable]:
                 "gaps": _positions_from_gaps_py,
                 "gap_stats": _gap_stats_py,
                 "rice_write": _rice_write_py,
-                "rice_read": _rice_read_py,
                 "rice_costs": _rice_costs_py,
+                "segment_counts": _read_counts_py,
+                "segment_codes": _read_rest_py,
+                "segment_select": _segment_select_py,
+                "gather_codes": _gather_codes_py,
+                "escape_codes": _escape_codes_py,
             }
         )
         _KERNELS.update(compiled or {}, fast=compiled is not None)

@@ -77,34 +77,9 @@ def _quotient(unary: np.ndarray, bit: int) -> tuple[int, int]:
     return -1, bit
 
 
-def _rice_read_py(
-    unary: np.ndarray, rem: np.ndarray, k: np.ndarray, at: np.ndarray, out: np.ndarray
-) -> int:
-    """Kernel: ``k.size`` values from the streams, reading from bits ``at[0]`` (unary) and
-    ``at[1]`` (remainders), which it moves past them. Returns a status code (READ_OK...)."""
-    ubit, rbit, rbits = at[0], at[1], rem.size * 8
-    for i in range(k.size):
-        q, ubit = _quotient(unary, ubit)
-        if q < 0:
-            return UNARY_ENDS
-        if q > QCAP:
-            return PAST_CAP
-        width = RAW if q == QCAP else k[i]
-        if rbit + width > rbits:
-            return FIELDS_END
-        low = _get_bits(rem, rbit, width)
-        rbit += width
-        if q == QCAP:
-            if (low >> k[i]) < QCAP:
-                return NOT_CANONICAL
-            out[i] = low
-        else:
-            out[i] = (q << k[i]) | low
-    at[0], at[1] = ubit, rbit
-    return READ_OK
-
-
-def _rice_costs_py(values: np.ndarray, cls: np.ndarray, options: np.ndarray, cost: np.ndarray) -> None:
+def _rice_costs_py(
+    values: np.ndarray, cls: np.ndarray, options: np.ndarray, cost: np.ndarray
+) -> None:
     """Kernel: ``cost[o, c]`` += the bits of the capped Rice code with parameter
     ``options[o, c]`` over class c's values (``cls``: each value's class)."""
     for i in range(values.size):
@@ -113,3 +88,209 @@ def _rice_costs_py(values: np.ndarray, cls: np.ndarray, options: np.ndarray, cos
             k = options[o, c]
             q = v >> k
             cost[o, c] += QCAP + 1 + RAW if q >= QCAP else q + 1 + k
+
+
+# _segments_read's status codes past the Rice ones
+COUNTS_OVER, ESCAPES_OVER, RANK_PAST, INDEX_PAST = 5, 6, 7, 8
+
+
+@jit.step
+def _read_one(unary: np.ndarray, rem: np.ndarray, k: int, at: np.ndarray) -> tuple[int, int]:
+    """(status, value) of the next code: ``at`` holds the two streams' read positions."""
+    q, ubit = _quotient(unary, at[0])
+    if q < 0:
+        return UNARY_ENDS, 0
+    if q > QCAP:
+        return PAST_CAP, 0
+    width = RAW if q == QCAP else k
+    if at[1] + width > rem.size * 8:
+        return FIELDS_END, 0
+    low = _get_bits(rem, at[1], width)
+    at[0], at[1] = ubit, at[1] + width
+    if q == QCAP:
+        return (NOT_CANONICAL, 0) if (low >> k) < QCAP else (READ_OK, low)
+    return READ_OK, (q << k) | low
+
+
+def _read_counts_py(
+    unary: np.ndarray,
+    rem: np.ndarray,
+    k: np.ndarray,
+    sizes: np.ndarray,
+    groups: np.ndarray,
+    at: np.ndarray,
+) -> int:
+    """Kernel: every group's change count (codes 1), each segment's within its length."""
+    for g in range(sizes.size):
+        total = 0
+        for c in range(16):
+            status, v = _read_one(unary, rem, k[c, 0], at)
+            if status:
+                return status
+            total += v
+            if total > sizes[g]:
+                return COUNTS_OVER
+            groups[g * 16 + c] = v
+    return READ_OK
+
+
+def _read_rest_py(
+    unary: np.ndarray,
+    rem: np.ndarray,
+    k: np.ndarray,
+    wide: np.ndarray,
+    sizes: np.ndarray,
+    groups: np.ndarray,
+    at: np.ndarray,
+    rank: np.ndarray,
+    mag: np.ndarray,
+) -> int:
+    """Kernel: escape counts, rank gaps, escape gaps and magnitudes (codes 2-5) into each
+    change's class rank and magnitude, in code order; ``mag`` holds 0 where unescaped."""
+    escapes = np.zeros(groups.size, np.int64)
+    for gc in range(groups.size):
+        if groups[gc] and not wide[gc & 15]:
+            status, e = _read_one(unary, rem, k[gc & 15, 1], at)
+            if status:
+                return status
+            if e > groups[gc]:
+                return ESCAPES_OVER
+            escapes[gc] = e
+    i = 0
+    for gc in range(groups.size):
+        r = -1
+        for _ in range(groups[gc]):
+            status, gap = _read_one(unary, rem, k[gc & 15, 2], at)
+            if status:
+                return status
+            r += gap + 1
+            if r >= sizes[gc >> 4]:
+                return RANK_PAST
+            rank[i] = r
+            i += 1
+    return _read_values(unary, rem, k, wide, groups, escapes, at, mag)
+
+
+@jit.step
+def _read_values(
+    unary: np.ndarray,
+    rem: np.ndarray,
+    k: np.ndarray,
+    wide: np.ndarray,
+    groups: np.ndarray,
+    escapes: np.ndarray,
+    at: np.ndarray,
+    mag: np.ndarray,
+) -> int:
+    """Escape gaps mark the escaped changes (mag -1), then magnitudes fill them in."""
+    first = 0
+    for gc in range(groups.size):
+        idx = -1
+        for _ in range(escapes[gc]):
+            status, gap = _read_one(unary, rem, k[gc & 15, 3], at)
+            if status:
+                return status
+            idx += gap + 1
+            if idx >= groups[gc]:
+                return INDEX_PAST
+            mag[first + idx] = -1
+        first += groups[gc]
+    i = 0
+    for gc in range(groups.size):
+        c = gc & 15
+        for _ in range(groups[gc]):
+            if wide[c] or mag[i] < 0:
+                status, v = _read_one(unary, rem, k[c, 4], at)
+                if status:
+                    return status
+                mag[i] = v + (1 if wide[c] else 2)
+            else:
+                mag[i] = 1
+            i += 1
+    return READ_OK
+
+
+def _segment_select_py(
+    u: np.ndarray,
+    shift: int,
+    span: int,
+    bounds: np.ndarray,
+    cls: np.ndarray,
+    rank: np.ndarray,
+    out_pos: np.ndarray,
+    out_code: np.ndarray,
+) -> int:
+    """Kernel: the element each code names (codes sorted by segment, class, rank; segment g's
+    are ``bounds[g]:bounds[g+1]``), emitted in position order with the code's index. Segments
+    without codes are not read, a segment's walk ends at its last code. Returns the number
+    emitted, or -1 when a rank lies past its class's members in its segment."""
+    n, k = u.size, 0
+    nxt, end = np.empty(16, np.int64), np.empty(16, np.int64)
+    seen = np.empty(16, np.int64)
+    for g in range(bounds.size - 1):
+        lo, hi = bounds[g], bounds[g + 1]
+        if lo == hi:
+            continue
+        for c in range(16):
+            nxt[c], end[c], seen[c] = hi, hi, 0
+        for j in range(hi - 1, lo - 1, -1):
+            nxt[cls[j]] = j
+        for j in range(lo, hi):
+            end[cls[j]] = j + 1
+        left, start = hi - lo, g << span
+        for p in range(start, min(n, start + (1 << span))):
+            c = (u[p] >> shift) & 15
+            j = nxt[c]
+            if j < end[c] and rank[j] == seen[c]:
+                out_pos[k], out_code[k] = p, j
+                k += 1
+                nxt[c] = j + 1
+                left -= 1
+                if left == 0:
+                    break
+            seen[c] += 1
+        if left:
+            return -1
+    return k
+
+
+def _gather_codes_py(
+    key: np.ndarray,
+    rank: np.ndarray,
+    d: np.ndarray,
+    cursor: np.ndarray,
+    gap: np.ndarray,
+    mag: np.ndarray,
+    neg: np.ndarray,
+) -> None:
+    """Kernel: changes from position order into code order (a stable counting sort by group
+    from ``cursor``, each group's first index, moved along): rank gaps within the group,
+    magnitudes and signs of the deltas."""
+    prev = np.full(cursor.size, -1, np.int64)
+    for i in range(key.size):
+        gc = key[i]
+        j = cursor[gc]
+        cursor[gc] = j + 1
+        gap[j] = rank[i] - prev[gc] - 1
+        prev[gc] = rank[i]
+        v = d[i]
+        mag[j] = -v if v < 0 else v
+        neg[j] = v < 0
+
+
+def _escape_codes_py(
+    groups: np.ndarray, mag: np.ndarray, counts: np.ndarray, gaps: np.ndarray
+) -> int:
+    """Kernel: per group the changes whose magnitude is not 1 (``counts``) and their index
+    gaps within the group (``gaps``, back to back). Returns how many in all."""
+    i, e = 0, 0
+    for gc in range(groups.size):
+        last, start = -1, e
+        for t in range(groups[gc]):
+            if mag[i] != 1:
+                gaps[e] = t - last - 1
+                last = t
+                e += 1
+            i += 1
+        counts[gc] = e - start
+    return e

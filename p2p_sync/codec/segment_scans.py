@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from p2p_sync.codec.classes import Bits, _select_compiled, _unsigned
+from p2p_sync.codec.classes import Bits, _unsigned
 from p2p_sync.codec.kernels import _kernels
 from p2p_sync.errors import IndexOutOfRangeError
 
@@ -99,23 +99,15 @@ def select(
 def _host_select(
     u: np.ndarray, mantissa: int, span: int, codes: np.ndarray, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    select_kernel = _kernels()["select"]
-    seg = codes[:, 0]
+    n = codes.shape[0]
+    seg = np.ascontiguousarray(codes[:, 0])
     bounds = np.searchsorted(seg, np.arange(segment_count(u.size, span) + 1))
-    out_pos, out_code, none = [], [], np.zeros(N_CLASSES, bool)
-    for g in np.flatnonzero(np.diff(bounds)).tolist():
-        lo, hi, start = bounds[g], bounds[g + 1], g << span
-        cls, rank = codes[lo:hi, 1], codes[lo:hi, 2]
-        starts = np.searchsorted(cls, np.arange(N_CLASSES + 1))
-        seg_u = u[start : start + (1 << span)]
-        found = _select_compiled(select_kernel, seg_u, mantissa, rank, starts, none, hi - lo)
-        if found is None or found.pos.size != hi - lo:
-            raise IndexOutOfRangeError(f"{name}: a coded rank lies past its class's members")
-        out_pos.append(found.pos + start)
-        out_code.append(lo + starts[found.cls] + found.within)
-    if not out_pos:
-        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-    return torch.from_numpy(np.concatenate(out_pos)), torch.from_numpy(np.concatenate(out_code))
+    out_pos, out_code = np.empty(n, np.int64), np.empty(n, np.int64)
+    cls, rank = np.ascontiguousarray(codes[:, 1]), np.ascontiguousarray(codes[:, 2])
+    found = _kernels()["segment_select"](u, mantissa, span, bounds, cls, rank, out_pos, out_code)
+    if found != n:
+        raise IndexOutOfRangeError(f"{name}: a coded rank lies past its class's members")
+    return torch.from_numpy(out_pos), torch.from_numpy(out_code)
 
 
 def _device_select(

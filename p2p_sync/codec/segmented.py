@@ -17,7 +17,9 @@ import torch
 
 from p2p_sync.codec import bitstreams, segment_scans
 from p2p_sync.codec.classes import Bits
+from p2p_sync.codec.kernels import _kernels
 from p2p_sync.codec.limits import MANTISSA_BITS, N_CLASSES
+from p2p_sync.codec.segment_host import read_host
 from p2p_sync.errors import CountMismatchError, IndexOutOfRangeError, MalformedPatchError
 from p2p_sync.weights.delta import TensorDelta
 from p2p_sync.weights.tensors import TensorSpec, bits_dtype
@@ -26,13 +28,15 @@ from p2p_sync.weights.tensors import TensorSpec, bits_dtype
 _CLASS = struct.Struct("<BBBBBB")
 _HEAD = struct.Struct("<B")
 _TAIL = struct.Struct("<QQ")
-Reader = bitstreams.HostReader | bitstreams.OpsReader
+Reader = bitstreams.OpsReader
 HEAD_SIZE = _HEAD.size + N_CLASSES * _CLASS.size + _TAIL.size
 WIDE = 1  # mode bit: every value's magnitude is coded (else only those of size 2 or more)
 MIN_SPAN, MAX_SPAN = 12, 30
 # changes a segment holds on average: its counts then cost ~0.3% of its bits, and a 7B model
 # still has tens of thousands of segments to decode at once
 SEGMENT_CHANGES = 4096
+
+
 def span_for(numel: int, count: int) -> int:
     """log2 of the segment length: ~SEGMENT_CHANGES changes per segment."""
     if count == 0:
@@ -64,84 +68,116 @@ def _group_gaps(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Changes:
-    """A tensor's changes in code order (segment, class, position): their group key
-    (segment * 16 + class), class rank and signed delta; every group's size."""
+class _Coded:
+    """A tensor's changes in code order (segment, class, position): every group's size, each
+    change's class, rank gap, magnitude and sign; per group the changes whose magnitude is
+    not 1, their index gaps within the group and their classes (what a narrow class escapes)."""
 
-    key: torch.Tensor
-    rank: torch.Tensor
-    value: torch.Tensor
     groups: torch.Tensor
-
-    @property
-    def cls(self) -> torch.Tensor:
-        return self.key & 15
-
-    def within(self) -> torch.Tensor:
-        """Each change's index in its group."""
-        first = torch.cumsum(self.groups, 0) - self.groups
-        return torch.arange(self.key.numel(), device=self.key.device) - first[self.key]
+    cls: torch.Tensor
+    gap: torch.Tensor
+    mag: torch.Tensor
+    neg: torch.Tensor
+    esc_counts: torch.Tensor
+    esc_gaps: torch.Tensor
+    esc_cls: torch.Tensor
 
 
-def _changes(delta: TensorDelta, base_bits: Bits, span: int) -> _Changes:
-    pos, d = delta.to_sparse()
-    cls, rank = segment_scans.ranks(base_bits, MANTISSA_BITS[delta.spec.dtype], pos, span)
-    pos = pos.to(cls.device)
-    key, order = torch.sort((pos >> span) * N_CLASSES + cls, stable=True)
-    segments = segment_scans.segment_count(delta.spec.numel, span)
+def _coded_ops(
+    pos: torch.Tensor,
+    cls: torch.Tensor,
+    rank: torch.Tensor,
+    d: torch.Tensor,
+    span: int,
+    segments: int,
+) -> _Coded:
+    """:class:`_Coded` by torch ops on the scans' device (a stable sort by group)."""
+    key, order = torch.sort((pos.to(cls.device) >> span) * N_CLASSES + cls, stable=True)
     groups = torch.bincount(key, minlength=segments * N_CLASSES)
     value = d.to(cls.device).to(torch.int64)[order]
-    return _Changes(key, rank[order], value, groups)
+    mag, cls = value.abs(), key & 15
+    first = torch.cumsum(groups, 0) - groups
+    within = torch.arange(key.numel(), device=key.device) - first[key]
+    esc = mag != 1
+    esc_counts = torch.bincount(key[esc], minlength=groups.numel())
+    esc_gaps = _group_gaps(within[esc], key[esc])
+    gap = _group_gaps(rank[order], key)
+    return _Coded(groups, cls, gap, mag, value < 0, esc_counts, esc_gaps, cls[esc])
 
 
-def _parts(ch: _Changes, wide: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _coded_host(
+    pos: np.ndarray, cls: np.ndarray, rank: np.ndarray, d: np.ndarray, span: int, segments: int
+) -> _Coded:
+    """:class:`_Coded` by the compiled kernels (a counting sort by group)."""
+    kernels, n = _kernels(), pos.size
+    key = (pos >> span) * N_CLASSES + cls
+    groups = np.bincount(key, minlength=segments * N_CLASSES)
+    gap, mag, neg = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
+    kernels["gather_codes"](
+        key, rank, d.astype(np.int64), np.cumsum(groups) - groups, gap, mag, neg
+    )
+    esc_counts, esc_gaps = np.zeros_like(groups), np.empty(n, np.int64)
+    e = kernels["escape_codes"](groups, mag, esc_counts, esc_gaps)
+    col = np.arange(groups.size, dtype=np.int64) & 15
+    code_cls = np.repeat(col, groups)
+    parts = (groups, code_cls, gap, mag, neg, esc_counts, esc_gaps[:e], np.repeat(col, esc_counts))
+    return _Coded(*(torch.from_numpy(p) for p in parts))
+
+
+def _coded(delta: TensorDelta, base_bits: Bits, span: int) -> _Coded:
+    pos, d = delta.to_sparse()
+    cls, rank = segment_scans.ranks(base_bits, MANTISSA_BITS[delta.spec.dtype], pos, span)
+    segments = segment_scans.segment_count(delta.spec.numel, span)
+    if segment_scans.on_host(base_bits):
+        return _coded_host(pos.numpy(), cls.numpy(), rank.numpy(), d.numpy(), span, segments)
+    return _coded_ops(pos, cls, rank, d, span, segments)
+
+
+def _parts(c: _Coded, wide: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The five code streams, in file order, as (values, class of each): every group's change
     count; each narrow class's escape count where its group changes; rank gaps; escape gaps
     (index gaps among the group's changes); magnitudes (|v| - 1 in a wide class, |v| - 2 for a
     narrow class's escapes). ``wide``: bool per class."""
-    col = torch.arange(ch.groups.numel(), device=ch.key.device) & 15
-    cls, mag = ch.cls, ch.value.abs()
-    is_wide = wide[cls]
-    escaped = ~is_wide & (mag != 1)
-    coded = is_wide | escaped
-    present = ~wide[col] & (ch.groups > 0)
-    esc_counts = torch.bincount(ch.key[escaped], minlength=ch.groups.numel())
+    col = torch.arange(c.groups.numel(), device=c.cls.device) & 15
+    is_wide = wide[c.cls]
+    coded = is_wide | (c.mag != 1)
+    present = ~wide[col] & (c.groups > 0)
+    narrow = ~wide[c.esc_cls]
     return [
-        (ch.groups, col),
-        (esc_counts[present], col[present]),
-        (_group_gaps(ch.rank, ch.key), cls),
-        (_group_gaps(ch.within()[escaped], ch.key[escaped]), cls[escaped]),
-        (torch.where(is_wide, mag - 1, mag - 2)[coded], cls[coded]),
+        (c.groups, col),
+        (c.esc_counts[present], col[present]),
+        (c.gap, c.cls),
+        (c.esc_gaps[narrow], c.esc_cls[narrow]),
+        (torch.where(is_wide, c.mag - 1, c.mag - 2)[coded], c.cls[coded]),
     ]
 
 
-def _params(ch: _Changes) -> tuple[_Params, list[tuple[torch.Tensor, torch.Tensor]]]:
+def _params(c: _Coded) -> tuple[_Params, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Each class's mode (WIDE where coding every magnitude costs fewer bits than escaping the
     ones that are not 1), the Rice parameters, and the streams they code. A class's streams
     depend on its own mode only, and a wide class codes nothing but magnitudes, so each class
     is costed once per mode."""
-    device = ch.key.device
-    parts = _parts(ch, torch.zeros(N_CLASSES, dtype=torch.bool, device=device))
-    narrow = [bitstreams.best_k(v, c, N_CLASSES) for v, c in parts]
-    mag = ch.value.abs() - 1
-    wide = bitstreams.best_k(mag, ch.cls, N_CLASSES)
+    device = c.cls.device
+    parts = _parts(c, torch.zeros(N_CLASSES, dtype=torch.bool, device=device))
+    narrow = [bitstreams.best_k(v, cl, N_CLASSES) for v, cl in parts]
+    wide = bitstreams.best_k(c.mag - 1, c.cls, N_CLASSES)
     is_wide = wide[1].cpu() < sum(narrow[i][1] for i in (1, 3, 4)).cpu()
     k = [n[0].cpu() for n in narrow]
     k[4] = torch.where(is_wide, wide[0].cpu(), k[4])
     if bool(is_wide.any()):
-        parts = _parts(ch, is_wide.to(device))
+        parts = _parts(c, is_wide.to(device))
     return _Params(torch.stack(k, 1), is_wide.to(torch.int64)), parts
 
 
 def encode_segmented(delta: TensorDelta, base_bits: Bits) -> bytes:
     """A coding-4 frame of ``delta`` against the base's bits (host numpy or device tensor)."""
     span = span_for(delta.spec.numel, delta.count)
-    ch = _changes(delta, base_bits, span)
-    params, parts = _params(ch)
+    coded = _coded(delta, base_bits, span)
+    params, parts = _params(coded)
     values = torch.cat([v for v, _ in parts])
-    k = torch.cat([params.k[:, i].to(c.device)[c] for i, (_, c) in enumerate(parts)])
+    k = torch.cat([params.k[:, i].to(cl.device)[cl] for i, (_, cl) in enumerate(parts)])
     unary, remainder = bitstreams.encode(values, k, segment_scans.on_host(base_bits))
-    signs = bitstreams.pack_bits((ch.value < 0).to(torch.uint8))
+    signs = bitstreams.pack_bits(coded.neg.to(torch.uint8))
     head = params.head(span, unary.numel(), remainder.numel())
     return head + b"".join(t.cpu().numpy().tobytes() for t in (unary, remainder, signs))
 
@@ -272,11 +308,12 @@ def read_codes(raw: memoryview, spec: TensorSpec, count: int, device: torch.devi
     """Every stream of a coding-4 frame decoded and checked: all that needs no base. On the
     host by the compiled kernels (``device`` None), else by torch ops on ``device``."""
     head = _read_head(raw, spec, count)
+    if device is None and _kernels()["fast"]:
+        return _read_on_host(raw, head, spec, count)
     data = torch.frombuffer(bytearray(raw[HEAD_SIZE:]), dtype=torch.uint8)
     data = data if device is None else data.to(device)
     unary, rest = data[: head.unary], data[head.unary :]
-    make = bitstreams.HostReader if device is None else bitstreams.OpsReader
-    reader = make(unary, rest[: head.remainder], spec.name)
+    reader = bitstreams.OpsReader(unary, rest[: head.remainder], spec.name)
     device = data.device
     groups = _read_counts(reader, head, spec, count, device)
     escapes = _read_escape_counts(reader, head, groups)
@@ -290,6 +327,22 @@ def read_codes(raw: memoryview, spec: TensorSpec, count: int, device: torch.devi
     value = _signed(mag, rest[head.remainder :], spec)
     segment = torch.repeat_interleave(col >> 4, groups)
     return Codes(head.span, torch.stack([segment, cls, rank], 1), value)
+
+
+def _read_on_host(raw: memoryview, head: _Head, spec: TensorSpec, count: int) -> Codes:
+    """:func:`read_codes` by the compiled kernels (:mod:`p2p_sync.codec.segment_host`)."""
+    unary = np.frombuffer(raw, np.uint8, head.unary, HEAD_SIZE)
+    rem = np.frombuffer(raw, np.uint8, head.remainder, HEAD_SIZE + head.unary)
+    sizes = _segment_sizes(spec.numel, head.span, torch.device("cpu")).numpy()
+    wide = (head.mode == WIDE).numpy()
+    seg, cls, rank, mag, bits = read_host(unary, rem, head.k.numpy(), wide, sizes, count, spec.name)
+    bitstreams.check_end(rem, bits, spec.name)
+    signs = torch.frombuffer(
+        bytearray(raw[HEAD_SIZE + head.unary + head.remainder :]), dtype=torch.uint8
+    )
+    value = _signed(torch.from_numpy(mag), signs, spec)
+    codes = torch.from_numpy(np.stack([seg, cls, rank], 1))
+    return Codes(head.span, codes, value)
 
 
 def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: Bits) -> TensorDelta:

@@ -62,8 +62,10 @@ def _frames(base: torch.Tensor, new: torch.Tensor) -> tuple:
     """(delta, the frame by the host kernels, the frame by torch ops)."""
     delta = diff({"t": base}, {"t": new}).deltas["t"]
     host = codec.scan_view(base)
-    return delta, segmented.encode_segmented(delta, host), segmented.encode_segmented(
-        delta, torch.from_numpy(host)
+    return (
+        delta,
+        segmented.encode_segmented(delta, host),
+        segmented.encode_segmented(delta, torch.from_numpy(host)),
     )
 
 
@@ -86,19 +88,18 @@ def test_segmented_frame_round_trips_on_both_paths_with_the_same_bytes(pair: tup
 @SETTINGS
 @given(st.lists(st.integers(0, 2**47), max_size=300), st.integers(0, 2**16))
 def test_capped_rice_streams_agree_on_both_paths(values: list[int], seed: int) -> None:
-    """Kernel and torch ops write the same bytes and read the same values back, outliers past
-    the cap included."""
+    """Kernel and torch ops write the same bytes, and read back in parts they give the values,
+    outliers past the cap included."""
     v = torch.tensor(values, dtype=torch.int64)
     k = torch.from_numpy(np.random.default_rng(seed).integers(0, 12, v.numel()))
     unary, rem = bitstreams.encode(v, k, host=True)
     ops_unary, ops_rem = bitstreams.encode_ops(v, k)
     assert torch.equal(unary, ops_unary) and torch.equal(rem, ops_rem)
-    for make in (bitstreams.HostReader, bitstreams.OpsReader):
-        reader = make(unary, rem, "t")
-        half = v.numel() // 2
-        got = torch.cat([reader.take(k[:half]), reader.take(k[half:])])
-        reader.finish()
-        assert torch.equal(got, v)
+    reader = bitstreams.OpsReader(unary, rem, "t")
+    half = v.numel() // 2
+    got = torch.cat([reader.take(k[:half]), reader.take(k[half:])])
+    reader.finish()
+    assert torch.equal(got, v)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -115,7 +116,9 @@ def test_v3_file_decodes_applies_and_re_encodes_to_the_same_bytes(count: int, se
         data = codec.encode(patch, base=base, segmented=True)
         info = codec.read_header(data)
         codings = {r.coding for r in info.rows}
-        assert info.version == (3 if codec.SEGMENTED in codings else 2 if codec.CLASSED in codings else 1)
+        assert info.version == (
+            3 if codec.SEGMENTED in codings else 2 if codec.CLASSED in codings else 1
+        )
         segmentable = [r for r in info.rows if r.count and codec.segmented_dtype(r.spec.dtype)]
         assert all(r.coding == codec.SEGMENTED for r in segmentable)
         decoded = codec.decode(data, base=base)
@@ -188,7 +191,12 @@ def _class_field(c: int, field: int) -> int:
 
 CASES = [
     ("span out of range", lambda d: _poke(d, 0, 60), MalformedPatchError, "span"),
-    ("parameter past range", lambda d: _poke(d, _class_field(3, 2), 41), MalformedPatchError, "range"),
+    (
+        "parameter past range",
+        lambda d: _poke(d, _class_field(3, 2), 41),
+        MalformedPatchError,
+        "range",
+    ),
     ("unknown mode", lambda d: _poke(d, _class_field(3, 5), 2), MalformedPatchError, "mode"),
     ("frame cut short", lambda d: _with_frame(d, _frame(d)[:-1]), CountMismatchError, "size"),
     (
@@ -295,5 +303,4 @@ def test_fields_of_every_width_survive_the_byte_window() -> None:
         k = torch.tensor([1] * lead + [0], dtype=torch.int64)
         unary, rem = bitstreams.encode_ops(v, k)
         assert rem.numel() == (lead + bitstreams.RAW + 7) // 8
-        for make in (bitstreams.HostReader, bitstreams.OpsReader):
-            assert torch.equal(make(unary, rem, "t").take(k), v)
+        assert torch.equal(bitstreams.OpsReader(unary, rem, "t").take(k), v)
