@@ -91,7 +91,7 @@ def one_version(args: argparse.Namespace, model: Model, prev: dict, digest: Stat
     probe = digest.copy()
     undo = codec.encode(invert(patch))
     for name, data in (("apply1", v1), ("apply3", v3)):
-        _, row[name] = timed(dev, lambda: apply_payload(prev, data, probe, w))
+        _, row[name] = timed(dev, functools.partial(apply_payload, prev, data, probe, w))
         assert probe.hash() == patch.target_hash
         apply_payload(prev, undo, probe, w)
         assert probe.hash() == patch.base_hash

@@ -47,7 +47,13 @@ def cmd_create(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     base = load_weights(args.base, device)
     new = load_weights(args.new, device)
-    data = codec.encode(diff(base, new), level=args.level, workers=args.workers, base=base)
+    data = codec.encode(
+        diff(base, new),
+        level=args.level,
+        workers=args.workers,
+        base=base if args.format > 1 else None,
+        segmented=args.format == 3,
+    )
     atomic_write_bytes(args.out, data)
     info = codec.read_header(data)
     print(
@@ -235,6 +241,14 @@ def _add_create(psub: argparse._SubParsersAction) -> None:
         choices=range(1, 23),
         metavar="1-22",
         help="zstd level (default %(default)s)",
+    )
+    create.add_argument(
+        "--format",
+        type=int,
+        default=2,
+        choices=[1, 2, 3],
+        help="1: positions by gaps; 2: by the base's exponent classes; 3: by exponent class per "
+        "segment, no zstd (the GPU's format); default %(default)s",
     )
     _add_run_options(create)
     create.set_defaults(func=cmd_create)

@@ -55,21 +55,17 @@ def encode(
     base_hash: bytes | None = None,
     segmented: bool = False,
 ) -> bytes:
-    """Serialize ``patch``; with ``workers > 1`` tensor frames are compressed in parallel.
-
-    With ``base`` (the weights the patch applies to, read only) float tensors may take the
-    exponent-class coding (format version 2), or with ``segmented`` the segmented one (format
-    3, coding 4: no zstd, coded and decoded where the base lives); without a base every frame
-    is a version-1 coding, as is the file. ``base_hash``: the caller's record of ``base``'s
-    state hash, if it has one.
-    """
+    """Serialize ``patch``; with ``workers > 1`` tensor frames are coded in parallel. With
+    ``base`` (the weights it applies to, read only) float tensors may take the exponent-class
+    coding (format 2), with ``segmented`` too the segmented one (format 3: no zstd, coded
+    where the base lives); without a base the file is format 1. ``base_hash``: the caller's
+    record of ``base``'s state hash, if it has one."""
     patch.validate()
     if base is not None:
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
-    pairs = map_workers(
-        lambda d: _frames(d, level, _base_bits(base, d.spec), segmented), changed, workers
-    )
+    code = lambda d: _frames(d, level, _base_bits(base, d.spec), segmented)  # noqa: E731
+    pairs = map_workers(code, changed, workers)
     frames = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
     table = _table(patch.layout, frames, level)
     if any(p[0] is not p[1] for p in pairs):

@@ -134,6 +134,28 @@ def _read_counts_py(
     return READ_OK
 
 
+@jit.step
+def _read_escapes(
+    unary: np.ndarray,
+    rem: np.ndarray,
+    k: np.ndarray,
+    wide: np.ndarray,
+    groups: np.ndarray,
+    at: np.ndarray,
+    escapes: np.ndarray,
+) -> int:
+    """Escape counts (codes 2): each narrow class's group that changes."""
+    for gc in range(groups.size):
+        if groups[gc] and not wide[gc & 15]:
+            status, e = _read_one(unary, rem, k[gc & 15, 1], at)
+            if status:
+                return status
+            if e > groups[gc]:
+                return ESCAPES_OVER
+            escapes[gc] = e
+    return READ_OK
+
+
 def _read_rest_py(
     unary: np.ndarray,
     rem: np.ndarray,
@@ -146,16 +168,29 @@ def _read_rest_py(
     mag: np.ndarray,
 ) -> int:
     """Kernel: escape counts, rank gaps, escape gaps and magnitudes (codes 2-5) into each
-    change's class rank and magnitude, in code order; ``mag`` holds 0 where unescaped."""
+    change's class rank and magnitude, in code order."""
     escapes = np.zeros(groups.size, np.int64)
-    for gc in range(groups.size):
-        if groups[gc] and not wide[gc & 15]:
-            status, e = _read_one(unary, rem, k[gc & 15, 1], at)
-            if status:
-                return status
-            if e > groups[gc]:
-                return ESCAPES_OVER
-            escapes[gc] = e
+    status = _read_escapes(unary, rem, k, wide, groups, at, escapes)
+    if status:
+        return status
+    status = _read_ranks(unary, rem, k, sizes, groups, at, rank)
+    if status:
+        return status
+    status = _mark_escapes(unary, rem, k, groups, escapes, at, mag)
+    return status if status else _read_magnitudes(unary, rem, k, wide, groups, at, mag)
+
+
+@jit.step
+def _read_ranks(
+    unary: np.ndarray,
+    rem: np.ndarray,
+    k: np.ndarray,
+    sizes: np.ndarray,
+    groups: np.ndarray,
+    at: np.ndarray,
+    rank: np.ndarray,
+) -> int:
+    """Rank gaps (codes 3) into each change's rank within its segment."""
     i = 0
     for gc in range(groups.size):
         r = -1
@@ -168,21 +203,20 @@ def _read_rest_py(
                 return RANK_PAST
             rank[i] = r
             i += 1
-    return _read_values(unary, rem, k, wide, groups, escapes, at, mag)
+    return READ_OK
 
 
 @jit.step
-def _read_values(
+def _mark_escapes(
     unary: np.ndarray,
     rem: np.ndarray,
     k: np.ndarray,
-    wide: np.ndarray,
     groups: np.ndarray,
     escapes: np.ndarray,
     at: np.ndarray,
     mag: np.ndarray,
 ) -> int:
-    """Escape gaps mark the escaped changes (mag -1), then magnitudes fill them in."""
+    """Escape gaps (codes 4): each escaped change's magnitude is marked -1."""
     first = 0
     for gc in range(groups.size):
         idx = -1
@@ -195,6 +229,21 @@ def _read_values(
                 return INDEX_PAST
             mag[first + idx] = -1
         first += groups[gc]
+    return READ_OK
+
+
+@jit.step
+def _read_magnitudes(
+    unary: np.ndarray,
+    rem: np.ndarray,
+    k: np.ndarray,
+    wide: np.ndarray,
+    groups: np.ndarray,
+    at: np.ndarray,
+    mag: np.ndarray,
+) -> int:
+    """Magnitudes (codes 5): a wide class's every change, a narrow class's marked ones; the
+    rest are 1."""
     i = 0
     for gc in range(groups.size):
         c = gc & 15
@@ -210,6 +259,62 @@ def _read_values(
     return READ_OK
 
 
+@jit.step
+def _segment_start(
+    lo: int,
+    hi: int,
+    cls: np.ndarray,
+    rank: np.ndarray,
+    nxt: np.ndarray,
+    end: np.ndarray,
+    due: np.ndarray,
+    seen: np.ndarray,
+) -> None:
+    """Point every class at its first code in ``lo:hi`` (``due``: that code's rank, or -1
+    when the class has none: a member count never equals it)."""
+    for c in range(16):
+        nxt[c], end[c], due[c], seen[c] = hi, hi, -1, 0
+    for j in range(hi - 1, lo - 1, -1):
+        nxt[cls[j]] = j
+    for j in range(lo, hi):
+        end[cls[j]] = j + 1
+    for c in range(16):
+        if nxt[c] < end[c]:
+            due[c] = rank[nxt[c]]
+
+
+@jit.step
+def _segment_walk(
+    u: np.ndarray,
+    shift: int,
+    start: int,
+    stop: int,
+    rank: np.ndarray,
+    state: tuple,
+    out: tuple,
+    k: int,
+    left: int,
+) -> tuple[int, int]:
+    """Walk ``u[start:stop]``: an element whose class's member count equals its next coded
+    rank is emitted. Returns (emitted so far, codes left in the segment)."""
+    nxt, end, due, seen = state
+    out_pos, out_code = out
+    for p in range(start, stop):
+        c = (u[p] >> shift) & 15
+        s = seen[c]
+        seen[c] = s + 1
+        if s == due[c]:
+            j = nxt[c]
+            out_pos[k], out_code[k] = p, j
+            k += 1
+            nxt[c] = j + 1
+            due[c] = rank[j + 1] if j + 1 < end[c] else -1
+            left -= 1
+            if left == 0:
+                break
+    return k, left
+
+
 def _segment_select_py(
     u: np.ndarray,
     shift: int,
@@ -220,35 +325,20 @@ def _segment_select_py(
     out_pos: np.ndarray,
     out_code: np.ndarray,
 ) -> int:
-    """Kernel: the element each code names (codes sorted by segment, class, rank; segment g's
-    are ``bounds[g]:bounds[g+1]``), emitted in position order with the code's index. Segments
-    without codes are not read, a segment's walk ends at its last code. Returns the number
-    emitted, or -1 when a rank lies past its class's members in its segment."""
-    n, k = u.size, 0
-    nxt, end = np.empty(16, np.int64), np.empty(16, np.int64)
-    seen = np.empty(16, np.int64)
+    """Kernel: the element each code names (codes by segment, class, rank; segment g's are
+    ``bounds[g]:bounds[g+1]``; segments without one are not read), in position order with
+    the code's index. Returns the count, or -1 when a rank lies past its class's members."""
+    k, n = 0, u.size
+    table = np.empty((4, 16), np.int64)
+    state = (table[0], table[1], table[2], table[3])
     for g in range(bounds.size - 1):
         lo, hi = bounds[g], bounds[g + 1]
         if lo == hi:
             continue
-        for c in range(16):
-            nxt[c], end[c], seen[c] = hi, hi, 0
-        for j in range(hi - 1, lo - 1, -1):
-            nxt[cls[j]] = j
-        for j in range(lo, hi):
-            end[cls[j]] = j + 1
-        left, start = hi - lo, g << span
-        for p in range(start, min(n, start + (1 << span))):
-            c = (u[p] >> shift) & 15
-            j = nxt[c]
-            if j < end[c] and rank[j] == seen[c]:
-                out_pos[k], out_code[k] = p, j
-                k += 1
-                nxt[c] = j + 1
-                left -= 1
-                if left == 0:
-                    break
-            seen[c] += 1
+        _segment_start(lo, hi, cls, rank, *state)
+        start = g << span
+        stop = min(n, start + (1 << span))
+        k, left = _segment_walk(u, shift, start, stop, rank, state, (out_pos, out_code), k, hi - lo)
         if left:
             return -1
     return k

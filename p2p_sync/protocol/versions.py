@@ -39,10 +39,12 @@ class PublishPolicy:
     anchor_every: int = 10
     catchup_spans: tuple[int, ...] = (4, 16)
     chunk_size: int = 0  # 0: picked from each payload's size (p2p_sync.trust.chunks.chunk_size_for)
-    # 3 codes positions by the base's exponents per segment, no zstd (the smallest, and the
-    # one a GPU codes and applies); 2 by the base's exponents with zstd; 1 by gaps alone, no
-    # scan of the base (see README: what a version costs)
-    patch_format: int = 2
+    # 1 codes positions by gaps alone: no scan of the base, the shortest file -> hand-off on a
+    # CPU node at 100 Mbit/s and 1 Gbit/s (0.95B on two cores: 4.2 s against 10-14 s for the
+    # class-coded formats, whose 1.38x smaller patch saves 0.7 s at 100 Mbit/s); 2 codes them
+    # by the base's exponent classes (zstd), 3 by class per segment with no zstd (the format a
+    # GPU codes and applies; docs/performance.md)
+    patch_format: int = 1
     lifetime_s: int = 7 * 86400  # manifests expire (and are re-signed) after this
     # super-seeding: chunks handed to one requester at a time at first (in a small swarm
     # doubled each time it fetched half, up to half a fair share: p2p_sync.protocol.seeding)

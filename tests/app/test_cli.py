@@ -30,7 +30,7 @@ def run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def create(files: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+def create(files: dict[str, Path], capsys: pytest.CaptureFixture, fmt: int = 2) -> None:
     code, out, _ = run(
         capsys,
         "patch",
@@ -43,12 +43,18 @@ def create(files: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
         files["patch"],
         "--device",
         "cpu",
+        "--format",
+        fmt,
     )
     assert code == 0 and "smaller than dense" in out
 
 
-def test_create_then_apply_reproduces_the_new_file(files, capsys, tmp_path, tiny_versions):
-    create(files, capsys)
+@pytest.mark.parametrize("fmt", [1, 2, 3])
+def test_create_then_apply_reproduces_the_new_file(files, capsys, tmp_path, tiny_versions, fmt):
+    from p2p_sync import codec
+
+    create(files, capsys, fmt)
+    assert codec.read_header(files["patch"].read_bytes()).version == fmt
     out_path = tmp_path / "out.safetensors"
     code, out, _ = run(
         capsys,
