@@ -335,7 +335,7 @@ def _segment_select_py(
         lo, hi = bounds[g], bounds[g + 1]
         if lo == hi:
             continue
-        _segment_start(lo, hi, cls, rank, *state)
+        _segment_start(lo, hi, cls, rank, state[0], state[1], state[2], state[3])
         start = g << span
         stop = min(n, start + (1 << span))
         k, left = _segment_walk(u, shift, start, stop, rank, state, (out_pos, out_code), k, hi - lo)
