@@ -206,6 +206,10 @@ def _read_head(raw: memoryview, spec: TensorSpec, count: int) -> _Head:
         raise MalformedPatchError(f"{name}: class table holds a parameter or mode past range")
     if len(raw) != HEAD_SIZE + unary + remainder + (count + 7) // 8:
         raise CountMismatchError(f"{name}: frame size does not match its streams and count")
+    if segment_scans.segment_count(spec.numel, span) * N_CLASSES > 8 * unary:
+        # every group's count takes a unary bit at least: refused before anything is sized by
+        # the number of groups, which the tensor's shape, not the frame, declares
+        raise CountMismatchError(f"{name}: unary stream too short for its segments' counts")
     return _Head(span, k, mode, unary, remainder)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import struct
 import time
 from unittest import mock
 
@@ -236,6 +237,16 @@ def test_a_rank_past_its_class_is_refused(pair: tuple) -> None:
     other = {"a": torch.full((64,), 4.0, dtype=torch.bfloat16)}  # same layout, another class
     with pytest.raises(IndexOutOfRangeError, match="past its class"):
         segmented.decode_segmented(_frame(good), layout_of(base)[0], 1, codec.scan_view(other["a"]))
+
+
+def test_a_huge_tensor_with_a_tiny_frame_is_refused_before_any_allocation() -> None:
+    """2^40 elements in segments of 2^12 would need 2^32 group counts: the frame's few bytes
+    cannot hold them, so it is refused from its head alone."""
+    spec = layout_of({"t": torch.zeros(1, dtype=torch.bfloat16)})[0]
+    huge = type(spec)(spec.name, (2**40,), spec.dtype)
+    frame = bytes([12]) + bytes(16 * 6) + struct.pack("<QQ", 8, 0) + b"\xff" * 8 + b"\x01"
+    with pytest.raises(CountMismatchError, match="too short"):
+        segmented.read_codes(memoryview(frame), huge, 1, None)
 
 
 def test_missing_base_is_refused(data: bytes) -> None:
