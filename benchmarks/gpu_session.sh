@@ -8,7 +8,7 @@
 # 2. benchmarks/device.py at 7B: diff + encode, decode + apply in place, the state hash;
 # 3. benchmarks/scale.py's API tier at 7B with the trainer's model and the engine both on the GPU
 #    (publish() -> applied in a live GPU state dict, trainer in a process of its own;
-#    API_FORMAT=1 codes the wire in format 1, the default is the node's, 2);
+#    API_FORMAT=1 or 2 codes the wire in that format; the default here is 3, the GPU's format);
 # 4. the node tests with CUDA present (nodes' ``device = "auto"`` then keeps weights on the GPU).
 #
 # Each step has its own time limit and log under OUT_DIR, so a slow step costs only itself.
@@ -51,7 +51,7 @@ want cuda_tests && step cuda_tests "${CUDA_TESTS_S:-120}" python3 -m pytest -q -
 want device_7b && step device_7b "${DEVICE_S:-170}" python3 benchmarks/device.py --size 7b \
     --versions 3 --workers 8
 want api_7b && step api_7b "${API_S:-230}" python3 benchmarks/scale.py --size 7b --device cuda \
-    --trainer-device cuda --skip-processes --versions 3 --patch-format "${API_FORMAT:-2}"
+    --trainer-device cuda --skip-processes --versions 3 --patch-format "${API_FORMAT:-3}"
 want node_tests && step node_tests "${NODE_S:-120}" python3 -m pytest -q -p no:cacheprovider \
     -n 8 tests/library/test_python_api.py tests/weights/test_export.py tests/app/test_node_http.py \
     tests/app/test_cli.py tests/processes/test_swarm_integration.py tests/weights/test_catchup.py tests/app/test_examples.py
@@ -68,7 +68,7 @@ SPY=$(command -v py-spy || echo /tmp/site/bin/py-spy)
 want api_7b_profile && step api_7b_profile "${API_S:-230}" "$SPY" record -r 67 -f raw \
     --subprocesses --threads --nonblocking -o "$OUT/api_7b_spy.txt" -- python3 \
     benchmarks/scale.py --size 7b --device cuda --trainer-device cuda --skip-processes \
-    --versions 3 --patch-format "${API_FORMAT:-2}"
+    --versions 3 --patch-format "${API_FORMAT:-3}"
 # the process tier: a trainer reading files, rollouts keeping their weights on the GPU
 want nodes_1b && step nodes_1b "${NODES_S:-160}" python3 benchmarks/scale.py --size 1b \
     --device cuda --skip-api --versions 3

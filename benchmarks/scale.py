@@ -484,7 +484,13 @@ def main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="where the API's trainer keeps its model (the process tier's trainer reads files)",
     )
-    parser.add_argument("--patch-format", type=int, default=2, choices=[1, 2, 3])
+    parser.add_argument(
+        "--patch-format",
+        type=int,
+        default=PublishPolicy().patch_format,
+        choices=[1, 2, 3],
+        help="the trainer's patch format (default: the node's, %(default)s)",
+    )
     parser.add_argument(
         "--back-to-back",
         action="store_true",
