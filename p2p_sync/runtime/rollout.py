@@ -117,12 +117,10 @@ class Follower:
         into: Mapping[str, torch.Tensor] | None = None,
         engine: EngineFeed | None = None,
     ):
-        self.node, self.device = node, device
+        self.node, self.device, self.workers = node, device, node.cfg.threads  # workers: threads
         self.engine = engine  # a tensor-parallel engine's ranks, fed what the weights take
-        self.workers = node.cfg.threads  # threads for per-tensor work
         self.export, self.cmd, self.callback = export, on_update_cmd, callback
-        self.checkpoint_every = checkpoint_every or node.cfg.store.checkpoint_every
-        self.hold = hold
+        self.hold, self.checkpoint_every = hold, checkpoint_every or node.cfg.store.checkpoint_every
         self.weights: dict[str, torch.Tensor] | None = None
         self.digest: StateDigest | None = None  # the weights' sums, kept current in O(patch)
         self.into = dict(into) if into is not None else None  # an engine's tensors, if attached

@@ -232,16 +232,14 @@ def _diff_py(
     advance: bool,
     word0: int,
 ) -> tuple:
-    """DIFF (kernel of :func:`scan_diff`): from word ``start``, each word where ``old`` and
-    ``new`` differ gets its terms summed before and after, its changed elements listed and,
-    with ``advance``, ``new``'s copy written over ``old``'s, ``SCAN_BLOCK`` words at a time.
-    Stops at the end or before a block that might not fit the outputs (the block shrinks to
-    what fits, at least a word). ``word0``: the index of word 0 in the state hash (a row
-    block of a larger tensor; 0 for a whole one). Returns (next word, entries, sums x4)."""
-    a, b, c, d = _ZERO, _ZERO, _ZERO, _ZERO
+    """DIFF (kernel of :func:`scan_diff`): from word ``start``, ``SCAN_BLOCK`` words at a time,
+    each word where ``old`` and ``new`` differ gets its terms summed before and after, its
+    changed elements listed and, with ``advance``, ``new`` written over ``old``. Stops at the
+    end or before a block that might not fit the outputs (shrunk to fit, at least a word).
+    ``word0``: word 0's index in the state hash. Returns (next word, entries, sums x4)."""
+    a, b, c, d, k, w = _ZERO, _ZERO, _ZERO, _ZERO, 0, start
     us, vs = np.empty(SCAN_BLOCK, np.uint64), np.empty(SCAN_BLOCK, np.uint64)
     at = np.empty(SCAN_BLOCK, np.int64)
-    k, w = 0, start
     while w < old.size:
         end = min(w + SCAN_BLOCK, old.size, w + (positions.size - k) // per_word)
         if end <= w:
