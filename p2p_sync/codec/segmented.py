@@ -356,6 +356,6 @@ def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: B
     got = read_codes(raw, spec, count, device)
     device = got.value.device
     mantissa = MANTISSA_BITS[spec.dtype]
-    pos, order = segment_scans.select(base_bits, mantissa, got.span, got.codes.cpu(), spec.name)
+    pos, order = segment_scans.select(base_bits, mantissa, got.span, got.codes, spec.name)
     d = got.value[order.to(device)].to(bits_dtype(spec.dtype)).cpu()
     return TensorDelta(spec, pos.cpu(), d)
