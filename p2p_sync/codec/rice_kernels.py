@@ -259,6 +259,9 @@ def _read_magnitudes(
     return READ_OK
 
 
+_NEVER = 1 << 62  # a class without (more) codes in the segment: its skip never runs out
+
+
 @jit.step
 def _segment_start(
     lo: int,
@@ -267,20 +270,19 @@ def _segment_start(
     rank: np.ndarray,
     nxt: np.ndarray,
     end: np.ndarray,
-    due: np.ndarray,
-    seen: np.ndarray,
+    skip: np.ndarray,
 ) -> None:
-    """Point every class at its first code in ``lo:hi`` (``due``: that code's rank, or -1
-    when the class has none: a member count never equals it)."""
+    """Point every class at its first code in ``lo:hi``; ``skip``: its members to pass
+    before the one that code names."""
     for c in range(16):
-        nxt[c], end[c], due[c], seen[c] = hi, hi, -1, 0
+        nxt[c], end[c], skip[c] = hi, hi, _NEVER
     for j in range(hi - 1, lo - 1, -1):
         nxt[cls[j]] = j
     for j in range(lo, hi):
         end[cls[j]] = j + 1
     for c in range(16):
         if nxt[c] < end[c]:
-            due[c] = rank[nxt[c]]
+            skip[c] = rank[nxt[c]]
 
 
 @jit.step
@@ -295,23 +297,25 @@ def _segment_walk(
     k: int,
     left: int,
 ) -> tuple[int, int]:
-    """Walk ``u[start:stop]``: an element whose class's member count equals its next coded
-    rank is emitted. Returns (emitted so far, codes left in the segment)."""
-    nxt, end, due, seen = state
+    """Walk ``u[start:stop]``: an element whose class's skip has run out is the one its next
+    code names (the common element costs one decrement). Returns (emitted so far, codes left
+    in the segment)."""
+    nxt, end, skip = state
     out_pos, out_code = out
     for p in range(start, stop):
         c = (u[p] >> shift) & 15
-        s = seen[c]
-        seen[c] = s + 1
-        if s == due[c]:
-            j = nxt[c]
-            out_pos[k], out_code[k] = p, j
-            k += 1
-            nxt[c] = j + 1
-            due[c] = rank[j + 1] if j + 1 < end[c] else -1
-            left -= 1
-            if left == 0:
-                break
+        r = skip[c]
+        if r:
+            skip[c] = r - 1
+            continue
+        j = nxt[c]
+        out_pos[k], out_code[k] = p, j
+        k += 1
+        nxt[c] = j + 1
+        skip[c] = rank[j + 1] - rank[j] - 1 if j + 1 < end[c] else _NEVER
+        left -= 1
+        if left == 0:
+            break
     return k, left
 
 
@@ -329,13 +333,13 @@ def _segment_select_py(
     ``bounds[g]:bounds[g+1]``; segments without one are not read), in position order with
     the code's index. Returns the count, or -1 when a rank lies past its class's members."""
     k, n = 0, u.size
-    table = np.empty((4, 16), np.int64)
-    state = (table[0], table[1], table[2], table[3])
+    table = np.empty((3, 16), np.int64)
+    state = (table[0], table[1], table[2])
     for g in range(bounds.size - 1):
         lo, hi = bounds[g], bounds[g + 1]
         if lo == hi:
             continue
-        _segment_start(lo, hi, cls, rank, state[0], state[1], state[2], state[3])
+        _segment_start(lo, hi, cls, rank, state[0], state[1], state[2])
         start = g << span
         stop = min(n, start + (1 << span))
         k, left = _segment_walk(u, shift, start, stop, rank, state, (out_pos, out_code), k, hi - lo)

@@ -86,24 +86,27 @@ def _device_ranks(
     return cls, rank
 
 
+Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 def select(
-    base_bits: Bits, mantissa: int, span: int, codes: torch.Tensor, name: str
+    base_bits: Bits, mantissa: int, span: int, codes: Codes, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions named by ``codes`` (rows of segment, class, rank; sorted by segment, then
+    """Positions named by ``codes`` (segment, class and rank of each, sorted by segment, then
     class, then rank), in ascending order, with the index of the code that named each."""
     if on_host(base_bits):
-        return _host_select(_unsigned(base_bits), mantissa, span, codes.numpy(), name)
+        host = tuple(np.ascontiguousarray(c.numpy()) for c in codes)
+        return _host_select(_unsigned(base_bits), mantissa, span, host, name)
     return _device_select(as_torch(base_bits), mantissa, span, codes, name)
 
 
 def _host_select(
-    u: np.ndarray, mantissa: int, span: int, codes: np.ndarray, name: str
+    u: np.ndarray, mantissa: int, span: int, codes: tuple, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    n = codes.shape[0]
-    seg = np.ascontiguousarray(codes[:, 0])
+    seg, cls, rank = codes
+    n = seg.size
     bounds = np.searchsorted(seg, np.arange(segment_count(u.size, span) + 1))
     out_pos, out_code = np.empty(n, np.int64), np.empty(n, np.int64)
-    cls, rank = np.ascontiguousarray(codes[:, 1]), np.ascontiguousarray(codes[:, 2])
     found = _kernels()["segment_select"](u, mantissa, span, bounds, cls, rank, out_pos, out_code)
     if found != n:
         raise IndexOutOfRangeError(f"{name}: a coded rank lies past its class's members")
@@ -111,11 +114,10 @@ def _host_select(
 
 
 def _device_select(
-    bits: torch.Tensor, mantissa: int, span: int, codes: torch.Tensor, name: str
+    bits: torch.Tensor, mantissa: int, span: int, codes: Codes, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cls_all = _classes(bits, mantissa)
-    codes = codes.to(bits.device)
-    seg, cls, rank = codes[:, 0], codes[:, 1], codes[:, 2]
+    seg, cls, rank = (c.to(bits.device) for c in codes)
     pos = torch.empty_like(rank)
     segments = segment_count(bits.numel(), span)
     for c in torch.unique(cls).tolist():

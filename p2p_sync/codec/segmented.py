@@ -300,11 +300,13 @@ def _signed(mag: torch.Tensor, signs: torch.Tensor, spec: TensorSpec) -> torch.T
 
 @dataclass(frozen=True)
 class Codes:
-    """A coding-4 frame read without its base: each change's (segment, class, rank), in code
-    order, its delta, and the segment span."""
+    """A coding-4 frame read without its base: each change's segment, class, rank and delta,
+    in code order, and the segment span."""
 
     span: int
-    codes: torch.Tensor
+    segment: torch.Tensor
+    cls: torch.Tensor
+    rank: torch.Tensor
     value: torch.Tensor
 
 
@@ -330,7 +332,7 @@ def read_codes(raw: memoryview, spec: TensorSpec, count: int, device: torch.devi
     reader.finish()
     value = _signed(mag, rest[head.remainder :], spec)
     segment = torch.repeat_interleave(col >> 4, groups)
-    return Codes(head.span, torch.stack([segment, cls, rank], 1), value)
+    return Codes(head.span, segment, cls, rank, value)
 
 
 def _read_on_host(raw: memoryview, head: _Head, spec: TensorSpec, count: int) -> Codes:
@@ -345,8 +347,7 @@ def _read_on_host(raw: memoryview, head: _Head, spec: TensorSpec, count: int) ->
         bytearray(raw[HEAD_SIZE + head.unary + head.remainder :]), dtype=torch.uint8
     )
     value = _signed(torch.from_numpy(mag), signs, spec)
-    codes = torch.from_numpy(np.stack([seg, cls, rank], 1))
-    return Codes(head.span, codes, value)
+    return Codes(head.span, *(torch.from_numpy(a) for a in (seg, cls, rank)), value)
 
 
 def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: Bits) -> TensorDelta:
@@ -356,6 +357,7 @@ def decode_segmented(raw: memoryview, spec: TensorSpec, count: int, base_bits: B
     got = read_codes(raw, spec, count, device)
     device = got.value.device
     mantissa = MANTISSA_BITS[spec.dtype]
-    pos, order = segment_scans.select(base_bits, mantissa, got.span, got.codes, spec.name)
+    codes = (got.segment, got.cls, got.rank)
+    pos, order = segment_scans.select(base_bits, mantissa, got.span, codes, spec.name)
     d = got.value[order.to(device)].to(bits_dtype(spec.dtype)).cpu()
     return TensorDelta(spec, pos.cpu(), d)
