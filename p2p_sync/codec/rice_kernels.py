@@ -297,9 +297,8 @@ def _segment_walk(
     k: int,
     left: int,
 ) -> tuple[int, int]:
-    """Walk ``u[start:stop]``: an element whose class's skip has run out is the one its next
-    code names (the common element costs one decrement). Returns (emitted so far, codes left
-    in the segment)."""
+    """Walk ``u[start:stop]``: an element whose class's skip ran out is the one its next code
+    names (others cost a decrement). Returns (emitted so far, codes left in the segment)."""
     nxt, end, skip = state
     out_pos, out_code = out
     for p in range(start, stop):
