@@ -68,22 +68,31 @@ def _cost(values: torch.Tensor, cls: torch.Tensor, k: torch.Tensor, classes: int
     return torch.bincount(cls, weights=bits.to(torch.float64), minlength=classes)
 
 
-def encode(values: torch.Tensor, k: torch.Tensor, host: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(unary stream, remainder stream) of non-negative int64 ``values``, each with its own
-    parameter ``k`` (int64, same length): by the compiled kernel (``host``) or torch ops."""
+Parts = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def encode(parts: Parts, ks: list[torch.Tensor], host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unary stream, remainder stream) of ``parts`` one after the other: part i holds
+    non-negative int64 values and each one's class, coded with parameter ``ks[i][class]``. By
+    the compiled kernels (``host``: no per-code array is built) or by torch ops."""
     if host:
-        return _encode_host(values.numpy(), k.numpy())
+        return _encode_host(parts, ks)
+    values = torch.cat([v for v, _ in parts])
+    k = torch.cat([kt.to(cls.device)[cls] for (_, cls), kt in zip(parts, ks, strict=True)])
     return encode_ops(values, k)
 
 
-def _encode_host(values: np.ndarray, k: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    q = values >> k
-    capped = q >= QCAP
-    unary_bits = int(np.where(capped, QCAP, q).sum()) + values.size
-    rem_bits = int(np.where(capped, RAW, k).sum())
-    unary = np.zeros((unary_bits + 7) // 8, np.uint8)
-    rem = np.zeros((rem_bits + 7) // 8, np.uint8)
-    _kernels()["rice_write"](values, k, unary, rem)
+def _encode_host(parts: Parts, ks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels, arrays = (
+        _kernels(),
+        [(v.numpy(), c.numpy(), k.numpy()) for (v, c), k in zip(parts, ks)],
+    )
+    sizes = [kernels["rice_size"](*a) for a in arrays]
+    unary = np.zeros((sum(u for u, _ in sizes) + 7) // 8, np.uint8)
+    rem = np.zeros((sum(r for _, r in sizes) + 7) // 8, np.uint8)
+    at = np.zeros(2, np.int64)
+    for values, cls, k in arrays:
+        kernels["rice_write"](values, cls, k, unary, rem, at)
     return torch.from_numpy(unary), torch.from_numpy(rem)
 
 

@@ -19,6 +19,7 @@ from p2p_sync.codec.rice_kernels import (
     _read_counts_py,
     _read_rest_py,
     _rice_costs_py,
+    _rice_size_py,
     _rice_write_py,
     _segment_select_py,
 )
@@ -260,6 +261,7 @@ def _kernels() -> dict[str, Callable]:
                 "gap_stats": _gap_stats_py,
                 "rice_write": _rice_write_py,
                 "rice_costs": _rice_costs_py,
+                "rice_size": _rice_size_py,
                 "segment_counts": _read_counts_py,
                 "segment_codes": _read_rest_py,
                 "segment_select": _segment_select_py,

@@ -42,12 +42,33 @@ def _get_bits(data: np.ndarray, bit: int, width: int) -> int:
     return value
 
 
-def _rice_write_py(values: np.ndarray, k: np.ndarray, unary: np.ndarray, rem: np.ndarray) -> None:
-    """Kernel: every value's capped Rice code, the unary part into ``unary``, the low bits into
-    ``rem`` (both zeroed and sized by the caller)."""
-    ubit, rbit = 0, 0
+def _rice_size_py(values: np.ndarray, cls: np.ndarray, k: np.ndarray) -> tuple[int, int]:
+    """Kernel: (unary bits, remainder bits) of the values' capped Rice codes, value i with
+    parameter ``k[cls[i]]``."""
+    ubits, rbits = 0, 0
     for i in range(values.size):
-        v, kk = values[i], k[i]
+        kk = k[cls[i]]
+        q = values[i] >> kk
+        capped = q >= QCAP
+        ubits += (QCAP if capped else q) + 1
+        rbits += RAW if capped else kk
+    return ubits, rbits
+
+
+def _rice_write_py(
+    values: np.ndarray,
+    cls: np.ndarray,
+    k: np.ndarray,
+    unary: np.ndarray,
+    rem: np.ndarray,
+    at: np.ndarray,
+) -> None:
+    """Kernel: the values' capped Rice codes (value i with parameter ``k[cls[i]]``), the unary
+    parts into ``unary`` and the low bits into ``rem`` (zeroed and sized by the caller) from
+    bits ``at[0]`` and ``at[1]`` on, which it moves past them."""
+    ubit, rbit = at[0], at[1]
+    for i in range(values.size):
+        v, kk = values[i], k[cls[i]]
         q = v >> kk
         if q >= QCAP:
             q, width, low = QCAP, RAW, v
@@ -57,6 +78,7 @@ def _rice_write_py(values: np.ndarray, k: np.ndarray, unary: np.ndarray, rem: np
         unary[ubit >> 3] |= np.uint8(1 << (ubit & 7))
         ubit += 1
         rbit = _put_bits(rem, rbit, low, width)
+    at[0], at[1] = ubit, rbit
 
 
 @jit.step
@@ -366,7 +388,7 @@ def _gather_codes_py(
         cursor[gc] = j + 1
         gap[j] = rank[i] - prev[gc] - 1
         prev[gc] = rank[i]
-        v = d[i]
+        v = np.int64(d[i])  # widened first: -(-32768) does not fit an int16
         mag[j] = -v if v < 0 else v
         neg[j] = v < 0
 

@@ -113,9 +113,7 @@ def _coded_host(
     key = (pos >> span) * N_CLASSES + cls
     groups = np.bincount(key, minlength=segments * N_CLASSES)
     gap, mag, neg = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.bool_)
-    kernels["gather_codes"](
-        key, rank, d.astype(np.int64), np.cumsum(groups) - groups, gap, mag, neg
-    )
+    kernels["gather_codes"](key, rank, d, np.cumsum(groups) - groups, gap, mag, neg)
     esc_counts, esc_gaps = np.zeros_like(groups), np.empty(n, np.int64)
     e = kernels["escape_codes"](groups, mag, esc_counts, esc_gaps)
     col = np.arange(groups.size, dtype=np.int64) & 15
@@ -174,9 +172,8 @@ def encode_segmented(delta: TensorDelta, base_bits: Bits) -> bytes:
     span = span_for(delta.spec.numel, delta.count)
     coded = _coded(delta, base_bits, span)
     params, parts = _params(coded)
-    values = torch.cat([v for v, _ in parts])
-    k = torch.cat([params.k[:, i].to(cl.device)[cl] for i, (_, cl) in enumerate(parts)])
-    unary, remainder = bitstreams.encode(values, k, segment_scans.on_host(base_bits))
+    ks = [params.k[:, i].contiguous() for i in range(len(parts))]
+    unary, remainder = bitstreams.encode(parts, ks, segment_scans.on_host(base_bits))
     signs = bitstreams.pack_bits(coded.neg.to(torch.uint8))
     head = params.head(span, unary.numel(), remainder.numel())
     return head + b"".join(t.cpu().numpy().tobytes() for t in (unary, remainder, signs))

@@ -92,8 +92,15 @@ def test_capped_rice_streams_agree_on_both_paths(values: list[int], seed: int) -
     """Kernel and torch ops write the same bytes, and read back in parts they give the values,
     outliers past the cap included."""
     v = torch.tensor(values, dtype=torch.int64)
-    k = torch.from_numpy(np.random.default_rng(seed).integers(0, 12, v.numel()))
-    unary, rem = bitstreams.encode(v, k, host=True)
+    rng = np.random.default_rng(seed)
+    cls = torch.from_numpy(rng.integers(0, 16, v.numel()))
+    table = torch.from_numpy(rng.integers(0, 12, 16))
+    k = table[cls]
+    half = v.numel() // 3
+    parts = [(v[:half], cls[:half]), (v[half:], cls[half:])]
+    unary, rem = bitstreams.encode(parts, [table, table], host=True)
+    on_device = bitstreams.encode(parts, [table, table], host=False)
+    assert torch.equal(on_device[0], unary) and torch.equal(on_device[1], rem)
     ops_unary, ops_rem = bitstreams.encode_ops(v, k)
     assert torch.equal(unary, ops_unary) and torch.equal(rem, ops_rem)
     reader = bitstreams.OpsReader(unary, rem, "t")
