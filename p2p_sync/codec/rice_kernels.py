@@ -195,63 +195,60 @@ def _read_rest_py(
     status = _read_escapes(unary, rem, k, wide, groups, at, escapes)
     if status:
         return status
-    status = _read_ranks(unary, rem, k, sizes, groups, at, rank)
+    limits = np.empty(groups.size, np.int64)  # a rank lies below its segment's length
+    for gc in range(groups.size):
+        limits[gc] = sizes[gc >> 4]
+    status = _read_runs(unary, rem, k, 2, groups, limits, at, rank, RANK_PAST)
     if status:
         return status
-    status = _mark_escapes(unary, rem, k, groups, escapes, at, mag)
-    return status if status else _read_magnitudes(unary, rem, k, wide, groups, at, mag)
+    index = np.empty(escapes.sum(), np.int64)  # an escape index lies below its group's size
+    status = _read_runs(unary, rem, k, 3, escapes, groups, at, index, INDEX_PAST)
+    if status:
+        return status
+    _mark_escapes(groups, escapes, index, mag)
+    return _read_magnitudes(unary, rem, k, wide, groups, at, mag)
 
 
 @jit.step
-def _read_ranks(
+def _read_runs(
     unary: np.ndarray,
     rem: np.ndarray,
     k: np.ndarray,
-    sizes: np.ndarray,
-    groups: np.ndarray,
+    stream: int,
+    counts: np.ndarray,
+    limits: np.ndarray,
     at: np.ndarray,
-    rank: np.ndarray,
+    out: np.ndarray,
+    past: int,
 ) -> int:
-    """Rank gaps (codes 3) into each change's rank within its segment."""
+    """Per group, its ``counts`` gap codes (parameter ``k[class, stream]``) as ascending values
+    from 0, each below the group's ``limits``, into ``out`` back to back; ``past`` when not."""
     i = 0
-    for gc in range(groups.size):
+    for gc in range(counts.size):
         r = -1
-        for _ in range(groups[gc]):
-            status, gap = _read_one(unary, rem, k[gc & 15, 2], at)
+        for _ in range(counts[gc]):
+            status, gap = _read_one(unary, rem, k[gc & 15, stream], at)
             if status:
                 return status
             r += gap + 1
-            if r >= sizes[gc >> 4]:
-                return RANK_PAST
-            rank[i] = r
+            if r >= limits[gc]:
+                return past
+            out[i] = r
             i += 1
     return READ_OK
 
 
 @jit.step
 def _mark_escapes(
-    unary: np.ndarray,
-    rem: np.ndarray,
-    k: np.ndarray,
-    groups: np.ndarray,
-    escapes: np.ndarray,
-    at: np.ndarray,
-    mag: np.ndarray,
-) -> int:
-    """Escape gaps (codes 4): each escaped change's magnitude is marked -1."""
-    first = 0
+    groups: np.ndarray, escapes: np.ndarray, index: np.ndarray, mag: np.ndarray
+) -> None:
+    """Each escaped change's magnitude is marked -1 (``index``: within its group)."""
+    first, j = 0, 0
     for gc in range(groups.size):
-        idx = -1
         for _ in range(escapes[gc]):
-            status, gap = _read_one(unary, rem, k[gc & 15, 3], at)
-            if status:
-                return status
-            idx += gap + 1
-            if idx >= groups[gc]:
-                return INDEX_PAST
-            mag[first + idx] = -1
+            mag[first + index[j]] = -1
+            j += 1
         first += groups[gc]
-    return READ_OK
 
 
 @jit.step

@@ -70,15 +70,18 @@ def _forced_frame(base: torch.Tensor, new: torch.Tensor) -> tuple[codec.FrameInf
 
 
 @st.composite
-def float_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype, shape = draw(st.sampled_from(FLOATS)), draw(st.sampled_from(SHAPES))
+def float_pairs(
+    draw: st.DrawFn, floats: list = FLOATS, shapes: list = SHAPES, densities: list = DENSITIES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float tensor (every bit pattern, or weight-like values) and a changed copy."""
+    dtype, shape = draw(st.sampled_from(floats)), draw(st.sampled_from(shapes))
     seed = draw(st.integers(0, 2**32 - 1))
     if draw(st.booleans()):
         base = random_bits(shape, dtype, seed)  # every bit pattern: NaN, Inf, -0.0, subnormals
     else:
         g = torch.Generator().manual_seed(seed)
         base = (torch.randn(shape, generator=g) * 0.02).to(dtype)  # weight-like magnitudes
-    density, kind = draw(st.sampled_from(DENSITIES)), draw(st.sampled_from(KINDS))
+    density, kind = draw(st.sampled_from(densities)), draw(st.sampled_from(KINDS))
     return base, change(base, density, kind, seed + 1)
 
 

@@ -30,6 +30,7 @@ from p2p_sync.errors import (
 )
 from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.tensors import flat_bits, layout_of
+from tests.codec.test_codec_v2 import float_pairs
 from tests.codec.test_roundtrip_properties import DENSITIES, KINDS, change
 from tests.helpers import bit_equal, clone_set, random_bits, rebuild
 
@@ -46,19 +47,6 @@ def small_segments() -> contextlib.ExitStack:
     return stack
 
 
-@st.composite
-def float_pairs(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype, shape = draw(st.sampled_from(FLOATS)), draw(st.sampled_from(SHAPES))
-    seed = draw(st.integers(0, 2**32 - 1))
-    if draw(st.booleans()):
-        base = random_bits(shape, dtype, seed)  # every bit pattern: NaN, Inf, -0.0, subnormals
-    else:
-        g = torch.Generator().manual_seed(seed)
-        base = (torch.randn(shape, generator=g) * 0.02).to(dtype)
-    density, kind = draw(st.sampled_from(DENSITIES[1:])), draw(st.sampled_from(KINDS))
-    return base, change(base, density, kind, seed + 1)
-
-
 def _frames(base: torch.Tensor, new: torch.Tensor) -> tuple:
     """(delta, the frame by the host kernels, the frame by torch ops)."""
     delta = diff({"t": base}, {"t": new}).deltas["t"]
@@ -71,7 +59,7 @@ def _frames(base: torch.Tensor, new: torch.Tensor) -> tuple:
 
 
 @SETTINGS
-@given(float_pairs())
+@given(float_pairs(FLOATS, SHAPES, DENSITIES[1:]))
 def test_segmented_frame_round_trips_on_both_paths_with_the_same_bytes(pair: tuple) -> None:
     base, new = pair
     if torch.equal(flat_bits(base), flat_bits(new)):
