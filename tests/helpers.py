@@ -156,6 +156,28 @@ def rebuild(data: bytes, mutate: Mutator, header_version: int = codec.FORMAT_VER
     return header + table + body
 
 
+def mutate_bytes(
+    data: bytes, rng: random.Random, flips: float = 0.6, cuts: float = 0.8, bits: bool = False
+) -> bytes:
+    """A random byte flip, truncation or insertion (sometimes several): a flip below
+    ``flips``, a cut below ``cuts``, else an insertion; with ``bits`` half the flips are of a
+    single bit (what a frame without a checksum must survive)."""
+    out = bytearray(data)
+    for _ in range(rng.choice([1, 1, 1, 2, 3])):
+        kind, i = rng.random(), rng.randrange(len(out) + 1)
+        if kind < flips and i < len(out):
+            out[i] ^= (
+                1 << rng.randrange(8) if bits and rng.random() < 0.5 else rng.randrange(1, 256)
+            )
+        elif kind < cuts:
+            del out[i:]
+        else:
+            out[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        if not out:
+            break
+    return bytes(out)
+
+
 def frame_from_streams(streams: list[bytes]) -> bytes:
     return codec._compress(streams, 1)
 

@@ -6,12 +6,14 @@ tensor, and the header and table come from :mod:`p2p_sync.codec.table`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from p2p_sync.codec.classed import _classed_head, _coded_ranks
 from p2p_sync.codec.classes import Bits, classed_dtype
 from p2p_sync.codec.compression import _decompress
-from p2p_sync.codec.frames import _frame_bound, _frames, decode_frame
+from p2p_sync.codec.frames import Frame, _frame_bound, _frames, decode_frame
 from p2p_sync.codec.limits import BASED, CLASSED, DEFAULT_LEVEL, SEGMENTED, UNCHANGED, CodecLimits
 from p2p_sync.codec.segmented import read_codes
 from p2p_sync.codec.table import FrameInfo, Frames, _file_size, _join, _table, read_header
@@ -47,6 +49,13 @@ def _base_bits(base: TensorSet | None, spec: TensorSpec) -> Bits | None:
     return scan_view(base[spec.name])
 
 
+def _pair(
+    level: int, base: TensorSet | None, segmented: bool, delta: TensorDelta
+) -> tuple[Frame, Frame]:
+    """One tensor's (smallest frame, smallest version-1 frame)."""
+    return _frames(delta, level, _base_bits(base, delta.spec), segmented)
+
+
 def encode(
     patch: Patch,
     level: int = DEFAULT_LEVEL,
@@ -64,8 +73,7 @@ def encode(
     if base is not None:
         _check_base(base, patch.layout, patch.base_hash, base_hash)
     changed = [patch.deltas[s.name] for s in patch.layout if s.name in patch.deltas]
-    code = lambda d: _frames(d, level, _base_bits(base, d.spec), segmented)  # noqa: E731
-    pairs = map_workers(code, changed, workers)
+    pairs = map_workers(functools.partial(_pair, level, base, segmented), changed, workers)
     frames = {d.spec.name: p[0] for d, p in zip(changed, pairs)}
     table = _table(patch.layout, frames, level)
     if any(p[0] is not p[1] for p in pairs):

@@ -86,11 +86,11 @@ def _device_ranks(
     return cls, rank
 
 
-Codes = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+CodeColumns = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # segment, class, rank
 
 
 def select(
-    base_bits: Bits, mantissa: int, span: int, codes: Codes, name: str
+    base_bits: Bits, mantissa: int, span: int, codes: CodeColumns, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions named by ``codes`` (segment, class and rank of each, sorted by segment, then
     class, then rank), in ascending order, with the index of the code that named each."""
@@ -114,7 +114,7 @@ def _host_select(
 
 
 def _device_select(
-    bits: torch.Tensor, mantissa: int, span: int, codes: Codes, name: str
+    bits: torch.Tensor, mantissa: int, span: int, codes: CodeColumns, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cls_all = _classes(bits, mantissa)
     seg, cls, rank = (c.to(bits.device) for c in codes)

@@ -28,7 +28,6 @@ from p2p_sync.weights.tensors import TensorSpec, bits_dtype
 _CLASS = struct.Struct("<BBBBBB")
 _HEAD = struct.Struct("<B")
 _TAIL = struct.Struct("<QQ")
-Reader = bitstreams.OpsReader
 HEAD_SIZE = _HEAD.size + N_CLASSES * _CLASS.size + _TAIL.size
 WIDE = 1  # mode bit: every value's magnitude is coded (else only those of size 2 or more)
 MIN_SPAN, MAX_SPAN = 12, 30
@@ -239,7 +238,7 @@ def _bounded_running(
 
 
 def _read_counts(
-    reader: Reader, head: _Head, spec: TensorSpec, count: int, device: torch.device
+    reader: bitstreams.OpsReader, head: _Head, spec: TensorSpec, count: int, device: torch.device
 ) -> torch.Tensor:
     """Every group's change count, checked against its segment and the row's count."""
     sizes = _segment_sizes(spec.numel, head.span, device)
@@ -251,7 +250,9 @@ def _read_counts(
     return groups
 
 
-def _read_escape_counts(reader: Reader, head: _Head, groups: torch.Tensor) -> torch.Tensor:
+def _read_escape_counts(
+    reader: bitstreams.OpsReader, head: _Head, groups: torch.Tensor
+) -> torch.Tensor:
     """How many of each group's changes a narrow class escapes (0 in wide classes)."""
     col = torch.arange(groups.numel(), device=groups.device) & 15
     present = (head.mode.to(groups.device)[col] != WIDE) & (groups > 0)
@@ -263,7 +264,7 @@ def _read_escape_counts(reader: Reader, head: _Head, groups: torch.Tensor) -> to
 
 
 def _read_magnitudes(
-    reader: Reader, head: _Head, groups: torch.Tensor, escapes: torch.Tensor
+    reader: bitstreams.OpsReader, head: _Head, groups: torch.Tensor, escapes: torch.Tensor
 ) -> torch.Tensor:
     """Every change's magnitude in code order, from the escape gaps and magnitude codes."""
     device, name = groups.device, reader.name

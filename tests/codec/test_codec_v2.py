@@ -36,7 +36,14 @@ from p2p_sync.weights.patch import Patch, apply, diff, merge
 from p2p_sync.weights.statehash import state_hash
 from p2p_sync.weights.tensors import flat_bits, layout_of
 from tests.codec.test_roundtrip_properties import DENSITIES, KINDS, SHAPES, change, version_pairs
-from tests.helpers import bit_equal, clone_set, frame_from_streams, random_bits, rebuild
+from tests.helpers import (
+    bit_equal,
+    clone_set,
+    frame_from_streams,
+    mutate_bytes,
+    random_bits,
+    rebuild,
+)
 
 FLOATS = [
     torch.bfloat16,
@@ -404,26 +411,10 @@ def test_v1_patches_still_decode_without_base(pair: tuple) -> None:
 # ---------------------------------------------------------------- mutation fuzz
 
 
-def _mutate(data: bytes, rng: random.Random) -> bytes:
-    """A random byte flip, truncation or insertion (sometimes several)."""
-    out = bytearray(data)
-    for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        kind, i = rng.random(), rng.randrange(len(out) + 1)
-        if kind < 0.6 and i < len(out):
-            out[i] ^= rng.randrange(1, 256)
-        elif kind < 0.8:
-            del out[i:]
-        else:
-            out[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
-        if not out:
-            break
-    return bytes(out)
-
-
 def _frame_mutant(data: bytes, rng: random.Random) -> bytes:
     """A valid zstd frame around a mutated coding-3 body: reaches the coding-3 parser itself."""
     i = rng.randrange(len(codec.read_header(data).rows))
-    return _with_raw(data, _mutate(bytes(_raw(data, i)), rng), i)
+    return _with_raw(data, mutate_bytes(bytes(_raw(data, i)), rng), i)
 
 
 def _check_mutant(bad: bytes, pair: tuple) -> None:
@@ -447,7 +438,7 @@ def test_mutation_fuzz_only_raises_patch_errors(kernels: str, pair: tuple, data:
     rng = random.Random(1234)
     cases = 2500 if kernels == "numba" else 300
     for _ in range(cases):
-        _check_mutant(_mutate(data, rng), pair)
+        _check_mutant(mutate_bytes(data, rng), pair)
     for _ in range(cases):
         _check_mutant(_frame_mutant(data, rng), pair)
 

@@ -32,7 +32,7 @@ from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.tensors import flat_bits, layout_of
 from tests.codec.test_codec_v2 import float_pairs
 from tests.codec.test_roundtrip_properties import DENSITIES, KINDS, change
-from tests.helpers import bit_equal, clone_set, random_bits, rebuild
+from tests.helpers import bit_equal, clone_set, mutate_bytes, random_bits, rebuild
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
 SHAPES = [(1,), (7,), (3, 5), (33, 17), (4001,), (2, 3, 5, 7), (130, 40)]
@@ -253,18 +253,7 @@ def test_missing_base_is_refused(data: bytes) -> None:
 
 
 def _mutate(blob: bytes, rng: random.Random) -> bytes:
-    out = bytearray(blob)
-    for _ in range(rng.choice([1, 1, 1, 2, 3])):
-        kind, i = rng.random(), rng.randrange(len(out) + 1)
-        if kind < 0.7 and i < len(out):
-            out[i] ^= 1 << rng.randrange(8) if rng.random() < 0.5 else rng.randrange(1, 256)
-        elif kind < 0.85:
-            del out[i:]
-        else:
-            out[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
-        if not out:
-            break
-    return bytes(out)
+    return mutate_bytes(blob, rng, flips=0.7, cuts=0.85, bits=True)
 
 
 def _check_mutant(bad: bytes, pair: tuple, on_device: bool) -> None:
