@@ -18,6 +18,7 @@ from p2p_sync.codec.limits import (
     _CLASSED_HEAD,
     _SPARSE_HEAD,
     _VALUE_HEAD,
+    BASED,
     BLOCK,
     CLASSED,
     CLASSED_MIN_SAVING,
@@ -174,7 +175,7 @@ def decode_frame(
     limits: CodecLimits = CodecLimits(),
 ) -> TensorDelta:
     """Decode and fully validate one tensor's frame (codings 3 and 4 need the base's bits)."""
-    if row.coding in (CLASSED, SEGMENTED) and base_bits is None:
+    if row.coding in BASED and base_bits is None:
         raise MissingBaseError(f"{row.spec.name}: exponent-class frame needs the base weights")
     if row.coding == SEGMENTED:
         assert base_bits is not None
