@@ -1,12 +1,15 @@
-"""What a sharded trainer's version costs per rank: diff where the blocks live, gather the
-changes, assemble and code the patch on rank 0; against one process diffing the whole model.
+"""What a sharded trainer's version costs per rank: diff and code where the blocks live,
+gather the frames, join them into the patch on rank 0; against one process diffing the whole.
 
 Each rank holds its row blocks (Shard(0), as FSDP2 places them) of a LLaMA-shaped bf16 model
 and its fp32 master blocks; a version is one AdamW-like step on them. Per version it prints,
 per rank, the diff + frame coding time (``ShardDiffer.step``, ``code_parts``) and the bytes
-it sent to rank 0 (its pickled frames), rank 0's gather + assemble + encode time, and the
-patch size; then the unsharded baseline in one process with as many threads as there are
-ranks (``diff`` + ``codec.encode`` of the whole model) and every rank's peak RSS.
+it sent to rank 0 (its pickled frames); rank 0's gather and join (``join_ranks``: coding-5
+frames of the ranks' own bytes, then the file) and the patch size (rank 0 keeps no copy of
+the model in format 1); then, for comparison in the same run, rank 0 decoding the frames and
+coding the patch again (the path of formats 2 and 3), the unsharded baseline in one process
+with as many threads as there are ranks (``diff`` + ``codec.encode`` of the whole model) and
+every rank's peak RSS.
 
     python benchmarks/sharded.py --size 1b --ranks 2
 
@@ -33,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from benchmarks.memory import status_kb
 from benchmarks.models import llama_shapes, ranked_args
 from p2p_sync import codec
-from p2p_sync.runtime.sharded import code_parts, decode_parts
+from p2p_sync.runtime.sharded import code_parts, decode_parts, join_ranks
 from p2p_sync.weights.dtensors import (
     ShardDiffer,
     assemble,
@@ -54,13 +57,15 @@ def _rows(n: int, rank: int, ranks: int) -> tuple[int, int]:
 class Blocks:
     """One rank's row blocks: fp32 masters and the bf16 DTensors published from them."""
 
-    def __init__(self, size: str, rank: int, ranks: int, mesh: object, lr: float) -> None:
-        self.lr, self.gen = lr, torch.Generator().manual_seed(1000 + rank)
+    def __init__(
+        self, size: str, rank: int, ranks: int, mesh: object, lr: float, device: str = "cpu"
+    ) -> None:
+        self.lr, self.gen = lr, torch.Generator(device).manual_seed(1000 + rank)
         self.master: dict[str, torch.Tensor] = {}
         self.served: dict[str, DTensor] = {}
         for name, shape in llama_shapes(size).items():
             a, b = _rows(shape[0], rank, ranks)
-            local = torch.empty((b - a, *shape[1:]))
+            local = torch.empty((b - a, *shape[1:]), device=device)
             local.fill_(1.0) if len(shape) == 1 else local.normal_(0.0, 0.02, generator=self.gen)
             self.master[name] = local
             bf16 = local.to(torch.bfloat16)
@@ -83,8 +88,8 @@ class Blocks:
 def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.ranks)
-    mesh = init_device_mesh("cpu", (args.ranks,))
-    blocks = Blocks(args.size, rank, args.ranks, mesh, args.lr)
+    mesh = init_device_mesh(torch.device(args.device).type, (args.ranks,))
+    blocks = Blocks(args.size, rank, args.ranks, mesh, args.lr, args.device)
     layout = layout_of(blocks.served)
     sums = gather_to(partial_sums(blocks.served))
     digest = digest_of(layout, sums) if sums is not None else None
@@ -97,51 +102,69 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # the peak of this publish alone
         before = status_kb("VmRSS")
         t0 = time.perf_counter()
-        parts = code_parts(differ.step(blocks.served))  # as Trainer.publish sends them
+        stepped = differ.step(blocks.served)
+        td = time.perf_counter()
+        parts = code_parts(stepped)  # as Trainer.publish sends them
+        del stepped
         t1 = time.perf_counter()
         sent = len(pickle.dumps(parts))
         gathered = gather_to(parts)
         t2 = time.perf_counter()
         if gathered is not None and digest is not None:
-            specs = {s.name: s for s in layout}
-            patch, digest = assemble(layout, [decode_parts(r, specs) for r in gathered], digest)
-            t3 = time.perf_counter()
-            data = codec.encode(patch, workers=1)
-            t4 = time.perf_counter()
-            lines.append(
-                f"v{v}: rank 0 diff+code {t1 - t0:.2f} s, gather {t2 - t1:.2f} s, assemble "
-                f"{t3 - t2:.2f} s, encode {t4 - t3:.2f} s, total {t4 - t0:.2f} s; "
-                f"patch {len(data) / 1e6:.1f} MB"
-            )
+            lines.append(_rank0(v, layout, gathered, digest, (t0, t1, t2)))
+            digest = join_ranks(layout, gathered, digest)[1]
         grew = max(grew, status_kb("VmHWM") - before)
-        sent_all = gather_to((rank, t1 - t0, sent))
+        sent_all = gather_to((rank, td - t0, t1 - td, sent))
         if sent_all is not None:
             lines.append(
-                "    per rank (diff+code s, MB sent): "
-                + ", ".join(f"r{r} {d:.2f} s {s / 1e6:.1f} MB" for r, d, s in sent_all)
+                "    per rank (diff + code s, MB sent): "
+                + ", ".join(f"r{r} {d:.2f} + {c:.2f} s {s / 1e6:.1f} MB" for r, d, c, s in sent_all)
             )
+    lines += _peaks(rank, blocks, resident, grew)
+    if rank == 0:
+        Path(out).write_text("\n".join(lines) + "\n")
+    dist.destroy_process_group()
+
+
+def _rank0(v: int, layout: tuple, gathered: list, digest: StateDigest, t: tuple) -> str:
+    """Rank 0's part of a version: join the frames; then, to compare, the re-coding path
+    (decode every frame, code the patch again)."""
+    t0, t1, t2 = t
+    frames, target = join_ranks(layout, gathered, digest)
+    data = codec.assemble(layout, digest.hash(), target.hash(), frames)
+    t3 = time.perf_counter()
+    patch, _ = assemble(layout, [decode_parts(r, layout) for r in gathered], digest)
+    again = codec.encode(patch, workers=1)
+    t4 = time.perf_counter()
+    return (
+        f"v{v}: rank 0 diff+code {t1 - t0:.2f} s, gather {t2 - t1:.2f} s, join {t3 - t2:.2f} s, "
+        f"publish's diff+code in all {t3 - t0:.2f} s; patch {len(data) / 1e6:.1f} MB; "
+        f"re-coding instead: decode + assemble + encode {t4 - t3:.2f} s ({len(again) / 1e6:.1f} MB)"
+    )
+
+
+def _peaks(rank: int, blocks: Blocks, resident: int, grew: int) -> list[str]:
     shard_mb = sum(t.to_local().numel() * 2 for t in blocks.served.values()) / 1e6
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
     peaks = gather_to((rank, peak, shard_mb, resident / 1e3, grew / 1e3))
-    if peaks is not None:
-        lines += [
-            f"  rank {r}: peak RSS {p:,.0f} MB; its bf16 blocks {s:,.0f} MB, fp32 masters "
-            f"{2 * s:,.0f} MB (rss / (blocks + masters) {p / (3 * s):.2f}); resident before "
-            f"publishing {at:,.0f} MB (blocks, masters, the kept last version, the runtime), "
-            f"a publish adds at most {g:,.0f} MB ({(at + g) / at:.2f}x)"
-            for r, p, s, at, g in peaks
-        ]
-        Path(out).write_text("\n".join(lines) + "\n")
-    dist.destroy_process_group()
+    if peaks is None:
+        return []
+    return [
+        f"  rank {r}: peak RSS {p:,.0f} MB; its bf16 blocks {s:,.0f} MB, fp32 masters "
+        f"{2 * s:,.0f} MB (rss / (blocks + masters) {p / (3 * s):.2f}); resident before "
+        f"publishing {at:,.0f} MB (blocks, masters, the kept last version, the runtime), "
+        f"a publish adds at most {g:,.0f} MB ({(at + g) / at:.2f}x)"
+        for r, p, s, at, g in peaks
+    ]
 
 
 def unsharded(args: argparse.Namespace) -> list[float]:
     """The same versions diffed and coded whole in one process with ``--ranks`` threads."""
     torch.set_num_threads(args.ranks)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator(args.device).manual_seed(7)
     master = {}
     for name, shape in llama_shapes(args.size).items():
-        t = torch.empty(shape)
+        t = torch.empty(shape, device=args.device)
         t.fill_(1.0) if len(shape) == 1 else t.normal_(0.0, 0.02, generator=gen)
         master[name] = t
     prev = {k: v.to(torch.bfloat16) for k, v in master.items()}
@@ -154,6 +177,8 @@ def unsharded(args: argparse.Namespace) -> list[float]:
         t0 = time.perf_counter()
         patch = diff(prev, new, digest=digest, workers=args.ranks, advance=True)
         codec.encode(patch, workers=args.ranks)
+        if args.device != "cpu":
+            torch.cuda.synchronize()
         took.append(time.perf_counter() - t0)
         digest = patch.target_digest or digest
         del new
@@ -163,6 +188,9 @@ def unsharded(args: argparse.Namespace) -> list[float]:
 def main() -> None:
     ap = ranked_args(__doc__.split("\n", 1)[0])
     ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument(
+        "--device", default="cpu", help="where the ranks' blocks live (cuda: all on one)"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.txt")

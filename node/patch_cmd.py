@@ -25,6 +25,7 @@ CODINGS = {
     codec.DENSE: "dense",
     codec.CLASSED: "sparse-by-exponent",
     codec.SEGMENTED: "segments-by-exponent",
+    codec.PARTS: "parts",
 }
 
 

@@ -59,6 +59,8 @@ from p2p_sync.codec.limits import (
     MANTISSA_BITS,
     MAX_EXPANSION,
     N_CLASSES,
+    PART_CODINGS,
+    PARTS,
     SEGMENTED,
     SPARSE,
     SUPPORTED_VERSIONS,
@@ -66,6 +68,7 @@ from p2p_sync.codec.limits import (
     VALUE_BITS,
     CodecLimits,
 )
+from p2p_sync.codec.parts import join_parts, read_parts
 from p2p_sync.codec.positions import decode_positions, encode_positions
 from p2p_sync.codec.rice import _class_codes, _ClassCodes
 from p2p_sync.codec.table import FrameInfo, Frames, PatchInfo, _row_bytes, read_header
@@ -89,6 +92,8 @@ __all__ = [
     "MANTISSA_BITS",
     "MAX_EXPANSION",
     "N_CLASSES",
+    "PARTS",
+    "PART_CODINGS",
     "SEGMENTED",
     "SPARSE",
     "SUPPORTED_VERSIONS",
@@ -118,6 +123,8 @@ __all__ = [
     "element_classes",
     "encode",
     "encode_frame",
+    "join_parts",
+    "read_parts",
     "encode_positions",
     "encode_values",
     "jit",

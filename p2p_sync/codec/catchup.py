@@ -29,6 +29,9 @@ from p2p_sync.weights.merge import merge_concatenated, merge_tensor
 from p2p_sync.weights.tensors import TensorSpec, bits_dtype
 from p2p_sync.weights.threads import map_workers
 
+# Codings whose blocks come sparse (a coding-5 frame's dense parts too): merged block by block.
+_SPARSE_BLOCKS = (codec.SPARSE, codec.PARTS)
+
 
 def merge_steps(
     steps: Sequence[bytes], workers: int = 1, level: int = codec.DEFAULT_LEVEL
@@ -43,7 +46,7 @@ def merge_steps(
 
     def one(spec: TensorSpec) -> tuple[str, codec.Frame] | None:
         found = [(v, row) for v, by_name in zip(views, rows) if (row := by_name.get(spec.name))]
-        if len(found) > 1 and all(row.coding == codec.SPARSE for _, row in found):
+        if len(found) > 1 and all(row.coding in _SPARSE_BLOCKS for _, row in found):
             merged = _merge_sparse(spec, found)
         else:
             parts = [

@@ -24,10 +24,12 @@ from p2p_sync.codec.limits import (
     CLASSED_MIN_SAVING,
     DENSE,
     DENSE_TRY_FRACTION,
+    PARTS,
     SEGMENTED,
     SPARSE,
     CodecLimits,
 )
+from p2p_sync.codec.parts import read_parts
 from p2p_sync.codec.positions import (
     _check_position_body,
     _decode_position_body,
@@ -145,19 +147,61 @@ def decode_frame_blocks(
     caller that applies them one by one: a sparse frame's positions take 8 bytes per changed
     element (250 MB for the 1.05B-element embedding of a 70B model at 3%, per worker), a
     block's 2 MiB. The whole frame is checked before the first block is given (counts,
-    escapes, the last position in range), so a frame that fails to decode fails before
-    anything is applied. Other codings come whole. ``block``: :data:`BLOCK` when None."""
+    escapes, the last position in range; every part of a coding-5 frame), so a frame that
+    fails to decode fails before anything is applied. Other codings come whole. ``block``:
+    :data:`BLOCK` when None."""
+    if row.coding == PARTS:
+        checked = [
+            (p, _checked_blocks(p.row, p.data, None, block, limits))
+            for p in read_parts(row, frame, limits)
+        ]
+        for part, blocks in checked:
+            yield from (_shifted(row.spec, part.start, d) for d in blocks)
+        return
+    yield from _checked_blocks(row, frame, base_bits, block, limits)
+
+
+def _checked_blocks(
+    row: FrameInfo,
+    frame: memoryview,
+    base_bits: Bits | None,
+    block: int | None,
+    limits: CodecLimits,
+) -> Iterator[TensorDelta]:
+    """One frame's blocks, the frame checked in full before this returns (a list for the
+    codings that decode whole, a generator over checked positions for a large sparse one)."""
     block = block or BLOCK
     if row.coding != SPARSE or row.count <= block:
-        yield decode_frame(row, frame, base_bits, limits)
-        return
+        return iter([decode_frame(row, frame, base_bits, limits)])
     spec, n = row.spec, row.count
     raw = _decompress(frame, _frame_bound(row), spec.name, limits)
     body, n_esc, d = _sparse_bodies(raw, spec, n)
     _check_position_body(body, n, spec.numel, n_esc, spec.name)
     deltas = torch.from_numpy(d).view(bits_dtype(spec.dtype))
-    for i, pos in _position_blocks(body, n, spec.numel, n_esc, block):
-        yield TensorDelta(spec, torch.from_numpy(pos), deltas[i : i + pos.size])
+    return (
+        TensorDelta(spec, torch.from_numpy(pos), deltas[i : i + pos.size])
+        for i, pos in _position_blocks(body, n, spec.numel, n_esc, block)
+    )
+
+
+def _shifted(spec: TensorSpec, start: int, part: TensorDelta) -> TensorDelta:
+    """A part's delta in the whole tensor: its positions moved by the range's ``start``
+    (a dense part's nonzero entries first taken as positions)."""
+    if part.positions is None:
+        pos = torch.nonzero(part.deltas).flatten()
+        return TensorDelta(spec, pos + start, part.deltas[pos])
+    return TensorDelta(spec, part.positions + start, part.deltas)
+
+
+def _decode_parts(row: FrameInfo, frame: memoryview, limits: CodecLimits) -> TensorDelta:
+    """A coding-5 frame whole: its parts' changes, shifted, end to end (sorted, as the
+    ranges are in order)."""
+    pieces = [
+        _shifted(row.spec, p.start, decode_frame(p.row, p.data, None, limits))
+        for p in read_parts(row, frame, limits)
+    ]
+    pos = torch.cat([d.positions for d in pieces if d.positions is not None])
+    return TensorDelta(row.spec, pos, torch.cat([d.deltas for d in pieces]))
 
 
 def _decode_dense(raw: memoryview, spec: TensorSpec, count: int) -> TensorDelta:
@@ -180,6 +224,8 @@ def decode_frame(
     if row.coding == SEGMENTED:
         assert base_bits is not None
         return decode_segmented(frame, row.spec, row.count, base_bits)
+    if row.coding == PARTS:
+        return _decode_parts(row, frame, limits)
     raw = _decompress(frame, _frame_bound(row), row.spec.name, limits)
     if row.coding == CLASSED:
         assert base_bits is not None

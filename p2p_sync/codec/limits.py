@@ -12,18 +12,21 @@ from dataclasses import dataclass
 import torch
 
 MAGIC = b"P2PPATCH"
-FORMAT_VERSION = 3
-SUPPORTED_VERSIONS = frozenset({1, 2, 3})
+FORMAT_VERSION = 4
+SUPPORTED_VERSIONS = frozenset({1, 2, 3, 4})
 _HEADER = struct.Struct("<8sHHIII16s16s16s")
 HEADER_SIZE = _HEADER.size  # 72
 
-UNCHANGED, SPARSE, DENSE, CLASSED, SEGMENTED = 0, 1, 2, 3, 4
+UNCHANGED, SPARSE, DENSE, CLASSED, SEGMENTED, PARTS = 0, 1, 2, 3, 4, 5
 # The codings each format version may use: a version-1 file never holds a coding-3 frame.
 CODINGS_BY_VERSION = {
     1: (UNCHANGED, SPARSE, DENSE),
     2: (UNCHANGED, SPARSE, DENSE, CLASSED),
     3: (UNCHANGED, SPARSE, DENSE, CLASSED, SEGMENTED),
+    4: (UNCHANGED, SPARSE, DENSE, CLASSED, SEGMENTED, PARTS),
 }
+# What a part of a coding-5 frame may be coded with: the base-free codings.
+PART_CODINGS = (SPARSE, DENSE)
 # Codings that name elements by the base's exponent classes: they decode only against it.
 BASED = frozenset({CLASSED, SEGMENTED})
 _ROW_HEAD = struct.Struct("<H")
@@ -62,6 +65,8 @@ class CodecLimits:
     # bytes the table or a frame may unpack to per byte of it (the spec's "Expansion"): a
     # decoder's memory follows the file's bytes, not what they declare. Encoders keep to 64.
     max_expansion: int = 64
+    # parts one coding-5 frame may hold (a sharded trainer writes one per rank holding changes)
+    max_parts: int = 1 << 16
 
 
 # What an encoder keeps every frame and table within (a block ends each 4x this many bytes).

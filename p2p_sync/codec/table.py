@@ -131,7 +131,7 @@ def _join(
     layout: Layout, base_hash: bytes, target_hash: bytes, frames: Frames, table: tuple[bytes, int]
 ) -> bytes:
     codings = {f[0] for f in frames.values()}
-    version = 3 if SEGMENTED in codings else 2 if CLASSED in codings else 1
+    version = _version(codings)
     header = _HEADER.pack(
         MAGIC,
         version,
@@ -144,6 +144,11 @@ def _join(
         target_hash,
     )
     return b"".join([header, table[0], *(frames[s.name][2] for s in layout if s.name in frames)])
+
+
+def _version(codings: set[int]) -> int:
+    """The lowest format version whose codings include ``codings``."""
+    return min(v for v, allowed in CODINGS_BY_VERSION.items() if codings <= set(allowed))
 
 
 class _Reader:

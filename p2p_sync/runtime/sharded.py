@@ -4,40 +4,46 @@
 call. Each rank diffs its blocks of every tensor on its own device against its blocks of the
 last version (``weights.dtensors.ShardDiffer``); only the changes and the state-hash sum moves
 travel to rank 0 (O(patch)), where they become the checkpoint patch an unsharded publish of the
-same weights would make. Rank 0's node publishes it (:class:`StepPublisher`) and every rank
-returns the version number.
+same weights would make. Each rank codes its own blocks' frames; where a tensor's blocks are
+runs of its flat order (FSDP2's rows) rank 0 joins them as they are (coding 5, no decoding),
+so its part of a version is O(tensors), not O(patch). Rank 0's node publishes it
+(:class:`StepPublisher`) and every rank returns the version number.
 
 v0 is the exception: the snapshot needs every byte, so rank 0 gathers its tensors whole, one at
-a time (the other ranks send their blocks and hold no whole tensor). Rank 0 also keeps the host
-copy of the last version that a publisher keeps for anchors, checkpoints and restarts (updated
-per version from the patch, O(patch)); the other ranks hold their blocks of it only.
+a time (the other ranks send their blocks and hold no whole tensor), and holds them until the
+next version. In format 1 it then keeps no copy of the model: anchors and checkpoints are
+written from the store a tensor at a time. In formats 2 and 3 it keeps the copy a publisher
+keeps (their codings need the base), moved by each patch.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from p2p_sync import codec
 from p2p_sync.codec import Frame, FrameInfo
-from p2p_sync.errors import BaseMismatchError, PublishError
+from p2p_sync.errors import PublishError
 from p2p_sync.runtime.timings import Built, PublishTimings
 from p2p_sync.runtime.trainer import Publisher
+from p2p_sync.store.streamed import write_head
 from p2p_sync.trust.manifest import Manifest
-from p2p_sync.weights.delta import Patch, check_layout
-from p2p_sync.weights.shards import Box
-from p2p_sync.weights.statehash import Sums
-from p2p_sync.weights.tensors import TensorSpec, layout_of
+from p2p_sync.weights.delta import Patch, TensorDelta
+from p2p_sync.weights.shards import Box, add_sums, merge_blocks, to_whole
+from p2p_sync.weights.statehash import StateDigest, Sums, add
+from p2p_sync.weights.tensors import Layout, TensorSet, TensorSpec
 
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: only sharded runs pay it
     from p2p_sync.weights.dtensors import Parts, ShardDiffer
 
 T = TypeVar("T")
-SHIP_LEVEL = 1  # zstd level of the frames sent to rank 0 (it re-codes the whole patch)
+RankFrames = dict[str, tuple["Box", Frame | None, Sums]]  # per tensor: block, frame, sum moves
 Run = Callable[[Coroutine[Any, Any, T]], T]  # runs a coroutine on rank 0's node loop
 
 
@@ -57,21 +63,66 @@ def rank() -> int:
 
 
 class StepPublisher(Publisher):
-    """A publisher fed finished patches: the ranks of a sharded trainer diffed the version."""
+    """A publisher fed what a sharded trainer's ranks diffed: their coded block deltas.
 
-    def _build_step(self, step: Patch) -> tuple[int, str, Patch, list[Built]]:
-        assert self.prev is not None
-        version = self.next_version
-        self.timings = PublishTimings(version)
-        if step.base_hash != self.prev_hash:
-            raise BaseMismatchError(f"v{version}: the ranks diffed against another base")
-        check_layout(layout_of(self.prev), step.layout, "sharded version")
-        self._moved = False  # ``_advance`` applies the step to ``prev``
-        return self._coded(version, step, {})
+    In format 1 the ranks' frames are the patch (joined, not decoded) and rank 0 keeps no copy
+    of the model: ``prev`` goes after the first version, and anchors and checkpoints are
+    written from the store one tensor at a time (``store.streamed``). Formats 2 and 3 code
+    against the base, so there rank 0 keeps ``prev`` and moves it by each patch."""
 
-    async def publish_step(self, step: Patch) -> list[Manifest]:
-        """Publish ``step`` (against the last version) as the next version."""
-        return await self._publish(lambda: self._build_step(step), None, False)
+    _joined = False  # the version being stored was joined from the ranks' frames
+
+    def _build_ranks(self, ranks: list[RankFrames]) -> tuple[int, str, Patch | None, list[Built]]:
+        """The version from every rank's frames: joined as they are (format 1), or decoded
+        into the whole patch when the policy codes against the base (formats 2 and 3)."""
+        assert self.digest is not None and self.prev_hash is not None
+        version, layout = self.next_version, self.digest.layout
+        self.timings, t0 = PublishTimings(version), time.perf_counter()
+        self._joined = not self.policy.based
+        if not self._joined:
+            from p2p_sync.weights.dtensors import assemble
+
+            step, target = assemble(layout, [decode_parts(r, layout) for r in ranks], self.digest)
+            step = Patch(step.layout, step.base_hash, step.target_hash, step.deltas, target)
+            return self._coded(version, step, {})  # ``_advance`` applies the step to ``prev``
+        frames, self._target_digest = join_ranks(layout, ranks, self.digest)
+        target = self._target_digest.hash()
+        payload = codec.assemble(layout, self.prev_hash, target, frames)
+        if self.history.maxlen:
+            self.history.append(payload)
+        self.timings.encode_s = time.perf_counter() - t0
+        return (
+            version,
+            target.hex(),
+            None,
+            self._artifacts(version, target.hex(), layout, {}, payload),
+        )
+
+    def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
+        """Stored: a joined version lets ``prev`` go (the store holds the head)."""
+        if self._joined:
+            self.prev, self._moved, self._joined = None, True, False
+        super()._advance(new, step, target, owned)
+
+    def _write_weights(self, f: BinaryIO, weights: TensorSet | None, version: int) -> None:
+        """Full weights from ``prev``, or without it from the store, a tensor at a time."""
+        if weights is not None:
+            super()._write_weights(f, weights, version)
+        else:
+            write_head(self.node.store, f, version)
+
+    async def publish(self, state_dict: TensorSet, owned: bool = False) -> list[Manifest]:
+        """Publish whole weights (the ranks' first version since start, or since a failure),
+        diffed against ``prev``, rebuilt from the store first if it was let go."""
+        self._joined = False
+        if self.prev is None and self.next_version > 0:
+            await self.spans_done()
+            await asyncio.to_thread(self._rebuild_prev)
+        return await super().publish(state_dict, owned)
+
+    async def publish_ranks(self, ranks: list[RankFrames]) -> list[Manifest]:
+        """Publish the ranks' diff (against the last version) as the next version."""
+        return await self._publish(lambda: self._build_ranks(ranks), {}, False)
 
 
 class ShardedPublishing:
@@ -117,7 +168,7 @@ class ShardedPublishing:
         return run(self.publisher.publish(whole, owned=True))[0].version
 
     def _next(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
-        from p2p_sync.weights.dtensors import assemble, gather_to
+        from p2p_sync.weights.dtensors import gather_to
 
         assert self.differ is not None
         try:
@@ -132,37 +183,62 @@ class ShardedPublishing:
         failed = [(r, c) for r, c in enumerate(coded) if isinstance(c, Exception)]
         if failed:
             raise PublishError(f"rank {failed[0][0]} could not diff its blocks: {failed[0][1]}")
-        assert self.publisher.digest is not None
-        specs = {s.name: s for s in self.differ.layout}
-        parts = [decode_parts(r, specs) for r in coded]
-        step, target = assemble(self.differ.layout, parts, self.publisher.digest)
-        step = Patch(step.layout, step.base_hash, step.target_hash, step.deltas, target)
-        return run(self.publisher.publish_step(step))[0].version
+        return run(self.publisher.publish_ranks(coded))[0].version
 
 
-def code_parts(parts: Parts) -> dict[str, tuple[Box, Frame | None, Sums]]:
-    """A rank's block deltas as codec frames for the trip to rank 0 (about the patch's
-    size, where raw positions and deltas take ~10 bytes per change)."""
+def join_ranks(
+    layout: Layout, ranks: list[RankFrames], base: StateDigest
+) -> tuple[dict[str, Frame], StateDigest]:
+    """The patch's frames from every rank's, and the new version's digest from ``base``
+    and the ranks' sum moves. A tensor whose blocks are runs of its flat order (FSDP2's rows,
+    a whole tensor) takes its ranks' frames as they are, as the parts of a coding-5 frame;
+    a tensor split otherwise (columns) is decoded, merged and coded again."""
+    target = StateDigest(layout, dict(base.sums))
+    frames = {}
+    for spec in layout:
+        mine = [r[spec.name] for r in ranks if spec.name in r]
+        target.sums[spec.name] = add(target.sums[spec.name], add_sums([m for *_, m in mine]))
+        changed = [(box, f) for box, f, _ in mine if f is not None]
+        if changed:
+            frames[spec.name] = _joined(spec, changed)
+    return frames, target
+
+
+def _joined(spec: TensorSpec, changed: list[tuple[Box, Frame]]) -> Frame:
+    """One tensor's frame from its blocks' frames, re-coded only where blocks interleave."""
+    runs = [(box.flat_range, f) for box, f in changed]
+    if any(r is None for r, _ in runs):
+        wholes = [to_whole(spec, box, _decoded(spec, box, f)) for box, f in changed]
+        merged = merge_blocks(spec, wholes)
+        assert merged is not None  # each frame holds at least one change
+        return codec.encode_frame(merged, codec.DEFAULT_LEVEL)
+    if len(runs) == 1 and runs[0][0] == (0, spec.numel):
+        return runs[0][1]
+    return codec.join_parts(sorted(((r[0], r[1], f) for r, f in runs if r), key=lambda p: p[0]))
+
+
+def _decoded(spec: TensorSpec, box: Box, frame: Frame) -> TensorDelta:
+    coding, count, data = frame
+    row = FrameInfo(TensorSpec(spec.name, box.shape, spec.dtype), coding, count, 0, len(data))
+    return codec.decode_frame(row, memoryview(data))
+
+
+def code_parts(parts: Parts) -> RankFrames:
+    """A rank's block deltas as codec frames: the patch's own parts where rank 0 joins them
+    as they are (about the patch's size; raw positions and deltas take ~10 bytes a change)."""
     return {
-        name: (box, None if d is None else codec.encode_frame(d.host(), SHIP_LEVEL), moved)
+        name: (box, None if d is None else codec.encode_frame(d.host(), codec.DEFAULT_LEVEL), moved)
         for name, (box, d, moved) in parts.items()
     }
 
 
-def decode_parts(
-    coded: dict[str, tuple[Box, Frame | None, Sums]], specs: Mapping[str, TensorSpec]
-) -> Parts:
+def decode_parts(coded: RankFrames, layout: Layout) -> Parts:
     """A rank's frames back into block deltas (rank 0; the frames are its own ranks')."""
-    out: Parts = {}
-    for name, (box, frame, moved) in coded.items():
-        delta = None
-        if frame is not None:
-            coding, count, data = frame
-            local = TensorSpec(name, box.shape, specs[name].dtype)
-            row = FrameInfo(local, coding, count, 0, len(data))
-            delta = codec.decode_frame(row, memoryview(data))
-        out[name] = (box, delta, moved)
-    return out
+    specs = {s.name: s for s in layout}
+    return {
+        name: (box, None if f is None else _decoded(specs[name], box, f), moved)
+        for name, (box, f, moved) in coded.items()
+    }
 
 
 __all__ = [
@@ -171,5 +247,6 @@ __all__ = [
     "code_parts",
     "decode_parts",
     "is_sharded",
+    "join_ranks",
     "rank",
 ]

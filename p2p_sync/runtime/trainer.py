@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -44,10 +44,10 @@ from p2p_sync.weights.patch import (
     Patch,
     TensorDelta,
     add_all,
-    aliases,
     check_layout,
     diff,
     diff_tracked,
+    untied,
 )
 from p2p_sync.weights.served import copy_of, detached
 from p2p_sync.weights.statehash import StateDigest
@@ -98,9 +98,8 @@ class Publisher:
     ) -> None:
         """``policy`` and ``checkpoint_every`` default to the node's config."""
         cfg = node.cfg
-        self.node, self.key = node, key
+        self.node, self.key, self.policy = node, key, policy or cfg.publish
         self.workers = cfg.threads  # threads for per-tensor work
-        self.policy = policy or cfg.publish
         self.checkpoint_every = checkpoint_every or cfg.store.checkpoint_every
         self.prev: dict[str, torch.Tensor] | None = None
         self.prev_hash: bytes | None = None
@@ -142,7 +141,7 @@ class Publisher:
         with self.node.store.writing(f"the anchor of v{version}"):
             try:
                 with os.fdopen(fd, "wb") as f:
-                    write_to(f, new)
+                    self._write_weights(f, new, version)
             except BaseException:
                 os.unlink(name)  # a model's worth of a full disk, given back at once
                 raise
@@ -276,8 +275,7 @@ class Publisher:
         the digest move to ``new`` in place. Format 1 moves it in the diff's own pass; formats
         2 and 3 code against the old bits first, then copy."""
         assert self.prev is not None
-        old = self.prev[spec.name]
-        based = self.policy.based
+        old, based = self.prev[spec.name], self.policy.based
         delta = diff_tracked(spec, old, new, digest, scratch, advance=not based)
         if delta is None:
             return None, None
@@ -451,12 +449,16 @@ class Publisher:
         )
 
     def _checkpoint(self, version: int, target: str) -> None:
-        """Write ``prev`` (at ``version``) as the store's checkpoint. It runs after the
-        announcement, in the background: inline it held a 1B model's every 10th version back
-        by ~2 s. ``prev`` holds ``version`` until the next publish, which waits for it
-        (``spans_done``); a crash before it lands replays the log from the older base."""
-        assert self.prev is not None
-        self.node.store.set_checkpoint(version, target, lambda f: write_to(f, self.prev))
+        """Write ``prev`` (at ``version``) as the store's checkpoint, after the announcement
+        (inline it held a 1B model's every 10th version back by ~2 s). ``prev`` holds ``version``
+        until the next publish, which waits for it (``spans_done``); a crash before it lands
+        replays the log from the older base."""
+        store, prev = self.node.store, self.prev
+        store.set_checkpoint(version, target, lambda f: self._write_weights(f, prev, version))
+
+    def _write_weights(self, f: BinaryIO, weights: TensorSet | None, version: int) -> None:
+        """``version``'s full weights (an anchor's pack, a checkpoint) to ``f``."""
+        write_to(f, weights)  # type: ignore[arg-type]
 
     def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
         """Bring ``prev`` to the new version, unless the build already moved it in place: take
@@ -465,7 +467,7 @@ class Publisher:
         if self._moved:
             pass
         elif owned:
-            self.prev = _untied(new)
+            self.prev = untied(new)
         elif self.prev is not None and step is not None:
             add_all(self.prev, step)  # its sums are the diff's target digest, adopted below
         else:
@@ -513,13 +515,17 @@ class Publisher:
                 await asyncio.to_thread(self._rebuild_prev)
             raise
         manifests = await self._announced(version, built, t0)
-        pending = any(isinstance(s, Patch) for s in self.history)
+        pending = self._pending()
         anchor, checkpoint = self._anchor_due(version), self._checkpoint_due(version)
         if pending or anchor or checkpoint or self._span_jobs(version):
             self._spans = asyncio.create_task(
                 self._publish_behind(version, target, manifests[0].layout, anchor, checkpoint)
             )
         return manifests
+
+    def _pending(self) -> bool:
+        """Whether the last version left work for after its announcement (history to code)."""
+        return any(isinstance(s, Patch) for s in self.history)
 
     async def _announced(self, version: int, built: list[Built], t0: float) -> list[Manifest]:
         """Stored: make room, announce the version and log what it cost (since ``t0``)."""
@@ -543,12 +549,10 @@ class Publisher:
 
     def close(self) -> None:
         """Checkpoint the head at clean shutdown, so a restart replays nothing."""
-        state, store = self.node.store.state, self.node.store
-        if state is not None and self.prev is not None and store.checkpoint_due(1):
+        state = self.node.store.state
+        if state is not None and self.node.store.checkpoint_due(1):
             with contextlib.suppress(StoreFullError):  # logged by the store; the log rebuilds it
-                store.set_checkpoint(
-                    state.version, state.state_hash, lambda f: write_to(f, self.prev)
-                )
+                self._checkpoint(state.version, state.state_hash)
 
     def refresh(self, now: int) -> list[Manifest]:
         """Re-sign the newest manifest of each (version, kind, base) once half its lifetime has
@@ -578,23 +582,13 @@ class Publisher:
             if renewed:
                 log.info("re-signed %d manifest(s) nearing expiry", len(renewed))
                 await self.node.learner.announce([m.digest for m in renewed])
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
-            except TimeoutError:
-                pass
-
-
-def _untied(weights: TensorSet) -> dict[str, torch.Tensor]:
-    """``weights`` with every name in its own memory (tied tensors cloned apart): ``prev`` is
-    moved in place name by name, and a second name on the same memory would see no change."""
-    tied = aliases(weights, sorted(weights))
-    return {k: v.clone() if k in tied else v for k, v in weights.items()}
 
 
 def _history(policy: PublishPolicy) -> collections.deque[bytes | Patch]:
-    """Recent 1-step patches for merged catch-up patches, kept encoded (format 1, fast to
-    decode, no base needed): decoded, 16 steps of a 1B model would hold ~5 GB of positions;
-    encoded they hold ~16 patch payloads. With format 2 on the wire the newest step waits
-    decoded (a ``Patch``) until ``_encode_history`` codes it after the announcement: that
-    coding is not on the way to the rollouts."""
+    """Recent 1-step patches for merged catch-up patches, kept encoded (format 1, no base
+    needed): decoded, 16 steps of a 1B model would hold ~5 GB of positions. With formats 2 and
+    3 on the wire the newest step waits decoded (a ``Patch``) until ``_encode_history`` codes
+    it after the announcement: that coding is not on the way to the rollouts."""
     return collections.deque(maxlen=max(policy.catchup_spans, default=0))

@@ -24,7 +24,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from p2p_sync.errors import ShardLayoutError
 from p2p_sync.weights.delta import Patch, TensorDelta
-from p2p_sync.weights.patch import add_delta
 from p2p_sync.weights.shards import (
     Block,
     Box,
@@ -35,7 +34,7 @@ from p2p_sync.weights.shards import (
     to_whole,
 )
 from p2p_sync.weights.statehash import StateDigest, Sums, add
-from p2p_sync.weights.tensors import Layout, flat_bits, layout_of
+from p2p_sync.weights.tensors import Layout, layout_of
 
 Parts = dict[str, tuple[Box, TensorDelta | None, Sums]]  # per tensor: block, its delta, moves
 
@@ -87,10 +86,9 @@ class ShardDiffer:
         parts: Parts = {}
         for name, old in self.prev.items():
             new = block_of(state_dict[name])
-            delta, moved = shard_diff(spec[name], old.box, old.local, new.local, self._scratch)
-            parts[name] = (old.box, delta, moved)
-            if delta is not None:  # the kept block moves by the change alone: O(changes)
-                add_delta(flat_bits(old.local), delta, +1)
+            # the kept block moves by the change alone: O(changes), in the diff's pass
+            step = shard_diff(spec[name], old.box, old.local, new.local, self._scratch, True)
+            parts[name] = (old.box, *step)
         return parts
 
 

@@ -301,6 +301,13 @@ def aliases(weights: TensorSet, names: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def untied(weights: TensorSet) -> dict[str, torch.Tensor]:
+    """``weights`` with every name in its own memory (tied tensors cloned apart), for a copy
+    moved in place name by name: a second name on the same memory would see no change."""
+    tied = aliases(weights, sorted(weights))
+    return {k: v.clone() if k in tied else v for k, v in weights.items()}
+
+
 def distinct_tensors(weights: TensorSet, names: Iterable[str]) -> list[str]:
     """``names`` less their aliases: tied weights are patched once, or the delta would add
     twice."""

@@ -16,6 +16,7 @@ are multiples of 4 for 16-bit dtypes); a block that would split a word raises
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,6 +89,17 @@ class Box:
             keep &= (coord >= offset) & (coord < offset + size)
             local += (coord - offset) * stride
         return keep, local[keep]
+
+    @property
+    def flat_range(self) -> tuple[int, int] | None:
+        """(start, length) of the block in the whole tensor's flat order when its elements
+        are one run there (whole rows: FSDP2's blocks, a whole tensor); None otherwise."""
+        if not self.shape:
+            return 0, 1
+        if self.shape[1:] != self.global_shape[1:]:
+            return None
+        row = math.prod(self.shape[1:])
+        return self.offsets[0] * row, self.shape[0] * row
 
     @property
     def whole(self) -> bool:
@@ -182,20 +194,24 @@ def shard_diff(
     old: torch.Tensor,
     new: torch.Tensor,
     scratch: np.ndarray | None = None,
+    advance: bool = False,
 ) -> tuple[TensorDelta | None, Sums]:
     """The block's change from ``old`` to ``new`` (positions in the block; ``to_whole`` puts
-    them in the whole tensor ``spec``), and how the block's sums move; ``old`` is left as it
-    was. ``scratch``: a bool array of at least the block's size, reused across calls."""
+    them in the whole tensor ``spec``), and how the block's sums move; with ``advance`` ``old``
+    moves to ``new`` by the change (in the diff's own pass for a row block on the host), else
+    it is left as it was. ``scratch``: a bool array of at least the block's size, reused."""
     box.check_words(spec.itemsize, spec.name)
     local = TensorSpec(spec.name, box.shape, spec.dtype)
     word0 = _row_block_word0(box, local, old, new)
     if word0 is not None:  # one fused pass, as an unsharded diff: changes and sums together
-        return _diff_rows(local, box, old, new, word0)
+        return _diff_rows(local, box, old, new, word0, advance)
     delta = diff_tensor(local, old, new, scratch)
     if delta is None:
         return None, (0, 0)
     positions = _sparse(delta)[0].cpu()
     moved = sub(_sums_at(new.to(old.device), box, positions), _sums_at(old, box, positions))
+    if advance:
+        add_delta(flat_bits(old), delta, +1)
     return delta, moved
 
 
@@ -216,16 +232,23 @@ def _row_block_word0(
 
 
 def _diff_rows(
-    local: TensorSpec, box: Box, old: torch.Tensor, new: torch.Tensor, word0: int
+    local: TensorSpec, box: Box, old: torch.Tensor, new: torch.Tensor, word0: int, advance: bool
 ) -> tuple[TensorDelta | None, Sums]:
     """:func:`shard_diff` of a row block by the host kernel, its sums at their global words."""
     moves = StateDigest((local,), {local.name: (0, 0)})
-    delta = diff_tracked(local, old, new, moves, word0=word0)
+    delta = diff_tracked(local, old, new, moves, advance=advance, word0=word0)
     if delta is None:
         return None, (0, 0)
     if delta.positions is None:  # dense: the kernel's sums were the block's own, recount
-        return delta, sub(shard_sums(new, box, local.name), shard_sums(old, box, local.name))
+        before = old if not advance else _before(old, delta)
+        return delta, sub(shard_sums(new, box, local.name), shard_sums(before, box, local.name))
     return delta, moves.sums[local.name]
+
+
+def _before(now: torch.Tensor, delta: TensorDelta) -> torch.Tensor:
+    """The block as it was before a dense ``delta`` moved it (a dense change is rare)."""
+    bits = flat_bits(now) - delta.deltas.to(now.device)  # wrapping, as the delta was taken
+    return bits.view(now.dtype).reshape(now.shape)
 
 
 def _sparse(delta: TensorDelta) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ tensors' bytes. Files from either side load with the other.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import struct
@@ -58,16 +59,24 @@ Entry = tuple[str, torch.dtype, tuple[int, ...], int, int]  # name, dtype, shape
 
 
 def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
+    specs = [(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in sorted(tensors)]
+    return header_of(specs, metadata)
+
+
+def header_of(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """The safetensors header of tensors ``(name, dtype, shape)`` laid out in name order, as
+    :func:`write_to` writes them (for writers that produce the tensors one at a time)."""
     doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        if t.dtype not in DTYPE_NAMES:
-            raise WeightsFileError(f"{name}: dtype {t.dtype} cannot be saved")
-        size = t.numel() * t.element_size()
+    for name, dtype, shape in sorted(specs, key=lambda s: s[0]):
+        if dtype not in DTYPE_NAMES:
+            raise WeightsFileError(f"{name}: dtype {dtype} cannot be saved")
+        size = math.prod(shape) * dtype.itemsize
         doc[name] = {
-            "dtype": DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }
         offset += size
@@ -76,7 +85,7 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | N
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _host_view(t: torch.Tensor) -> memoryview:
+def host_view(t: torch.Tensor) -> memoryview:
     """The raw bytes of ``t`` on the host: a view for contiguous CPU tensors, else one copy of
     this tensor only."""
     t = t.detach()
@@ -96,7 +105,7 @@ def write_to(
     f.write(head)
     total = len(head)
     for name in sorted(tensors):
-        view = _host_view(tensors[name])
+        view = host_view(tensors[name])
         f.write(view)
         total += len(view)
     return total

@@ -77,7 +77,7 @@ CASES = [
     ("truncated in table", lambda d: d[:80], TruncatedPatchError, "table ends"),
     ("bad magic", lambda d: b"GARBAGE!" + d[8:], BadMagicError, "magic"),
     ("empty file", lambda d: b"", TruncatedPatchError, "0 bytes"),
-    ("unknown version", lambda d: _with_version(d, 4), UnsupportedFormatError, "version 4"),
+    ("unknown version", lambda d: _with_version(d, 5), UnsupportedFormatError, "version 5"),
     ("trailing garbage", lambda d: d + b"\0", TrailingDataError, "1 unexpected"),
     ("count too high", lambda d: rebuild(d, _set_count(+1)), CountMismatchError, "^a: "),
     ("count too low", lambda d: rebuild(d, _set_count(-1)), CountMismatchError, "^a: "),

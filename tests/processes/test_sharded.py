@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from p2p_sync import codec
+from p2p_sync.runtime.sharded import code_parts, join_ranks
 from p2p_sync.weights.dtensors import (
     ShardDiffer,
     assemble,
@@ -76,10 +78,12 @@ def _rank(rank: int, store: str) -> None:
         if digest is not None:
             assert digest.hash() == state_hash(_weights(0))
         for step in (1, 2):
-            parts = gather_to(differ.step(sharded(step)))
-            if parts is None:
+            mine = differ.step(sharded(step))
+            parts, coded = gather_to(mine), gather_to(code_parts(mine))
+            if parts is None or coded is None:
                 continue
             assert digest is not None
+            base = digest
             patch, digest = assemble(layout, parts, digest)
             old, new = _weights(step - 1), _weights(step)
             assert patch.target_hash == state_hash(new)
@@ -87,11 +91,28 @@ def _rank(rank: int, store: str) -> None:
             assert patch.deltas.keys() == want.deltas.keys()
             for name, d in want.deltas.items():
                 assert _sparse(patch.deltas[name]) == _sparse(d), name
+            _check_joined(layout, coded, base, want, state_hash(new))
             apply(old, patch)  # checks the base and the target hash in full
             assert all(torch.equal(old[n].view(torch.uint8), new[n].view(torch.uint8)) for n in new)
         dist.barrier()  # leave together: a rank gone while another still talks aborts it
     finally:
         dist.destroy_process_group()
+
+
+def _check_joined(layout, coded, base, want, target: bytes) -> None:  # type: ignore[no-untyped-def]
+    """The ranks' frames joined without decoding (coding 5 for row blocks; column blocks
+    re-coded) decode to the unsharded diff, and the ranks' sums give its target."""
+    frames, digest = join_ranks(layout, coded, base)
+    assert digest.hash() == target
+    data = codec.assemble(layout, base.hash(), target, frames)
+    codings = {r.spec.name: r.coding for r in codec.read_header(data).rows}
+    assert codings["attn.qkv.weight"] == codings["embed.weight"] == codec.PARTS
+    assert codings["attn.o.weight"] in (codec.SPARSE, codec.DENSE)  # columns interleave
+    assert codings["norm.weight"] in (codec.SPARSE, codec.DENSE)  # one rank counts it whole
+    joined = codec.decode(data)
+    assert joined.deltas.keys() == want.deltas.keys()
+    for name, d in want.deltas.items():
+        assert _sparse(joined.deltas[name]) == _sparse(d), name
 
 
 def test_ranks_diff_their_own_blocks_into_the_unsharded_patch(tmp_path: Path) -> None:
@@ -102,10 +123,30 @@ def _box_slices(box: object) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.shape))  # type: ignore[attr-defined]
 
 
-def _trainer_rank(rank: int, store: str, root: str) -> None:
+def _check_written(data_dir: Path, full: dict[str, torch.Tensor]) -> None:
+    """v3's anchor and the checkpoint at close (v4), written by rank 0 with no copy of the
+    model in format 1 (from the store, a tensor at a time), hold those versions bit for bit."""
+    from p2p_sync.store import Store
+    from p2p_sync.trust.manifest import SNAPSHOT
+    from p2p_sync.weights.weights_io import load_weights
+
+    store = Store.open(data_dir)
+    anchor = [m for m in store.manifests() if m.kind == SNAPSHOT and m.version == 3]
+    assert len(anchor) == 1
+    checkpoint = store.checkpoint
+    assert checkpoint is not None and checkpoint.version == 4
+    for path, want in ((store.pack_path(anchor[0].digest), 3), (checkpoint.weights, 4)):
+        held = load_weights(path)
+        assert held.keys() == full[want].keys()
+        for n, t in full[want].items():
+            assert torch.equal(held[n].view(torch.int16), t.view(torch.int16)), (want, n)
+
+
+def _trainer_rank(rank: int, store: str, root: str, patch_format: int) -> None:
     """FSDP2 (fully_shard) on 2 ranks publishing 3 versions through Trainer.publish on every
     rank; rank 0 also follows them with a rollout and checks it bit for bit (and that the
-    asyncio face, which cannot be collective, refuses the sharded state dict)."""
+    asyncio face, which cannot be collective, refuses the sharded state dict). Format 1 joins
+    the ranks' frames as they are; format 3 decodes them and codes against rank 0's base."""
     from torch.distributed.fsdp import fully_shard
 
     from p2p_sync import Rollout, Trainer
@@ -119,11 +160,15 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
         model = model.to(torch.bfloat16)
         full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        kept = {}  # the whole weights of each version
         for layer in model:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         base = Path(root)
-        with Trainer(key=base / "trainer.key", data_dir=base / f"t{rank}") as trainer:
+        publish = {"patch_format": patch_format, "anchor_every": 3}
+        with Trainer(
+            key=base / "trainer.key", data_dir=base / f"t{rank}", publish=publish
+        ) as trainer:
             follower = None
             if rank == 0:  # the asyncio face refuses a sharded state dict: publishing is collective
                 with pytest.raises(PublishError, match=r"publish\(\) on every rank"):
@@ -136,7 +181,7 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
                     directory={"poll_interval_s": 0.2},
                 ).open()
             try:
-                for v in range(3):
+                for v in range(5):
                     if v:  # a sparse step, written into each rank's own shards
                         g = torch.Generator().manual_seed(v)
                         for t in full.values():
@@ -150,6 +195,7 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
                         with pytest.raises(ShardLayoutError, match="names, shapes or dtypes"):
                             trainer.publish(bad)
                     assert trainer.publish(model.state_dict()) == v  # and the next one works
+                    kept[v] = {n: t.clone() for n, t in full.items()}
                     if follower is not None:
                         follower.wait_for_version(v)
                         held = follower.weights or {}
@@ -159,15 +205,20 @@ def _trainer_rank(rank: int, store: str, root: str) -> None:
             finally:
                 if follower is not None:
                     follower.close()
+        if rank == 0:
+            _check_written(base / "t0", kept)
         dist.barrier()  # leave together (on success: a failed rank is ended by spawn)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two ranks, each importing torch.distributed: started first
-def test_an_fsdp2_trainer_publishes_from_every_rank_and_a_rollout_follows(tmp_path: Path) -> None:
+@pytest.mark.parametrize("patch_format", [1, 3])
+def test_an_fsdp2_trainer_publishes_from_every_rank_and_a_rollout_follows(
+    tmp_path: Path, patch_format: int
+) -> None:
     from p2p_sync.trust.keys import SigningKey, write_keypair
 
     write_keypair(SigningKey.generate(), tmp_path / "trainer.key")
-    args = (str(tmp_path / "store"), str(tmp_path))
+    args = (str(tmp_path / "store"), str(tmp_path), patch_format)
     mp.spawn(_trainer_rank, args=args, nprocs=WORLD, join=True)

@@ -71,15 +71,25 @@ def _versions(dtype: torch.dtype, rows: int, cols: int, seed: int, fraction: flo
     return old, new
 
 
+@pytest.mark.parametrize("advance", [False, True], ids=["kept", "advanced"])
 @settings(max_examples=60, deadline=None)
 @given(sharded())
-def test_blocks_diffed_alone_make_the_whole_tensors_diff_and_state(case: tuple) -> None:
+def test_blocks_diffed_alone_make_the_whole_tensors_diff_and_state(
+    advance: bool, case: tuple
+) -> None:
+    """Every block's diff and sum moves make the whole tensor's; with ``advance`` each block
+    has moved to the new version (dense changes too), else it is as it was."""
     dtype, rows, cols, dim, cuts, seed, fraction = case
     old, new = _versions(dtype, rows, cols, seed, fraction)
     spec = TensorSpec("w", (rows, cols), dtype)
     olds, news = _blocks(old, dim, cuts), _blocks(new, dim, cuts)
     assert add_sums([shard_sums(b, box) for box, b in olds]) == tensor_sums(old)
-    parts = [(box, *shard_diff(spec, box, a, b)) for (box, a), (_, b) in zip(olds, news)]
+    kept = [b.clone() for _, b in olds]
+    parts = [
+        (box, *shard_diff(spec, box, a, b, advance=advance)) for (box, a), (_, b) in zip(olds, news)
+    ]
+    for (_, a), (_, b), k in zip(olds, news, kept):
+        assert torch.equal(flat_bits(a), flat_bits(b if advance else k))
     merged = merge_blocks(spec, [to_whole(spec, box, d) for box, d, _ in parts if d is not None])
     assert _sparse(merged) == _sparse(diff_tensor(spec, old, new))
     moved = add_sums([m for *_, m in parts])
