@@ -19,9 +19,13 @@ keeps (their codings need the base), moved by each patch.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 import torch
@@ -33,11 +37,13 @@ from p2p_sync.errors import PublishError
 from p2p_sync.runtime.timings import Built, PublishTimings
 from p2p_sync.runtime.trainer import Publisher
 from p2p_sync.store.streamed import write_head
-from p2p_sync.trust.manifest import Manifest
+from p2p_sync.trust.chunks import file_chunk_hashes
+from p2p_sync.trust.manifest import SNAPSHOT, Manifest, sign
 from p2p_sync.weights.delta import Patch, TensorDelta
 from p2p_sync.weights.shards import Box, add_sums, merge_blocks, to_whole
 from p2p_sync.weights.statehash import StateDigest, Sums, add
-from p2p_sync.weights.tensors import Layout, TensorSet, TensorSpec
+from p2p_sync.weights.tensors import Layout, TensorSet, TensorSpec, layout_fingerprint, layout_of
+from p2p_sync.weights.weights_io import header_of
 
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: only sharded runs pay it
     from p2p_sync.weights.dtensors import Parts, ShardDiffer
@@ -120,6 +126,26 @@ class StepPublisher(Publisher):
             await asyncio.to_thread(self._rebuild_prev)
         return await super().publish(state_dict, owned)
 
+    def snapshot_path(self) -> Path:
+        """A new file in the store's folder for the ranks to write a snapshot into."""
+        fd, name = tempfile.mkstemp(prefix=".snapshot-", suffix=".tmp", dir=self.node.store.root)
+        os.close(fd)
+        return Path(name)
+
+    async def publish_written(self, path: Path, digest: StateDigest) -> list[Manifest]:
+        """Publish the snapshot the ranks wrote at ``path`` (v0, format 1), whose sums the
+        ranks counted, as the next version; rank 0 never held its weights."""
+
+        def build() -> tuple[int, str, None, list[Built]]:
+            version, target = self.next_version, digest.hash().hex()
+            self.timings, self._target_digest, self._joined = PublishTimings(version), digest, True
+            chunks = file_chunk_hashes(path, self.policy.chunk_size)
+            layout = layout_fingerprint(digest.layout).hex()
+            m = self._manifest(version, SNAPSHOT, target, layout, None, chunks=chunks)
+            return version, target, None, [(m, sign(m, [self.key]), path)]
+
+        return await self._publish(build, {}, False)
+
     async def publish_ranks(self, ranks: list[RankFrames]) -> list[Manifest]:
         """Publish the ranks' diff (against the last version) as the next version."""
         return await self._publish(lambda: self._build_ranks(ranks), {}, False)
@@ -153,19 +179,39 @@ class ShardedPublishing:
         return int(shared[0])
 
     def _first(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
-        """v0 (or the first version since start): every tensor whole at rank 0 only, one at a
-        time, from the blocks the ranks count (no other rank holds a whole tensor)."""
+        """The first version since start: v0 in format 1 is written by the ranks straight into
+        the snapshot's file (rank 0 holds one block at a time, never the model); otherwise
+        every tensor comes whole to rank 0, one at a time (no other rank holds a whole tensor),
+        to be diffed against its copy of the last version (formats 2 and 3 keep one)."""
         from p2p_sync.weights.dtensors import ShardDiffer, whole_at
 
+        p = self.publisher
+        streamed = [p is not None and p.next_version == 0 and not p.policy.based]
+        dist.broadcast_object_list(streamed, src=0, group=self.group)
+        self.differ = ShardDiffer(state_dict)
+        if streamed[0]:
+            return self._first_written(state_dict, run)
         whole = {}
         for name in sorted(state_dict):
             t = whole_at(state_dict[name], 0, self.group)
             if t is not None:
                 whole[name] = t
-        self.differ = ShardDiffer(state_dict)
-        if self.publisher is None:
+        if p is None:
             return None
-        return run(self.publisher.publish(whole, owned=True))[0].version
+        return run(p.publish(whole, owned=True))[0].version
+
+    def _first_written(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
+        """v0 written into its snapshot's file by the ranks, and its digest from their sums."""
+        from p2p_sync.weights.dtensors import digest_of, gather_to, partial_sums
+
+        layout = layout_of(state_dict)
+        sums = gather_to(partial_sums(state_dict), 0, self.group)
+        if self.publisher is None or sums is None:
+            write_snapshot(state_dict, None, self.group)  # the other ranks send their blocks
+            return None
+        path = self.publisher.snapshot_path()
+        write_snapshot(state_dict, path, self.group)
+        return run(self.publisher.publish_written(path, digest_of(layout, sums)))[0].version
 
     def _next(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
         from p2p_sync.weights.dtensors import gather_to
@@ -184,6 +230,33 @@ class ShardedPublishing:
         if failed:
             raise PublishError(f"rank {failed[0][0]} could not diff its blocks: {failed[0][1]}")
         return run(self.publisher.publish_ranks(coded))[0].version
+
+
+def write_snapshot(
+    state_dict: Mapping[str, torch.Tensor], path: Path | None, group: Any = None
+) -> None:
+    """The sharded state dict as a safetensors file at ``path`` (rank 0), written a block at
+    a time where each block's bytes go; collective: the ranks with no ``path`` send theirs.
+    A failed write still lets every rank finish, then raises on rank 0."""
+    from p2p_sync.weights.dtensors import blocks_into
+
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in sorted(state_dict.items())]
+    fd, failed = (os.open(path, os.O_WRONLY | os.O_CLOEXEC) if path else None), None
+    try:
+        at = len(head := header_of(specs))
+        if fd is not None:
+            os.pwrite(fd, head, 0)
+        for name, dtype, shape in specs:
+            try:
+                blocks_into(state_dict[name], None if failed else fd, at, 0, group)
+            except OSError as exc:  # a full disk: the other ranks still send every block
+                failed = failed or exc
+            at += math.prod(shape) * dtype.itemsize
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if failed is not None:
+        raise failed
 
 
 def join_ranks(

@@ -13,6 +13,7 @@ by several ranks; only the one at coordinate 0 of each replicated mesh dim count
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ from p2p_sync.weights.shards import (
 )
 from p2p_sync.weights.statehash import StateDigest, Sums, add
 from p2p_sync.weights.tensors import Layout, layout_of
+from p2p_sync.weights.weights_io import host_view
 
 Parts = dict[str, tuple[Box, TensorDelta | None, Sums]]  # per tensor: block, its delta, moves
 
@@ -120,6 +122,35 @@ def whole_at(t: torch.Tensor, dst: int = 0, group: Any = None) -> torch.Tensor |
     return out
 
 
+def blocks_into(t: torch.Tensor, fd: int | None, at: int, dst: int = 0, group: Any = None) -> None:
+    """Tensor ``t`` written into file ``fd`` at byte ``at`` (where its whole bytes go) by rank
+    ``dst``, from the blocks the ranks count, one rank's block in memory at a time: no rank
+    holds the whole tensor. Collective: the other ranks send their blocks (``fd`` unused). On
+    ``dst``, ``fd`` None receives without writing (a write failed: the ranks still finish)."""
+    b = block_of(t)
+    mine = (b.box, b.local.cpu()) if b.counts else None
+    if not dist.is_initialized():
+        return _write_block(fd, at, mine)
+    if dist.get_rank() != dst:
+        dist.send_object_list([mine], dst=dst, group=group)
+        return
+    for r in range(dist.get_world_size(group)):
+        got = [mine]
+        if r != dst:
+            dist.recv_object_list(got, src=r, group=group)
+        _write_block(fd, at, got[0])
+
+
+def _write_block(fd: int | None, at: int, block: tuple[Box, torch.Tensor] | None) -> None:
+    if fd is None or block is None:
+        return
+    box, local = block
+    run, starts = box.runs()
+    view, item = host_view(local), local.element_size()
+    for i, start in enumerate(starts.tolist()):
+        os.pwrite(fd, view[i * run * item : (i + 1) * run * item], at + start * item)
+
+
 def assemble(layout: Layout, ranks: list[Parts], base: StateDigest) -> tuple[Patch, StateDigest]:
     """The checkpoint patch from every rank's parts, against ``base`` (the digest of the last
     version), and the new version's digest."""
@@ -145,6 +176,7 @@ __all__ = [
     "ShardDiffer",
     "assemble",
     "block_of",
+    "blocks_into",
     "digest_of",
     "gather_to",
     "partial_sums",

@@ -101,6 +101,21 @@ class Box:
         row = math.prod(self.shape[1:])
         return self.offsets[0] * row, self.shape[0] * row
 
+    def runs(self) -> tuple[int, np.ndarray]:
+        """The block as runs of the whole tensor's flat order: (elements a run, the whole
+        tensor's flat index where each run starts, in the block's own flat order). Row blocks
+        are one run; a block of columns, one per row."""
+        if not self.shape:
+            return 1, np.zeros(1, dtype=np.int64)
+        split = [k for k, (a, b) in enumerate(zip(self.shape, self.global_shape)) if a != b]
+        if not split:
+            return math.prod(self.shape), np.zeros(1, dtype=np.int64)
+        d, g = split[-1], self._strides(self.global_shape)
+        starts = np.full(math.prod(self.shape[:d]), self.offsets[d] * g[d], dtype=np.int64)
+        for k, index in enumerate(np.indices(self.shape[:d], dtype=np.int64)):
+            starts += (self.offsets[k] + index.reshape(-1)) * g[k]
+        return self.shape[d] * g[d], starts
+
     @property
     def whole(self) -> bool:
         """The block is the whole tensor (a replicated or unsharded one)."""

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from p2p_sync import codec
-from p2p_sync.runtime.sharded import code_parts, join_ranks
+from p2p_sync.runtime.sharded import code_parts, join_ranks, write_snapshot
 from p2p_sync.weights.dtensors import (
     ShardDiffer,
     assemble,
@@ -27,6 +27,7 @@ from p2p_sync.weights.dtensors import (
 from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.statehash import state_hash
 from p2p_sync.weights.tensors import layout_of
+from p2p_sync.weights.weights_io import load_weights
 
 WORLD = 2
 PLACED = {  # name: (shape, dtype, placement): row- and column-sharded, uneven, replicated
@@ -71,6 +72,14 @@ def _rank(rank: int, store: str) -> None:
             assert (whole is None) == (rank != 0)
             if whole is not None:
                 assert torch.equal(whole.view(torch.uint8), _weights(0)[name].view(torch.uint8))
+        snapshot = Path(store).with_name("v0.safetensors")
+        if rank == 0:
+            snapshot.touch()
+        write_snapshot(v0, snapshot if rank == 0 else None)  # written a block at a time
+        if rank == 0:
+            written = load_weights(snapshot)
+            for name, t in _weights(0).items():
+                assert torch.equal(written[name].view(torch.uint8), t.view(torch.uint8)), name
         layout = layout_of(v0)
         sums = gather_to(partial_sums(v0))
         differ = ShardDiffer(v0)
