@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from benchmarks.memory import status_kb
 from benchmarks.models import llama_shapes, ranked_args
 from p2p_sync import codec
-from p2p_sync.runtime.sharded import code_parts, decode_parts, join_ranks
+from p2p_sync.runtime.sharded import code_parts, decode_parts, join_ranks, write_snapshot
 from p2p_sync.weights.dtensors import (
     ShardDiffer,
     assemble,
@@ -94,7 +94,7 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     sums = gather_to(partial_sums(blocks.served))
     digest = digest_of(layout, sums) if sums is not None else None
     differ = ShardDiffer(blocks.served)
-    lines = []
+    lines = [_v0(rank, blocks, os.path.dirname(out))]
     resident, grew = status_kb("VmRSS"), 0
     for v in range(1, args.versions + 1):
         blocks.step()
@@ -124,6 +124,26 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     if rank == 0:
         Path(out).write_text("\n".join(lines) + "\n")
     dist.destroy_process_group()
+
+
+def _v0(rank: int, blocks: Blocks, folder: str) -> str:
+    """v0's snapshot written by the ranks into one file (format 1), and what it adds to rank
+    0's resident memory: a block at a time, not the model."""
+    path = Path(folder) / "v0.safetensors"
+    if rank == 0:
+        path.touch()
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")
+    before, t0 = status_kb("VmRSS"), time.perf_counter()
+    write_snapshot(blocks.served, path if rank == 0 else None)
+    took, grew = time.perf_counter() - t0, (status_kb("VmHWM") - before) / 1e3
+    if rank != 0:
+        return ""
+    size = path.stat().st_size / 1e6
+    path.unlink()
+    return (
+        f"v0: the ranks wrote its {size:,.0f} MB snapshot in {took:.2f} s; rank 0 +{grew:,.0f} MB"
+    )
 
 
 def _rank0(v: int, layout: tuple, gathered: list, digest: StateDigest, t: tuple) -> str:

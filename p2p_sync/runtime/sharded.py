@@ -18,7 +18,6 @@ keeps (their codings need the base), moved by each patch.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import sys
@@ -36,7 +35,7 @@ from p2p_sync.codec import Frame, FrameInfo
 from p2p_sync.errors import PublishError
 from p2p_sync.runtime.timings import Built, PublishTimings
 from p2p_sync.runtime.trainer import Publisher
-from p2p_sync.store.streamed import write_head
+from p2p_sync.store.streamed import Head, write_head
 from p2p_sync.trust.chunks import file_chunk_hashes
 from p2p_sync.trust.manifest import SNAPSHOT, Manifest, sign
 from p2p_sync.weights.delta import Patch, TensorDelta
@@ -117,14 +116,24 @@ class StepPublisher(Publisher):
         else:
             write_head(self.node.store, f, version)
 
-    async def publish(self, state_dict: TensorSet, owned: bool = False) -> list[Manifest]:
-        """Publish whole weights (the ranks' first version since start, or since a failure),
-        diffed against ``prev``, rebuilt from the store first if it was let go."""
-        self._joined = False
-        if self.prev is None and self.next_version > 0:
-            await self.spans_done()
-            await asyncio.to_thread(self._rebuild_prev)
-        return await super().publish(state_dict, owned)
+    def _rebuild_prev(self) -> None:
+        """Formats 2 and 3: the copy of the head every publisher keeps. Format 1: none, only
+        the head's state and sums, read from the store a tensor at a time."""
+        if self.policy.based:
+            return super()._rebuild_prev()
+        state, self.prev, self._moved = self.node.store.state, None, False
+        self.prev_hash = self.digest = None
+        if state is not None:
+            head = Head(self.node.store, state.version)
+            for _ in head.tensors():
+                pass
+            self.prev_hash, self.digest = bytes.fromhex(state.state_hash), head.digest
+
+    def head(self) -> Head:
+        """The store's head, for the ranks to diff the next version from."""
+        state = self.node.store.state
+        assert state is not None
+        return Head(self.node.store, state.version)
 
     def snapshot_path(self) -> Path:
         """A new file in the store's folder for the ranks to write a snapshot into."""
@@ -179,18 +188,20 @@ class ShardedPublishing:
         return int(shared[0])
 
     def _first(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
-        """The first version since start: v0 in format 1 is written by the ranks straight into
-        the snapshot's file (rank 0 holds one block at a time, never the model); otherwise
-        every tensor comes whole to rank 0, one at a time (no other rank holds a whole tensor),
-        to be diffed against its copy of the last version (formats 2 and 3 keep one)."""
+        """The first version since start. Format 1: v0 is written by the ranks straight into the
+        snapshot's file, a later one is diffed from the store's head (rank 0 holds a block, or
+        one tensor, at a time, never the model). Formats 2 and 3: every tensor comes whole to
+        rank 0, one at a time, to be diffed against the copy of the head they keep."""
         from p2p_sync.weights.dtensors import ShardDiffer, whole_at
 
         p = self.publisher
-        streamed = [p is not None and p.next_version == 0 and not p.policy.based]
-        dist.broadcast_object_list(streamed, src=0, group=self.group)
+        plain = [None if p is None or p.policy.based else p.next_version == 0]
+        dist.broadcast_object_list(plain, src=0, group=self.group)
         self.differ = ShardDiffer(state_dict)
-        if streamed[0]:
-            return self._first_written(state_dict, run)
+        if plain[0] is not None:  # format 1: no copy of the model on rank 0
+            return (
+                self._first_written(state_dict, run) if plain[0] else self._seeded(state_dict, run)
+            )
         whole = {}
         for name in sorted(state_dict):
             t = whole_at(state_dict[name], 0, self.group)
@@ -212,6 +223,19 @@ class ShardedPublishing:
         path = self.publisher.snapshot_path()
         write_snapshot(state_dict, path, self.group)
         return run(self.publisher.publish_written(path, digest_of(layout, sums)))[0].version
+
+    def _seeded(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
+        """After a restart or a failed version (format 1): every rank's kept blocks become the
+        store's head, sent by rank 0 a tensor at a time, and the version is their diff."""
+        from p2p_sync.weights.dtensors import seed_blocks
+
+        assert self.differ is not None
+        if self.publisher is not None:
+            run(self.publisher.spans_done())  # the store is done with the last version
+        head = self.publisher.head() if self.publisher is not None else None
+        names = [s.name for s in self.differ.layout]
+        seed_blocks(self.differ.prev, head.tensors() if head else None, names, 0, self.group)
+        return self._next(state_dict, run)
 
     def _next(self, state_dict: Mapping[str, torch.Tensor], run: Run) -> int | None:
         from p2p_sync.weights.dtensors import gather_to

@@ -1,14 +1,15 @@
-"""The store's head written out one tensor at a time: full weights without holding them.
+"""The store's head read one tensor at a time: full weights without holding them.
 
 A sharded trainer's rank 0 keeps no copy of the model between versions; its anchors and
-checkpoints come from the store instead. The replay base (the checkpoint, or an anchor) is
-read one tensor at a time, each tensor is patched by its frames from every logged patch after
-the base, summed for the state hash and written; the sums must give the head's signed state.
-Memory is one tensor and one frame's blocks, the same file :func:`weights_io.write_to` writes.
+checkpoints, and after a restart the head the ranks diff from, come from the store instead.
+The replay base (the checkpoint, or an anchor) is read one tensor at a time, each tensor is
+patched by its frames from every logged patch after the base and summed for the state hash;
+the sums must give the head's signed state. Memory is one tensor and one frame's blocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import torch
@@ -33,30 +34,55 @@ from p2p_sync.weights.weights_io import (
 Logged = tuple[bytes, dict[str, codec.FrameInfo], memoryview]  # fingerprint, rows, payload
 
 
-def write_head(store: Store, f: BinaryIO, version: int) -> None:
-    """Write the weights of the store's head, which must be ``version``, to ``f`` as
-    safetensors. Raises ``PatchError`` when the store cannot rebuild it (a payload gone, a
-    patch that does not follow) and ``TargetMismatchError`` when the result is not the head's
-    signed state."""
-    base, chain = store.replay_chain()
-    if base is None:
-        raise PatchError("the store holds nothing to rebuild its head from")
-    head = chain[-1] if chain else base
-    if head.version != version:
-        raise PatchError(f"the store's head is v{head.version}, not v{version}")
-    patches = [_logged(store, m) for m in chain]
-    path = base.weights if isinstance(base, Checkpoint) else store.pack_path(base.digest)
-    with open_weights(path) as src:
-        entries, start = read_index(src, path)
-        layout = layout_of_specs([(n, dt, shape) for n, dt, shape, _, _ in entries])
-        if any(fingerprint != layout_fingerprint(layout) for fingerprint, _, _ in patches):
+class Head:
+    """The store's head (which must be ``version``), a tensor at a time: :meth:`tensors`
+    yields them in name order and, once all are given, checks their sums against the head's
+    signed state (``digest`` then holds them). Raises ``PatchError`` when the store cannot
+    rebuild it (a payload gone, a patch with another layout or hashes than its manifest)."""
+
+    def __init__(self, store: Store, version: int) -> None:
+        base, chain = store.replay_chain()
+        if base is None:
+            raise PatchError("the store holds nothing to rebuild its head from")
+        head = chain[-1] if chain else base
+        if head.version != version:
+            raise PatchError(f"the store's head is v{head.version}, not v{version}")
+        self.version = version
+        self.state = head.state_hash if isinstance(head, Checkpoint) else head.target_state
+        self.path = base.weights if isinstance(base, Checkpoint) else store.pack_path(base.digest)
+        self.patches = [_logged(store, m) for m in chain]
+        with open_weights(self.path) as src:
+            self.entries, self.start = read_index(src, self.path)
+        self.specs = [(n, dt, shape) for n, dt, shape, _, _ in self.entries]
+        self.layout = layout_of_specs(self.specs)
+        if any(fp != layout_fingerprint(self.layout) for fp, _, _ in self.patches):
             raise LayoutMismatchError("a logged patch has another layout than its base")
-        f.write(header_of([(n, dt, shape) for n, dt, shape, _, _ in entries]))
-        sums = {e[0]: _write_tensor(f, src.fileno(), start, e, patches, path) for e in entries}
-    got = StateDigest(layout, sums).hash().hex()
-    want = head.state_hash if isinstance(head, Checkpoint) else head.target_state
-    if got != want:
-        raise TargetMismatchError(f"v{version} rebuilt from the store hashes to {got}, not {want}")
+        self.digest: StateDigest | None = None
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of the head, one at a time, checked once the last is given."""
+        sums = {}
+        with open_weights(self.path) as src:
+            for entry in self.entries:
+                t = _patched(src.fileno(), self.start, entry, self.patches, self.path)
+                sums[entry[0]] = tensor_sums(t)
+                yield entry[0], t
+        digest = StateDigest(self.layout, sums)
+        if digest.hash().hex() != self.state:
+            raise TargetMismatchError(
+                f"v{self.version} rebuilt from the store hashes to {digest.hash().hex()}, "
+                f"not {self.state}"
+            )
+        self.digest = digest
+
+
+def write_head(store: Store, f: BinaryIO, version: int) -> None:
+    """Write the weights of the store's head (``version``) to ``f`` as safetensors, the bytes
+    ``weights_io.write_to`` writes for them (see :class:`Head` for what it raises)."""
+    head = Head(store, version)
+    f.write(header_of(head.specs))
+    for _, t in head.tensors():
+        f.write(host_view(t))
 
 
 def _logged(store: Store, m: Manifest) -> Logged:
@@ -70,10 +96,10 @@ def _logged(store: Store, m: Manifest) -> Logged:
     return info.fingerprint, rows, payload
 
 
-def _write_tensor(
-    f: BinaryIO, fd: int, start: int, entry: Entry, patches: list[Logged], path: object
-) -> tuple[int, int]:
-    """One tensor read from the base, moved by every logged patch, written; its sums."""
+def _patched(
+    fd: int, start: int, entry: Entry, patches: list[Logged], path: object
+) -> torch.Tensor:
+    """One tensor read from the base and moved by every logged patch."""
     name, dtype, shape, begin, _ = entry
     t = torch.empty(shape, dtype=dtype)
     pread_into(fd, t, start + begin, path, name)
@@ -86,8 +112,7 @@ def _write_tensor(
         frame = payload[row.offset : row.offset + row.size]
         for delta in codec.decode_frame_blocks(row, frame, bits):
             add_delta(flat, delta, +1)
-    f.write(host_view(t))
-    return tensor_sums(t)
+    return t
 
 
-__all__ = ["write_head"]
+__all__ = ["Head", "write_head"]

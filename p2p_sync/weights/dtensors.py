@@ -14,7 +14,7 @@ by several ranks; only the one at coordinate 0 of each replicated mesh dim count
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from p2p_sync.errors import ShardLayoutError
+from p2p_sync.errors import PublishError, ShardLayoutError
 from p2p_sync.weights.delta import Patch, TensorDelta
 from p2p_sync.weights.shards import (
     Block,
@@ -117,8 +117,7 @@ def whole_at(t: torch.Tensor, dst: int = 0, group: Any = None) -> torch.Tensor |
         return None
     out = torch.empty(tuple(t.shape), dtype=t.dtype)
     for box, local in (x for x in blocks if x is not None):
-        region = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.shape))
-        out[region] = local.reshape(box.shape)
+        out[box.region] = local.reshape(box.shape)
     return out
 
 
@@ -151,6 +150,82 @@ def _write_block(fd: int | None, at: int, block: tuple[Box, torch.Tensor] | None
         os.pwrite(fd, view[i * run * item : (i + 1) * run * item], at + start * item)
 
 
+def seed_blocks(
+    kept: Mapping[str, Block],
+    head: Iterator[tuple[str, torch.Tensor]] | None,
+    names: list[str],
+    dst: int = 0,
+    group: Any = None,
+) -> None:
+    """Every rank's ``kept`` blocks set from whole tensors that rank ``dst`` reads one at a
+    time (``head``, in the order of ``names``; None on the other ranks): each rank is sent
+    only its own blocks. Collective; if ``dst`` cannot read them, every rank raises."""
+    boxes = gather_to({n: b.box for n, b in kept.items()}, dst, group)
+    failed: Exception | None = None
+    if boxes is None:  # a receiving rank
+        for name in (n for n in names if n in kept):
+            got: list[Any] = [None]
+            dist.recv_object_list(got, src=dst, group=group)
+            if got[0] is not None:
+                kept[name].local.copy_(got[0])
+    else:
+        assert head is not None
+        failed = _send_blocks(kept, iter(head), names, boxes, dst, group)
+    ok = [failed is None]
+    dist.broadcast_object_list(ok, src=dst, group=group)
+    if failed is not None:
+        raise failed
+    if not ok[0]:
+        raise PublishError(f"rank {dst} could not read the weights to diff from")
+
+
+def _send_blocks(
+    kept: Mapping[str, Block],
+    head: Iterator[tuple[str, torch.Tensor]],
+    names: list[str],
+    boxes: list[dict[str, Box]],
+    dst: int,
+    group: Any,
+) -> Exception | None:
+    """Rank ``dst``'s side of :func:`seed_blocks`: a failure still sends every rank what it
+    waits for (nothing), so none hangs; it is returned."""
+    failed: Exception | None = None
+    for name in names:
+        t = None
+        try:
+            if failed is None:
+                got, t = next(head)
+                if got != name:
+                    raise ShardLayoutError(f"{got}: the weights to diff from hold other names")
+        except Exception as exc:  # a store that cannot rebuild its head
+            failed, t = exc, None
+        _deal(name, t, kept, boxes, dst, group)
+    try:
+        for _ in head if failed is None else ():  # the head's check runs after its last
+            pass
+    except Exception as exc:
+        failed = exc
+    return failed
+
+
+def _deal(
+    name: str,
+    t: torch.Tensor | None,
+    kept: Mapping[str, Block],
+    boxes: list[dict[str, Box]],
+    dst: int,
+    group: Any,
+) -> None:
+    """Each rank that keeps a block of ``name`` gets it from ``t`` (None when it was not read)."""
+    for r, owned in enumerate(boxes):
+        if name in owned:
+            block = None if t is None else t[owned[name].region].contiguous()
+            if r != dst:
+                dist.send_object_list([block], dst=r, group=group)
+            elif block is not None:
+                kept[name].local.copy_(block)
+
+
 def assemble(layout: Layout, ranks: list[Parts], base: StateDigest) -> tuple[Patch, StateDigest]:
     """The checkpoint patch from every rank's parts, against ``base`` (the digest of the last
     version), and the new version's digest."""
@@ -177,6 +252,7 @@ __all__ = [
     "assemble",
     "block_of",
     "blocks_into",
+    "seed_blocks",
     "digest_of",
     "gather_to",
     "partial_sums",

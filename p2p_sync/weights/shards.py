@@ -101,6 +101,11 @@ class Box:
         row = math.prod(self.shape[1:])
         return self.offsets[0] * row, self.shape[0] * row
 
+    @property
+    def region(self) -> tuple[slice, ...]:
+        """The block's place in the whole tensor, as an index."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.shape))
+
     def runs(self) -> tuple[int, np.ndarray]:
         """The block as runs of the whole tensor's flat order: (elements a run, the whole
         tensor's flat index where each run starts, in the block's own flat order). Row blocks

@@ -22,6 +22,7 @@ from p2p_sync.weights.dtensors import (
     digest_of,
     gather_to,
     partial_sums,
+    seed_blocks,
     whole_at,
 )
 from p2p_sync.weights.patch import apply, diff
@@ -80,6 +81,7 @@ def _rank(rank: int, store: str) -> None:
             written = load_weights(snapshot)
             for name, t in _weights(0).items():
                 assert torch.equal(written[name].view(torch.uint8), t.view(torch.uint8)), name
+        _check_seeding(rank, v0)
         layout = layout_of(v0)
         sums = gather_to(partial_sums(v0))
         differ = ShardDiffer(v0)
@@ -106,6 +108,26 @@ def _rank(rank: int, store: str) -> None:
         dist.barrier()  # leave together: a rank gone while another still talks aborts it
     finally:
         dist.destroy_process_group()
+
+
+def _check_seeding(rank: int, v0: dict[str, torch.Tensor]) -> None:
+    """Every rank's kept blocks set from whole tensors rank 0 reads one at a time; a read that
+    fails part-way makes every rank raise (none waits for blocks that never come)."""
+    from p2p_sync.errors import PatchError, PublishError
+
+    names = sorted(PLACED)
+
+    def broken():  # type: ignore[no-untyped-def]
+        yield from sorted(_weights(1).items())[:2]
+        raise PatchError("the store cannot rebuild its head")
+
+    differ = ShardDiffer(v0)
+    with pytest.raises(PatchError if rank == 0 else PublishError):
+        seed_blocks(differ.prev, broken() if rank == 0 else None, names)
+    seed_blocks(differ.prev, iter(sorted(_weights(1).items())) if rank == 0 else None, names)
+    for name, b in differ.prev.items():
+        want = _weights(1)[name][b.box.region]
+        assert torch.equal(b.local.view(torch.uint8), want.contiguous().view(torch.uint8)), name
 
 
 def _check_joined(layout, coded, base, want, target: bytes) -> None:  # type: ignore[no-untyped-def]
@@ -151,16 +173,45 @@ def _check_written(data_dir: Path, full: dict[str, torch.Tensor]) -> None:
             assert torch.equal(held[n].view(torch.int16), t.view(torch.int16)), (want, n)
 
 
+def _step(model: torch.nn.Module, full: dict[str, torch.Tensor], v: int) -> None:
+    """A sparse step of the whole weights, written into each rank's own shards."""
+    from p2p_sync.weights.dtensors import block_of
+
+    g = torch.Generator().manual_seed(v)
+    for t in full.values():
+        mask = torch.rand(t.shape, generator=g) < 0.1
+        t[mask] = (t.float() + 0.5).to(t.dtype)[mask]
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            p.to_local().copy_(full[name][_box_slices(block_of(p).box)])
+
+
+def _check_restarted(data_dir: Path, full: dict[str, torch.Tensor]) -> None:
+    from p2p_sync.store import Store
+    from p2p_sync.store.restore import restore
+    from p2p_sync.trust.manifest import PATCH
+
+    store = Store.open(data_dir)
+    v5 = [m for m in store.manifests() if m.version == 5]
+    assert [(m.kind, m.base_version) for m in v5] == [(PATCH, 4)]
+    restored = restore(store)
+    assert restored is not None and restored.state.version == 5
+    for n, t in full.items():
+        assert torch.equal(restored.weights[n].view(torch.int16), t.view(torch.int16)), n
+
+
 def _trainer_rank(rank: int, store: str, root: str, patch_format: int) -> None:
-    """FSDP2 (fully_shard) on 2 ranks publishing 3 versions through Trainer.publish on every
-    rank; rank 0 also follows them with a rollout and checks it bit for bit (and that the
-    asyncio face, which cannot be collective, refuses the sharded state dict). Format 1 joins
-    the ranks' frames as they are; format 3 decodes them and codes against rank 0's base."""
+    """FSDP2 (fully_shard) on 2 ranks publishing 5 versions through Trainer.publish on every
+    rank (a failed one before v2), then one more after a restart; rank 0 also follows them
+    with a rollout and checks it bit for bit (and that the asyncio face, which cannot be
+    collective, refuses the sharded state dict). Format 1 joins the ranks' frames as they are
+    and rank 0 holds no model (v0 written by the ranks, anchors, checkpoints and the head after
+    a failure or a restart read from the store); format 3 decodes them and codes against rank
+    0's copy of the head."""
     from torch.distributed.fsdp import fully_shard
 
     from p2p_sync import Rollout, Trainer
     from p2p_sync.errors import PublishError, ShardLayoutError
-    from p2p_sync.weights.dtensors import block_of
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
@@ -191,14 +242,8 @@ def _trainer_rank(rank: int, store: str, root: str, patch_format: int) -> None:
                 ).open()
             try:
                 for v in range(5):
-                    if v:  # a sparse step, written into each rank's own shards
-                        g = torch.Generator().manual_seed(v)
-                        for t in full.values():
-                            mask = torch.rand(t.shape, generator=g) < 0.1
-                            t[mask] = (t.float() + 0.5).to(t.dtype)[mask]
-                        with torch.no_grad():
-                            for name, p in model.state_dict().items():
-                                p.to_local().copy_(full[name][_box_slices(block_of(p).box)])
+                    if v:
+                        _step(model, full, v)
                     if v == 2:  # a failed version first: every rank raises, none hangs
                         bad = {**model.state_dict(), "extra": torch.zeros(4)}
                         with pytest.raises(ShardLayoutError, match="names, shapes or dtypes"):
@@ -216,6 +261,13 @@ def _trainer_rank(rank: int, store: str, root: str, patch_format: int) -> None:
                     follower.close()
         if rank == 0:
             _check_written(base / "t0", kept)
+        _step(model, full, 5)  # after a restart: v5 is a patch from the store's head (v4)
+        with Trainer(
+            key=base / "trainer.key", data_dir=base / f"t{rank}", publish=publish
+        ) as again:
+            assert again.publish(model.state_dict()) == 5
+        if rank == 0:
+            _check_restarted(base / "t0", full)
         dist.barrier()  # leave together (on success: a failed rank is ended by spawn)
     finally:
         dist.destroy_process_group()
