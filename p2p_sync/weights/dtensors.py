@@ -14,6 +14,8 @@ by several ranks; only the one at coordinate 0 of each replicated mesh dim count
 from __future__ import annotations
 
 import os
+import pickle
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -99,11 +101,27 @@ def _owned(b: Block) -> Block:
 
 
 def gather_to(obj: Any, dst: int = 0, group: Any = None) -> list[Any] | None:
-    """Every rank's ``obj`` at rank ``dst`` (None elsewhere): the changes, never the weights."""
+    """Every rank's ``obj`` at rank ``dst`` (None elsewhere): the changes, never the weights.
+    Each is pickled once and sent as one byte tensor (``gather_object`` pads and copies more:
+    0.075 s against 0.03 s for a rank's 17 MB of frames on gloo); ``dst``'s own is not copied."""
     if not dist.is_initialized():
         return [obj]
-    out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
+    me, world = dist.get_rank(), dist.get_world_size(group)
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if me != dst else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)] if me == dst else None
+    dist.gather(size, sizes, dst=dst, group=group)
+    if sizes is None:
+        with warnings.catch_warnings():  # read only: the send does not write to it
+            warnings.simplefilter("ignore", UserWarning)
+            dist.send(torch.frombuffer(data, dtype=torch.uint8), dst=dst, group=group)
+        return None
+    out = []
+    for r in range(world):
+        if r != me:
+            buf = torch.empty(int(sizes[r]), dtype=torch.uint8)
+            dist.recv(buf, src=r, group=group)
+        out.append(obj if r == me else pickle.loads(buf.numpy()))
     return out
 
 
