@@ -9,15 +9,17 @@ runs of its flat order (FSDP2's rows) rank 0 joins them as they are (coding 5, n
 so its part of a version is O(tensors), not O(patch). Rank 0's node publishes it
 (:class:`StepPublisher`) and every rank returns the version number.
 
-v0 is the exception: the snapshot needs every byte, so rank 0 gathers its tensors whole, one at
-a time (the other ranks send their blocks and hold no whole tensor), and holds them until the
-next version. In format 1 it then keeps no copy of the model: anchors and checkpoints are
-written from the store a tensor at a time. In formats 2 and 3 it keeps the copy a publisher
-keeps (their codings need the base), moved by each patch.
+In format 1 rank 0 holds no copy of the model: v0's snapshot is written by the ranks straight
+into its file, each block where its bytes go; anchors and checkpoints are written from the
+store a tensor at a time; after a restart or a failed version the ranks' kept blocks are
+seeded from the store's head, a tensor at a time. Formats 2 and 3 code against the base, so
+rank 0 keeps the copy every publisher keeps, and their first version since start comes to it
+whole, one tensor at a time (no other rank holds a whole tensor).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 from p2p_sync import codec
 from p2p_sync.codec import Frame, FrameInfo
-from p2p_sync.errors import PublishError
+from p2p_sync.errors import PatchError, PublishError, WeightsFileError
 from p2p_sync.runtime.timings import Built, PublishTimings
 from p2p_sync.runtime.trainer import Publisher
 from p2p_sync.store.streamed import Head, write_head
@@ -47,6 +49,7 @@ from p2p_sync.weights.weights_io import header_of
 if TYPE_CHECKING:  # torch.distributed.tensor takes ~0.5 s to import: only sharded runs pay it
     from p2p_sync.weights.dtensors import Parts, ShardDiffer
 
+log = logging.getLogger("p2psync.trainer")
 T = TypeVar("T")
 RankFrames = dict[str, tuple["Box", Frame | None, Sums]]  # per tensor: block, frame, sum moves
 Run = Callable[[Coroutine[Any, Any, T]], T]  # runs a coroutine on rank 0's node loop
@@ -96,12 +99,8 @@ class StepPublisher(Publisher):
         if self.history.maxlen:
             self.history.append(payload)
         self.timings.encode_s = time.perf_counter() - t0
-        return (
-            version,
-            target.hex(),
-            None,
-            self._artifacts(version, target.hex(), layout, {}, payload),
-        )
+        built = self._artifacts(version, target.hex(), layout, {}, payload)
+        return version, target.hex(), None, built
 
     def _advance(self, new: TensorSet, step: Patch | None, target: str, owned: bool) -> None:
         """Stored: a joined version lets ``prev`` go (the store holds the head)."""
@@ -118,16 +117,25 @@ class StepPublisher(Publisher):
 
     def _rebuild_prev(self) -> None:
         """Formats 2 and 3: the copy of the head every publisher keeps. Format 1: none, only
-        the head's state and sums, read from the store a tensor at a time."""
+        the head's state and sums, read from the store a tensor at a time; a store that
+        cannot give them so is rebuilt as every publisher rebuilds it (``restore`` cuts the
+        log where it cannot replay), and the copy let go."""
         if self.policy.based:
             return super()._rebuild_prev()
         state, self.prev, self._moved = self.node.store.state, None, False
         self.prev_hash = self.digest = None
-        if state is not None:
+        if state is None:
+            return
+        try:
             head = Head(self.node.store, state.version)
             for _ in head.tensors():
                 pass
-            self.prev_hash, self.digest = bytes.fromhex(state.state_hash), head.digest
+        except (PatchError, WeightsFileError) as exc:
+            log.warning("v%d not read from the store (%s): rebuilding it", state.version, exc)
+            super()._rebuild_prev()
+            self.prev = None
+            return
+        self.prev_hash, self.digest = bytes.fromhex(state.state_hash), head.digest
 
     def head(self) -> Head:
         """The store's head, for the ranks to diff the next version from."""

@@ -15,6 +15,7 @@ from p2p_sync.store import Store
 from p2p_sync.store.streamed import write_head
 from p2p_sync.trust.keys import SigningKey
 from p2p_sync.trust.manifest import SwarmPolicy
+from p2p_sync.weights.statehash import state_hash
 from p2p_sync.weights.weights_io import write_to
 from tests import store_writer
 
@@ -64,3 +65,34 @@ def test_a_base_that_does_not_lead_to_the_head_is_refused(tmp_path: Path) -> Non
     store.set_checkpoint(1, store.log[1].state_hash, lambda f: write_to(f, wrong))
     with pytest.raises(TargetMismatchError, match="v2 rebuilt from the store"):
         write_head(store, io.BytesIO(), 2)
+
+
+def _step_publisher(root: Path):  # type: ignore[no-untyped-def]
+    from p2p_sync.protocol.versions import PublishPolicy
+    from p2p_sync.runtime.config import NodeConfig
+    from p2p_sync.runtime.sharded import StepPublisher
+    from p2p_sync.runtime.trainer import TrainerNode
+
+    cfg = NodeConfig(role="trainer", data_dir=root, key=root / "k", p2p=False)
+    node = TrainerNode(cfg, SwarmPolicy("streamed", (KEY.public,)), Store.open(root))
+    return StepPublisher(node, KEY, PublishPolicy(patch_format=1))
+
+
+def test_a_sharded_publisher_in_format_1_starts_from_the_head_without_a_copy(
+    tmp_path: Path,
+) -> None:
+    _, versions = _published(tmp_path, 3)
+    publisher = _step_publisher(tmp_path)
+    assert publisher.prev is None and publisher.digest is not None
+    assert publisher.digest.hash() == state_hash(versions[3]) == publisher.prev_hash
+
+
+def test_a_head_it_cannot_read_is_rebuilt_as_any_publisher_rebuilds_it(tmp_path: Path) -> None:
+    """v3's payload is gone: the store is repaired by ``restore`` (the log cut before v3), and
+    the publisher starts from v2, still holding no copy of the model."""
+    store, versions = _published(tmp_path, 3)
+    v3 = next(m for m in store.manifests() if m.version == 3)
+    store.pack_path(v3.digest).unlink()
+    publisher = _step_publisher(tmp_path)
+    assert publisher.prev is None and publisher.prev_hash == state_hash(versions[2])
+    assert publisher.next_version == 3
