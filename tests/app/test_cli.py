@@ -227,3 +227,23 @@ def test_a_damaged_header_is_told_apart_from_another_base(files, capsys) -> None
         capsys, "patch", "inspect", files["patch"], "--verify", "--base", files["v0"]
     )
     assert code == 0 and "target hash reached" in err, err
+
+
+def test_a_sharded_trainers_patch_inspects_and_applies(files, capsys, tiny_versions) -> None:
+    """A format-version-4 patch (each tensor's frame joined from parts, as a sharded trainer's
+    ranks write it): inspect names the coding and verifies it without a base; apply rebuilds
+    the new version."""
+    from p2p_sync import codec
+    from p2p_sync.weights.patch import diff
+    from tests.codec.test_codec_parts import _as_parts
+
+    files["patch"].write_bytes(_as_parts(diff(tiny_versions[0], tiny_versions[1]), [100, 900]))
+    code, out, err = run(capsys, "patch", "inspect", files["patch"], "--json", "--verify")
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert {r["coding"] for r in rows if r["changed"]} == {"parts"}
+    assert codec.read_header(files["patch"].read_bytes()).version == 4
+    out_path = files["v0"].with_name("out.safetensors")
+    args = ("--base", files["v0"], "--patch", files["patch"], "--out", out_path)
+    assert run(capsys, "patch", "apply", *args)[0] == 0
+    assert bit_equal(load_weights(out_path), tiny_versions[1])
