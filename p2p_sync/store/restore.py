@@ -97,6 +97,18 @@ def load_snapshot(
         raise PatchError(f"v{m.version} snapshot: {exc}") from None
 
 
+def held_patch(store: Store, m: Manifest) -> tuple[memoryview, codec.PatchInfo]:
+    """The patch artifact ``m``'s payload and header, checked against the signed manifest;
+    ``PatchError`` when it is not held whole or names other hashes."""
+    payload = store.payload(m)
+    if payload is None:
+        raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")
+    info = codec.read_header(payload)
+    if info.base_hash.hex() != m.base_state or info.target_hash.hex() != m.target_state:
+        raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
+    return payload, info
+
+
 def apply_artifact(
     store: Store,
     m: Manifest,
@@ -109,12 +121,7 @@ def apply_artifact(
     brings along) in place, checking its header against the signed manifest and the result
     against the signed target state. A mismatch found before the first write raises
     PatchError with the weights untouched; one found after raises TornApplyError."""
-    payload = store.payload(m)
-    if payload is None:
-        raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")
-    info = codec.read_header(payload)
-    if info.base_hash.hex() != m.base_state or info.target_hash.hex() != m.target_state:
-        raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
+    payload, info = held_patch(store, m)
     apply_frames(weights, payload, info, digest, apply_threads(weights, info, workers), sink)
 
 

@@ -18,6 +18,7 @@ from p2p_sync import codec
 from p2p_sync.errors import LayoutMismatchError, PatchError, TargetMismatchError
 from p2p_sync.store.facade import Store
 from p2p_sync.store.log import Checkpoint
+from p2p_sync.store.restore import held_patch
 from p2p_sync.trust.manifest import Manifest
 from p2p_sync.weights.patch import add_delta
 from p2p_sync.weights.statehash import StateDigest, tensor_sums
@@ -86,12 +87,7 @@ def write_head(store: Store, f: BinaryIO, version: int) -> None:
 
 
 def _logged(store: Store, m: Manifest) -> Logged:
-    payload = store.payload(m)
-    if payload is None:
-        raise PatchError(f"v{m.version}: payload not held (or corrupt on disk)")
-    info = codec.read_header(payload)
-    if info.base_hash.hex() != m.base_state or info.target_hash.hex() != m.target_state:
-        raise PatchError(f"v{m.version}: patch hashes differ from its signed manifest")
+    payload, info = held_patch(store, m)
     rows = {r.spec.name: r for r in info.rows if r.coding != codec.UNCHANGED}
     return info.fingerprint, rows, payload
 

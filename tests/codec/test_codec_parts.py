@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import struct
-import time
 
 import pytest
 import torch
@@ -20,13 +19,12 @@ from p2p_sync.errors import (
     CountMismatchError,
     IndexOutOfRangeError,
     MalformedPatchError,
-    P2PSyncError,
-    PatchError,
     UnsupportedFormatError,
 )
 from p2p_sync.weights.delta import Patch, TensorDelta
 from p2p_sync.weights.patch import apply, diff
 from p2p_sync.weights.tensors import TensorSpec
+from tests.codec.test_codec_v2 import _check_mutant
 from tests.codec.test_roundtrip_properties import KINDS, change
 from tests.helpers import bit_equal, clone_set, mutate_bytes, random_bits, rebuild
 
@@ -231,20 +229,6 @@ def test_a_position_outside_its_range_is_refused(data: bytes) -> None:
 
 
 # ---------------------------------------------------------------- mutation fuzz
-
-
-def _check_mutant(bad: bytes, pair: tuple) -> None:
-    base, new = pair
-    weights = clone_set(base)
-    start = time.perf_counter()
-    try:
-        apply(weights, codec.decode(bad))
-    except P2PSyncError as exc:
-        assert isinstance(exc, PatchError)
-        assert bit_equal(weights, base), "a refused patch changed the weights"
-    else:
-        assert bit_equal(weights, new)
-    assert time.perf_counter() - start < 5, "a mutant took too long"
 
 
 def test_mutation_fuzz_only_raises_patch_errors(pair: tuple, data: bytes) -> None:
