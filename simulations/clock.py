@@ -43,6 +43,9 @@ class Clock:
         self._seq = 0
         self._cancelled = 0  # marked entries still in the heap
         self.events_run = 0
+        # called before each event runs (and once the run stops): a model that defers work to
+        # the end of an event (the network's new rates) does it here, once per event
+        self.settle: Callable[[], None] | None = None
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> Entry:
         """Schedule ``fn(*args)`` at ``t`` (now, if ``t`` is past); the entry can be cancelled."""
@@ -91,9 +94,13 @@ class Clock:
         every: Callable[[], None] | None,
     ) -> bool:
         heap, pop = self._heap, heapq.heappop
+        settle = self.settle or _nothing
         ran = 0
         try:
-            while heap and ran < max_events and not until():
+            while True:
+                settle()
+                if not heap or ran >= max_events or until():
+                    break
                 entry = heap[0]
                 t, _, fn, args = entry
                 if t > deadline:
@@ -111,3 +118,7 @@ class Clock:
         finally:
             self.events_run += ran
         return until()
+
+
+def _nothing() -> None:
+    pass
