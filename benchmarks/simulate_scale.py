@@ -49,6 +49,8 @@ def one(path: Path, label: str, **overrides: object) -> dict:
         "wall_us_per_peer_chunk": 1e6 * wall / (sc.peers * chunks),
         "events": rep["events"],
         "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_mb_per_1000_peers": rep["simulator"]["rss_bytes_per_1000_peers"] / 1e6,
+        "us_per_event": rep["simulator"]["us_per_event"],
     }
     print(
         f"{label:<28} {sc.peers:>6} peers {sc.payload_mb:>5g} MB:"
@@ -59,7 +61,8 @@ def one(path: Path, label: str, **overrides: object) -> dict:
         f" trainer {row['trainer_upload_x']:.2f}x; converged {row['converged']:.1%};"
         f" bans {row['bans']} (false {row['false_bans']}); wall {wall:.0f} s ="
         f" {row['wall_ms_per_peer']:.0f} ms/peer, {row['wall_us_per_peer_chunk']:.0f} us per"
-        f" peer-chunk",
+        f" peer-chunk, {row['us_per_event']:.0f} us per event; peak RSS"
+        f" {row['max_rss_mb']:.0f} MB ({row['rss_mb_per_1000_peers']:.0f} MB per 1,000 peers)",
         flush=True,
     )
     return row

@@ -28,6 +28,9 @@ corrupt, stalling nor lying):
   honest peers) and ``last`` (the last honest peer's own three)
 * ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
 * ``uploaded_bytes_per_peer``, ``wall_clock_s``, ``events``, ``scenario`` (every knob)
+* ``simulator``: what the run cost, to tell what limits a larger one: ``us_per_event``,
+  ``peak_rss_bytes`` (the process's peak) and ``rss_growth_bytes`` (how far the run raised
+  it), ``rss_bytes_per_1000_peers`` (that growth per 1,000 rollouts)
 * ``nat`` (only when ``nat_fraction`` > 0; over honest rollouts): ``nat_peers``,
   ``public_peers``, ``punchable_peers`` (NATed ones hole punching gets through);
   ``mean_upload_bytes`` per NATed and per public peer (all versions) and
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import resource
 import statistics
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,23 @@ from simulations.swarm_sim import HONEST, Lag, SwarmSim, VersionResult
 PHASES = tuple(f.name for f in dataclasses.fields(Lag))  # start, filling, tail
 
 
-def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
+def peak_rss() -> int:
+    """This process's peak resident set so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def simulator_section(sim: SwarmSim, wall_clock_s: float, rss_before: int) -> dict[str, Any]:
+    peak = peak_rss()
+    growth = max(peak - rss_before, 0)
+    return {
+        "us_per_event": 1e6 * wall_clock_s / max(sim.clock.events_run, 1),
+        "peak_rss_bytes": peak,
+        "rss_growth_bytes": growth,
+        "rss_bytes_per_1000_peers": 1000 * growth / max(sim.sc.peers, 1),
+    }
+
+
+def build(sim: SwarmSim, wall_clock_s: float, rss_before: int = 0) -> dict[str, Any]:
     res: list[VersionResult] = sim.results
     payload = sim.sc.payload_bytes
     last = [r.completion_s[-1] if r.converged == r.honest else float("inf") for r in res]
@@ -92,6 +112,7 @@ def build(sim: SwarmSim, wall_clock_s: float) -> dict[str, Any]:
         },
         "wall_clock_s": wall_clock_s,
         "events": sim.clock.events_run,
+        "simulator": simulator_section(sim, wall_clock_s, rss_before),
         **({"nat": nat_section(sim, last)} if sim.sc.nat_fraction > 0 else {}),
     }
 
@@ -172,7 +193,10 @@ def summary_md(report: dict[str, Any]) -> str:
         f"{report['ratio_to_own_bound']['worst']:.2f}",
         f"- redundant bytes: {report['redundant_bytes'] / 1e6:.1f} MB",
         f"- bans: {report['bans']} (false bans: {report['false_bans']})",
-        f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events",
+        f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events"
+        f" ({report['simulator']['us_per_event']:.0f} us each); the run raised the process's"
+        f" peak RSS by {report['simulator']['rss_growth_bytes'] / 1e6:.0f} MB"
+        f" ({report['simulator']['rss_bytes_per_1000_peers'] / 1e6:.0f} MB per 1,000 peers)",
         *(_nat_lines(report) if "nat" in report else []),
         *_lag_lines(report),
         "",

@@ -24,13 +24,13 @@ def simulate(
     on_version: Callable[[VersionResult], None] | None = None,
     progress: Progress | None = None,
 ) -> tuple[SwarmSim, dict[str, Any]]:
-    started = time.perf_counter()
+    started, rss_before = time.perf_counter(), report.peak_rss()
     sim = SwarmSim(scenario, progress)
     for v in range(1, scenario.versions + 1):
         result = sim.run_version(v)
         if on_version is not None:
             on_version(result)
-    return sim, report.build(sim, time.perf_counter() - started)
+    return sim, report.build(sim, time.perf_counter() - started, rss_before)
 
 
 def simulate_to(

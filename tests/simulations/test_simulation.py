@@ -536,6 +536,11 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
     assert f"its own bound (time offline added for churned peers): {own:.2f}" in summary
     assert "Where the time went" in summary and summary.count("| 2 |") == 2
     assert set(rep["lag_s"][1]["median"]) == {"start", "filling", "tail"}
+    cost = rep["simulator"]  # what a larger run would need: time per event, memory per peer
+    assert cost["us_per_event"] == pytest.approx(1e6 * rep["wall_clock_s"] / rep["events"])
+    assert 0 <= cost["rss_growth_bytes"] <= cost["peak_rss_bytes"]
+    assert cost["rss_bytes_per_1000_peers"] == pytest.approx(cost["rss_growth_bytes"] * 1000 / 12)
+    assert f"{cost['rss_bytes_per_1000_peers'] / 1e6:.0f} MB per 1,000 peers" in summary
 
 
 def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
