@@ -43,9 +43,6 @@ class Clock:
         self._seq = 0
         self._cancelled = 0  # marked entries still in the heap
         self.events_run = 0
-        # called before each event runs (and once the run stops): a model that defers work to
-        # the end of an event (the network's new rates) does it here, once per event
-        self.settle: Callable[[], None] | None = None
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> Entry:
         """Schedule ``fn(*args)`` at ``t`` (now, if ``t`` is past); the entry can be cancelled."""
@@ -94,13 +91,9 @@ class Clock:
         every: Callable[[], None] | None,
     ) -> bool:
         heap, pop = self._heap, heapq.heappop
-        settle = self.settle or _nothing
         ran = 0
         try:
-            while True:
-                settle()
-                if not heap or ran >= max_events or until():
-                    break
+            while heap and ran < max_events and not until():
                 entry = heap[0]
                 t, _, fn, args = entry
                 if t > deadline:
@@ -118,7 +111,3 @@ class Clock:
         finally:
             self.events_run += ran
         return until()
-
-
-def _nothing() -> None:
-    pass

@@ -14,15 +14,11 @@ tighter end is handed to the other flows at its looser end, as TCP hands a host'
 its flows that can still grow (a plain ``min(uplink / uploads, downlink / downloads)`` would
 leave that share idle, and a swarm's random imbalance of the two counts is large).
 
-Levels are recomputed for the links transfers started or ended at (events come every
+Levels are recomputed for the two links a transfer starts or ends at (events come every
 millisecond or so at each link of a busy swarm, so the levels track the exact max-min
-allocation closely), once per event: the clock settles the network after each one
-(``Clock.settle``), so a run's chunk that ends and its next chunk that starts on the same pair
-at the same instant change no other flow's rate (recomputing at each would speed every
-neighbour flow up and slow it down again, and move its finish twice). A rate is never raised
-beyond the room left at either end, so no link ever carries more than its capacity: decreases
-are applied before increases, and a flow that finds no room at once gets it at the next event
-of either of its links.
+allocation closely), and a rate is never raised beyond the room left at either end, so no link
+ever carries more than its capacity: decreases are applied before increases, and a flow that
+finds no room at once gets it at the next event of either of its links.
 
 Latency is not modelled here: the swarm simulation adds the one-way delay to every message
 and to the last byte of every transfer.
@@ -109,10 +105,6 @@ class Network:
         self.down_level = [inf] * len(uplink)
         self.up_used = [0.0] * len(uplink)  # sum of the rates leaving / entering each node
         self.down_used = [0.0] * len(uplink)
-        # links whose levels are due (ordered: runs stay reproducible), settled after the event
-        self._dirty_up: dict[int, None] = {}
-        self._dirty_down: dict[int, None] = {}
-        clock.settle = self.rerate
 
     def start(self, src: int, dst: int, nbytes: float, on_done: Callable[[], None]) -> Transfer:
         t = Transfer(src, dst, float(nbytes), on_done, since=self.clock.now)
@@ -228,46 +220,16 @@ class Network:
         self.bytes_received[t.dst] += moved
 
     def _rerate(self, src: int, dst: int) -> None:
-        """``src``'s uplink and ``dst``'s downlink need new levels: done in :meth:`rerate`,
-        once for everything the event changed."""
-        self._dirty_up[src] = None
-        self._dirty_down[dst] = None
-
-    def rerate(self) -> None:
-        """New levels for the links the last event touched, then new rates for the transfers
-        crossing any of them: all decreases first, so the increases find their room."""
-        if not self._dirty_up:
-            return
-        ups, downs = self._dirty_up, self._dirty_down
-        self._dirty_up, self._dirty_down = {}, {}
-        # uplinks, downlinks, then the uplinks again with their far ends' new levels (a flow
-        # that a new download's level holds back hands its share to the uplink's others)
-        self._up_levels(ups)
-        self._down_levels(downs)
-        self._up_levels(ups)
-        out, into = self.out, self.into
-        flows: dict[Transfer, None] = {}  # a flow crossing two dirty links: once
-        for src in ups:
-            flows.update(out[src])
-        for dst in downs:
-            flows.update(into[dst])
-        self._apply_levels(flows)
-
-    def _up_levels(self, nodes: dict[int, None]) -> None:
-        up, down, out = self.up_level, self.down_level, self.out
-        for n in nodes:
-            up[n] = _level(self.uplink[n], [_lower(down[t.dst], t.cap) for t in out[n]])
-
-    def _down_levels(self, nodes: dict[int, None]) -> None:
-        up, down, into = self.up_level, self.down_level, self.into
-        for n in nodes:
-            down[n] = _level(self.downlink[n], [_lower(up[t.src], t.cap) for t in into[n]])
-
-    def _apply_levels(self, flows: dict[Transfer, None]) -> None:
+        """New levels for ``src``'s uplink and ``dst``'s downlink, then new rates for the
+        transfers crossing either: all decreases first, so the increases find their room."""
+        out, into = self.out[src], self.into[dst]
         up, down = self.up_level, self.down_level
+        up[src] = _level(self.uplink[src], [_lower(down[t.dst], t.cap) for t in out])
+        down[dst] = _level(self.downlink[dst], [_lower(up[t.src], t.cap) for t in into])
+        flows = tuple(dict.fromkeys((*out, *into)))  # a src -> dst flow is in both: once
+        want = [_lower(_lower(up[t.src], down[t.dst]), t.cap) for t in flows]
         raise_ = []
-        for t in flows:
-            w = _lower(_lower(up[t.src], down[t.dst]), t.cap)
+        for t, w in zip(flows, want, strict=True):
             if w < t.rate:
                 self._set_rate(t, w)
             elif w > t.rate:

@@ -53,12 +53,6 @@ from p2p_sync.protocol.schedule_events import (
 from p2p_sync.protocol.stalls import NEVER, StallClocks
 from p2p_sync.protocol.swarmconfig import SwarmConfig
 
-# Depths count in chunks of the mean size verified so far; a mean that moved less than this
-# (relative) keeps the size they were counted in. Every chunk moves the mean once a short one
-# (a payload's last) was seen, and re-counting every peer's depth after each chunk was a
-# tenth of a simulated swarm's cost for a change no depth's ceiling notices.
-MEAN_SLACK = 0.01
-
 
 @dataclass
 class Scheduler:
@@ -91,8 +85,7 @@ class Scheduler:
         c = self.config
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
-        self._chunk_bytes = float(self.chunk_bytes or 1)  # depths count in chunks this size
-        self._mean_bytes = self._chunk_bytes  # mean size of those verified
+        self._chunk_bytes = float(self.chunk_bytes or 1)  # mean size of those verified
         self._depths: dict[str, tuple[int, int]] = {}  # (depth, run), until inputs move
         self._open: set[str] = set()  # peers with fewer requests in flight than their depth
         self._samples = 0
@@ -304,8 +297,8 @@ class Scheduler:
         self._samples += 1
         stats.rtt_sample(took)
         self._depths.pop(ev.peer, None)
-        mean = self._mean_bytes = self._mean_bytes + (ev.nbytes - self._mean_bytes) / self._samples
-        if abs(mean - self._chunk_bytes) <= MEAN_SLACK * self._chunk_bytes:
+        mean = self._chunk_bytes + (ev.nbytes - self._chunk_bytes) / self._samples
+        if mean == self._chunk_bytes:
             self._recount(ev.peer)
             return
         self._chunk_bytes = mean  # every depth is counted in chunks of this size
