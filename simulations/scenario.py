@@ -55,6 +55,9 @@ class Scenario:
     # TCP restarts a connection idle for an RTO in slow start (Linux's default,
     # net.ipv4.tcp_slow_start_after_idle = 1; simulations/network.py); false: warm connections
     slow_start: bool = False
+    # a private swarm (mutual TLS on the HTTP data plane): a pair's first HTTP message of a
+    # version waits one more round trip, the TLS 1.3 handshake (simulations/swarm_sim.py)
+    private: bool = False
     churn_fraction: float = 0.0
     churn_downtime: float = 0.25
     corrupt_fraction: float = 0.0

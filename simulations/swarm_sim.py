@@ -42,6 +42,14 @@ and the node's messaging, as follows.
   from a corrupt peer, ``ChunkCorrupted``). A chunk cancelled while its bytes flow still flows
   (the node's connection carries the rest of the run); the run ends once nothing in it is
   wanted.
+* Private swarms (``private``): the HTTP data plane runs over mutual TLS. Connections between
+  versions sit idle past the client's keep-alive (a training step apart), so each version
+  opens them again: TCP's round trip is paid open or private alike and is left out of both
+  (as everywhere here), TLS 1.3's full handshake is one more round trip before an ordered
+  pair's first HTTP message of the version (a request, a have feed, an early question, the
+  trainer's announcement, a forwarded chunk); what the pair sends before the handshake
+  completes waits for it (parallel connections handshake in parallel). Messages to and from
+  NATed peers go over libp2p, which runs Noise in open swarms too: no change there.
 * Churn, adversaries: see ``scenario.py``.
 * Where the time went (:class:`Lag`, the report's ``lag_s``): each honest peer's completion
   beyond the payload at its downlink's rate, split at its first chunk and at the moment the
@@ -245,6 +253,8 @@ class SwarmSim:
         self.rng = random.Random(scenario.seed)
         self.clock = Clock()
         self.lat = scenario.latency_ms / 1000
+        # private swarms: when each ordered pair's TLS handshake of this version completes
+        self.handshaken: dict[tuple[int, int], float] = {}
         self.peers = self._make_peers()
         self.net = Network(
             self.clock,
@@ -462,6 +472,7 @@ class SwarmSim:
         nat_bound = self.nat_bound(bound)
         t0 = clock.now
         self.net.idle_restart()  # a training step apart: longer than any RTO
+        self.handshaken.clear()  # and longer than the client's keep-alive
         self._publish(version)
         if self.sc.push_tree:
             self.tree = TreeLayout.build([p.idx for p in self.peers[1:]], self.rng)
@@ -480,11 +491,13 @@ class SwarmSim:
             p.away, p.left_at = 0.0, None
             self._remaining += 1
             if TRAINER in p.follows:
-                self._announce_to(p, self.artifacts[-1], behind.get(p.idx, 0))
+                announce = partial(self._announce_to, p, self.artifacts[-1], behind.get(p.idx, 0))
+                wait = self._handshake(TRAINER, p.idx)
+                clock.after(wait, announce) if wait else announce()
             else:  # hears the digest, asks its peers' have-maps and the manifest at once
                 heard = t0 + self.lat * max(self.depth[p.idx], 1)
                 clock.at(heard, self._hear, p, self.artifacts[-1])
-                clock.at(heard + 2 * self.lat, self._learn, p)
+                clock.at(heard + 2 * self.lat + self._handshake_s, self._learn, p)  # manifest
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
         self._run(version, t0 + self.sc.time_limit_factor * nat_bound)
         up = self.net.bytes_sent[TRAINER] - up0
@@ -598,7 +611,9 @@ class SwarmSim:
         for q in p.neighbors:  # in the set's order, as ``_start_download``
             if q in p.follows and q not in p.banned:
                 p.early_asked.add(q)
-                self.clock.after(self.lat, self._early_reached, p, q, art)
+                self.clock.after(
+                    self._handshake(p.idx, q) + self.lat, self._early_reached, p, q, art
+                )
 
     def _early_reached(self, p: Peer, q_idx: int, art: Artifact) -> None:
         """The early question reaches ``q`` (which holds it until it knows the manifest: here
@@ -792,7 +807,8 @@ class SwarmSim:
             p.pushed = False
             self._subscribed(p, q_idx, p.generation, pushed=True)
             return
-        self.clock.after(self.lat, self._subscribed, p, q_idx, p.generation)
+        wait = self._handshake(p.idx, q_idx)
+        self.clock.after(wait + self.lat, self._subscribed, p, q_idx, p.generation)
 
     def _subscribed(self, p: Peer, q_idx: int, gen: int, pushed: bool = False) -> None:
         """``q_idx`` answers ``p``'s first have-map question (a latency later), or gave its
@@ -868,6 +884,20 @@ class SwarmSim:
         NAT and ``p`` is public."""
         return sourcing.owed(self.peers[q_idx].nat, not p.nat)
 
+    @property
+    def _handshake_s(self) -> float:
+        """A TLS 1.3 handshake's round trip in a private swarm, else nothing."""
+        return 2 * self.lat if self.sc.private else 0.0
+
+    def _handshake(self, a: int, b: int) -> float:
+        """How long ``a``'s HTTP message to ``b`` waits for their TLS handshake of this
+        version (private swarms; libp2p, to or from a NATed peer, is encrypted either way)."""
+        if not self.sc.private or self.peers[a].nat or self.peers[b].nat:
+            return 0.0
+        now = self.clock.now
+        ready = self.handshaken.setdefault((a, b), now + self._handshake_s)
+        return ready - now if ready > now else 0.0
+
     def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
         if self.tree is not None:
             self._push_on(q, art, index)
@@ -887,7 +917,7 @@ class SwarmSim:
         for i in indices:
             p.requests[(q_idx, i)] = None
             p.runs[(q_idx, i)] = run
-        self.clock.after(self.lat, self._arrive, p, run)
+        self.clock.after(self._handshake(p.idx, q_idx) + self.lat, self._arrive, p, run)
 
     def _wanted(self, p: Peer, run: Run) -> list[int]:
         """The chunks of ``run`` its requester still wants (not cancelled, not served)."""
@@ -1122,7 +1152,11 @@ class SwarmSim:
             p.uploaded[(art.ident, index)] += 1
             self.promised.setdefault((p.idx, s), set()).add(index)
             done = partial(self._forwarded, p, c, art, index, c.generation)
-            self.net.start(p.idx, s, self._chunk_size(art, index), done)
+            size, wait = self._chunk_size(art, index), self._handshake(p.idx, s)
+            if wait:
+                self.clock.after(wait, self.net.start, p.idx, s, size, done)
+            else:
+                self.net.start(p.idx, s, size, done)
 
     def _forwarded(self, p: Peer, c: Peer, art: Artifact, index: int, gen: int) -> None:
         """A forwarded chunk left ``p``'s uplink: ``c`` has it a latency later."""

@@ -605,10 +605,48 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 
 
+def test_a_private_swarm_waits_for_one_tls_handshake_per_pair_and_version() -> None:
+    """One follower at 20 ms: each version, the trainer's announcement waits for its TLS
+    handshake to the follower (a round trip), and the follower's first request to the
+    trainer for its own: two round trips later than in the open swarm, every version (the
+    connections went idle in between)."""
+    kw = dict(peers=1, payload_mb=2.0, latency_ms=20.0, versions=2, max_requests_per_peer=32)
+    kw |= dict(uplink_mbps=1000.0, downlink_mbps=1000.0, trainer_uplink_mbps=1000.0)
+    times = {}
+    for private in (False, True):
+        sim = SwarmSim(scenario(**kw, private=private))
+        times[private] = [sim.run_version(v).completion_s[0] for v in (1, 2)]
+    for open_, private in zip(times[False], times[True], strict=True):
+        assert private - open_ == pytest.approx(2 * 0.04, abs=0.002), times
+
+
+def test_a_handshake_is_waited_for_once_by_everything_a_pair_sends_over_http() -> None:
+    sim = SwarmSim(scenario(peers=8, nat_fraction=0.5, private=True, latency_ms=20.0, versions=2))
+    nat = [p.idx for p in sim.peers[1:] if p.nat]
+    public = [p.idx for p in sim.peers[1:] if not p.nat]
+    a, b = public[:2]
+    assert sim._handshake(a, b) == pytest.approx(0.04)  # the first message opens it
+    sim.clock.at(0.01, lambda: None)
+    sim.clock.run(lambda: False, 0.01, 10)
+    assert sim._handshake(a, b) == pytest.approx(0.03)  # the next ones wait for the same one
+    assert sim._handshake(b, a) == pytest.approx(0.04)  # the other direction: its own
+    assert sim._handshake(a, nat[0]) == sim._handshake(nat[0], a) == 0.0  # libp2p: Noise
+    sim.run_version(1)
+    sim.run_version(2)  # a version later the connections went idle: handshaken again
+    assert sim.published_at > 0.04 and sim.handshaken
+    assert min(sim.handshaken.values()) == pytest.approx(sim.published_at + 0.04)
+    open_ = SwarmSim(scenario(peers=8, latency_ms=20.0))
+    assert open_._handshake(*public[:2]) == 0.0 and not open_.handshaken
+
+
 def test_every_shipped_scenario_loads() -> None:
     names = {p.stem: load(p) for p in sorted((ROOT / "configs/simulations").glob("*.toml"))}
     assert {"ci", "scale-1k-internet", "scale-1k-nat", "slow-start"} <= set(names)
     assert names["slow-start"].slow_start and not names["scale-1k-internet"].slow_start
+    private, internet = names["scale-1k-private"], names["scale-1k-internet"]
+    assert private.private and replace(private, private=False, name="") == replace(
+        internet, name=""
+    )
 
 
 def test_a_scenario_download_table_is_checked_like_a_node_config() -> None:
