@@ -240,10 +240,22 @@ def _add_node_libp2p(node: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_node_membership(node: argparse.ArgumentParser) -> None:
+    node.add_argument(
+        "--private",
+        action="store_true",
+        help="a private swarm: members only, data plane over TLS (default: open)",
+    )
+    _flag(node, "--swarm-ca", "private: the swarm CA certificate (p2psync swarm init)", type=Path)
+    _flag(node, "--admission", "private: this node's admission (p2psync admit)", type=Path)
+    _flag(node, "--revocations", "private: the admin's signed revocation list", type=Path)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     node = sub.add_parser("node", help="run a trainer, rollout or bootstrap node")
     _add_node_files(node)
     _add_node_network(node)
+    _add_node_membership(node)
     node.set_defaults(func=cmd_node)
 
     status = sub.add_parser("status", help="print a node's status")
