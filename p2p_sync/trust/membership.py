@@ -171,7 +171,10 @@ class Membership:
         found = self._parsed.get(admission)
         if found is None:
             cert = load_certificate(admission, self.limits.max_admission_bytes)
-            found = self._judge(cert)
+            try:
+                found = self._judge(cert)
+            except ValueError as exc:  # a field parsed on first use (cryptography is lazy)
+                raise MalformedAdmissionError(f"malformed admission ({exc})") from None
             if len(self._parsed) >= self.limits.parsed_cache:
                 self._parsed.clear()
             self._parsed[admission] = found
