@@ -83,7 +83,9 @@ class SwarmTls:
     own: Member
     server: ssl.SSLContext
     client: ssl.SSLContext
-    _seen: tuple[float, float] = field(default=(0.0, -1.0))  # (checked at, file mtime)
+    refresh_s: float = REFRESH_S
+    # (checked at, the file's (mtime, size, inode): a list renamed over it or rewritten)
+    _seen: tuple[float, tuple[int, int, int] | None] = field(default=(0.0, None))
 
     @classmethod
     def load(
@@ -111,17 +113,19 @@ class SwarmTls:
         return cls(files, membership, own, _context(True, files, key), _context(False, files, key))
 
     def refresh(self, now: float) -> None:
-        """Adopt the revocation list file if it changed (looked at once per ``REFRESH_S``);
+        """Adopt the revocation list file if it changed (looked at once per ``refresh_s``);
         a list that does not verify is ignored: the one held stays in force."""
-        checked, mtime = self._seen
-        if now - checked < REFRESH_S:
+        checked, seen = self._seen
+        if now - checked < self.refresh_s:
             return
+        current = seen
         try:
-            current = self.files.revocations.stat().st_mtime
-            if current != mtime:
+            st = self.files.revocations.stat()
+            current = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if current != seen:
                 self.membership.update_revocations(self.files.revocations.read_bytes(), now)
         except (OSError, MembershipError):
-            current = mtime
+            pass  # the list held stays in force; the file is looked at again when it changes
         self._seen = (now, current)
 
     def member(self, transport: Any) -> Member | None:
