@@ -15,6 +15,7 @@ keep-alive connection is open is refused from its next request on.
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 import tempfile
@@ -29,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from p2p_sync.errors import ConfigError, ImpostorError, MembershipError
 from p2p_sync.trust.membership import Member, Membership, MembershipLimits
 
+log = logging.getLogger("p2psync.tls")
 REFRESH_S = 1.0  # the revocation list file is looked at no more often than this
 
 
@@ -124,8 +126,8 @@ class SwarmTls:
             current = (st.st_mtime_ns, st.st_size, st.st_ino)
             if current != seen:
                 self.membership.update_revocations(self.files.revocations.read_bytes(), now)
-        except (OSError, MembershipError):
-            pass  # the list held stays in force; the file is looked at again when it changes
+        except (OSError, MembershipError) as exc:  # the list held stays in force
+            log.warning("revocation list %s not adopted: %s", self.files.revocations, exc)
         self._seen = (now, current)
 
     def member(self, transport: Any) -> Member | None:

@@ -250,3 +250,27 @@ def test_a_members_client_speaks_tls_to_its_swarm_and_refuses_another_swarms_ser
     got, refused = asyncio.run(_data_client(tmp_path))
     assert got == PAYLOAD[:4096]
     assert refused != "served"
+
+
+async def _forged_list_after_revocation(tmp_path: Path) -> list[int]:
+    """A revoked member, then the list file replaced by an older one and by a forged one:
+    the node keeps the newest list it verified, so the member stays refused."""
+    async with _serving(tmp_path) as served:
+        member = served.swarm.admit()
+        ctx = client_context(served.swarm.ca, member)
+        older = served.swarm.crl
+        statuses = [(await _probe(served, ctx))["/manifests"][0]]
+        served.swarm.revoke(member)
+        served.tls.files.revocations.write_bytes(served.swarm.crl)
+        statuses.append((await _probe(served, ctx))["/manifests"][0])
+        forged = Swarm(swarm_id=served.swarm.swarm_id)
+        for replacement in (older, forged.crl, b"not a list"):
+            served.tls.files.revocations.write_bytes(replacement)
+            statuses.append((await _probe(served, ctx))["/manifests"][0])
+        return statuses
+
+
+def test_an_older_or_forged_revocation_list_file_does_not_readmit_a_revoked_member(
+    tmp_path: Path,
+) -> None:
+    assert asyncio.run(_forged_list_after_revocation(tmp_path)) == [200, 403, 403, 403, 403]
