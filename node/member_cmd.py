@@ -106,6 +106,11 @@ def cmd_revoke(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    _add_swarm(sub)
+    _add_members(sub)
+
+
+def _add_swarm(sub: argparse._SubParsersAction) -> None:
     swarm = sub.add_parser("swarm", help="private swarms: create the swarm CA")
     actions = swarm.add_subparsers(dest="action", required=True, metavar="ACTION")
     init = actions.add_parser("init", help="create a private swarm's CA and revocation list")
@@ -117,6 +122,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     init.add_argument("--revocations", type=Path, default=Path("revocations.pem"))
     init.add_argument("--force", action="store_true", help="overwrite existing files")
     init.set_defaults(func=cmd_swarm_init)
+
+
+def _add_members(sub: argparse._SubParsersAction) -> None:
 
     ident = sub.add_parser("identity", help="print a node's peer id (its identity key)")
     ident.add_argument("--data-dir", type=Path, default=Path("p2psync-data"))

@@ -50,11 +50,9 @@ class HttpTransport:
     async def gossip(self, node: WireHost) -> Any:
         """A started libp2p host (its record names no HTTP URL until a peer could dial it);
         libp2p is an addition: if it cannot start, the node carries on from --peers (None).
-        A private swarm's node runs none: libp2p does not gate by membership yet, so its
-        members meet over the TLS data plane alone, from --peers."""
+        A private swarm's node runs none (``_no_gossip``)."""
         if node.cfg.private:
-            log.info("private swarm: libp2p off, peers from --peers over TLS only")
-            return None
+            return _no_gossip()
         try:
             from p2p_sync.transport import multiaddrs, p2p  # here: --no-p2p nodes never load it
 
@@ -126,6 +124,12 @@ class HttpTransport:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+
+
+def _no_gossip() -> None:
+    """libp2p does not gate by membership yet: a private swarm's members meet over the TLS
+    data plane alone, from --peers."""
+    log.info("private swarm: libp2p off, peers from --peers over TLS only")
 
 
 def private_tls(node: WireHost) -> SwarmTls | None:

@@ -76,6 +76,21 @@ def create_swarm_ca(admin: Ed25519PrivateKey, swarm_id: str, now: float) -> byte
     return cert.public_bytes(PEM)
 
 
+def _member_builder(
+    ca: x509.Certificate, peer_id: str, node_key: bytes, now: float, days: float
+) -> x509.CertificateBuilder:
+    """An admission's names, key, serial and validity (a minute back: clocks differ)."""
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer_id)]))
+        .issuer_name(ca.subject)
+        .public_key(Ed25519PublicKey.from_public_bytes(node_key))
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_when(now - 60))
+        .not_valid_after(_when(now - 60 + days * 86400))
+    )
+
+
 def admit(
     admin: Ed25519PrivateKey,
     ca_pem: bytes,
@@ -93,16 +108,9 @@ def admit(
         )
     ca = load_certificate(ca_pem, limits.max_admission_bytes)
     peer_id = peer_id_of(node_key)
-    public = Ed25519PublicKey.from_public_bytes(node_key)
     san = x509.UniformResourceIdentifier(member_uri(swarm_of_ca(ca), peer_id))
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer_id)]))
-        .issuer_name(ca.subject)
-        .public_key(public)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(_when(now - 60))
-        .not_valid_after(_when(now - 60 + days * 86400))
+        _member_builder(ca, peer_id, node_key, now, days)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_usage(cert_sign=False), critical=True)
         .add_extension(
