@@ -115,3 +115,20 @@ def test_a_private_config_missing_a_file_is_a_one_line_error(missing: str) -> No
         check(cfg)
     with pytest.raises(ConfigError, match="private is not set"):
         check(NodeConfig(role="rollout", trust=("x",), **files))
+
+
+def test_a_private_config_file_reads_its_paths_and_membership_limits(tmp_path: Path) -> None:
+    from p2p_sync.runtime import configfile
+
+    toml = tmp_path / "rollout.toml"
+    toml.write_text(
+        'role = "rollout"\ntrust = ["ed25519:' + "00" * 32 + '"]\nprivate = true\n'
+        'swarm_ca = "ca.pem"\nadmission = "me.pem"\nrevocations = "crl.pem"\n'
+        "[membership]\nmax_admission_days = 7\nclock_skew_s = 60\n"
+    )
+    cfg = configfile.load(toml, {})
+    assert cfg.private and cfg.admission == Path("me.pem") and cfg.swarm_ca == Path("ca.pem")
+    assert (cfg.membership.max_admission_days, cfg.membership.clock_skew_s) == (7, 60)
+    toml.write_text(toml.read_text().replace("max_admission_days = 7", "max_admission_days = 0"))
+    with pytest.raises(ConfigError, match="membership.max_admission_days"):
+        configfile.load(toml, {})
