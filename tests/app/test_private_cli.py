@@ -32,7 +32,8 @@ def test_the_readmes_private_swarm_commands_run_as_shown(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["keygen", "--out", "trainer.key"]) == 0
-    init, identity, admit, node, revoke = _readme_commands()
+    init, identity, admit, node, revoke, status = _readme_commands()
+    assert status[:2] == ["status", "http://trainer:8700"] and "--admission" in status
     assert main(init) == 0
     capsys.readouterr()
     assert main(identity) == 0

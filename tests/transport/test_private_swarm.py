@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from node.cli import main
 from p2p_sync.errors import ConfigError
 from p2p_sync.protocol.peers import PeerLimits
 from p2p_sync.protocol.versions import PublishPolicy
@@ -85,6 +86,13 @@ async def _private_sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]])
         out["members"] = [f.weights for f, _, _ in followers[:2]]
         out["stranger"] = (followers[2][0].state.version, nodes[2].store.manifests())
         out["relayed"] = nodes[0].status()["bytes_uploaded"]
+        r1 = nodes[0].cfg
+        as_member = ["--admission", str(r1.admission), "--swarm-ca", str(r1.swarm_ca)]
+        as_member += ["--revocations", str(r1.revocations), "--data-dir", str(r1.data_dir)]
+        out["status"] = [
+            await asyncio.to_thread(main, ["status", url, "--json", *extra])
+            for extra in (as_member, [])
+        ]
     finally:
         for _, stop, task in followers:
             stop.set()
@@ -97,10 +105,13 @@ async def _private_sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]])
 
 
 def test_private_members_converge_bit_exact_and_a_non_member_gets_nothing(
-    tmp_path: Path, tiny_versions: list
+    tmp_path: Path, tiny_versions: list, capsys: pytest.CaptureFixture[str]
 ) -> None:
     versions = tiny_versions[:3]
     out = asyncio.run(_private_sync(tmp_path, versions))
+    shown = capsys.readouterr()
+    assert out["status"] == [0, 1]  # p2psync status as a member; as anyone, in clear text
+    assert '"version": 2' in shown.out and "no status" in shown.err
     assert all(bit_equal(w, versions[-1]) for w in out["members"])
     version, manifests = out["stranger"]
     assert version in (None, -1) and list(manifests) == []
