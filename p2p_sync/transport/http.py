@@ -388,7 +388,7 @@ class DataClient:
         )
         context = None if tls is None else tls.client
         self.session = tcp.session(timeout, limits.tcp_congestion, context)
-        self._wire = (lambda url: url) if tls is None else tls_url  # private: TLS only
+        self.tls = tls
         self._bulk = aiohttp.ClientTimeout(  # chunks: cut only when no byte moves
             total=None,
             sock_connect=limits.connect_timeout_s,
@@ -398,6 +398,14 @@ class DataClient:
     @property
     def _headers(self) -> dict[str, str]:
         return {PEER_HEADER: self.self_url} if self.self_url else {}
+
+    def _wire(self, url: str) -> str:
+        """The URL a request goes to: in a private swarm over TLS, with the revocation list
+        looked at first (a revoked server gets no new connection)."""
+        if self.tls is None:
+            return url
+        self.tls.refresh(time.time())
+        return tls_url(url)
 
     async def close(self) -> None:
         await self.session.close()

@@ -10,7 +10,8 @@ get a bare health answer. The client side presents its admission and trusts the 
 
 Every request is judged again by :class:`SwarmTls` (``p2p_sync.trust.membership``): the
 revocation list file is re-read when it changes, so a member revoked or expired while its
-keep-alive connection is open is refused from its next request on.
+keep-alive connection is open is refused from its next request on. The client side looks at
+the file before each request too, so it opens no new connection to a revoked server.
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ class SwarmTls:
         return cls(files, membership, own, _context(True, files, key), _context(False, files, key))
 
     def refresh(self, now: float) -> None:
-        """Adopt the revocation list file if it changed (looked at once per ``refresh_s``);
-        a list that does not verify is ignored: the one held stays in force."""
+        """Adopt the revocation list file if it changed (looked at once per ``refresh_s``),
+        in the gate and in both contexts (new handshakes either way check it; OpenSSL takes
+        the latest of an issuer's lists); a list that does not verify is ignored: the one
+        held stays in force."""
         checked, seen = self._seen
         if now - checked < self.refresh_s:
             return
@@ -124,8 +127,11 @@ class SwarmTls:
         try:
             st = self.files.revocations.stat()
             current = (st.st_mtime_ns, st.st_size, st.st_ino)
-            if current != seen:
-                self.membership.update_revocations(self.files.revocations.read_bytes(), now)
+            if current != seen and self.membership.update_revocations(
+                self.files.revocations.read_bytes(), now
+            ):
+                for context in (self.server, self.client):
+                    context.load_verify_locations(cafile=str(self.files.revocations))
         except (OSError, MembershipError) as exc:  # the list held stays in force
             log.warning("revocation list %s not adopted: %s", self.files.revocations, exc)
         self._seen = (now, current)

@@ -131,14 +131,17 @@ def revocations(
     serials: list[int],
     number: int,
     now: float,
+    after: float = 0.0,
 ) -> bytes:
     """A revocation list (PEM) numbered ``number`` naming ``serials``: an empty one for a
-    new swarm (OpenSSL's CRL check wants one), a longer one per revocation."""
+    new swarm (OpenSSL's CRL check wants one), a longer one per revocation. Its lastUpdate
+    is at least a second past ``after`` (the list it replaces): OpenSSL, holding two lists of
+    an issuer, takes the one updated last."""
     ca = load_certificate(ca_pem, MembershipLimits().max_admission_bytes)
     builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(ca.subject)
-        .last_update(_when(now - 60))
+        .last_update(_when(max(now - 60, after + 1)))
         .next_update(_when(now + CRL_DAYS * 86400))
         .add_extension(x509.CRLNumber(number), critical=False)
     )
@@ -161,4 +164,5 @@ def revoke(
     number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
     serial = load_certificate(admission, MembershipLimits().max_admission_bytes).serial_number
     held = [r.serial_number for r in crl]
-    return revocations(admin, ca_pem, [*held, serial], int(number) + 1, now)
+    after = crl.last_update_utc.timestamp()
+    return revocations(admin, ca_pem, [*held, serial], int(number) + 1, now, after)

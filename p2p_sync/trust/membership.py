@@ -99,7 +99,7 @@ def load_certificate(data: bytes, limit: int) -> x509.Certificate:
         if data.lstrip().startswith(b"-----BEGIN"):
             return x509.load_pem_x509_certificate(data)
         return x509.load_der_x509_certificate(data)
-    except ValueError as exc:
+    except (ValueError, x509.InvalidVersion) as exc:
         raise MalformedAdmissionError(f"not an X.509 certificate ({exc})") from None
 
 
