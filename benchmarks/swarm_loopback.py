@@ -7,7 +7,11 @@ payload, aggregate throughput (N x payload / that time), the trainer's upload as
 the payload, and the ratio of time(N) to time(1).
 
     python benchmarks/swarm_loopback.py [--size-mb 100] [--rollouts 1,8] [--chunk-kb 256]
-                                        [--upload-mbps 100]
+                                        [--upload-mbps 100] [--modes open,private]
+
+``--modes open,private`` runs each N twice in one run: an open swarm (clear-text HTTP) and a
+private one (every node admitted, the data plane over mutual TLS 1.3); the table then shows
+the time and the CPU seconds of the trainer and the rollouts for both.
 
 Without a cap the run is CPU-bound on small machines (every process shares the same cores); with
 ``--upload-mbps`` every node's upload is capped like a home link, which is the regime the swarm
@@ -44,6 +48,9 @@ from p2p_sync.runtime.node import Node  # noqa: E402
 from p2p_sync.runtime.trainer import TrainerNode  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
 from p2p_sync.transport.limits import HttpLimits  # noqa: E402
+from p2p_sync.transport.p2p import IDENTITY_FILE  # noqa: E402
+from p2p_sync.transport.tls import identity_key  # noqa: E402
+from p2p_sync.trust import admissions  # noqa: E402
 from p2p_sync.trust.chunks import manifest_for  # noqa: E402
 from p2p_sync.trust.keys import PublicKey, SigningKey  # noqa: E402
 from p2p_sync.trust.manifest import SNAPSHOT, SwarmPolicy, sign  # noqa: E402
@@ -62,6 +69,7 @@ async def worker(args: argparse.Namespace) -> None:
         directory=PeerLimits(poll_interval_s=0.5),
         download=SwarmConfig(have_poll_s=0.2, **_requests(args)),
         http=HttpLimits(max_upload_mbps=float(args.upload_mbps)),
+        **_membership(Path(args.data_dir), args.private == "1"),
     )
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
@@ -87,6 +95,33 @@ async def worker(args: argparse.Namespace) -> None:
     await node.stop()
 
 
+def _membership(data_dir: Path, private: bool) -> dict[str, object]:
+    """A private node's settings: the files ``admit_all`` wrote beside its data dir."""
+    if not private:
+        return {}
+    where = data_dir.parent / f"{data_dir.name}-membership"
+    return {
+        "private": True,
+        "swarm_ca": where / "ca.pem",
+        "admission": where / "admission.pem",
+        "revocations": where / "crl.pem",
+    }
+
+
+def admit(key: SigningKey, swarm_id: str, data_dirs: list[Path]) -> None:
+    """A private swarm with ``key`` as its admin, each data dir's identity admitted."""
+    now = time.time()
+    ca = admissions.create_swarm_ca(key.private, swarm_id, now)
+    crl = admissions.revocations(key.private, ca, [], 1, now)
+    for data_dir in data_dirs:
+        public = identity_key(data_dir / IDENTITY_FILE).public_key().public_bytes_raw()
+        where = data_dir.parent / f"{data_dir.name}-membership"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "ca.pem").write_bytes(ca)
+        (where / "crl.pem").write_bytes(crl)
+        (where / "admission.pem").write_bytes(admissions.admit(key.private, ca, public, now, 1))
+
+
 def _requests(args: argparse.Namespace) -> dict[str, float]:
     """The ``[download]`` settings given on the command line (else the shipped ones)."""
     out: dict[str, float] = {}
@@ -108,16 +143,20 @@ def _request_flags(args: argparse.Namespace) -> list[str]:
 
 
 async def start_trainer(
-    root: Path, size: int, chunk: int, upload_mbps: float = 0.0
+    root: Path, size: int, chunk: int, upload_mbps: float = 0.0, rollouts: int = 0
 ) -> tuple[TrainerNode, str, str]:
+    """The seeding trainer; with ``rollouts``, of a private swarm admitting it and them."""
     key = SigningKey.generate()
     policy = SwarmPolicy(SWARM, (key.public,))
+    if rollouts:
+        admit(key, policy.swarm_id, [root / "trainer", *(root / f"r{i}" for i in range(rollouts))])
     cfg = NodeConfig(
         role="trainer",
         data_dir=root / "trainer",
         key=root / "k",
         directory=PeerLimits(poll_interval_s=5.0),
         http=HttpLimits(max_upload_mbps=upload_mbps),
+        **_membership(root / "trainer", rollouts > 0),
     )
     store = Store.open(cfg.data_dir)
     payload = os.urandom(size)
@@ -139,9 +178,15 @@ async def start_trainer(
 
 
 async def run(
-    n: int, size: int, chunk: int, root: Path, upload_mbps: float = 0.0, flags: tuple = ()
+    n: int,
+    size: int,
+    chunk: int,
+    root: Path,
+    upload_mbps: float = 0.0,
+    flags: tuple = (),
+    private: bool = False,
 ) -> dict:
-    trainer, url, digest = await start_trainer(root, size, chunk, upload_mbps)
+    trainer, url, digest = await start_trainer(root, size, chunk, upload_mbps, n if private else 0)
     pub = trainer.policy.keys[0].text()
     procs = []
     for i in range(n):
@@ -160,6 +205,8 @@ async def run(
                 str(root / f"r{i}"),
                 "--upload-mbps",
                 str(upload_mbps),
+                "--private",
+                "1" if private else "0",
                 *flags,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -169,6 +216,7 @@ async def run(
         assert p.stdout is not None
         json.loads(await asyncio.wait_for(p.stdout.readline(), 60))  # ready
     trainer_before = trainer.metrics.bytes_uploaded
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic()
     for p in procs:
         assert p.stdin is not None
@@ -176,6 +224,7 @@ async def run(
         await p.stdin.drain()
     done = [json.loads(await asyncio.wait_for(p.stdout.readline(), 600)) for p in procs]
     wall = time.monotonic() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)  # the trainer's (this process's) share
     for p in procs:
         p.stdin.close()
     ups = [json.loads(await p.stdout.readline()) for p in procs]
@@ -183,6 +232,7 @@ async def run(
         await p.wait()
     await trainer.stop()
     return {
+        "mode": "private" if private else "open",
         "rollouts": n,
         "payload_mb": size / 1e6,
         "last_s": wall,
@@ -193,6 +243,7 @@ async def run(
         "rollout_cpu_user_s": sum(u["cpu"][0] for u in ups),
         "rollout_cpu_sys_s": sum(u["cpu"][1] for u in ups),
         "rollout_context_switches": sum(u["cpu"][2] for u in ups),
+        "trainer_cpu_s": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
     }
 
 
@@ -211,8 +262,11 @@ def main() -> int:
     parser.add_argument(
         "--forward-seed-chunks", type=int, help="rollouts' [download] forward_seed_chunks (0: off)"
     )
+    parser.add_argument(
+        "--modes", default="open", help="open, private or both (open,private): each N per mode"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for name in ("--trainer", "--digest", "--pubkey", "--data-dir"):
+    for name in ("--trainer", "--digest", "--pubkey", "--data-dir", "--private"):
         parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -220,9 +274,10 @@ def main() -> int:
         return 0
     console = Console(width=120)
     rows = []
-    for n in (int(x) for x in args.rollouts.split(",")):
+    runs = [(int(x), m) for x in args.rollouts.split(",") for m in args.modes.split(",")]
+    for n, mode in runs:
         with tempfile.TemporaryDirectory(prefix="p2psync-bench-") as tmp:
-            with console.status(f"{args.size_mb:g} MB to {n} rollout(s)"):
+            with console.status(f"{args.size_mb:g} MB to {n} rollout(s), {mode}"):
                 rows.append(
                     asyncio.run(
                         run(
@@ -232,10 +287,12 @@ def main() -> int:
                             Path(tmp),
                             args.upload_mbps,
                             tuple(_request_flags(args)),
+                            mode == "private",
                         )
                     )
                 )
     table = Table(
+        "swarm",
         "rollouts",
         "payload",
         "last rollout done",
@@ -243,10 +300,13 @@ def main() -> int:
         "trainer upload",
         "rollouts upload",
         f"time / time({rows[0]['rollouts']})",
+        "CPU s trainer / rollouts",
         title="p2psync swarm on loopback",
     )
     for r in rows:
+        rollout_cpu = r["rollout_cpu_user_s"] + r["rollout_cpu_sys_s"]
         table.add_row(
+            r["mode"],
             str(r["rollouts"]),
             f"{r['payload_mb']:.0f} MB",
             f"{r['last_s']:.2f} s",
@@ -254,6 +314,7 @@ def main() -> int:
             f"{r['trainer_upload_x']:.2f}x",
             f"{r['rollouts_upload_x']:.2f}x",
             f"{r['last_s'] / rows[0]['last_s']:.2f}",
+            f"{r['trainer_cpu_s']:.1f} / {rollout_cpu:.1f}",
         )
     console.print(table)
     print(json.dumps(rows))

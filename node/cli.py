@@ -12,7 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from node import node_cmd, patch_cmd, sim_cmd, trust_cmd
+from node import member_cmd, node_cmd, patch_cmd, sim_cmd, trust_cmd
+from node.errors import UsageError
 from p2p_sync import __version__
 from p2p_sync.errors import P2PSyncError
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     patch_cmd.add_parser(sub)
     trust_cmd.add_parsers(sub)
+    member_cmd.add_parsers(sub)
     node_cmd.add_parsers(sub)
     sim_cmd.add_parser(sub)
     return parser
@@ -36,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except node_cmd.StartupError as exc:
+    except (node_cmd.StartupError, UsageError) as exc:
         print(f"p2psync: error: {exc}", file=sys.stderr)
         return 2
     except P2PSyncError as exc:

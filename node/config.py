@@ -35,6 +35,9 @@ FLAGS = {
     "p2p_listen": "p2p_listen",
     "bootstrap": "bootstrap",
     "reachability": "reachability.mode",
+    "swarm_ca": "swarm_ca",
+    "admission": "admission",
+    "revocations": "revocations",
 }
 
 
@@ -42,6 +45,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the flags given override (None: not given, the file's or default holds)."""
     values = {setting: getattr(args, dest) for dest, setting in FLAGS.items()}
     values["p2p"] = False if args.no_p2p else None
+    values["private"] = True if args.private else None
     return values
 
 

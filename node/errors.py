@@ -17,3 +17,8 @@ class StartupError(P2PSyncError):
 
 class CommandError(P2PSyncError):
     """A command cannot run as asked (bad file, bad argument)."""
+
+
+class UsageError(CommandError):
+    """Bad input to a command that writes trust material (a key, a certificate, a peer id it
+    cannot read): nothing was written; the CLI exits 2, as for a bad flag."""

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -121,11 +122,32 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status_tls(args: argparse.Namespace) -> tuple[str, Any]:
+    """The URL and TLS context of a private node's ``/status``, asked as the member whose
+    data dir and admission are given; an open node's URL as it is."""
+    if args.admission is None:
+        return args.url, None
+    from p2p_sync.transport.p2p import IDENTITY_FILE
+    from p2p_sync.transport.tls import PrivateSwarmFiles, SwarmTls, identity_key, tls_url
+
+    if args.swarm_ca is None or args.revocations is None:
+        raise StartupError("--admission needs --swarm-ca and --revocations too")
+    files = PrivateSwarmFiles(args.swarm_ca, args.admission, args.revocations)
+    try:
+        tls = SwarmTls.load(files, identity_key(args.data_dir / IDENTITY_FILE), time.time())
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
+    return tls_url(args.url), tls.client
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    url, context = _status_tls(args)
+
     async def fetch() -> dict:
         timeout = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            async with session.get(f"{args.url.rstrip('/')}/status") as resp:
+        connector = aiohttp.TCPConnector(ssl=context if context is not None else True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            async with session.get(f"{url.rstrip('/')}/status") as resp:
                 resp.raise_for_status()
                 return jsonbounds.loads(await resp.read())
 
@@ -240,13 +262,31 @@ def _add_node_libp2p(node: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_node_membership(node: argparse.ArgumentParser) -> None:
+    node.add_argument(
+        "--private",
+        action="store_true",
+        help="a private swarm: members only, data plane over TLS (default: open)",
+    )
+    _flag(node, "--swarm-ca", "private: the swarm CA certificate (p2psync swarm init)", type=Path)
+    _flag(node, "--admission", "private: this node's admission (p2psync admit)", type=Path)
+    _flag(node, "--revocations", "private: the admin's signed revocation list", type=Path)
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     node = sub.add_parser("node", help="run a trainer, rollout or bootstrap node")
     _add_node_files(node)
     _add_node_network(node)
+    _add_node_membership(node)
     node.set_defaults(func=cmd_node)
 
     status = sub.add_parser("status", help="print a node's status")
     status.add_argument("url", help="http://host:port of the node")
     status.add_argument("--json", action="store_true", help="the whole /status document as JSON")
+    status.add_argument("--admission", type=Path, help="private swarm: ask as this member")
+    status.add_argument("--swarm-ca", type=Path, help="private swarm: the swarm CA certificate")
+    status.add_argument("--revocations", type=Path, help="private swarm: the revocation list")
+    status.add_argument(
+        "--data-dir", type=Path, default=Path("p2psync-data"), help="the member's data dir"
+    )
     status.set_defaults(func=cmd_status)

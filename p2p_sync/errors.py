@@ -215,6 +215,49 @@ class ConfigError(P2PSyncError):
     """A config file or flag value is invalid (the message names the field)."""
 
 
+# ---------------------------------------------------------------- membership
+
+
+class MembershipError(P2PSyncError):
+    """A peer is not (or no longer) a member of this private swarm: its requests are refused."""
+
+
+class MalformedAdmissionError(MembershipError):
+    """An admission that is not a well-formed X.509 certificate of the expected shape
+    (tampered, truncated, over the size limit, another key type)."""
+
+
+class NotAMemberError(MembershipError):
+    """No admission, or one the swarm's admin key did not sign (a non-member with the URL,
+    a forged admission)."""
+
+
+class ForeignSwarmError(MembershipError):
+    """An admission issued for another swarm (a member of swarm A asking swarm B)."""
+
+
+class ExpiredAdmissionError(MembershipError):
+    """An admission outside its validity (expired, or not yet valid beyond the clock skew)."""
+
+
+class RevokedMemberError(MembershipError):
+    """An admission the admin's current revocation list names."""
+
+
+class ImpostorError(MembershipError):
+    """An admission whose key is not the identity it names, or presented by another
+    identity than the one it binds (a copied admission)."""
+
+
+class OverlongAdmissionError(MembershipError):
+    """An admission whose lifetime exceeds the swarm's limit (a key leak would last too long)."""
+
+
+class ForgedRevocationListError(MembershipError):
+    """A revocation list not signed by the swarm's admin key, or older than the one held
+    (a rollback that would re-admit revoked members)."""
+
+
 # ---------------------------------------------------------------- network
 
 

@@ -51,6 +51,7 @@ from p2p_sync.transport import tcp
 from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.trust.announce import AnnounceLimits
 from p2p_sync.trust.manifest import ManifestLimits
+from p2p_sync.trust.membership import MembershipLimits
 from p2p_sync.trust.trusted import TrustLimits
 from p2p_sync.weights.threads import usable_cores
 
@@ -93,6 +94,11 @@ class NodeConfig:
     p2p: bool = True  # False (--no-p2p): HTTP only, peers from --peers
     p2p_listen: str | None = None  # multiaddr; default: a free TCP port on the --listen host
     bootstrap: tuple[str, ...] = ()  # multiaddrs with /p2p/<peer-id>
+    # a private swarm (``p2p_sync.trust.membership``): members only, the data plane over TLS
+    private: bool = False
+    swarm_ca: Path | None = None  # the swarm CA certificate (p2psync swarm init)
+    admission: Path | None = None  # this node's admission (p2psync admit)
+    revocations: Path | None = None  # the admin's signed revocation list
     publish: PublishPolicy = field(default_factory=PublishPolicy)
     download: SwarmConfig = field(default_factory=SwarmConfig)
     http: HttpLimits = field(default_factory=HttpLimits)
@@ -103,6 +109,7 @@ class NodeConfig:
     libp2p: Libp2pLimits = field(default_factory=Libp2pLimits)
     reachability: ReachabilityLimits = field(default_factory=ReachabilityLimits)
     relay: RelayBounds = field(default_factory=RelayBounds)
+    membership: MembershipLimits = field(default_factory=MembershipLimits)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -197,11 +204,25 @@ def _check_congestion(name: str) -> None:
         raise _bad("http.tcp_congestion", f"{name!r} is not offered by this kernel ({have})")
 
 
+def _check_private(cfg: NodeConfig) -> None:
+    """A private node names its three membership files; an open one names none."""
+    files = {"swarm_ca": cfg.swarm_ca, "admission": cfg.admission, "revocations": cfg.revocations}
+    missing = [name for name, path in files.items() if path is None]
+    if cfg.private and missing:
+        raise _bad(
+            "private",
+            f"a private swarm needs {', '.join(missing)} (p2psync swarm init, p2psync admit)",
+        )
+    if not cfg.private and len(missing) < len(files):
+        raise _bad("private", "membership files are given but private is not set")
+
+
 def check(cfg: NodeConfig) -> None:
     """Raise ConfigError naming the first setting that cannot work."""
     _check_roles(cfg)
     _check_addresses(cfg)
     _check_numbers(cfg)
+    _check_private(cfg)
     if cfg.workers < 0:
         raise _bad("workers", f"{cfg.workers} must be >= 0 (0: one thread per usable core)")
     if cfg.directory.max_unproven > cfg.directory.max_peers:

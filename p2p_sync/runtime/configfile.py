@@ -19,7 +19,7 @@ from p2p_sync.settings import from_table, typed
 
 __all__ = ["load"]
 
-_PATHS = {"data_dir", "key", "watch", "export"}
+_PATHS = {"data_dir", "key", "watch", "export", "swarm_ca", "admission", "revocations"}
 _TUPLES = {"trust", "peers", "bootstrap", "publish.catchup_spans"}
 
 _MOVED = {  # settings from before the tree -> where they live now

@@ -9,10 +9,12 @@ carries bytes, so a control-plane test in memory checks what a real node does.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 from typing import Any
 from urllib.parse import urlsplit
 
+from p2p_sync.errors import ConfigError
 from p2p_sync.runtime.ports import WireHost
 from p2p_sync.transport.client import PeerClient
 from p2p_sync.transport.dataplane import DataRouter
@@ -21,6 +23,7 @@ from p2p_sync.transport.lan import LanShortcuts
 from p2p_sync.transport.memory import MemoryClient, MemoryGossipHost, MemoryNetwork
 from p2p_sync.transport.reverse import ReverseClient, ReverseHub, ReverseLinks
 from p2p_sync.transport.streams import RoutedClient, StreamClient, direct_address
+from p2p_sync.transport.tls import PrivateSwarmFiles, SwarmTls, identity_key
 from p2p_sync.trust import announce
 
 log = logging.getLogger("p2psync.node")
@@ -31,20 +34,25 @@ class HttpTransport:
 
     def __init__(self) -> None:
         self.server: DataServer | None = None
+        self.tls: SwarmTls | None = None  # a private swarm's (``transport.tls``)
 
     async def serve(self, node: WireHost) -> str:
         """Listen on the node's address; returns its advertised URL."""
         host, port = node.cfg.host_port
-        self.server = DataServer(node.view, node.cfg.http)
+        self.tls = private_tls(node)
+        self.server = DataServer(node.view, node.cfg.http, self.tls)
         bound = await self.server.start(host, port)
         return f"http://{node.cfg.advertise_host or host}:{bound}"
 
     def client(self, node: WireHost) -> PeerClient:
-        return DataClient(node.url, node.cfg.http)
+        return DataClient(node.url, node.cfg.http, self.tls)
 
     async def gossip(self, node: WireHost) -> Any:
         """A started libp2p host (its record names no HTTP URL until a peer could dial it);
-        libp2p is an addition: if it cannot start, the node carries on from --peers (None)."""
+        libp2p is an addition: if it cannot start, the node carries on from --peers (None).
+        A private swarm's node runs none (``_no_gossip``)."""
+        if node.cfg.private:
+            return _no_gossip()
         try:
             from p2p_sync.transport import multiaddrs, p2p  # here: --no-p2p nodes never load it
 
@@ -116,6 +124,33 @@ class HttpTransport:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+
+
+def _no_gossip() -> None:
+    """libp2p does not gate by membership yet: a private swarm's members meet over the TLS
+    data plane alone, from --peers."""
+    log.info("private swarm: libp2p off, peers from --peers over TLS only")
+
+
+def private_tls(node: WireHost) -> SwarmTls | None:
+    """A private node's TLS, from its membership files and its libp2p identity key (the
+    key its admission binds); None for an open swarm's node."""
+    cfg = node.cfg
+    if not cfg.private:
+        return None
+    assert cfg.swarm_ca and cfg.admission and cfg.revocations  # config.check saw to it
+    from p2p_sync.transport.p2p import IDENTITY_FILE
+
+    files = PrivateSwarmFiles(cfg.swarm_ca, cfg.admission, cfg.revocations)
+    key = identity_key(cfg.data_dir / IDENTITY_FILE)
+    tls = SwarmTls.load(files, key, time.time(), cfg.membership)
+    if tls.membership.swarm_id != node.policy.swarm_id:
+        raise ConfigError(
+            f"config: swarm_ca: {files.ca} is the CA of swarm"
+            f" {tls.membership.swarm_id[:16]}, not of this node's swarm"
+            f" {node.policy.swarm_id[:16]} (same --swarm and --trust as p2psync swarm init?)"
+        )
+    return tls
 
 
 class MemoryTransport:

@@ -52,6 +52,7 @@ from p2p_sync.transport.messages import PEER_HEADER, PIECE, Refused, Reply, Requ
 from p2p_sync.transport.nodeview import NodeView
 from p2p_sync.transport.reverse import PATH as REVERSE
 from p2p_sync.transport.reverse import ReverseHub
+from p2p_sync.transport.tls import SwarmTls, tls_url
 
 __all__ = ["DataClient", "DataServer", "HttpLimits", "PeerBusyError", "PeerError"]
 
@@ -172,9 +173,12 @@ class DataServer:
     """The aiohttp application serving one node's router, on connections it accepts itself
     (bounded by its gate, their headers and idleness timed: the module's docstring)."""
 
-    def __init__(self, node: NodeView, limits: HttpLimits = HttpLimits()) -> None:
-        self.router, self.limits = DataRouter(node, limits), limits
-        self.app = web.Application(client_max_size=limits.max_request_bytes)
+    def __init__(
+        self, node: NodeView, limits: HttpLimits = HttpLimits(), tls: SwarmTls | None = None
+    ) -> None:
+        self.router, self.limits, self.tls = DataRouter(node, limits), limits, tls
+        gate = [] if tls is None else [self._members_only]
+        self.app = web.Application(client_max_size=limits.max_request_bytes, middlewares=gate)
         self.app.add_routes(
             [web.get(REVERSE, self._reverse), web.route("*", "/{tail:.*}", self._handle)]
         )
@@ -229,12 +233,33 @@ class DataServer:
             return made[0]
 
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(handler, conn)
+            await asyncio.get_running_loop().connect_accepted_socket(
+                handler, conn, **self._tls_args()
+            )
         except (OSError, ValueError) as exc:
             log.debug("data plane: connection from %s lost at once: %s", key, exc)
             if not (made and made[0].counted):  # else its connection_lost releases it
                 self.gate.release(key)
             conn.close()
+
+    def _tls_args(self) -> dict[str, Any]:
+        """A private swarm's connections are TLS, their handshake timed as a request header."""
+        if self.tls is None:
+            return {}
+        return {"ssl": self.tls.server, "ssl_handshake_timeout": self.limits.header_timeout_s}
+
+    @web.middleware
+    async def _members_only(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """A private swarm's gate, on every request: a member (``SwarmTls.member``) is
+        served; anyone else gets a bare health answer on ``GET /status`` and 403 elsewhere."""
+        assert self.tls is not None
+        if self.tls.member(request.transport) is not None:
+            return await handler(request)
+        if request.method == "GET" and request.path == "/status":
+            return web.json_response({"ok": True, "private": True})
+        return web.Response(status=403, text="members only")
 
     def _connection(self, key: str) -> _Connection:
         assert self._runner is not None and self._runner.server is not None
@@ -354,12 +379,16 @@ class DataServer:
 class DataClient:
     """Client side of the data plane, with size and time limits on every response."""
 
-    def __init__(self, self_url: str | None, limits: HttpLimits = HttpLimits()) -> None:
+    def __init__(
+        self, self_url: str | None, limits: HttpLimits = HttpLimits(), tls: SwarmTls | None = None
+    ) -> None:
         self.limits, self.self_url = limits, self_url  # self_url changes once reachability is known
         timeout = aiohttp.ClientTimeout(
             total=limits.request_timeout_s, sock_connect=limits.connect_timeout_s
         )
-        self.session = tcp.session(timeout, limits.tcp_congestion)
+        context = None if tls is None else tls.client
+        self.session = tcp.session(timeout, limits.tcp_congestion, context)
+        self.tls = tls
         self._bulk = aiohttp.ClientTimeout(  # chunks: cut only when no byte moves
             total=None,
             sock_connect=limits.connect_timeout_s,
@@ -369,6 +398,14 @@ class DataClient:
     @property
     def _headers(self) -> dict[str, str]:
         return {PEER_HEADER: self.self_url} if self.self_url else {}
+
+    def _wire(self, url: str) -> str:
+        """The URL a request goes to: in a private swarm over TLS, with the revocation list
+        looked at first (a revoked server gets no new connection)."""
+        if self.tls is None:
+            return url
+        self.tls.refresh(time.time())
+        return tls_url(url)
 
     async def close(self) -> None:
         await self.session.close()
@@ -382,7 +419,7 @@ class DataClient:
     ) -> bytes:
         extra = {"timeout": self._bulk} if bulk else {}  # else the session's total limit
         try:
-            async with self.session.get(url, headers=self._headers, **extra) as resp:
+            async with self.session.get(self._wire(url), headers=self._headers, **extra) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit)
                 if moved is not None:  # a chunk whose progress is watched
                     return await _read_moving(url, resp.content, limit, moved)
@@ -412,7 +449,9 @@ class DataClient:
             sock_read=self.limits.have_wait_s + self.limits.request_timeout_s,
         )
         try:
-            async with self.session.get(url, headers=self._headers, timeout=patient) as resp:
+            async with self.session.get(
+                self._wire(url), headers=self._headers, timeout=patient
+            ) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit)
                 pending = bytearray()
                 async for piece in resp.content.iter_any():
@@ -444,7 +483,9 @@ class DataClient:
         judged after the parts (as ``split_parts`` does): bytes failing their hash get the
         peer banned even when it sends too many."""
         try:
-            async with self.session.get(url, headers=self._headers, timeout=self._bulk) as resp:
+            async with self.session.get(
+                self._wire(url), headers=self._headers, timeout=self._bulk
+            ) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, self.limits.max_chunk_bytes)
                 for size in sizes:
                     first = await resp.content.read(1)
@@ -491,7 +532,7 @@ class DataClient:
         body = raw or {"json": doc}
         headers = {**self._headers, **(headers or {})}
         try:
-            async with self.session.post(url, headers=headers, **body) as resp:
+            async with self.session.post(self._wire(url), headers=headers, **body) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit, expect)
                 return await resp.content.read(limit)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

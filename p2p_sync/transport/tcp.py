@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,11 +75,15 @@ def socket_factory(name: str) -> Callable[[tuple[Any, ...]], socket.socket]:
     return make
 
 
-def session(timeout: aiohttp.ClientTimeout, congestion: str) -> aiohttp.ClientSession:
-    """An aiohttp client session whose sockets get ``congestion`` ("": the host's default)."""
-    if not congestion:
+def session(
+    timeout: aiohttp.ClientTimeout, congestion: str, tls: ssl.SSLContext | None = None
+) -> aiohttp.ClientSession:
+    """An aiohttp client session whose sockets get ``congestion`` ("": the host's default);
+    ``tls``: the context of its ``https://`` requests (a private swarm's)."""
+    if not congestion and tls is None:
         return aiohttp.ClientSession(timeout=timeout)
-    connector = aiohttp.TCPConnector(socket_factory=socket_factory(congestion))
+    factory = socket_factory(congestion) if congestion else None
+    connector = aiohttp.TCPConnector(socket_factory=factory, ssl=tls if tls is not None else True)
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
