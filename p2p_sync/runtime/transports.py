@@ -54,27 +54,7 @@ class HttpTransport:
         if node.cfg.private:
             return _no_gossip()
         try:
-            from p2p_sync.transport import multiaddrs, p2p  # here: --no-p2p nodes never load it
-
-            cfg, learner = node.cfg, node.learner
-            settings = p2p.P2PSettings(
-                listen=cfg.p2p_listen or multiaddrs.default_listen(cfg.host_port[0]),
-                advertise_host=cfg.advertise_host,
-                identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
-                topic=announce.topic(node.policy.swarm_id),
-                bootstrap=cfg.bootstrap,
-                relay=cfg.relay,
-                **asdict(cfg.libp2p),
-            )
-            host = p2p.P2PHost(
-                settings,
-                learner.judge,
-                learner.on_gossip,
-                learner.on_p2p_peer,
-                node.store.has_manifest,
-                learner.heard,
-            )
-            await host.start()
+            host = await _start_p2p(node)
         except Exception as exc:  # any failure (import, identity file, bind): HTTP only
             log.warning("libp2p unavailable, using --peers only: %s", exc)
             return None
@@ -124,6 +104,32 @@ class HttpTransport:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop()
+
+
+async def _start_p2p(node: WireHost) -> Any:
+    """The node's libp2p host, started: gossip, discovery and its streams."""
+    from p2p_sync.transport import multiaddrs, p2p  # here: --no-p2p nodes never load it
+
+    cfg, learner = node.cfg, node.learner
+    settings = p2p.P2PSettings(
+        listen=cfg.p2p_listen or multiaddrs.default_listen(cfg.host_port[0]),
+        advertise_host=cfg.advertise_host,
+        identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
+        topic=announce.topic(node.policy.swarm_id),
+        bootstrap=cfg.bootstrap,
+        relay=cfg.relay,
+        **asdict(cfg.libp2p),
+    )
+    host = p2p.P2PHost(
+        settings,
+        learner.judge,
+        learner.on_gossip,
+        learner.on_p2p_peer,
+        node.store.has_manifest,
+        learner.heard,
+    )
+    await host.start()
+    return host
 
 
 def _no_gossip() -> None:

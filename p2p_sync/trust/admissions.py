@@ -91,6 +91,13 @@ def _member_builder(
     )
 
 
+def _check_days(days: float, limits: MembershipLimits) -> None:
+    if not 0 < days <= limits.max_admission_days:
+        raise OverlongAdmissionError(
+            f"an admission lasts more than 0 and at most {limits.max_admission_days:g} days"
+        )
+
+
 def admit(
     admin: Ed25519PrivateKey,
     ca_pem: bytes,
@@ -102,10 +109,7 @@ def admit(
     """An admission (PEM) for the node whose raw Ed25519 identity key is ``node_key``,
     valid from now for ``days``; OverlongAdmissionError past the swarm's limit."""
     limits = limits or MembershipLimits()
-    if not 0 < days <= limits.max_admission_days:
-        raise OverlongAdmissionError(
-            f"an admission lasts more than 0 and at most {limits.max_admission_days:g} days"
-        )
+    _check_days(days, limits)
     ca = load_certificate(ca_pem, limits.max_admission_bytes)
     peer_id = peer_id_of(node_key)
     san = x509.UniformResourceIdentifier(member_uri(swarm_of_ca(ca), peer_id))
