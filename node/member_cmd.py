@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-
 from node.errors import UsageError
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import P2PSyncError
@@ -75,11 +73,9 @@ def cmd_swarm_init(args: argparse.Namespace) -> int:
 @_guarded
 def cmd_identity(args: argparse.Namespace) -> int:
     from p2p_sync.transport.p2p import IDENTITY_FILE
-    from p2p_sync.transport.tls import identity_key
+    from p2p_sync.transport.tls import identity_key, raw_public
 
-    key = identity_key(args.data_dir / IDENTITY_FILE)
-    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    print(peer_id_of(raw))
+    print(peer_id_of(raw_public(identity_key(args.data_dir / IDENTITY_FILE))))
     return 0
 
 

@@ -105,7 +105,7 @@ class SwarmTls:
         admission = _read(files.admission, "membership.admission")
         try:
             membership = Membership(ca, crl, now, limits)
-            own = membership.check(admission, now, presenter=_raw(key))
+            own = membership.check(admission, now, presenter=raw_public(key))
         except ImpostorError:
             raise ConfigError(
                 f"config: membership.admission: {files.admission} admits another identity"
@@ -149,7 +149,8 @@ class SwarmTls:
             return None
 
 
-def _raw(key: Ed25519PrivateKey) -> bytes:
+def raw_public(key: Ed25519PrivateKey) -> bytes:
+    """The raw 32-byte public key of an identity key (what a peer id inlines)."""
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 

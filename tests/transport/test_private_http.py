@@ -199,7 +199,7 @@ async def _revoked_while_connected(tmp_path: Path) -> tuple[int, int, int]:
         member = served.swarm.admit()
         opened: list[object] = []
 
-        async def counted(session: object, context: object, params: object) -> None:
+        async def counted(_client: object, _trace: object, params: object) -> None:
             opened.append(params)
 
         trace = aiohttp.TraceConfig()
