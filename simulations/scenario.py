@@ -55,9 +55,14 @@ class Scenario:
     # TCP restarts a connection idle for an RTO in slow start (Linux's default,
     # net.ipv4.tcp_slow_start_after_idle = 1; simulations/network.py); false: warm connections
     slow_start: bool = False
-    # a private swarm (mutual TLS on the HTTP data plane): a pair's first HTTP message of a
-    # version waits one more round trip, the TLS 1.3 handshake (simulations/swarm_sim.py)
+    # a private swarm (mutual TLS on the HTTP data plane): a pair's first HTTP message waits
+    # one more round trip, the TLS 1.3 handshake (simulations/swarm_sim.py)
     private: bool = False
+    # a private swarm's connections stay open between versions (the node's [http]
+    # tls_keepalive_s, 10 min: longer than a training step), so pairs that followed each other
+    # in earlier versions start a version handshaken; false: every pair handshakes again each
+    # version (a step longer than the keep-alive, or a swarm's very first version)
+    warm_connections: bool = True
     churn_fraction: float = 0.0
     churn_downtime: float = 0.25
     corrupt_fraction: float = 0.0

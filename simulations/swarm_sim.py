@@ -42,14 +42,16 @@ and the node's messaging, as follows.
   from a corrupt peer, ``ChunkCorrupted``). A chunk cancelled while its bytes flow still flows
   (the node's connection carries the rest of the run); the run ends once nothing in it is
   wanted.
-* Private swarms (``private``): the HTTP data plane runs over mutual TLS. Connections between
-  versions sit idle past the client's keep-alive (a training step apart), so each version
-  opens them again: TCP's round trip is paid open or private alike and is left out of both
-  (as everywhere here), TLS 1.3's full handshake is one more round trip before an ordered
-  pair's first HTTP message of the version (a request, a have feed, an early question, the
-  trainer's announcement, a forwarded chunk); what the pair sends before the handshake
-  completes waits for it (parallel connections handshake in parallel). Messages to and from
-  NATed peers go over libp2p, which runs Noise in open swarms too: no change there.
+* Private swarms (``private``): the HTTP data plane runs over mutual TLS. TCP's round trip is
+  paid open or private alike and is left out of both (as everywhere here); TLS 1.3's full
+  handshake is one more round trip before an ordered pair's first HTTP message over a new
+  connection (a request, a have feed, an early question, the trainer's announcement, a
+  forwarded chunk); what the pair sends before the handshake completes waits for it
+  (parallel connections handshake in parallel). A node keeps its TLS connections a training
+  step and more (``warm_connections``): every pair that follows the other (the trainer and
+  its followers too) starts a version handshaken, as do pairs that met in earlier versions,
+  until one of the two leaves; without it every pair handshakes again each version. Messages
+  to and from NATed peers go over libp2p, which runs Noise in open swarms too: no change there.
 * Churn, adversaries: see ``scenario.py``.
 * Where the time went (:class:`Lag`, the report's ``lag_s``): each honest peer's completion
   beyond the payload at its downlink's rate, split at its first chunk and at the moment the
@@ -253,7 +255,7 @@ class SwarmSim:
         self.rng = random.Random(scenario.seed)
         self.clock = Clock()
         self.lat = scenario.latency_ms / 1000
-        # private swarms: when each ordered pair's TLS handshake of this version completes
+        # private swarms: when each ordered pair's TLS handshake completes (or completed)
         self.handshaken: dict[tuple[int, int], float] = {}
         self.peers = self._make_peers()
         self.net = Network(
@@ -264,6 +266,7 @@ class SwarmSim:
             scenario.slow_start,
         )
         self._wire_overlay()
+        self._warm_connections()
         self.depth = self._depths()
         self.seeder = SuperSeeder.of(scenario)
         self.artifacts: list[Artifact] = []
@@ -472,7 +475,8 @@ class SwarmSim:
         nat_bound = self.nat_bound(bound)
         t0 = clock.now
         self.net.idle_restart()  # a training step apart: longer than any RTO
-        self.handshaken.clear()  # and longer than the client's keep-alive
+        if not self.sc.warm_connections:  # a step longer than the client's keep-alive
+            self.handshaken.clear()
         self._publish(version)
         if self.sc.push_tree:
             self.tree = TreeLayout.build([p.idx for p in self.peers[1:]], self.rng)
@@ -497,7 +501,7 @@ class SwarmSim:
             else:  # hears the digest, asks its peers' have-maps and the manifest at once
                 heard = t0 + self.lat * max(self.depth[p.idx], 1)
                 clock.at(heard, self._hear, p, self.artifacts[-1])
-                clock.at(heard + 2 * self.lat + self._handshake_s, self._learn, p)  # manifest
+                clock.at(heard + 2 * self.lat + self._manifest_handshake_s, self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
         self._run(version, t0 + self.sc.time_limit_factor * nat_bound)
         up = self.net.bytes_sent[TRAINER] - up0
@@ -889,9 +893,30 @@ class SwarmSim:
         """A TLS 1.3 handshake's round trip in a private swarm, else nothing."""
         return 2 * self.lat if self.sc.private else 0.0
 
+    @property
+    def _manifest_handshake_s(self) -> float:
+        """The manifest comes from the gossip sender, a mesh neighbour: stable over versions,
+        so met before when connections stay warm; else a handshake first."""
+        return 0.0 if self.sc.warm_connections else self._handshake_s
+
+    def _warm_connections(self) -> None:
+        """A private swarm that ran earlier versions (``warm_connections``): each pair that
+        follows the other holds TLS connections both ways, handshaken before this run."""
+        if not (self.sc.private and self.sc.warm_connections):
+            return
+        for p in self.peers[1:]:
+            for q in p.follows:
+                self.handshaken[p.idx, q] = self.handshaken[q, p.idx] = 0.0
+
+    def _close_connections(self, p: Peer) -> None:
+        """A node that leaves closes its connections: every pair with it handshakes anew."""
+        if self.handshaken:
+            for pair in [k for k in self.handshaken if p.idx in k]:
+                del self.handshaken[pair]
+
     def _handshake(self, a: int, b: int) -> float:
-        """How long ``a``'s HTTP message to ``b`` waits for their TLS handshake of this
-        version (private swarms; libp2p, to or from a NATed peer, is encrypted either way)."""
+        """How long ``a``'s HTTP message to ``b`` waits for their TLS handshake (private
+        swarms; libp2p, to or from a NATed peer, is encrypted either way)."""
         if not self.sc.private or self.peers[a].nat or self.peers[b].nat:
             return 0.0
         now = self.clock.now
@@ -1302,6 +1327,7 @@ class SwarmSim:
                 r.early.pop(p.idx, None)
                 r.early_asked.discard(p.idx)
         p.subscribers.clear()
+        self._close_connections(p)
         p.early, p.early_art, p.early_asked = None, None, set()
         self._drop_streams(p)
         self.clock.after(downtime, self._rejoin, p, p.generation)

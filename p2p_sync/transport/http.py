@@ -52,6 +52,7 @@ from p2p_sync.transport.messages import PEER_HEADER, PIECE, Refused, Reply, Requ
 from p2p_sync.transport.nodeview import NodeView
 from p2p_sync.transport.reverse import PATH as REVERSE
 from p2p_sync.transport.reverse import ReverseHub
+from p2p_sync.transport.sessions import RenewedSessions
 from p2p_sync.transport.tls import SwarmTls, tls_url
 
 __all__ = ["DataClient", "DataServer", "HttpLimits", "PeerBusyError", "PeerError"]
@@ -268,7 +269,7 @@ class DataServer:
             key,
             self._runner.server,
             loop=asyncio.get_running_loop(),
-            keepalive_timeout=self.limits.idle_timeout_s,
+            keepalive_timeout=self.limits.server_idle_s(self.tls is not None),
             access_log=None,
         )
 
@@ -386,9 +387,12 @@ class DataClient:
         timeout = aiohttp.ClientTimeout(
             total=limits.request_timeout_s, sock_connect=limits.connect_timeout_s
         )
-        context = None if tls is None else tls.client
-        self.session = tcp.session(timeout, limits.tcp_congestion, context)
+        context, keep = (None, None) if tls is None else (tls.client, limits.tls_keepalive_s)
         self.tls = tls
+        self.sessions = RenewedSessions(
+            lambda: tcp.session(timeout, limits.tcp_congestion, context, keep),
+            lambda: 0 if tls is None else tls.adopted,
+        )
         self._bulk = aiohttp.ClientTimeout(  # chunks: cut only when no byte moves
             total=None,
             sock_connect=limits.connect_timeout_s,
@@ -408,7 +412,7 @@ class DataClient:
         return tls_url(url)
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.sessions.close()
 
     async def _get(
         self,
@@ -419,7 +423,9 @@ class DataClient:
     ) -> bytes:
         extra = {"timeout": self._bulk} if bulk else {}  # else the session's total limit
         try:
-            async with self.session.get(self._wire(url), headers=self._headers, **extra) as resp:
+            async with self.sessions.request(
+                "GET", self._wire(url), headers=self._headers, **extra
+            ) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit)
                 if moved is not None:  # a chunk whose progress is watched
                     return await _read_moving(url, resp.content, limit, moved)
@@ -449,8 +455,8 @@ class DataClient:
             sock_read=self.limits.have_wait_s + self.limits.request_timeout_s,
         )
         try:
-            async with self.session.get(
-                self._wire(url), headers=self._headers, timeout=patient
+            async with self.sessions.request(
+                "GET", self._wire(url), headers=self._headers, timeout=patient
             ) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit)
                 pending = bytearray()
@@ -483,8 +489,8 @@ class DataClient:
         judged after the parts (as ``split_parts`` does): bytes failing their hash get the
         peer banned even when it sends too many."""
         try:
-            async with self.session.get(
-                self._wire(url), headers=self._headers, timeout=self._bulk
+            async with self.sessions.request(
+                "GET", self._wire(url), headers=self._headers, timeout=self._bulk
             ) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, self.limits.max_chunk_bytes)
                 for size in sizes:
@@ -532,7 +538,9 @@ class DataClient:
         body = raw or {"json": doc}
         headers = {**self._headers, **(headers or {})}
         try:
-            async with self.session.post(self._wire(url), headers=headers, **body) as resp:
+            async with self.sessions.request(
+                "POST", self._wire(url), headers=headers, **body
+            ) as resp:
                 check_reply(url, resp.status, resp.content_length or 0, limit, expect)
                 return await resp.content.read(limit)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

@@ -45,6 +45,15 @@ class HttpLimits:
     # request in progress, not idle
     header_timeout_s: float = 10.0
     idle_timeout_s: float = 30.0
+    # a private swarm's client keeps an idle TLS connection this long, and its server one
+    # ``idle_timeout_s`` longer (``server_idle_s``): longer than a training step, so a pair of
+    # members pays TLS's handshake once, not every version (docs/private.md)
+    tls_keepalive_s: float = 600.0
+
+    def server_idle_s(self, tls: bool) -> float:
+        """How long the server keeps a connection with no request in progress: the client
+        closes first (its keep-alive is shorter), and then sends nothing into a closed one."""
+        return self.tls_keepalive_s + self.idle_timeout_s if tls else self.idle_timeout_s
 
     @property
     def read_patience_s(self) -> float:

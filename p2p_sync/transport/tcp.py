@@ -76,14 +76,21 @@ def socket_factory(name: str) -> Callable[[tuple[Any, ...]], socket.socket]:
 
 
 def session(
-    timeout: aiohttp.ClientTimeout, congestion: str, tls: ssl.SSLContext | None = None
+    timeout: aiohttp.ClientTimeout,
+    congestion: str,
+    tls: ssl.SSLContext | None = None,
+    keepalive_s: float | None = None,
 ) -> aiohttp.ClientSession:
     """An aiohttp client session whose sockets get ``congestion`` ("": the host's default);
-    ``tls``: the context of its ``https://`` requests (a private swarm's)."""
-    if not congestion and tls is None:
+    ``tls``: the context of its ``https://`` requests (a private swarm's); ``keepalive_s``:
+    how long an idle connection is kept (None: aiohttp's 15 s)."""
+    if not congestion and tls is None and keepalive_s is None:
         return aiohttp.ClientSession(timeout=timeout)
     factory = socket_factory(congestion) if congestion else None
-    connector = aiohttp.TCPConnector(socket_factory=factory, ssl=tls if tls is not None else True)
+    keep = {} if keepalive_s is None else {"keepalive_timeout": keepalive_s}
+    connector = aiohttp.TCPConnector(
+        socket_factory=factory, ssl=tls if tls is not None else True, **keep
+    )
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 

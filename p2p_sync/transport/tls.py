@@ -89,6 +89,7 @@ class SwarmTls:
     refresh_s: float = REFRESH_S
     # (checked at, the file's (mtime, size, inode): a list renamed over it or rewritten)
     _seen: tuple[float, tuple[int, int, int] | None] = field(default=(0.0, None))
+    adopted: int = 0  # newer revocation lists adopted since start (``transport.sessions``)
 
     @classmethod
     def load(
@@ -132,6 +133,7 @@ class SwarmTls:
             ):
                 for context in (self.server, self.client):
                     context.load_verify_locations(cafile=str(self.files.revocations))
+                self.adopted += 1
         except (OSError, MembershipError) as exc:  # the list held stays in force
             log.warning("revocation list %s not adopted: %s", self.files.revocations, exc)
         self._seen = (now, current)

@@ -605,23 +605,31 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 
 
-def test_a_private_swarm_waits_for_one_tls_handshake_per_pair_and_version() -> None:
-    """One follower at 20 ms: each version, the trainer's announcement waits for its TLS
-    handshake to the follower (a round trip), and the follower's first request to the
-    trainer for its own: two round trips later than in the open swarm, every version (the
-    connections went idle in between)."""
+def _one_follower(private: bool, warm: bool) -> list[float]:
     kw = dict(peers=1, payload_mb=2.0, latency_ms=20.0, versions=2, max_requests_per_peer=32)
     kw |= dict(uplink_mbps=1000.0, downlink_mbps=1000.0, trainer_uplink_mbps=1000.0)
-    times = {}
-    for private in (False, True):
-        sim = SwarmSim(scenario(**kw, private=private))
-        times[private] = [sim.run_version(v).completion_s[0] for v in (1, 2)]
-    for open_, private in zip(times[False], times[True], strict=True):
-        assert private - open_ == pytest.approx(2 * 0.04, abs=0.002), times
+    sim = SwarmSim(scenario(**kw, private=private, warm_connections=warm))
+    return [sim.run_version(v).completion_s[0] for v in (1, 2)]
+
+
+def test_a_private_swarm_with_cold_connections_waits_two_handshakes_every_version() -> None:
+    """One follower at 20 ms, its connections closed between versions: each version the
+    trainer's announcement waits for its TLS handshake to the follower (a round trip), and
+    the follower's first request to the trainer for its own: two round trips later than in
+    the open swarm."""
+    for open_, private in zip(_one_follower(False, False), _one_follower(True, False), strict=True):
+        assert private - open_ == pytest.approx(2 * 0.04, abs=0.002)
+
+
+def test_a_private_swarm_with_warm_connections_is_as_fast_as_an_open_one() -> None:
+    """Kept open between versions, the trainer's and its follower's connections wait for no
+    handshake: the same completion as the open swarm's, every version."""
+    assert _one_follower(True, True) == pytest.approx(_one_follower(False, True), abs=1e-9)
 
 
 def test_a_handshake_is_waited_for_once_by_everything_a_pair_sends_over_http() -> None:
-    sim = SwarmSim(scenario(peers=8, nat_fraction=0.5, private=True, latency_ms=20.0, versions=2))
+    kw = dict(peers=8, nat_fraction=0.5, private=True, latency_ms=20.0, versions=2)
+    sim = SwarmSim(scenario(**kw, warm_connections=False))
     nat = [p.idx for p in sim.peers[1:] if p.nat]
     public = [p.idx for p in sim.peers[1:] if not p.nat]
     a, b = public[:2]
@@ -637,6 +645,19 @@ def test_a_handshake_is_waited_for_once_by_everything_a_pair_sends_over_http() -
     assert min(sim.handshaken.values()) == pytest.approx(sim.published_at + 0.04)
     open_ = SwarmSim(scenario(peers=8, latency_ms=20.0))
     assert open_._handshake(*public[:2]) == 0.0 and not open_.handshaken
+
+
+def test_warm_connections_cover_the_follow_pairs_both_ways_until_a_peer_leaves() -> None:
+    sim = SwarmSim(scenario(peers=40, private=True, latency_ms=20.0))
+    p = next(p for p in sim.peers[1:] if p.follows)
+    q = min(p.follows)
+    assert sim._handshake(p.idx, q) == sim._handshake(q, p.idx) == 0.0
+    strangers = [r.idx for r in sim.peers[1:] if r.idx not in p.follows | {p.idx}]
+    stranger = next(r for r in strangers if p.idx not in sim.peers[r].follows)
+    assert sim._handshake(p.idx, stranger) == pytest.approx(0.04)  # never met: a handshake
+    sim._close_connections(p)
+    assert not [k for k in sim.handshaken if p.idx in k]
+    assert sim._handshake(p.idx, q) == pytest.approx(0.04)  # back: a new handshake
 
 
 def test_every_shipped_scenario_loads() -> None:

@@ -282,30 +282,40 @@ def test_an_older_or_forged_revocation_list_file_does_not_readmit_a_revoked_memb
     assert after[-1] == "r"
 
 
-async def _revoked_server(tmp_path: Path) -> str:
-    """A member's client whose list file names the server's admission once it is revoked:
-    its next connection to that server fails the handshake."""
+async def _revoked_server(tmp_path: Path) -> tuple[str, str, int]:
+    """A member's client served once (its connection then kept alive), then its list file
+    names the server's admission as revoked: the next request takes a new pool, whose
+    handshake fails, instead of the connection it holds."""
     async with _serving(tmp_path) as served:
         me = served.swarm.admit()
         files = served.swarm.files(tmp_path / "me", me)
         tls = SwarmTls.load(files, me.key, served.swarm.now)
         tls.refresh_s = 0.0
-        server_admission = served.tls.files.admission.read_bytes()
-        crl = admissions.revoke(
-            served.swarm.admin, served.swarm.ca, served.swarm.crl, server_admission, time.time()
-        )
-        files.revocations.write_bytes(crl)
         client = DataClient(None, LIMITS, tls)
+        url = f"http://127.0.0.1:{served.port}/manifests"
         try:
-            await client.get_json(f"http://127.0.0.1:{served.port}/manifests")
-            return "served"
-        except PeerError as exc:
-            return str(exc)
+            before = await _outcome(client, url)
+            server_admission = served.tls.files.admission.read_bytes()
+            crl = admissions.revoke(
+                served.swarm.admin, served.swarm.ca, served.swarm.crl, server_admission, time.time()
+            )
+            files.revocations.write_bytes(crl)
+            return before, await _outcome(client, url), client.sessions.renewed
         finally:
             await client.close()
 
 
-def test_a_members_client_opens_no_connection_to_a_server_revoked_meanwhile(
+async def _outcome(client: DataClient, url: str) -> str:
+    try:
+        await client.get_json(url)
+        return "served"
+    except PeerError as exc:
+        return str(exc)
+
+
+def test_a_members_client_drops_its_connection_to_a_server_revoked_meanwhile(
     tmp_path: Path,
 ) -> None:
-    assert asyncio.run(_revoked_server(tmp_path)) != "served"
+    before, after, renewed = asyncio.run(_revoked_server(tmp_path))
+    assert before == "served"
+    assert after != "served" and renewed == 1
