@@ -13,6 +13,11 @@ the payload, and the ratio of time(N) to time(1).
 private one (every node admitted, the data plane over mutual TLS 1.3); the table then shows
 the time and the CPU seconds of the trainer and the rollouts for both.
 
+``--warm`` times a second version, as a swarm that keeps running does: the trainer seeds two
+payloads, each rollout fetches the first before the clock starts (its connections then stay
+open: a private swarm's ``[http] tls_keepalive_s``) and the second is timed; without it every
+connection of the timed version is new (a swarm's first version).
+
 Without a cap the run is CPU-bound on small machines (every process shares the same cores); with
 ``--upload-mbps`` every node's upload is capped like a home link, which is the regime the swarm
 is for: then one rollout is limited by the trainer's uplink and more rollouts add their own.
@@ -73,8 +78,11 @@ async def worker(args: argparse.Namespace) -> None:
     )
     node = Node(cfg, policy, Store.open(cfg.data_dir))
     url = await node.start()
-    await node.learner.learn(args.trainer, [args.digest])
-    manifest = node.store.manifest(args.digest)
+    *warm_up, digest = args.digest.split(",")
+    await node.learner.learn(args.trainer, [*warm_up, digest])
+    for earlier in warm_up:  # the swarm's earlier version: untimed
+        await fetch_payload(node, node.store.manifest(earlier))
+    manifest = node.store.manifest(digest)
     assert manifest is not None, "could not learn the manifest"
     reader = asyncio.StreamReader()
     await asyncio.get_running_loop().connect_read_pipe(
@@ -84,14 +92,14 @@ async def worker(args: argparse.Namespace) -> None:
     await reader.readline()  # "go"
     start = resource.getrusage(resource.RUSAGE_SELF)
     cpu0 = (start.ru_utime, start.ru_stime)
-    t0 = time.monotonic()
+    t0, up0 = time.monotonic(), node.metrics.bytes_uploaded
     await fetch_payload(node, manifest)
     elapsed = time.monotonic() - t0
     print(json.dumps({"done": elapsed, "down": node.metrics.bytes_downloaded}), flush=True)
     await reader.readline()  # EOF or "stop": keep serving peers until then
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu = [usage.ru_utime - cpu0[0], usage.ru_stime - cpu0[1], usage.ru_nvcsw + usage.ru_nivcsw]
-    print(json.dumps({"up": node.metrics.bytes_uploaded, "cpu": cpu}), flush=True)
+    print(json.dumps({"up": node.metrics.bytes_uploaded - up0, "cpu": cpu}), flush=True)
     await node.stop()
 
 
@@ -143,9 +151,15 @@ def _request_flags(args: argparse.Namespace) -> list[str]:
 
 
 async def start_trainer(
-    root: Path, size: int, chunk: int, upload_mbps: float = 0.0, rollouts: int = 0
+    root: Path,
+    size: int,
+    chunk: int,
+    upload_mbps: float = 0.0,
+    rollouts: int = 0,
+    versions: int = 1,
 ) -> tuple[TrainerNode, str, str]:
-    """The seeding trainer; with ``rollouts``, of a private swarm admitting it and them."""
+    """The seeding trainer; with ``rollouts``, of a private swarm admitting it and them;
+    ``versions`` payloads, their digests joined by commas (the last one is timed)."""
     key = SigningKey.generate()
     policy = SwarmPolicy(SWARM, (key.public,))
     if rollouts:
@@ -159,22 +173,25 @@ async def start_trainer(
         **_membership(root / "trainer", rollouts > 0),
     )
     store = Store.open(cfg.data_dir)
-    payload = os.urandom(size)
-    m = manifest_for(
-        payload,
-        swarm=policy.swarm_id,
-        version=0,
-        kind=SNAPSHOT,
-        target_state="00" * 16,
-        layout="00" * 16,
-        now=int(time.time()),
-        chunk_size=chunk,
-    )
-    store.put_payload(m, payload)
-    store.put_manifest(m, sign(m, [key]))
+    digests = []
+    for version in range(versions):
+        payload = os.urandom(size)
+        m = manifest_for(
+            payload,
+            swarm=policy.swarm_id,
+            version=version,
+            kind=SNAPSHOT,
+            target_state=f"{version:032x}",
+            layout="00" * 16,
+            now=int(time.time()),
+            chunk_size=chunk,
+        )
+        store.put_payload(m, payload)
+        store.put_manifest(m, sign(m, [key]))
+        digests.append(m.digest)
     node = TrainerNode(cfg, policy, store)
     url = await node.start()
-    return node, url, m.digest
+    return node, url, ",".join(digests)
 
 
 async def run(
@@ -185,8 +202,12 @@ async def run(
     upload_mbps: float = 0.0,
     flags: tuple = (),
     private: bool = False,
+    warm: bool = False,
 ) -> dict:
-    trainer, url, digest = await start_trainer(root, size, chunk, upload_mbps, n if private else 0)
+    admitted = n if private else 0
+    trainer, url, digest = await start_trainer(
+        root, size, chunk, upload_mbps, admitted, 2 if warm else 1
+    )
     pub = trainer.policy.keys[0].text()
     procs = []
     for i in range(n):
@@ -214,7 +235,7 @@ async def run(
         )
     for p in procs:
         assert p.stdout is not None
-        json.loads(await asyncio.wait_for(p.stdout.readline(), 60))  # ready
+        json.loads(await asyncio.wait_for(p.stdout.readline(), 600))  # ready (warmed up)
     trainer_before = trainer.metrics.bytes_uploaded
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.monotonic()
@@ -232,7 +253,7 @@ async def run(
         await p.wait()
     await trainer.stop()
     return {
-        "mode": "private" if private else "open",
+        "mode": ("private" if private else "open") + (" warm" if warm else ""),
         "rollouts": n,
         "payload_mb": size / 1e6,
         "last_s": wall,
@@ -265,6 +286,9 @@ def main() -> int:
     parser.add_argument(
         "--modes", default="open", help="open, private or both (open,private): each N per mode"
     )
+    parser.add_argument(
+        "--warm", action="store_true", help="time a second version (connections kept open)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for name in ("--trainer", "--digest", "--pubkey", "--data-dir", "--private"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -288,6 +312,7 @@ def main() -> int:
                             args.upload_mbps,
                             tuple(_request_flags(args)),
                             mode == "private",
+                            args.warm,
                         )
                     )
                 )

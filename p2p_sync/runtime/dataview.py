@@ -151,6 +151,8 @@ class DataView:
         return self.node.metrics.text()
 
     def on_announce(self, url: str | None, digests: list[str], pushed: Pushed) -> None:
+        if pushed.revocations:
+            self.node.transport.adopt_revocations(pushed.revocations)
         self.node.learner.on_announce(url, digests, pushed)
 
     def on_pushed(self, url: str, digest: str, index: int, data: bytes) -> None:

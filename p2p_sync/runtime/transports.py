@@ -91,6 +91,11 @@ class HttpTransport:
         channels, accepted = (sorted(hub.channels), hub.accepted) if hub else ([], 0)
         return node.links.status() | {"channels": channels, "accepted": accepted}
 
+    def adopt_revocations(self, pem: bytes) -> bool:
+        """A revocation list an announcement carried: adopted if newer and signed by the
+        admin (``SwarmTls.adopt``); an open swarm's node has none to keep."""
+        return self.tls is not None and self.tls.adopt(pem, time.time())
+
     def uploads_busy(self) -> int:
         """Chunk uploads in progress now (``p2p_sync.runtime.forwarding`` pushes only beside
         few)."""
@@ -193,6 +198,9 @@ class MemoryTransport:
 
     def uploads_busy(self) -> int:
         return 0 if self.router is None else self.router.uploads_busy
+
+    def adopt_revocations(self, pem: bytes) -> bool:
+        return False  # the in-memory network runs open swarms only
 
     def tcp_status(self) -> None:
         return None  # no sockets

@@ -48,6 +48,9 @@ class Pushed:
     gossiped: bool = False  # the same news went out by gossip
     # digest -> chunk indices sent behind the JSON (they follow: ``NodeView.on_pushed``)
     pushing: Mapping[str, list[int]] = field(default_factory=dict)
+    # a private swarm's revocation list as the sender holds it (PEM; the admin's signature
+    # vouches for it, not the sender: ``SwarmTls.adopt``); empty: none
+    revocations: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,17 @@ def read_announcement(req: Request, limits: HttpLimits) -> Announcement:
     indices: dict[str, list[int]] = {}
     for digest, index, _n in pushing:
         indices.setdefault(digest, []).append(index)
-    return Announcement(url, digests, Pushed(offers, manifests, gossiped, indices), pushing, rest)
+    pushed = Pushed(offers, manifests, gossiped, indices, _revocations(doc))
+    return Announcement(url, digests, pushed, pushing, rest)
+
+
+def _revocations(doc: dict[str, Any]) -> bytes:
+    """An announcement's "revocations": a PEM text, or a 400 (judged by its signature
+    later, whoever relayed it)."""
+    text = doc.get("revocations", "")
+    if not isinstance(text, str) or not text.isascii():
+        raise Refused(400, "revocations must be a PEM text")
+    return text.encode()
 
 
 def _sender(doc: dict[str, Any]) -> tuple[str | None, list[str]]:

@@ -11,7 +11,9 @@ get a bare health answer. The client side presents its admission and trusts the 
 Every request is judged again by :class:`SwarmTls` (``p2p_sync.trust.membership``): the
 revocation list file is re-read when it changes, so a member revoked or expired while its
 keep-alive connection is open is refused from its next request on. The client side looks at
-the file before each request too, so it opens no new connection to a revoked server.
+the file before each request too, so it opens no new connection to a revoked server. A newer
+list also arrives with announcements (every private node's carry the list it holds) and is
+adopted from there when the admin signed it: revocation spreads as fast as a version does.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def _context(server: bool, files: PrivateSwarmFiles, key: Ed25519PrivateKey) -> 
     ctx.load_verify_locations(cafile=str(files.ca))
     ctx.load_verify_locations(cafile=str(files.revocations))  # a CRL file
     ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    if server:  # aiohttp's client cannot resume a session: tickets would be sent for nothing
+        ctx.num_tickets = 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "identity.pem"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -126,17 +130,42 @@ class SwarmTls:
             return
         current = seen
         try:
-            st = self.files.revocations.stat()
-            current = (st.st_mtime_ns, st.st_size, st.st_ino)
+            current = _identity(self.files.revocations)
             if current != seen and self.membership.update_revocations(
                 self.files.revocations.read_bytes(), now
             ):
-                for context in (self.server, self.client):
-                    context.load_verify_locations(cafile=str(self.files.revocations))
-                self.adopted += 1
+                self._load(self.files.revocations)
         except (OSError, MembershipError) as exc:  # the list held stays in force
             log.warning("revocation list %s not adopted: %s", self.files.revocations, exc)
         self._seen = (now, current)
+
+    def adopt(self, pem: bytes, now: float) -> bool:
+        """A revocation list a peer relayed with an announcement: adopted when the admin
+        signed it and it is newer than the one held (then written over the list file, so a
+        restart keeps it); an older one (a peer that lags) or a forged one changes nothing."""
+        try:
+            if not self.membership.update_revocations(pem, now):
+                return False
+        except MembershipError as exc:
+            log.debug("relayed revocation list not adopted: %s", exc)
+            return False
+        path = self.files.revocations
+        try:
+            _replace(path, pem)
+            self._load(path)
+            self._seen = (now, _identity(path))
+        except OSError as exc:  # the file cannot be written: load it from a private copy
+            log.warning("revocation list %s not rewritten (%s); held in memory", path, exc)
+            with tempfile.TemporaryDirectory() as tmp:
+                _replace(Path(tmp) / "crl.pem", pem)
+                self._load(Path(tmp) / "crl.pem")
+        return True
+
+    def _load(self, crl: Path) -> None:
+        """A newer list into both contexts (OpenSSL takes an issuer's latest list)."""
+        for context in (self.server, self.client):
+            context.load_verify_locations(cafile=str(crl))
+        self.adopted += 1
 
     def member(self, transport: Any) -> Member | None:
         """The member a connection's client proved to be, now; None for a non-member."""
@@ -149,6 +178,19 @@ class SwarmTls:
             return self.membership.check(ssl_object.getpeercert(binary_form=True), now)
         except MembershipError:
             return None
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    """A file's (mtime, size, inode): a list rewritten or renamed over it changes it."""
+    st = path.stat()
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a list)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def raw_public(key: Ed25519PrivateKey) -> bytes:

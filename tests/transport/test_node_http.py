@@ -72,6 +72,9 @@ async def _hostile_requests(node: Node) -> dict[str, int]:
                 "announce bad url": s.post(
                     f"{url}/announce", json={"url": "file:///x", "digests": []}
                 ),
+                "announce bad revocations": s.post(
+                    f"{url}/announce", json={"url": None, "digests": [], "revocations": 7}
+                ),
                 "announce huge": s.post(
                     f"{url}/announce", data=b"{" + b" " * HttpLimits().max_request_bytes
                 ),
@@ -97,7 +100,12 @@ def test_hostile_requests_get_4xx_and_the_node_keeps_serving(tmp_path: Path) -> 
     assert codes.pop("announce huge") == 413
     assert codes.pop("no such route") == 404
     assert codes.pop("chunk not hex") == 404  # the router refuses the path outright
-    for name in ("have bad log", "have log without known", "have bad known"):
+    for name in (
+        "have bad log",
+        "have log without known",
+        "have bad known",
+        "announce bad revocations",
+    ):
         assert codes.pop(name) == 400, name
     for name, code in codes.items():
         assert code in (400, 404), (name, code)

@@ -19,7 +19,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2p_sync.errors import PeerError
+from p2p_sync.errors import PeerError, RevokedMemberError
 from p2p_sync.transport.http import DataClient, DataServer
 from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.transport.tls import SwarmTls
@@ -319,3 +319,22 @@ def test_a_members_client_drops_its_connection_to_a_server_revoked_meanwhile(
     before, after, renewed = asyncio.run(_revoked_server(tmp_path))
     assert before == "served"
     assert after != "served" and renewed == 1
+
+
+def test_a_relayed_revocation_list_is_adopted_only_when_newer_and_signed_by_the_admin(
+    tmp_path: Path,
+) -> None:
+    swarm = Swarm()
+    me, other = swarm.admit(), swarm.admit()
+    tls = SwarmTls.load(swarm.files(tmp_path / "me", me), me.key, swarm.now)
+    held = swarm.crl
+    forger = Swarm()  # the same swarm id under another admin key
+    forged = forger.revoke(forger.admit())
+    newer = swarm.revoke(other)
+    assert not tls.adopt(forged, swarm.now) and not tls.adopt(held, swarm.now)
+    assert tls.membership.check(other.admission, swarm.now).serial  # still a member
+    assert tls.adopt(newer, swarm.now) and tls.adopted == 1
+    assert tls.files.revocations.read_bytes() == newer  # a restart keeps it
+    assert not tls.adopt(held, swarm.now)  # a lagging peer's older list changes nothing
+    with pytest.raises(RevokedMemberError):
+        tls.membership.check(other.admission, swarm.now)

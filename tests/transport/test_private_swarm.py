@@ -55,7 +55,11 @@ async def _follow(node: Node) -> tuple[Follower, asyncio.Event, asyncio.Task[Non
     return follower, stop, asyncio.create_task(follower.run(stop))
 
 
-async def _private_sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
+async def _private_sync(
+    tmp_path: Path, versions: list[dict[str, torch.Tensor]], revoke_r2_at: int | None = None
+) -> dict:
+    """``revoke_r2_at``: before that version the admin revokes r2, writing the new list into
+    the trainer's file alone; the trainer's announcement carries it to r1."""
     key = SigningKey.generate()
     write_keypair(key, tmp_path / "k")
     policy = SwarmPolicy("private", (key.public,))
@@ -64,6 +68,7 @@ async def _private_sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]])
     tcfg = NodeConfig(**{**tcfg.__dict__, **_member(swarm, tcfg.data_dir)})
     trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
     url = await trainer.start()
+    trainer.transport.tls.refresh_s = 0.0  # type: ignore[union-attr]  # reads its file at once
     nodes: list[Node] = []
     for name, peers in (("r1", (url,)), ("r2", None), ("stranger", (url,))):
         data_dir = tmp_path / name
@@ -77,12 +82,20 @@ async def _private_sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]])
     followers = [await _follow(n) for n in nodes]
     publisher = Publisher(trainer, key, PUBLISH)
     out: dict[str, Any] = {}
+    waited = followers[:2]
     try:
         for v, weights in enumerate(versions):
+            if v == revoke_r2_at:
+                r2 = nodes[1].cfg.admission.read_bytes()  # type: ignore[union-attr]
+                crl = admissions.revoke(swarm.admin, swarm.ca, swarm.crl, r2, swarm.now)
+                tcfg.revocations.write_bytes(crl)  # type: ignore[union-attr]
+                out["crl"], waited = crl, followers[:1]
             await publisher.publish(weights)
             async with asyncio.timeout(DEADLINE_S):
-                while any(f.state.version != v for f, _, _ in followers[:2]):
+                while any(f.state.version != v for f, _, _ in waited):
                     await asyncio.sleep(0.02)
+        out["r1_crl"] = nodes[0].cfg.revocations.read_bytes()  # type: ignore[union-attr]
+        out["versions"] = [f.state.version for f, _, _ in followers[:2]]
         out["members"] = [f.weights for f, _, _ in followers[:2]]
         out["stranger"] = (followers[2][0].state.version, nodes[2].store.manifests())
         out["relayed"] = nodes[0].status()["bytes_uploaded"]
@@ -143,3 +156,16 @@ def test_a_private_config_file_reads_its_paths_and_membership_limits(tmp_path: P
     toml.write_text(toml.read_text().replace("max_admission_days = 7", "max_admission_days = 0"))
     with pytest.raises(ConfigError, match="membership.max_admission_days"):
         configfile.load(toml, {})
+
+
+def test_a_revocation_rides_the_announcements_and_the_revoked_member_is_cut_off(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    """r2 fetches only from r1. The admin revokes r2 into the trainer's list file alone: the
+    next version's announcement carries the list to r1, which adopts it (its own file
+    rewritten) and refuses r2 from then on, while it converges itself."""
+    versions = tiny_versions[:3]
+    out = asyncio.run(_private_sync(tmp_path, versions, revoke_r2_at=2))
+    assert out["r1_crl"] == out["crl"]
+    assert out["versions"] == [2, 1]
+    assert bit_equal(out["members"][0], versions[-1])
