@@ -204,20 +204,26 @@ class DataServer:
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         """Accept connections as they come; after a failed accept (no free descriptor, most
-        likely) wait ``ACCEPT_PAUSE_S``, doubled while accepts keep failing."""
+        likely) wait ``ACCEPT_PAUSE_S``, doubled while accepts keep failing. A TLS handshake
+        waits on its client (a round trip, or ``header_timeout_s`` for one that sends
+        nothing), so each runs in a task of its own: the next accept never waits for it."""
         loop, pause = asyncio.get_running_loop(), ACCEPT_PAUSE_S[0]
-        while True:
-            try:
-                conn, peer = await loop.sock_accept(sock)
-            except ConnectionAbortedError:
-                continue  # gone before it was accepted
-            except OSError as exc:
-                self._accept_failed(exc)
-                await asyncio.sleep(pause)  # back off: not synchronization
-                pause = min(2 * pause, ACCEPT_PAUSE_S[1])
-                continue
-            pause = ACCEPT_PAUSE_S[0]
-            await self._take(conn, peer)
+        async with asyncio.TaskGroup() as handshakes:  # cancelled with this loop
+            while True:
+                try:
+                    conn, peer = await loop.sock_accept(sock)
+                except ConnectionAbortedError:
+                    continue  # gone before it was accepted
+                except OSError as exc:
+                    self._accept_failed(exc)
+                    await asyncio.sleep(pause)  # back off: not synchronization
+                    pause = min(2 * pause, ACCEPT_PAUSE_S[1])
+                    continue
+                pause = ACCEPT_PAUSE_S[0]
+                if self.tls is None:
+                    await self._take(conn, peer)
+                else:
+                    handshakes.create_task(self._take(conn, peer))
 
     async def _take(self, conn: socket.socket, peer: Any) -> None:
         """Serve an accepted connection if the gate admits it, else answer 503 and close it."""
@@ -237,8 +243,8 @@ class DataServer:
             await asyncio.get_running_loop().connect_accepted_socket(
                 handler, conn, **self._tls_args()
             )
-        except (OSError, ValueError) as exc:
-            log.debug("data plane: connection from %s lost at once: %s", key, exc)
+        except Exception as exc:  # a failed handshake, a reset: this connection's end only
+            log.debug("data plane: connection from %s lost at once: %r", key, exc)
             if not (made and made[0].counted):  # else its connection_lost releases it
                 self.gate.release(key)
             conn.close()

@@ -338,3 +338,26 @@ def test_a_relayed_revocation_list_is_adopted_only_when_newer_and_signed_by_the_
     assert not tls.adopt(held, swarm.now)  # a lagging peer's older list changes nothing
     with pytest.raises(RevokedMemberError):
         tls.membership.check(other.admission, swarm.now)
+
+
+async def _behind_silent_clients(tmp_path: Path) -> int:
+    """Three clients open TCP connections and never send a ClientHello (each would hold a
+    handshake for ``header_timeout_s``, 10 s); a member then asks, giving up after 3 s."""
+    async with _serving(tmp_path) as served:
+        silent = [await asyncio.open_connection("127.0.0.1", served.port) for _ in range(3)]
+        member = served.swarm.admit()
+        connector = aiohttp.TCPConnector(ssl=client_context(served.swarm.ca, member))
+        timeout = aiohttp.ClientTimeout(total=3.0)
+        try:
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                async with session.get(f"https://127.0.0.1:{served.port}/manifests") as resp:
+                    return resp.status
+        finally:
+            for _, writer in silent:
+                writer.close()
+
+
+def test_clients_that_never_start_their_handshake_do_not_hold_a_members_back(
+    tmp_path: Path,
+) -> None:
+    assert asyncio.run(_behind_silent_clients(tmp_path)) == 200
