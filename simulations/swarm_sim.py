@@ -1153,7 +1153,10 @@ class SwarmSim:
         ``p2p_sync.runtime.forwarding``: a
         framed ``POST /announce`` to each, over HTTP only: not to NATed peers, and not from a
         NATed ``p``, whose pushes receivers drop), whether or not they hold it by now (the
-        node cannot know: a copy they hold is wasted bytes, counted as such)."""
+        node cannot know: a copy they hold is wasted bytes, counted as such). The node sends
+        one push at a time to a peer, the chunks meanwhile riding the next POST together: in
+        this fluid model parallel flows on one pair share its links as a queue would, so each
+        push stays a flow of its own here."""
         n, sched = self.sc.download.forward_seed_chunks, p.sched
         if n <= 0:
             return

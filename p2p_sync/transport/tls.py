@@ -143,6 +143,8 @@ class SwarmTls:
         """A revocation list a peer relayed with an announcement: adopted when the admin
         signed it and it is newer than the one held (then written over the list file, so a
         restart keeps it); an older one (a peer that lags) or a forged one changes nothing."""
+        if pem == self.membership.crl_pem:  # the list held: most announcements carry it
+            return False
         try:
             if not self.membership.update_revocations(pem, now):
                 return False

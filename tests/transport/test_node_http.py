@@ -901,16 +901,18 @@ async def _forwarding(tmp_path: Path) -> dict[str, Any]:
     """Rollout A holds a payload; rollout B follows A's have-map (a feed, its own URL in the
     peer header), a third party claims to follow it under another host's URL. A forwards a
     chunk (as its download does with one from a seed): it goes to B alone, over a framed
-    ``POST /announce``, and B stores it verified. Then B is gone: the push fails, and B is not
+    ``POST /announce``, and B stores it verified; two more forwarded while that push is on its
+    way wait for it and ride one POST together. Then B is gone: the push fails, and B is not
     tried again for that payload."""
     key = SigningKey.generate()
     policy = SwarmPolicy("t", (key.public,))
     a, b = (_trusting_rollout(tmp_path / name, policy) for name in ("a", "b"))
-    payload = random.Random(4).randbytes(48 * 1024)
+    payload = random.Random(4).randbytes(64 * 1024)
     m = snapshot_manifest(payload, swarm=policy.swarm_id)
     for node in (a, b):
         node.store.put_manifest(m, sign(m, [key]))
-    a.store.put_chunk(payload[: 16 * 1024])
+    for i in range(3):
+        a.store.put_chunk(payload[i * 16 * 1024 : (i + 1) * 16 * 1024])
     out: dict[str, Any] = {}
     try:
         url_a, url_b = await a.start(), await b.start()
@@ -931,9 +933,11 @@ async def _forwarding(tmp_path: Path) -> dict[str, Any]:
             forwarder = a.learner.forwarder
             out["targets"] = forwarder.targets(m.digest, "http://127.0.0.1:9")
             out["not to its source"] = forwarder.targets(m.digest, url_b)
-            forwarder.forward(m.digest, 0, payload[: 16 * 1024], "http://127.0.0.1:9")
+            for i in range(3):  # back to back: 1 and 2 wait for the push of 0
+                piece = payload[i * 16 * 1024 : (i + 1) * 16 * 1024]
+                forwarder.forward(m.digest, i, piece, "http://127.0.0.1:9")
             await asyncio.gather(*forwarder._tasks)
-            out["sent"] = forwarder.sent
+            out["sent"] = (forwarder.sent, forwarder.status()["posts"])
             out["b has"] = b.store.have_indices(m)
             out["answer to b"] = await b.client.get_json(f"{url_a}/have/{m.digest}")
             async with aiohttp.ClientSession() as s:
@@ -944,7 +948,7 @@ async def _forwarding(tmp_path: Path) -> dict[str, Any]:
                 patch.setattr("p2p_sync.runtime.dataview.time.monotonic", lambda: later)
                 out["after B stopped asking"] = a.view.following(m.digest)
             await b.stop()
-            forwarder.forward(m.digest, 1, payload[16 * 1024 : 32 * 1024], "http://x:1")
+            forwarder.forward(m.digest, 3, payload[48 * 1024 :], "http://x:1")
             await asyncio.gather(*forwarder._tasks)
             out["after failure"] = (forwarder.sent, forwarder.targets(m.digest, "http://x:1"))
             out["still said pushed"] = a.view.pushing_to(m.digest, url_b)
@@ -960,15 +964,15 @@ def test_a_chunk_from_a_seed_is_forwarded_to_the_peers_following_our_have_map(
 ) -> None:
     out = asyncio.run(_forwarding(tmp_path))
     assert out["unnamed"] == []  # A names no URL of its own yet: a push would be dropped
-    assert out["b saw"] == [0] and out["claim"] == 200
+    assert out["b saw"] == [0, 1, 2] and out["claim"] == 200
     assert out["following"] == [out["url b"]]  # the claimed URL of another host is not kept
     assert out["targets"] == [out["url b"]] and out["not to its source"] == []
-    assert out["sent"] == 1 and out["b has"] == [0]  # pushed, verified, stored
-    # the answers to B say chunk 0 comes by push (B does not request it); to others not
-    assert out["answer to b"]["pushed"] == [0] and "pushed" not in out["answer to others"]
+    assert out["sent"] == (3, 2) and out["b has"] == [0, 1, 2]  # verified, stored; two POSTs
+    # the answers to B say those chunks come by push (B does not request them); to others not
+    assert out["answer to b"]["pushed"] == [0, 1, 2] and "pushed" not in out["answer to others"]
     assert out["after B stopped asking"] == []  # done with it, or gone: no longer followed
-    assert out["after failure"] == (1, [])  # B gone: the push failed, B not tried again
-    assert out["still said pushed"] == {0}  # the one that arrived; not the failed one
+    assert out["after failure"] == (3, [])  # B gone: the push failed, B not tried again
+    assert out["still said pushed"] == {0, 1, 2}  # the ones that arrived; not the failed one
 
 
 @pytest.mark.parametrize(
