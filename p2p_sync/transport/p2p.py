@@ -25,7 +25,9 @@ How a node finds the swarm and its data plane:
 
 Announcements are judged by ``p2p_sync.trust.announce.judge`` inside gossipsub's validation step, so
 a forged or replayed message is never forwarded; its sender is blacklisted after
-``max_rejects`` rejected messages. The libp2p identity key lives in the node's data dir
+``max_rejects`` rejected messages. A private swarm's host admits members only, on every
+connection and stream (``transport.p2p_gate``: gossip, DHT, records, data, relay, hole
+punching). The libp2p identity key lives in the node's data dir
 (``p2p-identity.key``, libp2p protobuf format, mode 0600), separate from the trainer's signing
 key: a restarted node keeps its peer id.
 """
@@ -397,11 +399,11 @@ class P2PHost:
     async def _serve(self, host: Any, pubsub: Any, gossipsub: Any, dht: Any, ready: Any) -> None:
         assert self._stop is not None and self._loop is not None
         async with (
-            self._gate.running() if self._gate is not None else _nothing(),
+            self._gate.running() if self._gate is not None else contextlib.nullcontext(),
             host.run(listen_addrs=[multiaddr.Multiaddr(self.settings.listen)]),
             background_trio_service(pubsub),
             background_trio_service(gossipsub),
-            background_trio_service(dht) if dht is not None else _nothing(),
+            background_trio_service(dht) if dht is not None else contextlib.nullcontext(),
             background_trio_service(self._relay),
             background_trio_service(self._puncher),
             trio.open_nursery() as nursery,
@@ -588,11 +590,6 @@ def _reason(exc: BaseException | None) -> str:
         parts.append(f"{type(exc).__name__}: {exc}")
         exc = inner[0] if inner else exc.__cause__
     return " <- ".join(parts)
-
-
-@contextlib.asynccontextmanager
-async def _nothing() -> Any:
-    yield
 
 
 def _resolve(future: asyncio.Future[str], value: str) -> None:
