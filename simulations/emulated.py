@@ -74,6 +74,7 @@ import torch
 from p2p_sync.weights.statehash import state_hash
 from simulations.localswarm import Placement, Proc, Swarm, get_json, wait_for
 from simulations.netns import Host, LinkShape, RateSample, Topology, TopologyConfig, measure_rate
+from simulations.private import PrivateSwarm, get_json_tls
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,9 @@ class EmulationConfig:
     # if any): a trainer on a home or lab network. Needs bootstrap.
     trainer_nat: int = 0
     node_args: tuple[str, ...] = ()  # more flags for every node
+    # a private swarm: every node admitted under the trainer's key as admin, every link
+    # (TLS data plane, libp2p) members only (``simulations.private``)
+    private: bool = False
     seed: int = 0
     # An outage in every version: the last rollout's host is cut off the network (every frame
     # from or to it lost, silently: a Wi-Fi or home-line blip; the node keeps running) for
@@ -213,6 +217,7 @@ class NodeReport:
     downloaded: int
     hole_punched: int = 0  # relayed connections it turned direct (DCUtR, either side)
     hole_punches: int = 0  # DCUtR exchanges it started
+    members_refused: int | None = None  # libp2p peers it refused membership (None: open)
 
     @classmethod
     def of(cls, proc: Proc, nat: int) -> NodeReport:
@@ -224,7 +229,8 @@ class NodeReport:
         channels = (doc.get("reverse") or {}).get("bytes_uploaded", 0)
         up, down = doc.get("bytes_uploaded", 0), doc.get("bytes_downloaded", 0)
         tries = p2p.get("hole_punches", 0)
-        return cls(proc.name, nat, verdict, up, channels, streams, down, punched, tries)
+        refused = (p2p.get("membership") or {}).get("refused")
+        return cls(proc.name, nat, verdict, up, channels, streams, down, punched, tries, refused)
 
 
 @dataclass
@@ -280,10 +286,13 @@ def random_versions(cfg: EmulationConfig) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def placement(topo: Topology, host: Host) -> Placement:
-    """Run a node inside ``host``, listening on its address; poll it from inside too."""
+def placement(topo: Topology, host: Host, members: PrivateSwarm | None = None) -> Placement:
+    """Run a node inside ``host``, listening on its address; poll it from inside too (in a
+    private swarm, over TLS as a member)."""
 
     def get(url: str) -> dict | None:
+        if members is not None:
+            return topo.call(host, get_json_tls, url, members.tls)
         return topo.call(host, get_json, url)
 
     return Placement(tuple(topo.exec_argv(host)), f"{host.ip}:0", get)
@@ -293,7 +302,9 @@ def _start_bootstrap(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tupl
     """The bootstrap node on host 1, if any: the flags that make a node join through it."""
     if not cfg.bootstrap:
         return ()
-    boot = swarm.start_bootstrap(at=placement(topo, topo.hosts[1]), extra=cfg.node_args)
+    boot = swarm.start_bootstrap(
+        at=placement(topo, topo.hosts[1], swarm.members), extra=cfg.node_args
+    )
     wait_for(lambda: boot.multiaddr() is not None, cfg.start_timeout_s, "the bootstrap's address")
     return ("--bootstrap", str(boot.multiaddr()))
 
@@ -302,14 +313,21 @@ def _start(swarm: Swarm, topo: Topology, cfg: EmulationConfig) -> tuple[Proc, li
     """Bootstrap (if any) and trainer, then every rollout in parallel (each pays a torch
     import); rollouts know the trainer by its URL, and the swarm through the bootstrap."""
     flags = cfg.flags() + _start_bootstrap(swarm, topo, cfg)
-    trainer = swarm.start_trainer(cfg.anchor_every, placement(topo, topo.hosts[0]), flags)
+    trainer = swarm.start_trainer(
+        cfg.anchor_every, placement(topo, topo.hosts[0], swarm.members), flags
+    )
     hosts = topo.hosts[cfg.first_rollout :]
     pool = concurrent.futures.ThreadPoolExecutor(len(hosts))
     deadline = time.monotonic() + cfg.start_timeout_s
     try:
         futures = [
             pool.submit(
-                swarm.start_rollout, f"r{h.index}", [trainer.url], None, placement(topo, h), flags
+                swarm.start_rollout,
+                f"r{h.index}",
+                [trainer.url],
+                None,
+                placement(topo, h, swarm.members),
+                flags,
             )
             for h in hosts
         ]
@@ -617,9 +635,8 @@ def run_in(topo: Topology, root: Path, cfg: EmulationConfig) -> EmulationResult:
         nbytes = int(cfg.rate_probe_mb * 1e6)
         result.link = measure_rate(topo, topo.hosts[0], topo.hosts[1], nbytes)  # both public
     versions = random_versions(cfg)
-    swarm = Swarm(
-        root, chunk_size=cfg.chunk_size, libp2p_debug=DCUTR_LOG if cfg.punch_wait_s else None
-    )
+    debug = DCUTR_LOG if cfg.punch_wait_s else None
+    swarm = Swarm(root, chunk_size=cfg.chunk_size, libp2p_debug=debug, private=cfg.private)
     try:
         trainer, rollouts = _start(swarm, topo, cfg)
         note = _await_verdicts([trainer, *rollouts], cfg) if cfg.bootstrap else None
@@ -821,6 +838,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=d.outage_after_s,
         help="seconds after the trainer published that the outage begins",
     )
+    ap.add_argument("--private", action="store_true", help="a private swarm: members only")
     ap.add_argument("--keep", type=Path, help="keep node data and logs in this directory")
     return ap.parse_args(argv)
 
@@ -844,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
         node_args=("--tcp-congestion", args.tcp_congestion) if args.tcp_congestion else (),
         outage_s=args.outage_s,
         outage_after_s=args.outage_after_s,
+        private=args.private,
     )
     try:
         cfg.check()

@@ -11,6 +11,7 @@ It lives here, not in ``node/``, so the dependency runs one way: ``node`` (the d
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -27,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from p2p_sync.trust.keys import SigningKey, write_keypair
+from simulations.private import PrivateSwarm, get_json_tls
 
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 120.0  # a node process prints its URL within seconds; a hang must not block
@@ -91,10 +93,13 @@ class Swarm:
     # py-libp2p's own logging for every node (its ``LIBP2P_DEBUG`` syntax, e.g.
     # ``"relay.circuit_v2.dcutr:DEBUG"``), each node's into ``<root>/<name>.libp2p.log``
     libp2p_debug: str | None = None
+    private: bool = False  # a private swarm: every node admitted (``simulations.private``)
 
     def __post_init__(self) -> None:
         self.key_path = self.root / "trainer.key"
-        self.pub = write_keypair(SigningKey.generate(), self.key_path)
+        key = SigningKey.generate()
+        self.pub = write_keypair(key, self.key_path)
+        self.members = PrivateSwarm(self.root, key) if self.private else None
         self.watch = self.root / "watch"
         self.watch.mkdir(parents=True, exist_ok=True)
         self.trainer: Proc | None = None
@@ -122,6 +127,8 @@ class Swarm:
             env["LIBP2P_DEBUG"] = self.libp2p_debug
             env["LIBP2P_DEBUG_FILE"] = str(self.root / f"{name}.libp2p.log")
         log = open(self.root / f"{name}.log", "ab")
+        if self.members is not None:
+            args = [*args, *self.members.flags(name, data_dir)]
         return subprocess.Popen(
             [
                 *at.prefix,
@@ -162,7 +169,10 @@ class Swarm:
         if "listening on " not in line:
             raise AssertionError(f"{name} did not start: {line!r}; see {self.root / name}.log")
         url = line.split("listening on ")[1].split()[0]
-        proc = Proc(name, popen, url, data_dir, export, at.get)
+        get = at.get
+        if self.members is not None and at.get is get_json:  # on loopback, as a member
+            get = functools.partial(get_json_tls, tls=self.members.tls)
+        proc = Proc(name, popen, url, data_dir, export, get)
         self.procs.append(proc)
         return proc
 

@@ -50,11 +50,9 @@ class HttpTransport:
     async def gossip(self, node: WireHost) -> Any:
         """A started libp2p host (its record names no HTTP URL until a peer could dial it);
         libp2p is an addition: if it cannot start, the node carries on from --peers (None).
-        A private swarm's node runs none (``_no_gossip``)."""
-        if node.cfg.private:
-            return _no_gossip()
+        A private swarm's host admits members only (``transport.p2p_gate``)."""
         try:
-            host = await _start_p2p(node)
+            host = await _start_p2p(node, self.tls)
         except Exception as exc:  # any failure (import, identity file, bind): HTTP only
             log.warning("libp2p unavailable, using --peers only: %s", exc)
             return None
@@ -80,7 +78,7 @@ class HttpTransport:
         if limits.lan:
             lan = LanShortcuts(node.client, streams, lambda p: host.call(direct_address, host, p))
         node.client = RoutedClient(node.client, streams, reverse, lan)
-        node.links = ReverseLinks(router, host.key_pair, host.peer_id, limits.links)
+        node.links = ReverseLinks(router, host.key_pair, host.peer_id, limits.links, self.tls)
 
     def reverse_status(self, node: WireHost) -> dict[str, Any] | None:
         """Reverse channels (``transport.reverse``): the ones this node opened behind NAT and
@@ -111,9 +109,10 @@ class HttpTransport:
             await self.server.stop()
 
 
-async def _start_p2p(node: WireHost) -> Any:
-    """The node's libp2p host, started: gossip, discovery and its streams."""
-    from p2p_sync.transport import multiaddrs, p2p  # here: --no-p2p nodes never load it
+async def _start_p2p(node: WireHost, tls: SwarmTls | None) -> Any:
+    """The node's libp2p host, started: gossip, discovery and its streams (a private
+    swarm's: with the membership gate, from the node's TLS credentials)."""
+    from p2p_sync.transport import multiaddrs, p2p, p2p_gate  # --no-p2p nodes never load it
 
     cfg, learner = node.cfg, node.learner
     settings = p2p.P2PSettings(
@@ -132,15 +131,12 @@ async def _start_p2p(node: WireHost) -> Any:
         learner.on_p2p_peer,
         node.store.has_manifest,
         learner.heard,
+        None
+        if tls is None
+        else p2p_gate.MemberCredentials(tls.membership, tls.admission, tls.refresh),
     )
     await host.start()
     return host
-
-
-def _no_gossip() -> None:
-    """libp2p does not gate by membership yet: a private swarm's members meet over the TLS
-    data plane alone, from --peers."""
-    log.info("private swarm: libp2p off, peers from --peers over TLS only")
 
 
 def private_tls(node: WireHost) -> SwarmTls | None:

@@ -7,6 +7,7 @@ without libp2p can still compute them.
 from __future__ import annotations
 
 import ipaddress
+from typing import Any
 
 import multiaddr
 
@@ -54,3 +55,16 @@ def rehost(addrs: list[multiaddr.Multiaddr], host: str | None) -> list[multiaddr
         if rehosted not in out:
             out.append(rehosted)
     return out
+
+
+def never_dial_http(host: Any) -> None:
+    """Peer records carry our HTTP URL as an address; libp2p must not try to dial it."""
+    gate = host.get_network().connection_gate
+    allowed = gate.is_allowed
+
+    async def is_allowed(addr: multiaddr.Multiaddr) -> bool:
+        if any(p.name == "http" for p in addr.protocols()):
+            return False
+        return await allowed(addr)
+
+    gate.is_allowed = is_allowed

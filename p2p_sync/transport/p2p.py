@@ -25,7 +25,9 @@ How a node finds the swarm and its data plane:
 
 Announcements are judged by ``p2p_sync.trust.announce.judge`` inside gossipsub's validation step, so
 a forged or replayed message is never forwarded; its sender is blacklisted after
-``max_rejects`` rejected messages. The libp2p identity key lives in the node's data dir
+``max_rejects`` rejected messages. A private swarm's host admits members only, on every
+connection and stream (``transport.p2p_gate``: gossip, DHT, records, data, relay, hole
+punching). The libp2p identity key lives in the node's data dir
 (``p2p-identity.key``, libp2p protobuf format, mode 0600), separate from the trainer's signing
 key: a restarted node keeps its peer id.
 """
@@ -58,10 +60,11 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2p_sync.errors import P2PError  # noqa: F401 (re-exported)
 from p2p_sync.protocol.reachability import RelayBounds
-from p2p_sync.transport import relay, streams
+from p2p_sync.transport import multiaddrs, relay, streams
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
 from p2p_sync.transport.multiaddrs import http_multiaddr, rehost, url_from_multiaddr
+from p2p_sync.transport.p2p_gate import MemberCredentials, MembershipGate
 
 log = logging.getLogger("p2psync.p2p")
 IDENTITY_FILE = "p2p-identity.key"
@@ -118,12 +121,13 @@ class P2PHost:
         on_peer_url: Callable[[str, bool], None],
         known: Callable[[str], bool] = lambda digest: False,
         on_known: OnKnown | None = None,
+        member: MemberCredentials | None = None,  # a private swarm's: gate every peer
     ) -> None:
         s = self.settings = settings
         self.gate = GossipValidator(  # on_known: genuine news we already had, and when
             judge, on_accept, known, on_known, self._to_loop, s.max_rejects, s.seen_digests
         )
-        self._on_peer_url = on_peer_url
+        self._on_peer_url, self.member = on_peer_url, member
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(ID.from_pubkey(self.key_pair.public_key))
         self.addr: str | None = None
@@ -152,6 +156,7 @@ class P2PHost:
         self._relay: relay.BoundedRelay | None = None
         self._relay_client: relay.RelayClient | None = None
         self._puncher: relay.HolePuncher | None = None
+        self._gate: MembershipGate | None = None  # a private swarm's (``transport.p2p_gate``)
         self.streams = streams.StreamPool()  # idle data streams to peers, for the next request
 
     # ------------------------------------------------------------ asyncio side
@@ -265,6 +270,7 @@ class P2PHost:
             "hole_punched": self._puncher.punched if self._puncher else 0,
             "streams_answered": self._data.answered if self._data else 0,
             "streams_bytes_uploaded": self._data.bytes_uploaded if self._data else 0,
+            "membership": self._gate.status() if self._gate else None,
         }
 
     def _to_loop(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -368,6 +374,8 @@ class P2PHost:
 
     async def _main(self, ready: asyncio.Future[str]) -> None:
         host = self._host = self._new_host()
+        if self.member is not None:  # first: every stream handler below is gated
+            self._gate = MembershipGate(host, self.member).install()
         gossipsub = GossipSub(
             protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11, PROTOCOL_ID],
             degree=6,
@@ -379,7 +387,7 @@ class P2PHost:
         )
         pubsub = self._pubsub = Pubsub(host, gossipsub)
         dht = self._dht = KadDHT(host, DHTMode.SERVER) if self.settings.dht else None
-        _never_dial_http(host)
+        multiaddrs.never_dial_http(host)
         host.set_stream_handler(streams.PROTOCOL, self._on_data_stream)
         self._start_relay(host)
         self._stop = trio.Event()
@@ -391,10 +399,11 @@ class P2PHost:
     async def _serve(self, host: Any, pubsub: Any, gossipsub: Any, dht: Any, ready: Any) -> None:
         assert self._stop is not None and self._loop is not None
         async with (
+            self._gate.running() if self._gate is not None else contextlib.nullcontext(),
             host.run(listen_addrs=[multiaddr.Multiaddr(self.settings.listen)]),
             background_trio_service(pubsub),
             background_trio_service(gossipsub),
-            background_trio_service(dht) if dht is not None else _nothing(),
+            background_trio_service(dht) if dht is not None else contextlib.nullcontext(),
             background_trio_service(self._relay),
             background_trio_service(self._puncher),
             trio.open_nursery() as nursery,
@@ -450,6 +459,8 @@ class P2PHost:
         refresh, bounded top-up, URL harvest."""
         next_refresh = 0.0
         while True:
+            if self._gate is not None:
+                self._gate.recheck()  # a revocation list changed: revoked members leave
             await self._dial_bootstrap()
             assert self._relay_client is not None and self._nursery is not None
             await self._relay_client.maintain(
@@ -483,7 +494,7 @@ class P2PHost:
     async def _dial_bootstrap(self) -> None:
         connected = set(self._host.get_connected_peers())
         for info in self._bootstrap:
-            if info.peer_id in connected or info.peer_id == self._host.get_id():
+            if info.peer_id in connected or not self._may_dial(info.peer_id):
                 continue
             failure: str | None = f"no answer in {self.settings.dial_timeout_s:.0f} s"
             # py-libp2p refuses to dial a peer for 60 s after a failed dial (its negative
@@ -515,8 +526,10 @@ class P2PHost:
             log.info("bootstrap %s reached", peer)
 
     async def _feed_routing_table(self) -> None:
-        """Peers that dialed us go into the routing table, so lookups can return them."""
-        for peer in list(self._host.get_connected_peers())[: self.settings.max_connections * 2]:
+        """Peers that dialed us go into the routing table, so lookups can return them (in a
+        private swarm, admitted ones only)."""
+        peers = [p for p in self._host.get_connected_peers() if self._is_member(p)]
+        for peer in peers[: self.settings.max_connections * 2]:
             try:
                 await self._dht.add_peer(peer)
             except Exception as exc:
@@ -524,13 +537,13 @@ class P2PHost:
 
     async def _top_up(self) -> None:
         """Dial known peers until ``max_connections`` are connected (a bounded set)."""
-        host, me = self._host, self._host.get_id()
+        host = self._host
         connected = set(host.get_connected_peers())
         budget = self.settings.max_connections - len(connected)
         for peer in list(host.get_peerstore().peers_with_addrs()):
             if budget <= 0:
                 return
-            if peer == me or peer in connected or self._pubsub.is_peer_blacklisted(peer):
+            if peer in connected or not self._may_dial(peer):
                 continue
             if all(url_from_multiaddr(str(a)) for a in host.get_peerstore().addrs(peer)):
                 continue  # only a data-plane address: nothing libp2p can dial
@@ -541,6 +554,16 @@ class P2PHost:
                 except Exception as exc:
                     log.debug("dial %s: %s", peer, exc)
 
+    def _is_member(self, peer: ID) -> bool:
+        """Every peer of an open swarm; a private swarm's admitted ones."""
+        return self._gate is None or self._gate.is_member(peer)
+
+    def _may_dial(self, peer: ID) -> bool:
+        """Not ourselves, nor a peer blacklisted or refused membership."""
+        gate, pubsub = self._gate, self._pubsub
+        refused = pubsub.is_peer_blacklisted(peer) or (gate is not None and gate.is_refused(peer))
+        return peer != self._host.get_id() and not refused
+
     def _harvest_urls(self) -> None:
         """HTTP URLs from signed peer records (verified by py-libp2p when they were consumed),
         each with whether its signer is one of the operator's ``--bootstrap`` peers (named by
@@ -549,7 +572,7 @@ class P2PHost:
         named = set(self._bootstrap_ids)
         for peer in store.peer_ids():
             envelope = store.get_peer_record(peer)
-            if envelope is None or peer == self._host.get_id():
+            if envelope is None or peer == self._host.get_id() or not self._is_member(peer):
                 continue
             for addr in envelope.record().addrs:
                 url = url_from_multiaddr(str(addr))
@@ -569,24 +592,6 @@ def _reason(exc: BaseException | None) -> str:
     return " <- ".join(parts)
 
 
-@contextlib.asynccontextmanager
-async def _nothing() -> Any:
-    yield
-
-
 def _resolve(future: asyncio.Future[str], value: str) -> None:
     if not future.done():
         future.set_result(value)
-
-
-def _never_dial_http(host: Any) -> None:
-    """Peer records carry our HTTP URL as an address; libp2p must not try to dial it."""
-    gate = host.get_network().connection_gate
-    allowed = gate.is_allowed
-
-    async def is_allowed(addr: multiaddr.Multiaddr) -> bool:
-        if any(p.name == "http" for p in addr.protocols()):
-            return False
-        return await allowed(addr)
-
-    gate.is_allowed = is_allowed

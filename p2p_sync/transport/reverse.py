@@ -76,6 +76,7 @@ from p2p_sync.transport.frames import (
 )
 from p2p_sync.transport.limits import HttpLimits
 from p2p_sync.transport.messages import HEX32, PIECE, Reply, Request, chunk_path
+from p2p_sync.transport.tls import SwarmTls, tls_url
 
 log = logging.getLogger("p2psync.reverse")
 PATH = "/reverse"
@@ -350,8 +351,15 @@ class ReverseLinks:
     GIVE_UP = 3  # ... unless it failed this many times in a row
     FORGET_S = 300.0  # a peer given up on is not linked again for this long
 
-    def __init__(self, router: DataRouter, key_pair: Any, peer_id: str, max_links: int) -> None:
-        self.router, self.limits = router, router.limits
+    def __init__(
+        self,
+        router: DataRouter,
+        key_pair: Any,
+        peer_id: str,
+        max_links: int,
+        tls: SwarmTls | None = None,  # a private swarm's: channels over TLS, as a member
+    ) -> None:
+        self.router, self.limits, self.tls = router, router.limits, tls
         self.key_pair, self.peer_id, self.max_links = key_pair, peer_id, max_links
         self.links: dict[str, asyncio.Task[None]] = {}
         self._given_up: dict[str, float] = {}  # URL -> when (loop time)
@@ -412,9 +420,10 @@ class ReverseLinks:
         if self._session is None:  # no total timeout: a channel lives as long as it serves
             connect = self.limits.connect_timeout_s
             timeout = aiohttp.ClientTimeout(total=None, connect=connect, sock_connect=connect)
-            self._session = tcp.session(timeout, self.limits.tcp_congestion)
+            context = None if self.tls is None else self.tls.client
+            self._session = tcp.session(timeout, self.limits.tcp_congestion, context)
         async with self._session.ws_connect(
-            url + PATH,
+            (url if self.tls is None else tls_url(url)) + PATH,
             heartbeat=HEARTBEAT_S,
             timeout=aiohttp.ClientWSTimeout(ws_close=self.limits.connect_timeout_s),
             max_msg_size=self.limits.max_request_bytes + MAX_REPLY_HEADER,

@@ -90,6 +90,7 @@ class SwarmTls:
     own: Member
     server: ssl.SSLContext
     client: ssl.SSLContext
+    admission: bytes  # the node's own, as it shows it over libp2p (``transport.p2p_gate``)
     refresh_s: float = REFRESH_S
     # (checked at, the file's (mtime, size, inode): a list renamed over it or rewritten)
     _seen: tuple[float, tuple[int, int, int] | None] = field(default=(0.0, None))
@@ -118,7 +119,8 @@ class SwarmTls:
             ) from None
         except MembershipError as exc:
             raise ConfigError(f"config: membership: {exc}") from None
-        return cls(files, membership, own, _context(True, files, key), _context(False, files, key))
+        server, client = _context(True, files, key), _context(False, files, key)
+        return cls(files, membership, own, server, client, admission)
 
     def refresh(self, now: float) -> None:
         """Adopt the revocation list file if it changed (looked at once per ``refresh_s``),

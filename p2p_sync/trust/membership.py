@@ -52,6 +52,11 @@ class MembershipLimits:
     max_admission_bytes: int = 16_384
     max_revocations_bytes: int = 4 << 20
     parsed_cache: int = 4096  # admissions remembered parsed (one per member connection)
+    # libp2p (``p2p_sync.trust.admitted``): a peer connected that has not shown a valid
+    # admission within this long is disconnected; a refused peer id is kept out this long
+    admission_timeout_s: float = 5.0
+    refused_s: float = 60.0
+    peers: int = 4096  # admitted and refused peer ids remembered
 
 
 @dataclass(frozen=True)

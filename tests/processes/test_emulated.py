@@ -378,6 +378,32 @@ def test_a_swarm_with_volunteers_behind_nat_converges(
     assert leftovers(own_prefix) == []
 
 
+# the same swarm, private: every node admitted, every link members only (TLS data plane,
+# libp2p gated by admission: relayed, hole-punched and LAN-shortcut links included)
+PRIVATE_NAT_SWARM = replace(NAT_SWARM, private=True)
+
+
+def test_a_private_swarm_with_members_behind_nat_converges(
+    nat_ready: None, own_prefix: str, tmp_path: Path
+) -> None:
+    result = _run(PRIVATE_NAT_SWARM, tmp_path)
+    assert result.converged and result.notes == [], result.notes
+    assert result.trainer is not None and result.trainer.verdict == "reachable"
+    assert result.trainer.members_refused == 0  # no member turned away
+    for r in result.rollouts:
+        assert r.verdict == ("behind NAT" if r.nat else "reachable"), r
+        assert r.members_refused == 0, r
+        if r.nat:  # public members fetched over the channels it opened, over TLS
+            assert r.channel_uploaded > 0, r
+    nated = [r for r in result.rollouts if r.nat]
+    assert sum(r.streams_uploaded for r in nated) > 0  # and over gated libp2p streams
+    lan = [r.uploaded - r.channel_uploaded - r.streams_uploaded for r in nated]
+    assert sum(lan) > 0  # two behind one NAT fetched from each other over TLS
+    for v in result.versions:
+        assert v.rollouts_down >= PRIVATE_NAT_SWARM.rollouts * v.payload, v
+    assert leftovers(own_prefix) == []
+
+
 # trainer and bootstrap public, r2 and r3 each behind its own router: they can reach each other
 # only through a relay, until DCUtR punches a hole. The peer with the lower id tries every 2 s
 # while a relayed connection is up, 3 times, then in fresh rounds (``relay.HolePuncher``); a try

@@ -27,7 +27,7 @@ TOPIC = "p2psync/test/announce"
 class Peer:
     """A host plus what its judge saw and what it accepted."""
 
-    def __init__(self, root: Path, name: str, **settings) -> None:
+    def __init__(self, root: Path, name: str, member=None, **settings) -> None:
         self.seen: list[bytes] = []  # every message its judge was asked about
         self.accepted: list[bytes] = []
         self.urls: list[str] = []
@@ -40,7 +40,11 @@ class Peer:
         }
         self.http_url = base["http_url"]
         self.host = P2PHost(
-            P2PSettings(**{**base, **settings}), self.judge, self.on_accept, self.on_url
+            P2PSettings(**{**base, **settings}),
+            self.judge,
+            self.on_accept,
+            self.on_url,
+            member=member,  # a private swarm's credentials (``transport.p2p_gate``)
         )
 
     def on_url(self, url: str, bootstrap: bool) -> None:

@@ -1,7 +1,8 @@
 """A private swarm of real nodes on loopback: a trainer and two member rollouts (one relaying
-to the other) converge bit-exact over mutual TLS, while a rollout that trusts the same trainer
-but holds no admission is refused every version; a private config missing its files is a
-one-line error before anything starts."""
+to the other) converge bit-exact over mutual TLS, and again with libp2p on and only the
+trainer's libp2p address known, while a rollout that trusts the same trainer but holds no
+admission is refused every version (and, over libp2p, cut off); a private config missing its
+files is a one-line error before anything starts."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from p2p_sync.transport.tls import identity_key
 from p2p_sync.trust import admissions
 from p2p_sync.trust.keys import SigningKey, write_keypair
 from p2p_sync.trust.manifest import SwarmPolicy
+from p2p_sync.trust.membership import MembershipLimits
 from tests.helpers import bit_equal, rollout_config, trainer_config
 from tests.privateswarm import Swarm, raw_public
 
@@ -169,3 +171,69 @@ def test_a_revocation_rides_the_announcements_and_the_revoked_member_is_cut_off(
     assert out["r1_crl"] == out["crl"]
     assert out["versions"] == [2, 1]
     assert bit_equal(out["members"][0], versions[-1])
+
+
+async def _private_libp2p_sync(tmp_path: Path, versions: list[dict[str, torch.Tensor]]) -> dict:
+    """A private trainer and two members that know only its libp2p address (no --peers;
+    on loopback the trainer names no URL in its record before a dial-back, so the members
+    ask it as ``p2p://<peer id>``: libp2p streams, then its LAN shortcut over TLS), and a
+    non-member that bootstraps from the same address."""
+    key = SigningKey.generate()
+    write_keypair(key, tmp_path / "k")
+    policy = SwarmPolicy("private", (key.public,))
+    swarm = Swarm(swarm_id=policy.swarm_id, admin=key.private)
+    tcfg = trainer_config(tmp_path, directory=PeerLimits(poll_interval_s=0.2))
+    quick = MembershipLimits(admission_timeout_s=1.0)  # the non-member is cut off sooner
+    tcfg = NodeConfig(**{**tcfg.__dict__, **_member(swarm, tcfg.data_dir), "membership": quick})
+    trainer = TrainerNode(tcfg, policy, Store.open(tcfg.data_dir))
+    url = await trainer.start()
+    assert trainer.multiaddr is not None
+    nodes: list[Node] = []
+    for name in ("r1", "r2", "stranger"):
+        data_dir = tmp_path / name
+        extra = {} if name == "stranger" else _member(swarm, data_dir)
+        cfg = rollout_config(tmp_path, key, url, data_dir=data_dir, **extra)
+        cfg = NodeConfig(**{**cfg.__dict__, "peers": (), "bootstrap": (trainer.multiaddr,)})
+        node = Node(cfg, policy, Store.open(data_dir))
+        await node.start()
+        nodes.append(node)
+    followers = [await _follow(n) for n in nodes]
+    publisher = Publisher(trainer, key, PUBLISH)
+    try:
+        for v, weights in enumerate(versions):
+            await publisher.publish(weights)
+            async with asyncio.timeout(DEADLINE_S):
+                while any(f.state.version != v for f, _, _ in followers[:2]):
+                    await asyncio.sleep(0.02)
+        async with asyncio.timeout(DEADLINE_S):  # cut off admission_timeout_s after it came
+            while not trainer.status()["p2p"]["membership"]["refused_by"]:
+                await asyncio.sleep(0.1)
+        return {
+            "members": [f.weights for f, _, _ in followers[:2]],
+            "stranger": (followers[2][0].state.version, nodes[2].store.manifests()),
+            "p2p": [n.status()["p2p"] for n in (trainer, *nodes)],
+        }
+    finally:
+        for _, stop, task in followers:
+            stop.set()
+            await task
+        await publisher.aclose()
+        for node in nodes:
+            await node.stop()
+        await trainer.stop()
+
+
+def test_private_members_converge_over_libp2p_and_a_non_member_is_refused(
+    tmp_path: Path, tiny_versions: list
+) -> None:
+    versions = tiny_versions[:3]
+    out = asyncio.run(_private_libp2p_sync(tmp_path, versions))
+    assert all(bit_equal(w, versions[-1]) for w in out["members"])
+    version, manifests = out["stranger"]
+    assert version in (None, -1) and list(manifests) == []
+    trainer, r1, r2, stranger = out["p2p"]
+    assert trainer["membership"]["refused_by"].get("NotAMemberError", 0) >= 1
+    assert trainer["membership"]["members"] == 2  # r1 and r2, admitted over libp2p
+    assert trainer["streams_answered"] >= 1  # members asked it over libp2p streams
+    assert r1["http_peers"] == r2["http_peers"] == 0  # so: no URL known, no --peers
+    assert stranger["membership"] is None and stranger["accepted"] == 0
