@@ -298,6 +298,7 @@ class Learner:
         it, when it carries either); a follower it fails to reach gives back the chunks
         handed to it (else they would wait ``reseed_after_s`` for a peer that is gone)."""
         assert self.node.client is not None
+        extra = {**extra, **self.node.transport.revocations()}  # a private swarm's list
         try:
             await self.node.client.announce(peer, digests, extra, chunks, manifests)
         except PeerError:

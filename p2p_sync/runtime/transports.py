@@ -89,6 +89,14 @@ class HttpTransport:
         channels, accepted = (sorted(hub.channels), hub.accepted) if hub else ([], 0)
         return node.links.status() | {"channels": channels, "accepted": accepted}
 
+    def revocations(self) -> dict[str, str]:
+        """What a private node's announcements carry: the revocation list it holds, its file
+        looked at first (the admin revokes into it); nothing in an open swarm."""
+        if self.tls is None:
+            return {}
+        self.tls.refresh(time.time())
+        return {"revocations": self.tls.membership.crl_pem.decode()}
+
     def adopt_revocations(self, pem: bytes) -> bool:
         """A revocation list an announcement carried: adopted if newer and signed by the
         admin (``SwarmTls.adopt``); an open swarm's node has none to keep."""
@@ -195,8 +203,11 @@ class MemoryTransport:
     def uploads_busy(self) -> int:
         return 0 if self.router is None else self.router.uploads_busy
 
+    def revocations(self) -> dict[str, str]:
+        return {}  # the in-memory network runs open swarms only
+
     def adopt_revocations(self, pem: bytes) -> bool:
-        return False  # the in-memory network runs open swarms only
+        return False
 
     def tcp_status(self) -> None:
         return None  # no sockets

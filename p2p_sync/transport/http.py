@@ -525,9 +525,6 @@ class DataClient:
         manifests: bytes = b"",
     ) -> None:
         doc = announce_doc(self.self_url, digests, extra)
-        if self.tls is not None:  # relayed with every announcement (docs/private.md)
-            self.tls.refresh(time.time())
-            doc["revocations"] = self.tls.membership.crl_pem.decode()
         if not (chunks or manifests):
             await self._post(f"{peer}/announce", doc, 202)
             return
