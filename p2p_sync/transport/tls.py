@@ -22,6 +22,7 @@ import logging
 import os
 import ssl
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,8 @@ class SwarmTls:
     refresh_s: float = REFRESH_S
     # (checked at, the file's (mtime, size, inode): a list renamed over it or rewritten)
     _seen: tuple[float, tuple[int, int, int] | None] = field(default=(0.0, None))
+    # the asyncio thread (requests, announcements) and libp2p's (its gate) both adopt lists
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     adopted: int = 0  # newer revocation lists adopted since start (``transport.sessions``)
 
     @classmethod
@@ -127,19 +130,19 @@ class SwarmTls:
         in the gate and in both contexts (new handshakes either way check it; OpenSSL takes
         the latest of an issuer's lists); a list that does not verify is ignored: the one
         held stays in force."""
-        checked, seen = self._seen
-        if now - checked < self.refresh_s:
+        if now - self._seen[0] < self.refresh_s:
             return
-        current = seen
-        try:
-            current = _identity(self.files.revocations)
-            if current != seen and self.membership.update_revocations(
-                self.files.revocations.read_bytes(), now
-            ):
-                self._load(self.files.revocations)
-        except (OSError, MembershipError) as exc:  # the list held stays in force
-            log.warning("revocation list %s not adopted: %s", self.files.revocations, exc)
-        self._seen = (now, current)
+        with self._lock:
+            current = seen = self._seen[1]
+            try:
+                current = _identity(self.files.revocations)
+                if current != seen and self.membership.update_revocations(
+                    self.files.revocations.read_bytes(), now
+                ):
+                    self._load(self.files.revocations)
+            except (OSError, MembershipError) as exc:  # the list held stays in force
+                log.warning("revocation list %s not adopted: %s", self.files.revocations, exc)
+            self._seen = (now, current)
 
     def adopt(self, pem: bytes, now: float) -> bool:
         """A revocation list a peer relayed with an announcement: adopted when the admin
@@ -147,12 +150,18 @@ class SwarmTls:
         restart keeps it); an older one (a peer that lags) or a forged one changes nothing."""
         if pem == self.membership.crl_pem:  # the list held: most announcements carry it
             return False
-        try:
-            if not self.membership.update_revocations(pem, now):
+        with self._lock:
+            try:
+                if not self.membership.update_revocations(pem, now):
+                    return False
+            except MembershipError as exc:
+                log.debug("relayed revocation list not adopted: %s", exc)
                 return False
-        except MembershipError as exc:
-            log.debug("relayed revocation list not adopted: %s", exc)
-            return False
+            self._rewrite(pem, now)
+        return True
+
+    def _rewrite(self, pem: bytes, now: float) -> None:
+        """An adopted list over the list file (so a restart keeps it), into both contexts."""
         path = self.files.revocations
         try:
             _replace(path, pem)
@@ -163,7 +172,6 @@ class SwarmTls:
             with tempfile.TemporaryDirectory() as tmp:
                 _replace(Path(tmp) / "crl.pem", pem)
                 self._load(Path(tmp) / "crl.pem")
-        return True
 
     def _load(self, crl: Path) -> None:
         """A newer list into both contexts (OpenSSL takes an issuer's latest list)."""

@@ -38,6 +38,7 @@ from p2p_sync.errors import (
 
 URI_PREFIX = "p2psync:"
 CA_ORGANIZATION = "p2psync swarm"  # a swarm CA's subject: this and the swarm id as CN
+ED25519_ALGORITHM = bytes.fromhex("300506032b6570")  # AlgorithmIdentifier {id-Ed25519}
 # a libp2p peer id of an Ed25519 key: identity multihash (0x00, 36 bytes) of the protobuf
 # PublicKey {Type: Ed25519 (1), Data: 32 bytes}
 _PEER_ID_HEAD = b"\x00\x24\x08\x01\x12\x20"
@@ -102,10 +103,31 @@ def load_certificate(data: bytes, limit: int) -> x509.Certificate:
         raise MalformedAdmissionError(f"admission of {len(data)} bytes over {limit}")
     try:
         if data.lstrip().startswith(b"-----BEGIN"):
-            return x509.load_pem_x509_certificate(data)
-        return x509.load_der_x509_certificate(data)
+            cert = x509.load_pem_x509_certificate(data)
+        else:
+            cert = x509.load_der_x509_certificate(data)
     except (ValueError, x509.InvalidVersion) as exc:
         raise MalformedAdmissionError(f"not an X.509 certificate ({exc})") from None
+    if cert.public_bytes(serialization.Encoding.DER) != _canonical(cert):
+        raise MalformedAdmissionError("admission not in its one DER encoding")
+    return cert
+
+
+def _canonical(cert: x509.Certificate) -> bytes:
+    """The DER a certificate signed with Ed25519 has: its signed part, the algorithm and the
+    signature with no unused bits. The signature covers only the first, so a parser's
+    leniency on the rest (a signature's unused-bits count) would give one admission several
+    encodings; only this one is taken."""
+    signature = b"\x03" + _der_length(len(cert.signature) + 1) + b"\x00" + cert.signature
+    body = cert.tbs_certificate_bytes + ED25519_ALGORITHM + signature
+    return b"\x30" + _der_length(len(body)) + body
+
+
+def _der_length(n: int) -> bytes:
+    if n < 0x80:
+        return bytes([n])
+    raw = n.to_bytes((n.bit_length() + 7) // 8, "big")
+    return bytes([0x80 | len(raw)]) + raw
 
 
 def swarm_of_ca(ca: x509.Certificate) -> str:
