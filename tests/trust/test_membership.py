@@ -219,6 +219,18 @@ def test_any_tampered_admission_byte_is_refused_with_a_named_error(at: int, flip
         _gate().check(bytes(tampered), SWARM.now)
 
 
+@pytest.mark.parametrize("unused", range(1, 8))
+def test_a_signatures_unused_bits_count_gives_no_second_encoding(unused: int) -> None:
+    """The byte before the signature (a BIT STRING's unused-bits count) is outside what the
+    admin signed; parsers take some values of it when the signature's last bits are zero."""
+    tampered = bytearray(DER)
+    assert tampered[-65] == 0 and tampered[-67:-65] == b"\x03\x41"
+    tampered[-65] = unused
+    tampered[-1] &= 0xFF << unused & 0xFF  # those bits zero: a parser's leniency would take it
+    with pytest.raises(MalformedAdmissionError):
+        _gate().check(bytes(tampered), SWARM.now)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=2048))
 def test_arbitrary_bytes_are_never_an_admission(data: bytes) -> None:
