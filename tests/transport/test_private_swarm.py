@@ -52,6 +52,17 @@ def _member(swarm: Swarm, data_dir: Path) -> dict[str, Any]:
     }
 
 
+async def _shut(followers: list, publisher: Publisher, nodes: list[Node], trainer: Node) -> None:
+    """Stop the followers, the publisher, the rollouts and the trainer, in that order."""
+    for _, stop, task in followers:
+        stop.set()
+        await task
+    await publisher.aclose()
+    for node in nodes:
+        await node.stop()
+    await trainer.stop()
+
+
 async def _follow(node: Node) -> tuple[Follower, asyncio.Event, asyncio.Task[None]]:
     follower, stop = Follower(node), asyncio.Event()
     return follower, stop, asyncio.create_task(follower.run(stop))
@@ -109,13 +120,7 @@ async def _private_sync(
             for extra in (as_member, [])
         ]
     finally:
-        for _, stop, task in followers:
-            stop.set()
-            await task
-        await publisher.aclose()
-        for node in nodes:
-            await node.stop()
-        await trainer.stop()
+        await _shut(followers, publisher, nodes, trainer)
     return out
 
 
@@ -214,13 +219,7 @@ async def _private_libp2p_sync(tmp_path: Path, versions: list[dict[str, torch.Te
             "p2p": [n.status()["p2p"] for n in (trainer, *nodes)],
         }
     finally:
-        for _, stop, task in followers:
-            stop.set()
-            await task
-        await publisher.aclose()
-        for node in nodes:
-            await node.stop()
-        await trainer.stop()
+        await _shut(followers, publisher, nodes, trainer)
 
 
 def test_private_members_converge_over_libp2p_and_a_non_member_is_refused(
