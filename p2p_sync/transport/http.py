@@ -52,7 +52,7 @@ from p2p_sync.transport.messages import PEER_HEADER, PIECE, Refused, Reply, Requ
 from p2p_sync.transport.nodeview import NodeView
 from p2p_sync.transport.reverse import PATH as REVERSE
 from p2p_sync.transport.reverse import ReverseHub
-from p2p_sync.transport.sessions import RenewedSessions
+from p2p_sync.transport.sessions import RenewedPools
 from p2p_sync.transport.tls import SwarmTls, tls_url
 
 __all__ = ["DataClient", "DataServer", "HttpLimits", "PeerBusyError", "PeerError"]
@@ -395,7 +395,7 @@ class DataClient:
         )
         context, keep = (None, None) if tls is None else (tls.client, limits.tls_keepalive_s)
         self.tls = tls
-        self.sessions = RenewedSessions(
+        self.sessions = RenewedPools(
             lambda: tcp.session(timeout, limits.tcp_congestion, context, keep),
             lambda: 0 if tls is None else tls.adopted,
         )

@@ -17,46 +17,47 @@ from typing import Any
 import aiohttp
 
 
-class RenewedSessions:
-    """``request`` through the current session; ``generation()`` changing retires it."""
+class RenewedPools:
+    """``request`` through the current pool (an aiohttp ``ClientSession``); ``generation()``
+    changing retires it."""
 
     def __init__(
         self, make: Callable[[], aiohttp.ClientSession], generation: Callable[[], int]
     ) -> None:
         self._make, self._generation = make, generation
-        self.session, self._made_at = make(), generation()
+        self.pool, self._made_at = make(), generation()
         self._busy: dict[aiohttp.ClientSession, int] = {}
-        self.renewed = 0  # sessions retired so far
+        self.renewed = 0  # pools retired so far
 
     def _current(self) -> aiohttp.ClientSession:
         now = self._generation()
         if now != self._made_at:
-            old, self.session, self._made_at = self.session, self._make(), now
+            old, self.pool, self._made_at = self.pool, self._make(), now
             self.renewed += 1
             self._busy.setdefault(old, 0)  # closed by the request that finds it idle
-        return self.session
+        return self.pool
 
     @contextlib.asynccontextmanager
     async def request(self, method: str, url: str, **kw: Any) -> AsyncIterator[Any]:
-        """``session.request(method, url, **kw)`` as a context, counted while it runs."""
-        session = self._current()
-        self._busy[session] = self._busy.get(session, 0) + 1
+        """``pool.request(method, url, **kw)`` as a context, counted while it runs."""
+        pool = self._current()
+        self._busy[pool] = self._busy.get(pool, 0) + 1
         try:
-            async with session.request(method, url, **kw) as resp:
+            async with pool.request(method, url, **kw) as resp:
                 yield resp
         finally:
-            self._busy[session] -= 1
+            self._busy[pool] -= 1
             await self._close_idle()
 
     async def _close_idle(self) -> None:
-        """Close every retired session that carries no request any more."""
-        for old in [s for s, n in self._busy.items() if n == 0 and s is not self.session]:
+        """Close every retired pool that carries no request any more."""
+        for old in [s for s, n in self._busy.items() if n == 0 and s is not self.pool]:
             del self._busy[old]
             await old.close()
 
     async def close(self) -> None:
         for old in list(self._busy):
-            if old is not self.session:
+            if old is not self.pool:
                 await old.close()
         self._busy.clear()
-        await self.session.close()
+        await self.pool.close()

@@ -9,7 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from p2p_sync.transport.limits import HttpLimits
-from p2p_sync.transport.sessions import RenewedSessions
+from p2p_sync.transport.sessions import RenewedPools
 
 
 async def _renewal_midway() -> dict[str, object]:
@@ -34,16 +34,16 @@ async def _renewal_midway() -> dict[str, object]:
     await site.start()
     port = runner.addresses[0][1]
     generation = [0]
-    sessions = RenewedSessions(aiohttp.ClientSession, lambda: generation[0])
+    sessions = RenewedPools(aiohttp.ClientSession, lambda: generation[0])
     seen: dict[str, object] = {}
     try:
         async with sessions.request("GET", f"http://127.0.0.1:{port}/slow") as resp:
-            old = sessions.session
+            old = sessions.pool
             seen["first"] = await resp.content.readexactly(6)
             generation[0] += 1  # a newer list adopted meanwhile
             async with sessions.request("GET", f"http://127.0.0.1:{port}/quick") as other:
                 seen["quick"] = await other.read()
-            seen["renewed"] = sessions.session is not old and sessions.renewed == 1
+            seen["renewed"] = sessions.pool is not old and sessions.renewed == 1
             seen["old_open_midway"] = not old.closed
             release.set()
             seen["rest"] = await resp.read()
@@ -51,7 +51,7 @@ async def _renewal_midway() -> dict[str, object]:
     finally:
         await sessions.close()
         await runner.cleanup()
-    seen["all_closed"] = sessions.session.closed
+    seen["all_closed"] = sessions.pool.closed
     return seen
 
 
