@@ -16,9 +16,12 @@ leave that share idle, and a swarm's random imbalance of the two counts is large
 
 Levels are recomputed for the two links a transfer starts or ends at (events come every
 millisecond or so at each link of a busy swarm, so the levels track the exact max-min
-allocation closely), and a rate is never raised beyond the room left at either end, so no link
-ever carries more than its capacity: decreases are applied before increases, and a flow that
-finds no room at once gets it at the next event of either of its links.
+allocation closely; a transfer that ends and those its callback starts, a slot's next chunk,
+are re-rated together, so the other flows do not speed up and slow down again at once: a
+third of the rate changes and heap entries of a 1 Gbit/s swarm), and a rate is never raised
+beyond the room left at either end, so no link ever carries more than its capacity: decreases
+are applied before increases, and a flow that finds no room at once gets it at the next event
+of either of its links.
 
 Latency is not modelled here: the swarm simulation adds the one-way delay to every message
 and to the last byte of every transfer.
@@ -44,7 +47,7 @@ growing delay, so this is optimistic (docs/decisions: TCP slow start after idle)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from math import inf
 
@@ -105,6 +108,8 @@ class Network:
         self.down_level = [inf] * len(uplink)
         self.up_used = [0.0] * len(uplink)  # sum of the rates leaving / entering each node
         self.down_used = [0.0] * len(uplink)
+        # uplinks and downlinks to re-rate once a finished transfer's callback returns
+        self._batch: tuple[dict[int, None], dict[int, None]] | None = None
 
     def start(self, src: int, dst: int, nbytes: float, on_done: Callable[[], None]) -> Transfer:
         t = Transfer(src, dst, float(nbytes), on_done, since=self.clock.now)
@@ -210,6 +215,8 @@ class Network:
 
     def _settle(self, t: Transfer) -> None:
         now = self.clock.now
+        if t.since == now:  # nothing moved since: every sum below would add zero
+            return
         moved = t.rate * (now - t.since)
         if moved > t.remaining:
             moved = t.remaining
@@ -221,19 +228,32 @@ class Network:
 
     def _rerate(self, src: int, dst: int) -> None:
         """New levels for ``src``'s uplink and ``dst``'s downlink, then new rates for the
-        transfers crossing either: all decreases first, so the increases find their room."""
-        out, into = self.out[src], self.into[dst]
-        up, down = self.up_level, self.down_level
-        up[src] = _level(self.uplink[src], [_lower(down[t.dst], t.cap) for t in out])
-        down[dst] = _level(self.downlink[dst], [_lower(up[t.src], t.cap) for t in into])
-        flows = tuple(dict.fromkeys((*out, *into)))  # a src -> dst flow is in both: once
-        want = [_lower(_lower(up[t.src], down[t.dst]), t.cap) for t in flows]
-        raise_ = []
-        for t, w in zip(flows, want, strict=True):
-            if w < t.rate:
-                self._set_rate(t, w)
-            elif w > t.rate:
-                raise_.append((t, w))
+        transfers crossing either: all decreases first, so the increases find their room.
+        While a finished transfer's callback runs, the links are only noted, and re-rated
+        once it returns (a chunk that ends and the next one its slot starts move the other
+        flows once, not down and up again)."""
+        if self._batch is not None:
+            self._batch[0][src] = self._batch[1][dst] = None
+            return
+        self._rerate_links((src,), (dst,))
+
+    def _rerate_links(self, srcs: Collection[int], dsts: Collection[int]) -> None:
+        up, down, out, into = self.up_level, self.down_level, self.out, self.into
+        for src in srcs:
+            caps = [_lower(down[t.dst], t.cap) for t in out[src]]
+            up[src] = _level(self.uplink[src], caps)
+        for dst in dsts:
+            caps = [_lower(up[t.src], t.cap) for t in into[dst]]
+            down[dst] = _level(self.downlink[dst], caps)
+        flows = dict.fromkeys(t for src in srcs for t in out[src])
+        flows.update(dict.fromkeys(t for dst in dsts for t in into[dst]))
+        raise_: list[tuple[Transfer, float]] = []
+        for t in flows:
+            want = _lower(_lower(up[t.src], down[t.dst]), t.cap)
+            if want < t.rate:
+                self._set_rate(t, want)
+            elif want > t.rate:
+                raise_.append((t, want))
         uplink, downlink, up_used, down_used = (
             self.uplink,
             self.downlink,
@@ -251,13 +271,14 @@ class Network:
         """Change ``t``'s rate. A slower rate pushes its finish later: the old event is left in
         place and, when it fires early, re-arms itself (cheaper than a heap entry per change).
         A faster rate needs a new, earlier event, and the old one is cancelled."""
-        faster = rate > t.rate
         self._settle(t)
         self.up_used[t.src] += rate - t.rate
         self.down_used[t.dst] += rate - t.rate
+        faster = rate > t.rate
         t.rate = rate
         if faster:
-            self._disarm(t)
+            if t.event is not None:
+                self.clock.cancel(t.event)
             t.event = self.clock.at(self.clock.now + t.remaining / rate, self._finish, t)
 
     def _disarm(self, t: Transfer) -> None:
@@ -274,8 +295,13 @@ class Network:
                 t.event = self.clock.at(self.clock.now + t.remaining / t.rate, self._finish, t)
             return
         t.remaining = 0.0
-        self._remove(t)
-        t.on_done()
+        self._batch = batch = ({}, {})
+        try:
+            self._remove(t)
+            t.on_done()
+        finally:
+            self._batch = None
+        self._rerate_links(batch[0], batch[1])
 
 
 def _lower(a: float, b: float) -> float:

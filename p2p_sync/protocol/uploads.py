@@ -109,12 +109,13 @@ class UploadSlots(Generic[T]):
         here, then with the freshest request, then served least recently (a requester new
         here counts as served longest ago). O(waiting): the line is ``queue_limit`` long."""
         active, order, waiting, last = self.active, self._order, self._waiting, self._last_grant
-        best = {r: min(line, key=order.__getitem__) for r, line in waiting.items()}
-        requester = min(
-            waiting,
-            key=lambda r: (active[r], order[best[r]][0], last.get(r, -1), order[best[r]][1]),
-        )
-        handle = best[requester]
+        chosen: tuple[int, int, int, int] | None = None
+        for r, line in waiting.items():  # one pass, the first of equal keys kept (as ``min``)
+            best = line[0] if len(line) == 1 else min(line, key=order.__getitem__)
+            rank, arrival, _ = order[best]
+            key = (active.get(r, 0), rank, last.get(r, -1), arrival)
+            if chosen is None or key < chosen:
+                chosen, requester, handle = key, r, best
         line = waiting[requester]
         line.remove(handle)
         if not line:

@@ -147,6 +147,28 @@ def test_no_link_ever_carries_more_than_its_capacity(
     assert sum(net.bytes_sent) == pytest.approx(sum(f[2] for f in flows) * MB)
 
 
+def test_a_slot_that_starts_its_next_chunk_at_once_leaves_the_other_flows_alone() -> None:
+    """A transfer ends and its callback starts the next on the same links (a slot's next
+    chunk): the flow beside them keeps its rate and its pending finish, never raised and
+    lowered again in between, and every finish comes when the shares say."""
+    clock = Clock()
+    net = Network(clock, [10 * MB, 0, 0], [0, 1e12, 1e12])
+    ends: dict[str, float] = {}
+    seen: list[tuple[float, object]] = []
+
+    def next_chunk() -> None:
+        ends["a"] = clock.now
+        net.start(0, 1, 5 * MB, lambda: ends.setdefault("c", clock.now))
+
+    net.start(0, 1, 5 * MB, next_chunk)
+    b = net.start(0, 2, 15 * MB, lambda: ends.setdefault("b", clock.now))
+    before = b.event
+    clock.at(1.5, lambda: seen.append((b.rate, b.event)))
+    clock.run(lambda: len(ends) == 3, 1e9, 1000)
+    assert seen == [(pytest.approx(5 * MB), before)]  # untouched by the hand-over at 1 s
+    assert ends == {"a": pytest.approx(1.0), "c": pytest.approx(2.0), "b": pytest.approx(2.5)}
+
+
 def test_cancel_frees_the_link_and_keeps_moved_bytes_counted() -> None:
     clock = Clock()
     net = Network(clock, [10 * MB, 0, 0], [0, 1e12, 1e12])
@@ -616,9 +638,9 @@ def test_a_private_swarm_with_cold_connections_waits_two_handshakes_every_versio
     """One follower at 20 ms, its connections closed between versions: each version the
     trainer's announcement waits for its TLS handshake to the follower (a round trip), and
     the follower's first request to the trainer for its own: two round trips later than in
-    the open swarm."""
+    the open swarm (give or take a few of the 1 ms windows its decisions fall on)."""
     for open_, private in zip(_one_follower(False, False), _one_follower(True, False), strict=True):
-        assert private - open_ == pytest.approx(2 * 0.04, abs=0.002)
+        assert private - open_ == pytest.approx(2 * 0.04, abs=0.004)
 
 
 def test_a_private_swarm_with_warm_connections_is_as_fast_as_an_open_one() -> None:
