@@ -177,6 +177,8 @@ class Peer:
     requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
     runs: dict[tuple[int, int], Run] = field(default_factory=dict)  # each request's run
     subscribers: set[int] = field(default_factory=set)
+    quiet: set[int] = field(default_factory=set)  # subscribers no news from it is on its way to
+    news: dict[str, list[int]] = field(default_factory=dict)  # chunks it announced, in order
     banned: set[int] = field(default_factory=set)
     generation: int = 0  # bumped whenever a download starts or dies: stale events are dropped
     timer_at: float | None = None  # when the scheduler's next TimerFired is due
@@ -273,6 +275,8 @@ class SwarmSim:
         self.seeder = SuperSeeder.of(scenario)
         self.artifacts: list[Artifact] = []
         self.pending_have: dict[tuple[int, int], set[int]] = {}
+        # (announcer, follower): the news on its way, the announcer's log from (artifact, index)
+        self.news_from: dict[tuple[int, int], tuple[str, int]] = {}
         # (follower, when): whose news, and the chunks that landed (with the generation)
         self.inbox: dict[tuple[int, float], list[int | tuple[int, Event]]] = {}
         self.served: dict[tuple[int, int], int] = {}  # (uploader, requester): chunks started
@@ -590,6 +594,10 @@ class SwarmSim:
 
     def _settle_version(self) -> None:
         """Let stragglers' churn end, so the next version starts from a quiet swarm."""
+        self.news_from.clear()
+        for p in self.peers:
+            p.news.clear()
+            p.quiet = set(p.subscribers)
         for p in self.peers[1:]:
             if not p.online:
                 self._rejoin(p, p.generation)
@@ -628,7 +636,7 @@ class SwarmSim:
         q = self.peers[q_idx]
         if not q.online or not p.online or p.early_art is not art:
             return
-        q.subscribers.add(p.idx)
+        self._follower(q, p.idx)
         shown = frozenset(self._visible(q, p, art))
         self.clock.after(self.lat, self._early_answer, p, q_idx, art, shown)
 
@@ -823,7 +831,7 @@ class SwarmSim:
         q = self.peers[q_idx]
         if not q.online or p.generation != gen or p.artifact is None:
             return
-        q.subscribers.add(p.idx)
+        self._follower(q, p.idx)
         shown = frozenset(self._visible(q, p, p.artifact))
         rtt = None if pushed else 2 * self.lat
         self.clock.after(0.0 if pushed else self.lat, self._deliver_have, p, q_idx, gen, shown, rtt)
@@ -876,10 +884,24 @@ class SwarmSim:
         p, events = self.peers[p_idx], []
         for item in self.inbox.pop((p_idx, due)):
             if isinstance(item, int):
-                events += self._news(p, item, self.pending_have.pop((item, p_idx)))
+                news = self._news_of(item, p_idx)
+                events += self._news(p, item, news) if news else []
             elif item[0] == p.generation and p.online:
                 events.append(item[1])
         self._feed_many(p, events)
+
+    def _news_of(self, q_idx: int, p_idx: int) -> set[int]:
+        """The news from ``q_idx`` that reaches ``p_idx`` now: the chunks it was told of one
+        by one, and those ``q`` announced since the first of them left (``_announce_chunk``);
+        ``p`` is quiet again."""
+        indices = self.pending_have.pop((q_idx, p_idx), set())
+        since = self.news_from.pop((q_idx, p_idx), None)
+        q = self.peers[q_idx]
+        if since is not None:
+            indices.update(q.news.get(since[0], ())[since[1] :])
+            if p_idx in q.subscribers:
+                q.quiet.add(p_idx)
+        return indices
 
     def _news(self, p: Peer, q_idx: int, indices: set[int]) -> list[Event]:
         """What ``q``'s news of ``indices`` tells ``p``'s download (kept, on an early feed)."""
@@ -937,19 +959,27 @@ class SwarmSim:
     def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
         if self.tree is not None:
             self._push_on(q, art, index)
-        peers, pending, q_idx = self.peers, self.pending_have, q.idx
-        for s in q.subscribers:
-            p = peers[s]
+        log = q.news.setdefault(art.ident, [])
+        log.append(index)
+        told = []
+        for s in q.quiet:  # the others have news on its way, which will carry this one too
+            p = self.peers[s]
             sched = p.sched
             if p.artifact is art and sched is not None and index in sched.missing:
-                pass
-            elif p.early is None or p.early_art is not art:
-                continue
-            news = pending.get((q_idx, s))
-            if news is not None:  # ``_push_have``'s common case, inline: news on its way
-                news.add(index)
-            else:
-                self._push_have(q, s, index)
+                told.append(s)
+            elif p.early is not None and p.early_art is art:
+                told.append(s)
+        for s in told:
+            q.quiet.discard(s)
+            if (q.idx, s) not in self.news_from:
+                self.news_from[(q.idx, s)] = (art.ident, len(log) - 1)
+                self._inbox(s, self.clock.now + self.lat).append(q.idx)
+
+    def _follower(self, q: Peer, p_idx: int) -> None:
+        """``p_idx`` follows ``q``'s have feed (news of each chunk ``q`` verifies)."""
+        if p_idx not in q.subscribers or (q.idx, p_idx) not in self.news_from:
+            q.quiet.add(p_idx)
+        q.subscribers.add(p_idx)
 
     # ------------------------------------------------------------ requests
 
@@ -1235,7 +1265,7 @@ class SwarmSim:
             return
         self.tree_children.setdefault((parent, s), set()).add(p.idx)
         if parent != TRAINER:
-            q.subscribers.add(p.idx)
+            self._follower(q, p.idx)
             held = frozenset(self._visible(q, p, art))
             self.clock.after(self.lat, self._deliver_have, p, parent, gen, held)
         for i in self.tree.chunks(s, self._n_chunks(art)):
@@ -1348,6 +1378,7 @@ class SwarmSim:
                 r.early.pop(p.idx, None)
                 r.early_asked.discard(p.idx)
         p.subscribers.clear()
+        p.quiet.clear()
         self._close_connections(p)
         p.early, p.early_art, p.early_asked = None, None, set()
         self._drop_streams(p)
