@@ -1,4 +1,10 @@
-"""What a simulation run reports: ``report.json``, ``summary.md`` and two PNG plots.
+"""What a simulation run reports: ``report.json``, ``summary.md`` and three PNG plots.
+
+The plots (``simulations/plots.py``), each legible at 10,000 peers: ``completion_cdf.png``,
+every version's completion CDF in units of its lower bound; ``upload_per_class.png``, the
+sorted upload of each class of peer (``upload_per_class``); ``startup_lag.png``, CDFs of the
+honest peers' ``Lag`` phases. ``summary.md`` ends with "What limited this run": the bound's
+binding term, where the time beyond it went, convergence and the simulator's own cost.
 
 ``report.json`` keys (times in seconds, sizes in bytes; "honest" = rollouts that are neither
 corrupt, stalling nor lying):
@@ -9,6 +15,10 @@ corrupt, stalling nor lying):
 * ``completion_p50_s``: median honest peer per version
 * ``lower_bound_s``: Kumar-Ross bound per version, max(F/u_s, F/d_min, N*F/(u_s + sum u_i))
   over the N honest rollouts (adversaries upload nothing useful, so they do not count)
+* ``lower_bound_terms_s``: its three terms, the same every version (peers and links are
+  fixed): ``trainer_uplink`` (F/u_s), ``slowest_downlink`` (F/d_min), ``swarm_uplink``
+  (N*F/(u_s + sum u_i)), and ``binding``, the name of the largest
+* ``honest_unconverged``: honest rollouts that did not reach each version in its time limit
 * ``ratio_to_bound``: worst completion / bound, per version and worst
 * ``star_time_s``: the trainer sending the payload to every honest rollout itself
 * ``trainer_upload_bytes``: per version and total; ``trainer_upload_ratio``: worst per version
@@ -28,9 +38,17 @@ corrupt, stalling nor lying):
   honest peers) and ``last`` (the last honest peer's own three)
 * ``bans``, ``false_bans`` (bans of honest peers or the trainer), ``ban_reasons``
 * ``uploaded_bytes_per_peer``, ``wall_clock_s``, ``events``, ``scenario`` (every knob)
+* ``upload_per_class``: bytes uploaded over the payload (all versions together) per class
+  of peer, each ``{"peers", "mean", "p10", "p50", "p90"}``: ``trainer``; ``honest`` or, with
+  NAT, ``honest public`` and ``honest NATed``; with several link classes also ``honest
+  U/D Mbit/s`` per (uplink, downlink) pair (these overlap the NAT classes); and ``corrupt``,
+  ``stall``, ``liar`` when present. Whether every kind of peer pulls its weight
+* ``overlay_depth``: ``median`` and ``max`` hops from the trainer over the honest rollouts;
+  times the one-way latency, how long an announcement takes to reach them
 * ``simulator``: what the run cost, to tell what limits a larger one: ``us_per_event``,
   ``peak_rss_bytes`` (the process's peak) and ``rss_growth_bytes`` (how far the run raised
-  it), ``rss_bytes_per_1000_peers`` (that growth per 1,000 rollouts)
+  it), ``rss_bytes_per_1000_peers`` (that growth per 1,000 rollouts), ``simulated_s`` (the
+  virtual clock at the end, all versions)
 * ``nat`` (only when ``nat_fraction`` > 0; over honest rollouts): ``nat_peers``,
   ``public_peers``, ``punchable_peers`` (NATed ones hole punching gets through);
   ``mean_upload_bytes`` per NATed and per public peer (all versions) and
@@ -52,9 +70,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from simulations.swarm_sim import HONEST, Lag, SwarmSim, VersionResult
+from simulations.swarm_sim import HONEST, MBPS, TRAINER, Lag, Peer, SwarmSim, VersionResult
 
 PHASES = tuple(f.name for f in dataclasses.fields(Lag))  # start, filling, tail
+ADVERSARIES = ("corrupt", "stall", "liar")
+# each term of the Kumar-Ross bound, as ``summary.md`` names it
+TERMS = {
+    "trainer_uplink": "the trainer's uplink, F/u_s",
+    "slowest_downlink": "the slowest honest downlink, F/d_min",
+    "swarm_uplink": "the swarm's total uplink, N*F/(u_s + sum u_i)",
+}
 
 
 def peak_rss() -> int:
@@ -70,6 +95,7 @@ def simulator_section(sim: SwarmSim, wall_clock_s: float, rss_before: int) -> di
         "peak_rss_bytes": peak,
         "rss_growth_bytes": growth,
         "rss_bytes_per_1000_peers": 1000 * growth / max(sim.sc.peers, 1),
+        "simulated_s": sim.clock.now,
     }
 
 
@@ -91,6 +117,8 @@ def build(sim: SwarmSim, wall_clock_s: float, rss_before: int = 0) -> dict[str, 
         "completion_time_s": {"per_version": last, "worst": max(last)},
         "completion_p50_s": [statistics.median(r.completion_s or [float("inf")]) for r in res],
         "lower_bound_s": bounds,
+        "lower_bound_terms_s": bound_terms(sim),
+        "honest_unconverged": [r.honest - r.converged for r in res],
         "ratio_to_bound": {"per_version": ratios, "worst": max(ratios)},
         "star_time_s": [r.star_time_s for r in res],
         "trainer_upload_bytes": {"per_version": up, "total": sum(up)},
@@ -110,11 +138,76 @@ def build(sim: SwarmSim, wall_clock_s: float, rss_before: int = 0) -> dict[str, 
             "trainer": sim.net.bytes_sent[0],
             "honest": [sim.net.bytes_sent[p.idx] for p in sim.peers[1:] if p.role == HONEST],
         },
+        "upload_per_class": {k: spread(v) for k, v in upload_ratios(sim).items()},
+        "overlay_depth": overlay_depth(sim),
         "wall_clock_s": wall_clock_s,
         "events": sim.clock.events_run,
         "simulator": simulator_section(sim, wall_clock_s, rss_before),
         **({"nat": nat_section(sim, last)} if sim.sc.nat_fraction > 0 else {}),
     }
+
+
+def bound_terms(sim: SwarmSim) -> dict[str, Any]:
+    """The three terms of the Kumar-Ross bound (``SwarmSim.bounds`` takes their max) and the
+    name of the one that sets it: what the physics allows and why."""
+    f, us = sim.sc.payload_bytes, sim.peers[TRAINER].uplink
+    honest = sim.honest
+    terms: dict[str, Any] = {
+        "trainer_uplink": f / us,
+        "slowest_downlink": f / min(p.downlink for p in honest),
+        "swarm_uplink": len(honest) * f / (us + sum(p.uplink for p in honest)),
+    }
+    terms["binding"] = max(TERMS, key=lambda k: terms[k])
+    return terms
+
+
+def peer_classes(sim: SwarmSim) -> dict[str, list[Peer]]:
+    """The classes of peer whose upload the report compares (``upload_per_class``): the
+    trainer, honest rollouts (public and NATed apart when any is NATed), each link class
+    when there are several, then each kind of adversary present."""
+    rollouts = sim.peers[1:]
+    honest = [p for p in rollouts if p.role == HONEST]
+    classes = {"trainer": [sim.peers[TRAINER]]}
+    if any(p.nat for p in honest):
+        classes["honest public"] = [p for p in honest if not p.nat]
+        classes["honest NATed"] = [p for p in honest if p.nat]
+    else:
+        classes["honest"] = honest
+    links = sorted({(p.uplink, p.downlink) for p in honest}, reverse=True)
+    for up, down in links if len(links) > 1 else []:
+        name = f"honest {up / MBPS:g}/{down / MBPS:g} Mbit/s"
+        classes[name] = [p for p in honest if (p.uplink, p.downlink) == (up, down)]
+    for role in ADVERSARIES:
+        if members := [p for p in rollouts if p.role == role]:
+            classes[role] = members
+    return {k: v for k, v in classes.items() if v}
+
+
+def upload_ratios(sim: SwarmSim) -> dict[str, list[float]]:
+    """Each class's bytes uploaded per peer over the payload (all versions), per peer."""
+    payload = sim.sc.payload_bytes * max(len(sim.results), 1)
+    sent = sim.net.bytes_sent
+    return {k: [sent[p.idx] / payload for p in ps] for k, ps in peer_classes(sim).items()}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Count, mean and 10th/50th/90th percentiles (inclusive: one value is all of them)."""
+    cuts = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else []
+    p10, p50, p90 = (cuts[0], cuts[4], cuts[8]) if cuts else (values[0],) * 3
+    return {
+        "peers": len(values),
+        "mean": statistics.fmean(values),
+        "p10": p10,
+        "p50": p50,
+        "p90": p90,
+    }
+
+
+def overlay_depth(sim: SwarmSim) -> dict[str, float]:
+    """Hops from the trainer to the honest rollouts: an announcement relayed hop by hop
+    reaches a peer one latency per hop after the publication."""
+    depths = [sim.depth[p.idx] for p in sim.honest]
+    return {"median": statistics.median(depths), "max": max(depths)}
 
 
 def lag_section(r: VersionResult) -> dict[str, Any]:
@@ -199,9 +292,132 @@ def summary_md(report: dict[str, Any]) -> str:
         f" ({report['simulator']['rss_bytes_per_1000_peers'] / 1e6:.0f} MB per 1,000 peers)",
         *(_nat_lines(report) if "nat" in report else []),
         *_lag_lines(report),
+        *_upload_lines(report),
+        *limits_lines(report),
         "",
     ]
     return "\n".join(lines)
+
+
+def _upload_lines(report: dict[str, Any]) -> list[str]:
+    """``upload_per_class`` as a table: who carried the swarm."""
+    lines = [
+        "",
+        "Upload per class of peer, over the payload (all versions):",
+        "",
+        "| class | peers | mean | p10 | p50 | p90 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in report["upload_per_class"].items():
+        stats = " | ".join(f"{c[k]:.2f}" for k in ("mean", "p10", "p50", "p90"))
+        lines.append(f"| {name} | {c['peers']} | {stats} |")
+    return lines
+
+
+def limits_lines(report: dict[str, Any]) -> list[str]:
+    """ "What limited this run": the physics (the bound's binding term), the time beyond it
+    (by ``Lag`` phase), convergence, and the machine (the simulator's cost); every statement
+    computed from the report."""
+    return [
+        "",
+        "## What limited this run",
+        "",
+        f"- Bound: {_bound_sentence(report)}",
+        f"- Beyond the bound: {_beyond_sentence(report)}",
+        f"- Start-up: {_startup_sentence(report)}",
+        f"- Convergence: {_convergence_sentence(report)}",
+        f"- Simulator: {_cost_sentence(report)}",
+    ]
+
+
+def _bound_sentence(report: dict[str, Any]) -> str:
+    """Which term of the Kumar-Ross bound binds, the others beside it; and the NAT-aware
+    bound where it is higher."""
+    terms = report["lower_bound_terms_s"]
+    binding = terms["binding"]
+    others = "; ".join(f"{TERMS[k]} = {terms[k]:.3f} s" for k in TERMS if k != binding)
+    text = f"{terms[binding]:.3f} s, set by {TERMS[binding]} (the others: {others})."
+    nat = report.get("nat")
+    if nat and max(nat["lower_bound_s"]) > max(report["lower_bound_s"]):
+        text += (
+            f" NAT raises it to {max(nat['lower_bound_s']):.3f} s (NATed peers no punch "
+            f"reaches fetch from public uplinks only); worst completion x"
+            f"{nat['ratio_to_bound']:.2f} of that."
+        )
+    return text
+
+
+def _worst_version(report: dict[str, Any]) -> int:
+    """The index of the version with the highest completion / bound ratio."""
+    ratios = report["ratio_to_bound"]["per_version"]
+    return max(range(len(ratios)), key=lambda i: ratios[i])
+
+
+def _beyond_sentence(report: dict[str, Any]) -> str:
+    """The worst version's last peer against the bound, and where its and the median
+    peer's downlink sat idle (``Lag`` phases), with the part of that the bound forces."""
+    i = _worst_version(report)
+    last, bound = report["completion_time_s"]["per_version"][i], report["lower_bound_s"][i]
+    lag = report["lag_s"][i]
+    if last == float("inf") or not lag["last"]:
+        return f"version {i + 1} (the worst): not every honest peer converged."
+    idle = sum(lag["last"].values())
+    forced = max(bound - (last - idle), 0.0)  # the bound less the last peer's F/d
+    return (
+        f"version {i + 1} (the worst): the last honest peer took {last:.3f} s, x"
+        f"{last / bound:.2f} the bound, {last - bound:.3f} s over (the bound is "
+        f"{bound / last:.0%} of its time). Its downlink sat idle {idle:.3f} s beyond F/d "
+        f"({_phases(lag['last'])}), {forced:.3f} s of which the bound forces; the median "
+        f"peer's: {_phases(lag['median'])}."
+    )
+
+
+def _startup_sentence(report: dict[str, Any]) -> str:
+    """The median peer's wait for its first chunk against the announcement's latency."""
+    starts = [lag["median"]["start"] for lag in report["lag_s"] if lag["median"]]
+    if not starts:
+        return "no honest peer converged, so no start-up lag is known."
+    depth = report["overlay_depth"]
+    hop_s = report["scenario"]["latency_ms"] / 1e3
+    median, most = (hop_s * depth[k] for k in ("median", "max"))
+    return (
+        f"the median peer's first chunk landed {max(starts):.3f} s after publication (the "
+        f"latest over versions); one-way latency x overlay depth is {median:.3f} s at the "
+        f"median depth ({depth['median']:g}), {most:.3f} s at the most ({depth['max']:g})."
+    )
+
+
+def _phases(lag: dict[str, float]) -> str:
+    """Three ``Lag`` phases and the largest of them."""
+    values = " / ".join(f"{lag[k]:.3f}" for k in PHASES)
+    return f"start / filling / tail {values} s, most in {max(PHASES, key=lambda k: lag[k])}"
+
+
+def _convergence_sentence(report: dict[str, Any]) -> str:
+    """Honest peers that missed a version, and false bans."""
+    missed = report["honest_unconverged"]
+    bans = report["false_bans"]
+    ban_text = f"{bans} false ban(s) of honest peers or the trainer" if bans else "no false bans"
+    if not any(missed):
+        return f"every honest peer converged in every version; {ban_text}."
+    per = ", ".join(f"v{i + 1}: {n}" for i, n in enumerate(missed) if n)
+    return (
+        f"honest peers that did not converge within the time limit, of "
+        f"{report['honest_peers']}: {per}; {ban_text}."
+    )
+
+
+def _cost_sentence(report: dict[str, Any]) -> str:
+    """What the simulator cost: events, time per event, memory per 1,000 peers."""
+    cost = report["simulator"]
+    simulated = cost["simulated_s"]
+    return (
+        f"{report['events']:,} events in {report['wall_clock_s']:.1f} s of wall clock"
+        f" ({cost['us_per_event']:.0f} us each) for {simulated:.2f} s simulated"
+        f" ({report['wall_clock_s'] / simulated if simulated else 0:.3g} s per simulated s);"
+        f" peak RSS {cost['peak_rss_bytes'] / 1e6:.0f} MB, of which the run added"
+        f" {cost['rss_bytes_per_1000_peers'] / 1e6:.1f} MB per 1,000 peers."
+    )
 
 
 def _lag_lines(report: dict[str, Any]) -> list[str]:
@@ -243,63 +459,11 @@ def _nat_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def _figure(path: Path, title: str, xlabel: str, ylabel: str, draw) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    draw(ax)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plots(sim: SwarmSim, out: Path) -> list[Path]:
-    """Completion CDF per version against the bound; bytes uploaded per peer."""
-
-    def cdf(ax) -> None:
-        for r in sim.results:
-            ys = [(i + 1) / r.honest for i in range(len(r.completion_s))]
-            ax.step(r.completion_s, ys, where="post", label=f"v{r.version}")
-        ax.axvline(sim.results[0].lower_bound_s, color="k", linestyle="--", label="lower bound")
-
-    payload = sim.sc.payload_bytes * len(sim.results)
-    ups = sorted(
-        (sim.net.bytes_sent[p.idx] / payload for p in sim.peers[1:] if p.role == HONEST),
-        reverse=True,
-    )
-
-    def uploads(ax) -> None:
-        ax.bar(range(len(ups)), ups, width=1.0, label="honest rollouts")
-        ax.axhline(sim.net.bytes_sent[0] / payload, color="r", label="trainer")
-
-    name = sim.sc.name
-    return [
-        _figure(
-            out / "completion_cdf.png",
-            f"{name}: completion CDF",
-            "time since publish (s)",
-            "fraction of honest rollouts with the version",
-            cdf,
-        ),
-        _figure(
-            out / "upload_per_peer.png",
-            f"{name}: upload per peer",
-            "rollouts, by bytes uploaded",
-            "uploaded / payload (all versions)",
-            uploads,
-        ),
-    ]
-
-
 def write(sim: SwarmSim, report: dict[str, Any], out: Path, with_plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "summary.md").write_text(summary_md(report))
     if with_plots:
-        plots(sim, out)
+        from simulations import plots  # matplotlib only when plotting
+
+        plots.write_all(sim, report, out)

@@ -552,7 +552,8 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
     assert f"of the lower bound (x{own:.2f} of each peer's own" in res.stdout
     assert len(rep["completion_time_s"]["per_version"]) == 2
     assert (out / "completion_cdf.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "upload_per_peer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("upload_per_class.png", "startup_lag.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = (out / "summary.md").read_text()
     assert "| version |" in summary
     assert f"its own bound (time offline added for churned peers): {own:.2f}" in summary
