@@ -13,6 +13,8 @@ import gc
 import heapq
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import compress
+from operator import itemgetter
 from typing import Any
 
 # A run allocates millions of short-lived objects (events, request keys, sets) and hardly any
@@ -23,6 +25,7 @@ RUN_GC_THRESHOLDS = (100_000, 50, 100)
 COMPACT_AT = 4_096  # a heap this long with a quarter of it cancelled is rebuilt without them
 
 Entry = list[Any]  # [time, seq, callback or None once cancelled, args]
+CALLBACK = itemgetter(2)
 
 
 @contextmanager
@@ -66,7 +69,8 @@ class Clock:
     def _compact(self) -> None:
         """Drop the cancelled entries (in place: the run loop holds the list). The order of
         the others is their (time, seq), so the events run exactly as before."""
-        self._heap[:] = [e for e in self._heap if e[2] is not None]
+        heap = self._heap
+        heap[:] = compress(heap, map(CALLBACK, heap))  # a callback is truthy, a cancelled None
         heapq.heapify(self._heap)
         self._cancelled = 0
 
