@@ -68,6 +68,8 @@ class PushWait:
 
     def arrived(self, peer: str, index: int, now: float) -> None:
         """Chunk ``index`` was verified, from ``peer`` (pushed or not): nothing to wait for."""
+        if not self.pusher and not self.lagged:
+            return  # nothing expected (the usual case; ``_claimed`` keys are ``pusher``'s)
         if self.pusher.get(index) == peer:
             if peer in self._pushed:
                 gap, old = now - self._last[peer], self._gap.get(peer)

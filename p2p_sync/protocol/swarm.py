@@ -24,13 +24,13 @@ scores and bans, pushed chunks, stalls) and why each rule is there: ``docs/sched
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass, field
 
-from p2p_sync.protocol.peerstats import PeerStats
+from p2p_sync.protocol.peerstats import Depths, PeerStats
 from p2p_sync.protocol.pushes import PushWait
+from p2p_sync.protocol.rarity import ChunkOrder
 from p2p_sync.protocol.schedule_events import (
     Action,
     CancelRequest,
@@ -72,6 +72,7 @@ class Scheduler:
         self.missing: set[int] = set(range(self.n_chunks)) - set(self.have)
         self.holders: dict[int, set[str]] = {i: set() for i in self.missing}
         self.peer_chunks: dict[str, set[int]] = {}
+        self._avail: dict[str, set[int]] = {}  # the same claims less those in flight
         self.inflight: dict[int, dict[str, float]] = {}
         self._starts: dict[tuple[int, str], float] = {}  # the same requests, oldest first
         self._last_start = -math.inf
@@ -86,7 +87,7 @@ class Scheduler:
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._chunk_bytes = float(self.chunk_bytes or 1)  # mean size of those verified
-        self._depths: dict[str, tuple[int, int]] = {}  # (depth, run), until inputs move
+        self._depths = Depths(c, self._chunk_bytes, bool(self.chunk_bytes))  # until inputs move
         self._open: set[str] = set()  # peers with fewer requests in flight than their depth
         self._samples = 0
         self._done_reported = False
@@ -94,10 +95,9 @@ class Scheduler:
         self._stuck_since: float | None = None  # orphans and no progress since then
         self._stall_reported = False
         # due chunks: when each stalls; the peers without standing for a chunk (``unserved``)
-        missing = self.missing
-        kept = {i: p for i, p in (unserved or {}).items() if i in missing}
+        kept = {i: p for i, p in (unserved or {}).items() if i in self.missing}
         self.stalls = StallClocks(c.stall_timeout_s, c.timeout_factor, kept)
-        self._tiebreak = _tiebreaks(missing, c.seed)
+        self._order = ChunkOrder(self.missing, c.seed)
 
     # ------------------------------------------------------------ queries
 
@@ -148,29 +148,29 @@ class Scheduler:
         return actions + self._schedule(now) + self._stalled(now)
 
     def _apply(self, event: Event, now: float) -> list[Action]:
-        """What one event changes, and the actions that follow at once (cancels, bans)."""
-        actions: list[Action] = []
+        """What one event changes, and the actions that follow at once (cancels, bans).
+        The most frequent events are looked for first."""
+        if isinstance(event, ChunkVerified):
+            return self._verified(event, now)
         if isinstance(event, PeerHad):
             self._peer_had(event.peer, event.indices, event.rtt_s, event.owed, now)
             self.pushes.claimed(event.peer, event.indices, now)
+        elif isinstance(event, TimerFired):
+            return self._timeouts(now)
+        elif isinstance(event, ChunkMoving):
+            self._moving(event, now)
         elif isinstance(event, PeerPushes):
             self._promised(event.peer, event.indices & self.missing, now)
         elif isinstance(event, PeerLost):
-            actions += self._forget_peer(event.peer)
-        elif isinstance(event, ChunkVerified):
-            actions += self._verified(event, now)
+            return self._forget_peer(event.peer)
         elif isinstance(event, ChunkCorrupted):
-            actions += self._ban(event.peer, f"served chunk {event.index} failing its hash")
+            return self._ban(event.peer, f"served chunk {event.index} failing its hash")
         elif isinstance(event, ChunkFailed):
-            actions += self._failed(event.peer, event.index)
+            return self._failed(event.peer, event.index)
         elif isinstance(event, PeerBusy):
             if self._drop_request(event.peer, event.index) is not None:
                 self.busy_until[event.peer] = now + self.config.busy_backoff_s
-        elif isinstance(event, TimerFired):
-            actions += self._timeouts(now)
-        elif isinstance(event, ChunkMoving):
-            self._moving(event, now)
-        return actions
+        return []
 
     def _peer_had(
         self,
@@ -180,24 +180,28 @@ class Scheduler:
         owed: bool = False,
         now: float = 0.0,
     ) -> None:
+        """``peer`` holds ``indices``: those still missing count, unless it failed them."""
         if peer in self.banned:
             return
         self._heard(peer, rtt, owed)
-        known = self.peer_chunks.setdefault(peer, set())
-        clocks = self.stalls
-        unserved = clocks.unserved
+        known, avail = self.peer_chunks.setdefault(peer, set()), self._avail.setdefault(peer, set())
+        clocks, by_chunk, inflight = self.stalls, self.holders, self.inflight
+        unserved, started, overtime = clocks.unserved, clocks.started, clocks.overtime
         for i in indices:
-            if i in self.holders and i not in known:
-                if unserved and peer in unserved.get(i, ()):
-                    continue  # it claimed this chunk before and did not serve it
-                holders = self.holders[i]
-                if (not holders and i in clocks.started) or i in clocks.overtime:
-                    clocks.claimed(i, peer, not holders, now)  # else it changes no clock
-                known.add(i)
-                holders.add(peer)
-                if i in self._orphans:
-                    self._orphans.discard(i)
-                    self._progress()  # a source appeared for a chunk that had none
+            holders = by_chunk.get(i)
+            if holders is None or i in known:
+                continue  # not missing, or known
+            if unserved and peer in unserved.get(i, ()):
+                continue  # it claimed this chunk before and did not serve it
+            if (not holders and i in started) or i in overtime:
+                clocks.claimed(i, peer, not holders, now)  # else it changes no clock
+            known.add(i)
+            holders.add(peer)
+            if i not in inflight:
+                avail.add(i)
+            if i in self._orphans:
+                self._orphans.discard(i)
+                self._progress()  # a source appeared for a chunk that had none
 
     def _heard(self, peer: str, rtt: float | None, owed: bool) -> None:
         """A have-map answer came from ``peer``: note whether we owe it (``PeerHad.owed``)
@@ -207,7 +211,7 @@ class Scheduler:
         stats = self._stats_of(peer)
         if rtt is not None:
             stats.rtt_sample(rtt)
-            self._depths.pop(peer, None)
+            self._depths.forget(peer)
         self._recount(peer)
 
     def _stats_of(self, peer: str) -> PeerStats:
@@ -234,9 +238,18 @@ class Scheduler:
         if not holders:
             self._orphans.add(index)
 
+    def _unclaim(self, peer: str, index: int) -> None:
+        """``peer``'s claim of ``index`` no longer counts (it failed it, or stalled it)."""
+        chunks = self.peer_chunks.get(peer)
+        if chunks is not None:
+            chunks.discard(index)
+            self._avail[peer].discard(index)
+        self._unhold(peer, index)
+
     def _forget_peer(self, peer: str) -> list[Action]:
         for i in self.peer_chunks.pop(peer, set()):
             self._unhold(peer, i)
+        self._avail.pop(peer, None)
         cancelled: list[Action] = [PushStopped(peer)] if self.pushes.drop(peer) else []
         for i in list(self.peer_inflight.get(peer, ())):
             self._drop_request(peer, i)
@@ -247,37 +260,50 @@ class Scheduler:
         return cancelled
 
     def _drop_request(self, peer: str, index: int) -> float | None:
-        started = self.inflight.get(index, {}).pop(peer, None)
+        asked = self.inflight.get(index)
+        started = None if asked is None else asked.pop(peer, None)
         if started is None:
             return None
         self.stalls.ended(index)  # past the limit: was this its last request in time?
         del self._starts[(index, peer)]
-        if not self.inflight[index]:
+        if not asked:  # its last request: its holders may be asked for it again
             del self.inflight[index]
+            avail = self._avail
+            for holder in self.holders.get(index, ()):
+                avail[holder].add(index)
         self.peer_inflight[peer].discard(index)
         self._n_inflight -= 1
         self._recount(peer)
         return started
 
     def _verified(self, ev: ChunkVerified, now: float) -> list[Action]:
-        started = self._drop_request(ev.peer, ev.index)
-        stats = self._stats_of(ev.peer)
+        """A chunk arrived: learn from it, and forget it (its claims, its other requests).
+        Its holders go first, so that dropping its requests gives it back to none of them."""
+        peer, index = ev.peer, ev.index
+        holders = self.holders.pop(index, None)  # None: not missing (a second copy)
+        in_avail = index not in self.inflight  # then each holder's ``_avail`` holds it
+        started = self._drop_request(peer, index)
+        stats = self._stats_of(peer)
         if started is not None:
             self._measure(ev, stats, started, now)
         stats.verified += 1
-        self.pushes.arrived(ev.peer, ev.index, now)
-        if ev.index not in self.missing:
+        self.pushes.arrived(peer, index, now)
+        if holders is None:
             return []
-        self.missing.discard(ev.index)
-        self._orphans.discard(ev.index)
-        self.stalls.delivered(ev.index, now)
+        self.missing.discard(index)
+        self._orphans.discard(index)
+        self.stalls.delivered(index, now)
         self._progress()
-        for peer in self.holders.pop(ev.index, ()):  # have-maps keep only what is still missing
-            self.peer_chunks[peer].discard(ev.index)
-        losers = list(self.inflight.get(ev.index, {}))
-        for peer in losers:  # endgame: the other copies are no longer needed
-            self._drop_request(peer, ev.index)
-        return [CancelRequest(p, ev.index) for p in losers]
+        chunks, avail = self.peer_chunks, self._avail
+        for holder in holders:  # have-maps keep only what is still missing
+            chunks[holder].discard(index)
+        if in_avail:
+            for holder in holders:
+                avail[holder].discard(index)
+        losers = list(self.inflight.get(index, ()))
+        for loser in losers:  # endgame: the other copies are no longer needed
+            self._drop_request(loser, index)
+        return [CancelRequest(p, index) for p in losers]
 
     def _measure(self, ev: ChunkVerified, stats: PeerStats, started: float, now: float) -> None:
         """Learn from one verified reply: the typical chunk time (for time-outs), the peer's
@@ -296,22 +322,19 @@ class Scheduler:
         stats.last_delivery = now
         self._samples += 1
         stats.rtt_sample(took)
-        self._depths.pop(ev.peer, None)
+        self._depths.forget(ev.peer)
         mean = self._chunk_bytes + (ev.nbytes - self._chunk_bytes) / self._samples
         if mean == self._chunk_bytes:
             self._recount(ev.peer)
             return
         self._chunk_bytes = mean  # every depth is counted in chunks of this size
-        self._depths.clear()
-        for peer in self.stats:
+        for peer in self._depths.resize(mean, self.stats):
             self._recount(peer)
 
     def _failed(self, peer: str, index: int) -> list[Action]:
         if self._drop_request(peer, index) is None:
             return []
-        # A peer that cannot serve a chunk it claimed no longer counts as holding it.
-        self.peer_chunks.get(peer, set()).discard(index)
-        self._unhold(peer, index)
+        self._unclaim(peer, index)  # it cannot serve a chunk it claimed: it holds it no more
         self._stats_of(peer).failures += 1
         return []
 
@@ -413,10 +436,7 @@ class Scheduler:
         for peer in peers:
             if self._drop_request(peer, index) is not None:
                 out.append(CancelRequest(peer, index))
-            chunks = self.peer_chunks.get(peer)
-            if chunks is not None:
-                chunks.discard(index)
-            self._unhold(peer, index)
+            self._unclaim(peer, index)
         return peers
 
     def _timeouts(self, now: float) -> list[Action]:
@@ -456,31 +476,36 @@ class Scheduler:
         """Whether ``peer`` has room for another run of requests, kept in ``_open`` as its
         requests and depth change: scheduling after every event then looks only at peers
         with room (a busy download has few), not at every peer followed."""
-        cached = self._depths.get(peer)  # (the cache hit inlined: this runs after every event)
-        depth, run = self._depth_run(peer) if cached is None else cached
+        depth, run = self._depths.pairs.get(peer) or self._depth_run(peer)  # (hit inlined)
         if len(self.peer_inflight.get(peer, ())) + (run if run < depth else depth) <= depth:
             self._open.add(peer)
         else:
             self._open.discard(peer)
 
     def _depth_run(self, peer: str) -> tuple[int, int]:
-        """``peer``'s depth and run (``PeerStats.depth``, ``PeerStats.run``)."""
-        cached = self._depths.get(peer)
-        if cached is None:
-            stats, size = self.stats[peer], self._chunk_bytes
-            run = stats.run(size, self.config) if self.chunk_bytes else 1
-            cached = self._depths[peer] = (stats.depth(size, self.config, run), run)
-        return cached
+        """``peer``'s depth and run (``PeerStats.depth_run``)."""
+        return self._depths.of(peer, self.stats[peer])
 
     def _full(self, peer: str) -> bool:
         """No room left at ``peer``: a peer opens once a whole run has room (``_recount``)
         and is then asked until it is full, so its requests leave together (one request)."""
         return len(self.peer_inflight.get(peer, ())) >= self._depth_run(peer)[0]
 
-    def _best_peer(self, index: int, free: set[str], exclude: Iterable[str] = ()) -> str | None:
-        candidates = (self.holders.get(index, set()) & free).difference(exclude)
-        if not candidates:
-            return None
+    def _source(self, index: int, free: set[str], lagging: str) -> str | None:
+        """The free peer to ask for ``index``: the best holder but ``lagging`` (its pusher,
+        which lagged on it: the last resort), or the best of all if that is none (or a falsy
+        name, as the simulator's trainer, 0, is)."""
+        candidates = self.holders[index] & free
+        if lagging in candidates and len(candidates) > 1:
+            best = self._best(candidates - {lagging})
+            if best:
+                return best
+        return self._best(candidates)
+
+    def _best(self, candidates: set[str]) -> str | None:
+        """The peer to ask first: owed and never failing, then score per request in flight."""
+        if len(candidates) <= 1:
+            return next(iter(candidates), None)
         load, stats, owed = self.peer_inflight, self.stats, self.owed
         return max(
             candidates,
@@ -492,17 +517,22 @@ class Scheduler:
         )
 
     def _free_peers(self, now: float) -> set[str]:
-        busy = self.busy_until
-        chunks = self.peer_chunks
+        busy, chunks, banned = self.busy_until, self.peer_chunks, self.banned
+        if not busy:  # (the usual case: no lookup per peer)
+            return {p for p in self._open if chunks.get(p) and p not in banned}
         return {
-            p
-            for p in self._open
-            if chunks.get(p) and busy.get(p, 0.0) <= now and p not in self.banned
+            p for p in self._open if chunks.get(p) and busy.get(p, 0.0) <= now and p not in banned
         }
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
         self.stalls.asked(index, peer, now)
-        self.inflight.setdefault(index, {})[peer] = now
+        asked = self.inflight.get(index)
+        if asked is None:  # its first request: none of its holders is to be asked for it
+            asked = self.inflight[index] = {}
+            avail = self._avail
+            for holder in self.holders.get(index, ()):
+                avail[holder].discard(index)
+        asked[peer] = now
         self._starts.pop((index, peer), None)
         self._starts[(index, peer)] = now
         self._unordered |= now < self._last_start
@@ -524,11 +554,11 @@ class Scheduler:
         free = self._free_peers(now)
         out: list[Action] = []
         if free and len(self.inflight) < len(self.missing):
+            lagged = self.pushes.lagged
             for i in self._rarest_first(free, budget):
                 if budget <= 0 or not free:
                     return out
-                lagging = self.pushes.lagged.get(i, "")  # its pusher: the last resort
-                peer = self._best_peer(i, free, (lagging,)) or self._best_peer(i, free)
+                peer = self._source(i, free, lagged.get(i, ""))
                 if peer is not None:
                     out.append(self._request(peer, i, now))
                     budget -= 1
@@ -539,21 +569,14 @@ class Scheduler:
         return out + self._endgame(now, budget, free)
 
     def _rarest_first(self, free: set[str], budget: int) -> list[int]:
-        """Missing, unrequested chunks some free peer holds, rarest first (have-maps hold only
-        missing chunks, so this costs what the free peers offer, not the whole payload)."""
-        cands: set[int] = set()
-        for p in free:
-            cands.update(self.peer_chunks[p])
-        cands.difference_update(self.inflight)
-        cands.difference_update(self.pushes.pusher)  # on their way unasked
-        holders, tiebreak = self.holders, self._tiebreak
-
-        def rarity(i: int) -> tuple[int, bytes]:
-            return len(holders[i]), tiebreak[i]
-
-        if budget == 1 and cands:
-            return [min(cands, key=rarity)]
-        return sorted(cands, key=rarity)
+        """Missing, unrequested chunks some free peer holds, rarest first (from the free
+        peers' ``_avail``, their claims not in flight: this costs what they offer to ask, a
+        few chunks in a busy download, not all they hold nor the whole payload)."""
+        avail = self._avail
+        cands = set().union(*[avail[p] for p in free])
+        if self.pushes.pusher:
+            cands.difference_update(self.pushes.pusher)  # on their way unasked
+        return self._order.rarest(cands, self.holders, budget)
 
     def _endgame(self, now: float, budget: int, free: set[str]) -> list[Action]:
         out: list[Action] = []
@@ -565,20 +588,10 @@ class Scheduler:
                 break
             if len(self.inflight[i]) >= self.config.endgame_sources:
                 continue
-            peer = self._best_peer(i, free, exclude=self.inflight[i])
+            peer = self._best((self.holders.get(i, set()) & free).difference(self.inflight[i]))
             if peer is not None:
                 out.append(self._request(peer, i, now))
                 budget -= 1
                 if self._full(peer):
                     free.discard(peer)
         return out
-
-
-def _tiebreaks(chunks: Iterable[int], seed: int) -> dict[int, bytes]:
-    """Each chunk's seeded hash, which breaks rarest-first ties: peers with different seeds
-    start on different chunks."""
-    salt = seed.to_bytes(8, "little", signed=True)
-    return {
-        i: hashlib.blake2b(i.to_bytes(8, "little"), digest_size=8, salt=salt).digest()
-        for i in chunks
-    }

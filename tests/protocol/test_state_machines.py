@@ -248,6 +248,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         fresh = {p for p in s.peer_chunks if p not in s.banned and room(p) >= 0}
         assert {p for p in s._open if p in s.peer_chunks and p not in s.banned} == fresh
 
+    @invariant()
+    def kept_depths_and_offers_are_those_counted_afresh(self) -> None:
+        """The scheduler keeps each peer's (depth, run) until its stats or the mean chunk
+        size move (``peerstats.Depths``), and each peer's claims not in flight (``_avail``,
+        what rarest first looks at): both must be what a count from scratch gives."""
+        if not hasattr(self, "sched"):
+            return
+        s = self.sched
+        for p, pair in s._depths.pairs.items():
+            assert pair == s.stats[p].depth_run(s._chunk_bytes, s.config, bool(s.chunk_bytes))
+        assert s._avail == {p: c - s.inflight.keys() for p, c in s.peer_chunks.items()}
+
     def teardown(self) -> None:
         """Liveness: the network now behaves (honest peers re-send their have-maps, as the
         node's have-map followers do, and everything asked for arrives): it must finish. A
