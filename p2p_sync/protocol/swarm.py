@@ -493,13 +493,10 @@ class Scheduler:
 
     def _source(self, index: int, free: set[str], lagging: str) -> str | None:
         """The free peer to ask for ``index``: the best holder but ``lagging`` (its pusher,
-        which lagged on it: the last resort), or the best of all if that is none (or a falsy
-        name, as the simulator's trainer, 0, is)."""
+        which lagged on it: the last resort), or ``lagging`` if it is the only one."""
         candidates = self.holders[index] & free
         if lagging in candidates and len(candidates) > 1:
-            best = self._best(candidates - {lagging})
-            if best:
-                return best
+            return self._best(candidates - {lagging})
         return self._best(candidates)
 
     def _best(self, candidates: set[str]) -> str | None:

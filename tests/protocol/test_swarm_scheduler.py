@@ -302,3 +302,16 @@ def test_a_shorter_round_trip_lowers_the_depth_at_once() -> None:
     asked = s.handle(ChunkFailed("p", next(iter(s.peer_inflight["p"]))), 1.0)
     assert not any(isinstance(a, RequestChunk) for a in asked)
     assert len(s.peer_inflight["p"]) == 7
+
+
+def test_a_lagging_pusher_is_asked_last_even_beside_a_peer_named_0() -> None:
+    """A pusher that lagged on a chunk is its last resort, whatever the other holder is
+    called (the simulator names its trainer 0, which is falsy: it once fell through to the
+    best of all holders, the lagging pusher among them)."""
+    sched = Scheduler(1, SwarmConfig(), (), 1000)
+    sched.pushes.lagged[0] = 1  # its pusher lagged on it (``PushWait.expire``)
+    actions = sched.handle_many(
+        [PeerHad(0, frozenset({0}), 0.01), PeerHad(1, frozenset({0}), 0.01)], 0.0
+    )
+    asked = [a for a in actions if isinstance(a, RequestChunk)]
+    assert asked[0] == RequestChunk(0, 0)  # (then, in the endgame, the pusher as well)
