@@ -4,7 +4,7 @@ data, no per-point markers or bars):
 * ``completion_cdf.png``: per version, the fraction of honest rollouts holding it against
   time in units of that version's Kumar-Ross bound; vertical lines at 1, at the run's worst
   ratio and, when NAT raises it, at the NAT-aware bound.
-* ``upload_per_class.png``: per class of peer (``report.peer_classes``), its peers' bytes
+* ``upload_per_class.png``: per class of peer (``peerclasses.peer_classes``), its peers' bytes
   uploaded over the payload (all versions), sorted, against the percentile of the class: the
   distribution behind ``upload_per_class`` in ``report.json``.
 * ``startup_lag.png``: CDFs of the honest peers' ``Lag`` phases per version (start, filling,
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from simulations.report import PHASES, upload_ratios
+from simulations.peerclasses import PHASES, upload_ratios
 from simulations.swarm_sim import SwarmSim
 
 Draw = Callable[[Any], None]  # draws on one matplotlib Axes

@@ -70,10 +70,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from simulations.swarm_sim import HONEST, MBPS, TRAINER, Lag, Peer, SwarmSim, VersionResult
+from simulations.peerclasses import PHASES, upload_ratios
+from simulations.swarm_sim import HONEST, TRAINER, SwarmSim, VersionResult
 
-PHASES = tuple(f.name for f in dataclasses.fields(Lag))  # start, filling, tail
-ADVERSARIES = ("corrupt", "stall", "liar")
 # each term of the Kumar-Ross bound, as ``summary.md`` names it
 TERMS = {
     "trainer_uplink": "the trainer's uplink, F/u_s",
@@ -159,35 +158,6 @@ def bound_terms(sim: SwarmSim) -> dict[str, Any]:
     }
     terms["binding"] = max(TERMS, key=lambda k: terms[k])
     return terms
-
-
-def peer_classes(sim: SwarmSim) -> dict[str, list[Peer]]:
-    """The classes of peer whose upload the report compares (``upload_per_class``): the
-    trainer, honest rollouts (public and NATed apart when any is NATed), each link class
-    when there are several, then each kind of adversary present."""
-    rollouts = sim.peers[1:]
-    honest = [p for p in rollouts if p.role == HONEST]
-    classes = {"trainer": [sim.peers[TRAINER]]}
-    if any(p.nat for p in honest):
-        classes["honest public"] = [p for p in honest if not p.nat]
-        classes["honest NATed"] = [p for p in honest if p.nat]
-    else:
-        classes["honest"] = honest
-    links = sorted({(p.uplink, p.downlink) for p in honest}, reverse=True)
-    for up, down in links if len(links) > 1 else []:
-        name = f"honest {up / MBPS:g}/{down / MBPS:g} Mbit/s"
-        classes[name] = [p for p in honest if (p.uplink, p.downlink) == (up, down)]
-    for role in ADVERSARIES:
-        if members := [p for p in rollouts if p.role == role]:
-            classes[role] = members
-    return {k: v for k, v in classes.items() if v}
-
-
-def upload_ratios(sim: SwarmSim) -> dict[str, list[float]]:
-    """Each class's bytes uploaded per peer over the payload (all versions), per peer."""
-    payload = sim.sc.payload_bytes * max(len(sim.results), 1)
-    sent = sim.net.bytes_sent
-    return {k: [sent[p.idx] / payload for p in ps] for k, ps in peer_classes(sim).items()}
 
 
 def spread(values: list[float]) -> dict[str, float]:
