@@ -1160,7 +1160,8 @@ class SwarmSim:
 
     def _accept(self, p: Peer, art: Artifact, event: Event) -> bool:
         """``p`` got a chunk (pulled or pushed): keep and announce it if new, pass it on if
-        the trainer handed it over, tell its scheduler; ``True`` if it was new."""
+        the trainer handed it over, tell its scheduler (in the window's one decision, with
+        the news: ``_inbox``); ``True`` if it was new."""
         new = False
         if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
             new = True
