@@ -277,8 +277,7 @@ class Network:
         faster = rate > t.rate
         t.rate = rate
         if faster:
-            if t.event is not None:
-                self.clock.cancel(t.event)
+            self._disarm(t)
             t.event = self.clock.at(self.clock.now + t.remaining / rate, self._finish, t)
 
     def _disarm(self, t: Transfer) -> None:
