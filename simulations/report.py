@@ -45,6 +45,9 @@ corrupt, stalling nor lying):
   ``stall``, ``liar`` when present. Whether every kind of peer pulls its weight
 * ``overlay_depth``: ``median`` and ``max`` hops from the trainer over the honest rollouts;
   times the one-way latency, how long an announcement takes to reach them
+* ``trainer_connections``: ``neighbours``, the rollouts connected to the trainer (its
+  ``trainer_peers``, and any rollout with nobody else to reach), and ``served``, those it sent
+  chunks to (all versions): what a swarm of any size asks of the trainer's host
 * ``simulator``: what the run cost, to tell what limits a larger one: ``us_per_event``,
   ``peak_rss_bytes`` (the process's peak) and ``rss_growth_bytes`` (how far the run raised
   it), ``rss_bytes_per_1000_peers`` (that growth per 1,000 rollouts), ``simulated_s`` (the
@@ -139,6 +142,7 @@ def build(sim: SwarmSim, wall_clock_s: float, rss_before: int = 0) -> dict[str, 
         },
         "upload_per_class": {k: spread(v) for k, v in upload_ratios(sim).items()},
         "overlay_depth": overlay_depth(sim),
+        "trainer_connections": trainer_connections(sim),
         "wall_clock_s": wall_clock_s,
         "events": sim.clock.events_run,
         "simulator": simulator_section(sim, wall_clock_s, rss_before),
@@ -178,6 +182,12 @@ def overlay_depth(sim: SwarmSim) -> dict[str, float]:
     reaches a peer one latency per hop after the publication."""
     depths = [sim.depth[p.idx] for p in sim.honest]
     return {"median": statistics.median(depths), "max": max(depths)}
+
+
+def trainer_connections(sim: SwarmSim) -> dict[str, int]:
+    """The rollouts the trainer is connected to, and those it sent chunks to."""
+    served = {requester for uploader, requester in sim.served if uploader == TRAINER}
+    return {"neighbours": len(sim.peers[TRAINER].neighbors), "served": len(served)}
 
 
 def lag_section(r: VersionResult) -> dict[str, Any]:
@@ -255,6 +265,8 @@ def summary_md(report: dict[str, Any]) -> str:
         f"- worst peer / its own bound (time offline added for churned peers): "
         f"{report['ratio_to_own_bound']['worst']:.2f}",
         f"- redundant bytes: {report['redundant_bytes'] / 1e6:.1f} MB",
+        f"- trainer: connected to {report['trainer_connections']['neighbours']} rollouts, sent"
+        f" chunks to {report['trainer_connections']['served']}",
         f"- bans: {report['bans']} (false bans: {report['false_bans']})",
         f"- wall clock: {report['wall_clock_s']:.1f} s for {report['events']:,} events"
         f" ({report['simulator']['us_per_event']:.0f} us each); the run raised the process's"

@@ -140,6 +140,17 @@ def test_the_start_up_lag_is_set_against_latency_times_overlay_depth() -> None:
     assert f"is {0.02 * depth['median']:.3f} s at the median depth ({depth['median']:g})" in text
 
 
+def test_the_trainer_connections_are_its_neighbours_and_those_it_served() -> None:
+    """A trainer wired to 4 of 30 rollouts: 4 neighbours, and it sent chunks to some of them
+    at least (its followers fetch from it), never to more rollouts than exist."""
+    sim, rep = simulate(small(peers=30, trainer_peers=4))
+    conns = rep["trainer_connections"]
+    assert conns["neighbours"] == len(sim.peers[0].neighbors) == 4
+    served = {r for (u, r) in sim.served if u == 0}
+    assert conns["served"] == len(served) and 1 <= conns["served"] <= 30
+    assert f"trainer: connected to 4 rollouts, sent chunks to {len(served)}" in summary_md(rep)
+
+
 def test_the_plots_are_written_as_valid_pngs(tmp_path: Path) -> None:
     sc = small(peers=20, versions=2, nat_fraction=0.3, download={"max_sources": 8})
     sim, rep = simulate(sc)

@@ -605,6 +605,20 @@ def test_ci_scenario() -> None:
     assert rep["false_bans"] == 0 and rep["bans"] > 0
 
 
+@pytest.mark.slow  # a core for a minute and a half (simulated time only): started first
+def test_ci_scenario_at_1000_peers() -> None:
+    """CI's bar at 1,000 clean peers and 20 ms (configs/simulations/ci-1k.toml): all converge
+    near the bound with the trainer uploading about one payload, and nobody is banned."""
+    sc = load(ROOT / "configs/simulations/ci-1k.toml")
+    assert sc.peers >= 1000 and sc.latency_ms >= 20.0
+    _, rep = simulate(sc)
+    assert rep["honest_converged_fraction"] == 1.0
+    assert rep["ratio_to_bound"]["worst"] <= 2.0, rep["ratio_to_bound"]
+    assert rep["completion_p50_s"][0] <= 1.7 * rep["lower_bound_s"][0]
+    assert rep["trainer_upload_ratio"] <= 1.5
+    assert rep["bans"] == 0
+
+
 def test_scenario_defaults_are_the_nodes_defaults() -> None:
     """A scenario that sets no knob simulates nodes run with no config. The download settings
     are the node's own table; the other knobs model node limits under the node's values."""
@@ -685,7 +699,8 @@ def test_warm_connections_cover_the_follow_pairs_both_ways_until_a_peer_leaves()
 
 def test_every_shipped_scenario_loads() -> None:
     names = {p.stem: load(p) for p in sorted((ROOT / "configs/simulations").glob("*.toml"))}
-    assert {"ci", "scale-1k-internet", "scale-1k-nat", "slow-start"} <= set(names)
+    assert {"ci", "ci-1k", "scale-1k-internet", "scale-1k-nat", "slow-start"} <= set(names)
+    assert names["scale-10k-nat-churn"].peers == 10_000
     assert names["slow-start"].slow_start and not names["scale-1k-internet"].slow_start
     private, internet = names["scale-1k-private"], names["scale-1k-internet"]
     assert private.private and replace(private, private=False, name="") == replace(
