@@ -45,6 +45,7 @@ from p2p_sync.errors import (
     PatchError,
     StoreFullError,
 )
+from p2p_sync.memory import trim_heap
 from p2p_sync.protocol.stalls import carry_unserved
 from p2p_sync.protocol.versions import Artifact, PeerState, plan
 from p2p_sync.runtime.fetch import fetch_payload
@@ -185,7 +186,10 @@ class Follower:
     # ------------------------------------------------------------ applying
 
     def _apply_one(self, m: Manifest) -> dict[str, torch.Tensor]:
-        """Apply a fetched, verified artifact to the weights (in place), in a worker thread."""
+        """Apply a fetched, verified artifact to the weights (in place), in a worker thread.
+        The heap is trimmed first: what the download (and the last apply) freed would
+        otherwise stay in the RSS under this apply's temporaries (``p2p_sync.memory``)."""
+        trim_heap()
         if m.kind == SNAPSHOT:  # into the tensors already held: never two copies of the model
             target = self.into if self.into is not None else self.weights
             try:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p2p_sync.errors import StoreError, StoreFullError
+from p2p_sync.memory import release_pages
 from p2p_sync.store.cache import ChunkCache
 from p2p_sync.store.datadir import DataDir
 from p2p_sync.store.havemap import HaveMark, HaveNews
@@ -234,11 +235,16 @@ class Packs:
         return memoryview(mapped)  # packs are never truncated in place: the map stays valid
 
     def _all_slots_match(self, m: Manifest, view: memoryview) -> bool:
+        """Whether every slot of the mapped pack ``view`` hashes right; each slot's pages are
+        let go once hashed (``memory.release_pages``: a whole patch mapped at once stood in the
+        RSS beside the model through its apply)."""
         ok = True
         for i, c in enumerate(m.chunks):
-            if chunk_hash(view[slot(m, i)]) != c:
+            span = slot(m, i)
+            if chunk_hash(view[span]) != c:
                 self.invalidate(m.digest, i, "corrupted on disk")
                 ok = False
+            release_pages(view, span.start, span.stop)
         return ok
 
     # ------------------------------------------------------------ verifying and forgetting

@@ -30,6 +30,7 @@ from p2p_sync.errors import (
     TargetMismatchError,
     TornApplyError,
 )
+from p2p_sync.memory import release_pages
 from p2p_sync.store import AcceptedState, Checkpoint, Store
 from p2p_sync.trust.manifest import Manifest
 from p2p_sync.weights.delta import TensorDelta
@@ -237,6 +238,7 @@ def _apply_frame(
             sink(delta)
         add_delta(flat, delta, +1, digest)
     digest.settle(row.spec.name)  # a GPU tensor's sums: read back once, not per block
+    release_pages(data, row.offset, row.offset + row.size)  # a mapped pack's: read, let go
 
 
 def _load_base(
