@@ -965,7 +965,7 @@ class SwarmSim:
         for s in q.quiet:  # the others have news on its way, which will carry this one too
             p = self.peers[s]
             sched = p.sched
-            if p.artifact is art and sched is not None and index in sched.missing:
+            if p.artifact is art and sched is not None and index in sched.holders:
                 told.append(s)
             elif p.early is not None and p.early_art is art:
                 told.append(s)
@@ -1244,7 +1244,7 @@ class SwarmSim:
         trainer = self.peers[TRAINER]
         if p.idx in trainer.subscribers and p.artifact is art:
             for i in self._visible(trainer, p, art):
-                if p.sched is not None and i in p.sched.missing:
+                if p.sched is not None and i in p.sched.holders:
                     self._push_have(trainer, p.idx, i)
 
     # ------------------------------------------------------------ push trees (push_tree)
@@ -1294,7 +1294,7 @@ class SwarmSim:
         while line and key not in self.pushing and q.online and c.online and art is not None:
             index = next(iter(line))
             del line[index]
-            if c.sched is not None and index in c.sched.missing and q.idx not in c.banned:
+            if c.sched is not None and index in c.sched.holders and q.idx not in c.banned:
                 self.pushing.add(key)
                 done = partial(self._pushed_chunk, q, c, art, index, c.generation)
                 self.net.start(q.idx, c.idx, self._chunk_size(art, index), done)
