@@ -92,6 +92,7 @@ requester) pair started, so tests can check that no NAT-NAT pair ever carried on
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -1158,6 +1159,16 @@ class SwarmSim:
         p.runs.pop(key, None)
         self._accept(p, art, event)
 
+    def _keep(self, p: Peer, art: Artifact, index: int) -> None:
+        """``p`` now holds ``index``. A set grows its table 4-fold (1,229 of 1,525 chunks held:
+        8,192 slots, 128 KB a peer); a copy then takes half that. Only once it covers every
+        index: a table wider than the largest iterates in index order either way."""
+        have = p.have[art.ident]
+        size = sys.getsizeof(have)
+        have.add(index)
+        if sys.getsizeof(have) > size and 2 * len(have) >= self._n_chunks(art):
+            p.have[art.ident] = set(have)
+
     def _accept(self, p: Peer, art: Artifact, event: Event) -> bool:
         """``p`` got a chunk (pulled or pushed): keep and announce it if new, pass it on if
         the trainer handed it over, tell its scheduler (in the window's one decision, with
@@ -1165,7 +1176,7 @@ class SwarmSim:
         new = False
         if isinstance(event, ChunkVerified) and event.index not in p.have[art.ident]:
             new = True
-            p.have[art.ident].add(event.index)
+            self._keep(p, art, event.index)
             if p.role == HONEST and art is self.artifacts[-1]:
                 self._count_new(p, event.index, event.nbytes)
             self._announce_chunk(p, art, event.index)

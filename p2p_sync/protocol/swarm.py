@@ -65,13 +65,13 @@ class Scheduler:
 
     n_chunks: int
     config: SwarmConfig = field(default_factory=SwarmConfig)
-    have: Iterable[int] = ()
+    have: InitVar[Iterable[int]] = ()  # read once: a caller's live set is not held on to
     chunk_bytes: int = 0  # the manifest's chunk size (0: unknown, one chunk a request)
     # kept in ``stalls``, not as a field: an object with over 29 attributes reads each slower
     unserved: InitVar[dict[int, set[str]] | None] = None
 
-    def __post_init__(self, unserved: dict[int, set[str]] | None) -> None:
-        missing = set(indices(self.n_chunks)) - set(self.have)
+    def __post_init__(self, have: Iterable[int], unserved: dict[int, set[str]] | None) -> None:
+        missing = set(indices(self.n_chunks)) - set(have)
         # by missing chunk: its holders, NOBODY (one shared empty set) until a first claim
         self.holders: dict[int, AbstractSet[str]] = dict.fromkeys(missing, NOBODY)
         self._compact_at = len(missing) // 2  # ``_compact`` when this few are missing
