@@ -29,8 +29,8 @@ from collections.abc import Iterable, KeysView, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import InitVar, dataclass, field
 
-from p2p_sync.protocol.indices import NOBODY, indices, shared
-from p2p_sync.protocol.peerstats import Depths, PeerStats
+from p2p_sync.protocol.chunktables import NOBODY, indices, orphans, shared, shrink, still_missing
+from p2p_sync.protocol.peerstats import Depths, PeerStats, best
 from p2p_sync.protocol.pushes import PushWait
 from p2p_sync.protocol.rarity import ChunkOrder
 from p2p_sync.protocol.schedule_events import (
@@ -72,9 +72,8 @@ class Scheduler:
 
     def __post_init__(self, have: Iterable[int], unserved: dict[int, set[str]] | None) -> None:
         missing = set(indices(self.n_chunks)) - set(have)
-        # by missing chunk: its holders, NOBODY (one shared empty set) until a first claim
-        self.holders: dict[int, AbstractSet[str]] = dict.fromkeys(missing, NOBODY)
-        self._compact_at = len(missing) // 2  # ``_compact`` when this few are missing
+        self.holders: dict[int, AbstractSet[str]] = dict.fromkeys(missing, NOBODY)  # unclaimed
+        self._compact_at = len(missing) * 2 // 3  # ``_compact`` when this few are missing
         self.peer_chunks: dict[str, set[int]] = {}
         self._avail: dict[str, set[int]] = {}  # the same claims less those in flight
         self.inflight: dict[int, dict[str, float]] = {}
@@ -169,7 +168,7 @@ class Scheduler:
         elif isinstance(event, ChunkMoving):
             self._moving(event, now)
         elif isinstance(event, PeerPushes):
-            self._promised(event.peer, self._still_missing(event.indices), now)
+            self._promised(event.peer, still_missing(event.indices, self.holders), now)
         elif isinstance(event, PeerLost):
             return self._forget_peer(event.peer)
         elif isinstance(event, ChunkCorrupted):
@@ -240,25 +239,11 @@ class Scheduler:
         for peer, chunks in self.peer_chunks.items():
             self.pushes.claimed(peer, chunks & indices, now)
 
-    def _still_missing(self, indices: frozenset[int]) -> frozenset[int]:
-        """Those of ``indices`` still missing, as ``indices & missing`` would build them when
-        ``missing`` was a set (the smaller side iterated: the same order, hence the same
-        table, as before)."""
-        holders = self.holders
-        if len(indices) > len(holders):
-            return frozenset(i for i in holders if i in indices)
-        return frozenset(i for i in indices if i in holders)
-
     def _compact(self) -> None:
-        """Half the missing chunks of the last call arrived: rebuild the tables that shrank
-        with them. Python's dicts and sets never shrink as they empty, and at 1,525 chunks
-        these held ~200 KB a download near its end; copies keep every order that matters
-        (dicts keep insertion order; claims are sorted by rarity before use)."""
-        self._compact_at = len(self.holders) // 2
-        self.holders = dict(self.holders)
-        for table in (self.peer_chunks, self._avail):
-            for peer, chunks in table.items():
-                table[peer] = set(chunks)
+        """A third of the chunks missing at the last call arrived: rebuild the tables keyed
+        by them (``chunktables.shrink``)."""
+        self._compact_at = len(self.holders) * 2 // 3
+        self.holders = shrink(self.holders, self.peer_chunks, self._avail)
 
     def _unhold(self, peer: str, index: int) -> None:
         """``peer`` no longer counts as holding ``index`` (it left, failed, was banned)."""
@@ -449,7 +434,7 @@ class Scheduler:
             if self._stuck_since is None:
                 self._stuck_since = now
             if self._stuck_since + self.config.stall_timeout_s <= now:  # as next_timer() sums
-                stalled = self._orphan_set() | (stalled or set())
+                stalled = orphans(self.holders) | (stalled or set())
         if not stalled:
             return []
         self._stall_reported = True  # the orphans among them too: once per quiet spell
@@ -457,12 +442,6 @@ class Scheduler:
         disowned = {i: self._disown(i, out) for i in stalled}
         out.append(DownloadStalled(frozenset(stalled), {i: p for i, p in disowned.items() if p}))
         return out
-
-    def _orphan_set(self) -> set[int]:
-        """The missing chunks no usable peer holds (counted in ``_orphans``), in ascending order
-        into a table sized as a set's copy is (``dict``): a set of them kept as they change cost
-        64 KB a download at 1,525 chunks, and is read only when a stall is reported."""
-        return set(dict.fromkeys(sorted(i for i, h in self.holders.items() if not h)))
 
     def _disown(self, index: int, out: list[Action]) -> frozenset[str]:
         """A stalled chunk: the peers that claim it, or were asked for it and did not deliver
@@ -535,22 +514,8 @@ class Scheduler:
         which lagged on it: the last resort), or ``lagging`` if it is the only one."""
         candidates = self.holders[index] & free
         if lagging in candidates and len(candidates) > 1:
-            return self._best(candidates - {lagging})
-        return self._best(candidates)
-
-    def _best(self, candidates: set[str]) -> str | None:
-        """The peer to ask first: owed and never failing, then score per request in flight."""
-        if len(candidates) <= 1:
-            return next(iter(candidates), None)
-        load, stats, owed = self.peer_inflight, self.stats, self.owed
-        return max(
-            candidates,
-            key=lambda p: (
-                p in owed and not stats[p].failures,
-                stats[p].score() / (1 + len(load.get(p, ()))),
-                p,
-            ),
-        )
+            return best(candidates - {lagging}, self.stats, self.peer_inflight, self.owed)
+        return best(candidates, self.stats, self.peer_inflight, self.owed)
 
     def _free_peers(self, now: float) -> set[str]:
         busy, chunks, banned = self.busy_until, self.peer_chunks, self.banned
@@ -625,7 +590,8 @@ class Scheduler:
                 break
             if len(self.inflight[i]) >= self.config.endgame_sources:
                 continue
-            peer = self._best((self.holders.get(i, set()) & free).difference(self.inflight[i]))
+            cands = (self.holders.get(i, set()) & free).difference(self.inflight[i])
+            peer = best(cands, self.stats, self.peer_inflight, self.owed)
             if peer is not None:
                 out.append(self._request(peer, i, now))
                 budget -= 1
