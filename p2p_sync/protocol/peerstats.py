@@ -5,6 +5,7 @@ requests it keeps in flight (its bandwidth-delay product)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping, Set
 from dataclasses import dataclass
 
 from p2p_sync.protocol.swarmconfig import SwarmConfig
@@ -101,3 +102,23 @@ class Depths:
             if s.depth_run(low, config, runs) == s.depth_run(high, config, runs):
                 steady.add(peer)
         return taken
+
+
+def best(
+    candidates: Set[str],
+    stats: Mapping[str, PeerStats],
+    load: Mapping[str, Collection[int]],
+    owed: Set[str],
+) -> str | None:
+    """The peer to ask first: owed and never failing, then score per request in flight
+    (``load``: each peer's), then the greatest name (a fixed order)."""
+    if len(candidates) <= 1:
+        return next(iter(candidates), None)
+    return max(
+        candidates,
+        key=lambda p: (
+            p in owed and not stats[p].failures,
+            stats[p].score() / (1 + len(load.get(p, ()))),
+            p,
+        ),
+    )

@@ -25,10 +25,12 @@ scores and bans, pushed chunks, stalls) and why each rule is there: ``docs/sched
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import InitVar, dataclass, field
 
-from p2p_sync.protocol.peerstats import Depths, PeerStats
+from p2p_sync.protocol.chunktables import NOBODY, indices, orphans, shared, shrink, still_missing
+from p2p_sync.protocol.peerstats import Depths, PeerStats, best
 from p2p_sync.protocol.pushes import PushWait
 from p2p_sync.protocol.rarity import ChunkOrder
 from p2p_sync.protocol.schedule_events import (
@@ -63,14 +65,15 @@ class Scheduler:
 
     n_chunks: int
     config: SwarmConfig = field(default_factory=SwarmConfig)
-    have: Iterable[int] = ()
+    have: InitVar[Iterable[int]] = ()  # read once: a caller's live set is not held on to
     chunk_bytes: int = 0  # the manifest's chunk size (0: unknown, one chunk a request)
     # kept in ``stalls``, not as a field: an object with over 29 attributes reads each slower
     unserved: InitVar[dict[int, set[str]] | None] = None
 
-    def __post_init__(self, unserved: dict[int, set[str]] | None) -> None:
-        self.missing: set[int] = set(range(self.n_chunks)) - set(self.have)
-        self.holders: dict[int, set[str]] = {i: set() for i in self.missing}
+    def __post_init__(self, have: Iterable[int], unserved: dict[int, set[str]] | None) -> None:
+        missing = set(indices(self.n_chunks)) - set(have)
+        self.holders: dict[int, AbstractSet[str]] = dict.fromkeys(missing, NOBODY)  # unclaimed
+        self._compact_at = len(missing) * 2 // 3  # ``_compact`` when this few are missing
         self.peer_chunks: dict[str, set[int]] = {}
         self._avail: dict[str, set[int]] = {}  # the same claims less those in flight
         self.inflight: dict[int, dict[str, float]] = {}
@@ -91,19 +94,24 @@ class Scheduler:
         self._open: set[str] = set()  # peers with fewer requests in flight than their depth
         self._samples = 0
         self._done_reported = False
-        self._orphans: set[int] = set(self.missing)  # missing chunks no usable peer holds
+        self._orphans = len(missing)  # how many missing chunks no usable peer holds
         self._stuck_since: float | None = None  # orphans and no progress since then
         self._stall_reported = False
         # due chunks: when each stalls; the peers without standing for a chunk (``unserved``)
-        kept = {i: p for i, p in (unserved or {}).items() if i in self.missing}
+        kept = {i: p for i, p in (unserved or {}).items() if i in missing}
         self.stalls = StallClocks(c.stall_timeout_s, c.timeout_factor, kept)
-        self._order = ChunkOrder(self.missing, c.seed)
+        self._order = ChunkOrder(missing, c.seed)
 
     # ------------------------------------------------------------ queries
 
     @property
     def complete(self) -> bool:
-        return not self.missing
+        return not self.holders
+
+    @property
+    def missing(self) -> KeysView[int]:
+        """The chunks still missing: ``holders``' keys (a set of its own cost 64 KB at 1,525)."""
+        return self.holders.keys()
 
     def requests_in_flight(self) -> int:
         return self._n_inflight
@@ -160,7 +168,7 @@ class Scheduler:
         elif isinstance(event, ChunkMoving):
             self._moving(event, now)
         elif isinstance(event, PeerPushes):
-            self._promised(event.peer, event.indices & self.missing, now)
+            self._promised(event.peer, still_missing(event.indices, self.holders), now)
         elif isinstance(event, PeerLost):
             return self._forget_peer(event.peer)
         elif isinstance(event, ChunkCorrupted):
@@ -196,11 +204,13 @@ class Scheduler:
             if (not holders and i in started) or i in overtime:
                 clocks.claimed(i, peer, not holders, now)  # else it changes no clock
             known.add(i)
-            holders.add(peer)
             if i not in inflight:
                 avail.add(i)
-            if i in self._orphans:
-                self._orphans.discard(i)
+            if holders:
+                holders.add(peer)  # type: ignore[attr-defined]  (only NOBODY is not a set)
+            else:
+                by_chunk[i] = {peer}
+                self._orphans -= 1
                 self._progress()  # a source appeared for a chunk that had none
 
     def _heard(self, peer: str, rtt: float | None, owed: bool) -> None:
@@ -229,14 +239,20 @@ class Scheduler:
         for peer, chunks in self.peer_chunks.items():
             self.pushes.claimed(peer, chunks & indices, now)
 
+    def _compact(self) -> None:
+        """A third of the chunks missing at the last call arrived: rebuild the tables keyed
+        by them (``chunktables.shrink``)."""
+        self._compact_at = len(self.holders) * 2 // 3
+        self.holders = shrink(self.holders, self.peer_chunks, self._avail)
+
     def _unhold(self, peer: str, index: int) -> None:
         """``peer`` no longer counts as holding ``index`` (it left, failed, was banned)."""
         holders = self.holders.get(index)
-        if holders is None:
-            return
-        holders.discard(peer)
+        if not holders or peer not in holders:
+            return  # not missing, or an orphan already, or not one of them
+        holders.discard(peer)  # type: ignore[attr-defined]  (not NOBODY: not empty)
         if not holders:
-            self._orphans.add(index)
+            self._orphans += 1
 
     def _unclaim(self, peer: str, index: int) -> None:
         """``peer``'s claim of ``index`` no longer counts (it failed it, or stalled it)."""
@@ -290,8 +306,8 @@ class Scheduler:
         self.pushes.arrived(peer, index, now)
         if holders is None:
             return []
-        self.missing.discard(index)
-        self._orphans.discard(index)
+        if not holders:
+            self._orphans -= 1
         self.stalls.delivered(index, now)
         self._progress()
         chunks, avail = self.peer_chunks, self._avail
@@ -300,6 +316,8 @@ class Scheduler:
         if in_avail:
             for holder in holders:
                 avail[holder].discard(index)
+        if len(self.holders) <= self._compact_at:
+            self._compact()
         losers = list(self.inflight.get(index, ()))
         for loser in losers:  # endgame: the other copies are no longer needed
             self._drop_request(loser, index)
@@ -416,7 +434,7 @@ class Scheduler:
             if self._stuck_since is None:
                 self._stuck_since = now
             if self._stuck_since + self.config.stall_timeout_s <= now:  # as next_timer() sums
-                stalled = self._orphans | (stalled or set())
+                stalled = orphans(self.holders) | (stalled or set())
         if not stalled:
             return []
         self._stall_reported = True  # the orphans among them too: once per quiet spell
@@ -496,22 +514,8 @@ class Scheduler:
         which lagged on it: the last resort), or ``lagging`` if it is the only one."""
         candidates = self.holders[index] & free
         if lagging in candidates and len(candidates) > 1:
-            return self._best(candidates - {lagging})
-        return self._best(candidates)
-
-    def _best(self, candidates: set[str]) -> str | None:
-        """The peer to ask first: owed and never failing, then score per request in flight."""
-        if len(candidates) <= 1:
-            return next(iter(candidates), None)
-        load, stats, owed = self.peer_inflight, self.stats, self.owed
-        return max(
-            candidates,
-            key=lambda p: (
-                p in owed and not stats[p].failures,
-                stats[p].score() / (1 + len(load.get(p, ()))),
-                p,
-            ),
-        )
+            return best(candidates - {lagging}, self.stats, self.peer_inflight, self.owed)
+        return best(candidates, self.stats, self.peer_inflight, self.owed)
 
     def _free_peers(self, now: float) -> set[str]:
         busy, chunks, banned = self.busy_until, self.peer_chunks, self.banned
@@ -522,6 +526,7 @@ class Scheduler:
         }
 
     def _request(self, peer: str, index: int, now: float) -> RequestChunk:
+        index = shared(index)  # (computed by the order: kept, and sent on, as the shared one)
         self.stalls.asked(index, peer, now)
         asked = self.inflight.get(index)
         if asked is None:  # its first request: none of its holders is to be asked for it
@@ -540,7 +545,7 @@ class Scheduler:
         return RequestChunk(peer, index)
 
     def _schedule(self, now: float) -> list[Action]:
-        if not self.missing:
+        if not self.holders:
             if self._done_reported:
                 return []
             self._done_reported = True
@@ -550,7 +555,7 @@ class Scheduler:
             return []
         free = self._free_peers(now)
         out: list[Action] = []
-        if free and len(self.inflight) < len(self.missing):
+        if free and len(self.inflight) < len(self.holders):
             lagged = self.pushes.lagged
             for i in self._rarest_first(free, budget):
                 if budget <= 0 or not free:
@@ -561,7 +566,7 @@ class Scheduler:
                     budget -= 1
                     if self._full(peer):
                         free.discard(peer)
-        if len(self.inflight) < len(self.missing):
+        if len(self.inflight) < len(self.holders):
             return out  # not endgame yet: some missing chunk still waits for a source
         return out + self._endgame(now, budget, free)
 
@@ -585,7 +590,8 @@ class Scheduler:
                 break
             if len(self.inflight[i]) >= self.config.endgame_sources:
                 continue
-            peer = self._best((self.holders.get(i, set()) & free).difference(self.inflight[i]))
+            cands = (self.holders.get(i, set()) & free).difference(self.inflight[i])
+            peer = best(cands, self.stats, self.peer_inflight, self.owed)
             if peer is not None:
                 out.append(self._request(peer, i, now))
                 budget -= 1
