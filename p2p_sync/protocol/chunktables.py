@@ -14,18 +14,21 @@ chunks each one's tables were ~1.1 MB (10,000 peers would not fit in 16 GB). Thr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 
 NOBODY: frozenset[str] = frozenset()  # the holders of a chunk nobody claims (never mutated)
 
-_SHARED: list[int] = []  # the shared object of each index handed out so far
+_SHARED: list[int] = []  # the shared object of each index handed out so far: _SHARED[i] == i
+_GROWING = threading.Lock()  # two threads extending at once would misplace every index after
 
 
 def indices(n: int) -> list[int]:
     """Indices ``0..n-1``, as the objects shared by every download of the process."""
     if len(_SHARED) < n:
-        _SHARED.extend(range(len(_SHARED), n))
+        with _GROWING:
+            _SHARED.extend(range(len(_SHARED), n))
     return _SHARED[:n]
 
 
@@ -47,9 +50,10 @@ def shrink(
 
 
 def still_missing(indices: frozenset[int], missing: Mapping[int, object]) -> frozenset[int]:
-    """Those of ``indices`` in ``missing``, as ``indices & missing`` would build them when
-    ``missing`` was a set (the smaller side iterated: the same order, hence the same table)."""
-    if len(indices) > len(missing):
+    """Those of ``indices`` in ``missing``, built as ``indices & missing`` built them when
+    ``missing`` was a set: CPython walks the right side unless it is the larger (the walk's
+    order lays out the result's table, and so its iteration order)."""
+    if len(missing) <= len(indices):
         return frozenset(i for i in missing if i in indices)
     return frozenset(i for i in indices if i in missing)
 

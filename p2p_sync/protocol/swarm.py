@@ -4,15 +4,9 @@ One :class:`Scheduler` drives the download of one payload (the chunks of one ver
 from many peers at once. The node (asyncio + HTTP) and the simulator (virtual clock) feed it the
 same events and carry out the same actions, so what the simulator shows is true of the node.
 
-Events (inputs, past tense): :class:`PeerHad` (a peer's have-map, or part of it),
-:class:`PeerPushes` (a peer will push these chunks unasked), :class:`PeerLost`,
-:class:`ChunkVerified`, :class:`ChunkMoving` (bytes of a chunk in flight are arriving),
-:class:`ChunkCorrupted` (bytes failed the signed hash),
-:class:`ChunkFailed` (transport error, or the peer lacks the chunk it claimed),
-:class:`PeerBusy` (the peer refused for lack of upload slots), :class:`TimerFired`.
-
-Actions (outputs): :class:`RequestChunk`, :class:`CancelRequest`, :class:`PeerBanned`,
-:class:`PushStopped`, :class:`DownloadCompleted`, :class:`DownloadStalled`.
+Events (inputs, past tense: have-maps, promised pushes, lost peers, chunks verified, arriving,
+corrupted or failed, busy peers, timers) and actions (outputs: requests, cancels, bans, stopped
+pushes, completion, stalls) are the records of :mod:`p2p_sync.protocol.schedule_events`.
 
 Time: the scheduler never asks for a fixed tick. After each event, :meth:`Scheduler.next_timer`
 says when it next needs a :class:`TimerFired` (the oldest request's timeout, the end of a busy
@@ -85,14 +79,13 @@ class Scheduler:
         self.stats: dict[str, PeerStats] = {}
         self.busy_until: dict[str, float] = {}
         self.owed: set[str] = set()  # peers whose uplink few others can use (PeerHad.owed)
-        self._n_inflight = 0
+        self._n_inflight, self._samples = 0, 0
         c = self.config
         self.pushes = PushWait(c.min_request_timeout_s, c.timeout_factor, c.score_alpha)
         self._chunk_time: float | None = None  # EWMA of request-to-verified seconds
         self._chunk_bytes = float(self.chunk_bytes or 1)  # mean size of those verified
         self._depths = Depths(c, self._chunk_bytes, bool(self.chunk_bytes))  # until inputs move
         self._open: set[str] = set()  # peers with fewer requests in flight than their depth
-        self._samples = 0
         self._done_reported = False
         self._orphans = len(missing)  # how many missing chunks no usable peer holds
         self._stuck_since: float | None = None  # orphans and no progress since then
@@ -209,9 +202,14 @@ class Scheduler:
             if holders:
                 holders.add(peer)  # type: ignore[attr-defined]  (only NOBODY is not a set)
             else:
-                by_chunk[i] = {peer}
-                self._orphans -= 1
-                self._progress()  # a source appeared for a chunk that had none
+                self._first_holder(i, peer)
+
+    def _first_holder(self, index: int, peer: str) -> None:
+        """``peer`` is the only holder of missing ``index``: a set of its own (not the shared
+        ``NOBODY``), and a source for a chunk that had none."""
+        self.holders[index] = {peer}
+        self._orphans -= 1
+        self._progress()
 
     def _heard(self, peer: str, rtt: float | None, owed: bool) -> None:
         """A have-map answer came from ``peer``: note whether we owe it (``PeerHad.owed``)
