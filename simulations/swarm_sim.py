@@ -988,9 +988,10 @@ class SwarmSim:
         run = Run(p.idx, q_idx, indices, p.generation)
         self.requests_sent += 1
         self.chunks_requested += len(indices)
-        for i in indices:
-            p.requests[(q_idx, i)] = None
-            p.runs[(q_idx, i)] = run
+        for i in indices:  # one key object for both tables (56 bytes a request in flight)
+            key = (q_idx, i)
+            p.requests[key] = None
+            p.runs[key] = run
         self.clock.after(self._handshake(p.idx, q_idx) + self.lat, self._arrive, p, run)
 
     def _wanted(self, p: Peer, run: Run) -> list[int]:

@@ -9,7 +9,13 @@ chunks each one's tables were ~1.1 MB (10,000 peers would not fit in 16 GB). Thr
 * an empty set is 216 bytes, and most chunks have no holder early on: :data:`NOBODY` stands
   for all of them until a first claim;
 * Python's dicts and sets never shrink as they empty: the scheduler rebuilds those keyed by
-  missing chunks each time a third of them arrived (:func:`shrink`).
+  missing chunks each time a third of them arrived (:func:`shrink`);
+* a set grown one ``add`` at a time quadruples its table each time it fills, one grown by
+  ``update`` from a dict or a set only doubles it: the scheduler adds a have-map's new
+  claims to a peer's sets in one ``update`` (half their tables). Their orders change with
+  their tables, and no decision depends on them: ``_avail``'s union is sorted by a total
+  key (``rarity``), ``peer_chunks`` is walked only to discard (a lost peer) and to note
+  claims of promised chunks (``pushes.claimed``: one pusher's, whose order no output sees).
 """
 
 from __future__ import annotations

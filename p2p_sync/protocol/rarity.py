@@ -29,11 +29,12 @@ class ChunkOrder:
         by_rank = sorted(chunks, key=digest)
         last = max(by_rank, default=-1)
         bits = max(last, 0).bit_length()  # an index's
-        self._base = array("Q", bytes(8 * (last + 1)))  # by index: its rank, then itself
+        self._shift = bits + len(by_rank).bit_length()  # past the rank
+        code = "I" if self._shift <= 8 * array("I").itemsize else "Q"  # half, where it fits
+        self._base = array(code, bytes(array(code).itemsize * (last + 1)))  # rank, index
         for rank, i in enumerate(by_rank):
             self._base[i] = rank << bits | i
         self._mask = (1 << bits) - 1
-        self._shift = bits + len(by_rank).bit_length()  # past the rank
 
     def rarest(self, chunks: Collection[int], holders: Mapping[int, Sized], most: int) -> list[int]:
         """``chunks`` rarest first by their ``holders`` (only the rarest if ``most`` is 1)."""

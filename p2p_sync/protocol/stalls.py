@@ -72,7 +72,7 @@ class StallClocks:
         self.limit = stall_timeout_s  # the stall limit (``delivered`` stretches it)
         self.longest = 0.0  # the longest a delivered chunk waited from being due
         self.started: dict[int, float] = {}  # due chunks not past the limit: since when
-        self.tried: dict[int, set[str]] = {}  # due chunks: the peers asked for them since
+        self.tried: dict[int, str | set[str]] = {}  # due chunks: the peers asked since (one: a str)
         self.unserved = {i: set(peers) for i, peers in (unserved or {}).items()}
         self._order: deque[tuple[float, int]] = deque()  # ``started``, oldest first
         self._last = -math.inf
@@ -89,11 +89,16 @@ class StallClocks:
         """``index`` was asked of ``peer``: due from now if it was not, or if ``peer`` was
         never asked for it since it was due."""
         tried = self.tried.get(index)
-        if tried is None:
-            tried = self.tried[index] = set()
-        if peer not in tried or not self.due(index):
+        if tried is None:  # (a set of one is 216 bytes: the first peer is kept as itself)
+            self.tried[index] = peer
             self.start(index, now)
-        tried.add(peer)
+            return
+        if not _among(peer, tried) or not self.due(index):
+            self.start(index, now)
+        if isinstance(tried, set):
+            tried.add(peer)
+        elif tried != peer:
+            self.tried[index] = {tried, peer}
 
     def claimed(self, index: int, peer: str, orphan: bool, now: float) -> None:
         """``peer`` claims ``index``, which it did not: a first claim of an ``orphan`` from a
@@ -101,7 +106,7 @@ class StallClocks:
         a chunk past the limit looked at again (it may be stalled now)."""
         if not self.due(index):
             return
-        if peer not in self.tried.get(index, ()):
+        if not _among(peer, self.tried.get(index)):
             if orphan:
                 self.start(index, now)
         elif index in self.overtime:
@@ -133,7 +138,10 @@ class StallClocks:
     def forget(self, index: int) -> set[str]:
         """``index`` was reported stalled: not due until asked again; whom it was asked of."""
         self.stop(index)
-        return self.tried.pop(index, set())
+        tried = self.tried.pop(index, None)
+        if tried is None:
+            return set()
+        return tried if isinstance(tried, set) else {tried}
 
     # ------------------------------------------------------------ clocks
 
@@ -150,6 +158,15 @@ class StallClocks:
         self._order.append((now, index))
         self._unordered |= now < self._last
         self._last = max(self._last, now)
+        if len(self._order) > 2 * len(self.started) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries of ``_order`` (clocks restarted or stopped since): those
+        :meth:`_oldest` and :meth:`_passed` would skip. Entries of the latest time stay: a
+        clock restarted at that same time again would make a stale one current again."""
+        started, last = self.started, self._last
+        self._order = deque(e for e in self._order if e[0] == last or started.get(e[1]) == e[0])
 
     def stop(self, index: int) -> float | None:
         """``index`` is not due any more: when its clock started (None: it was not due)."""
@@ -234,6 +251,13 @@ class StallClocks:
             self.overtime.clear()
             self._order = deque(sorted((t, i) for i, t in self.started.items()))
             self._unordered, self._last = False, self._order[-1][0]
+
+
+def _among(peer: str, tried: str | set[str] | None) -> bool:
+    """Whether ``peer`` is among ``tried`` (a set of peers, or one peer as itself)."""
+    if tried is None:
+        return False
+    return peer in tried if isinstance(tried, set) else tried == peer
 
 
 def carry_unserved(
