@@ -1,7 +1,7 @@
 """Tables keyed by chunk index, kept lean: the scheduler's memory per download.
 
 Memory, not speed: the simulator runs thousands of downloads in one process, and at 1,525
-chunks each one's tables were ~1.1 MB (10,000 peers would not fit in 16 GB). Three causes:
+chunks each one's tables were ~1.1 MB (10,000 peers would not fit in 16 GB). Four causes:
 
 * ints above 256 are separate 28-byte objects, so each download that built its indices with
   ``range`` (and each request that computed one) had its own copies: :func:`indices` and
