@@ -62,6 +62,8 @@ class StallClocks:
         "_exact",
     )
 
+    COMPACT_SLACK = 64  # stale queue entries beyond the live clocks' count before a compaction
+
     def __init__(
         self,
         stall_timeout_s: float,
@@ -158,7 +160,7 @@ class StallClocks:
         self._order.append((now, index))
         self._unordered |= now < self._last
         self._last = max(self._last, now)
-        if len(self._order) > 2 * len(self.started) + 64:
+        if len(self._order) > 2 * len(self.started) + self.COMPACT_SLACK:
             self._compact()
 
     def _compact(self) -> None:
