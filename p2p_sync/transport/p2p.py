@@ -21,7 +21,9 @@ How a node finds the swarm and its data plane:
   never dialed as libp2p addresses (a dial filter drops them).
 - It keeps at most ``max_connections`` libp2p connections, topping up from the routing table.
 - It dials its bootstrap peers every ``maintain_s`` until linked (py-libp2p would refuse a peer
-  for 60 s after one failed dial).
+  for 60 s after one failed dial). The self lookup and the top-up run beside that tick, so the
+  peers a bootstrap link brings are known (and asked for dial-backs) at once, not after a
+  lookup that waits on a dead address.
 
 Announcements are judged by ``p2p_sync.trust.announce.judge`` inside gossipsub's validation step, so
 a forged or replayed message is never forwarded; its sender is blacklisted after
@@ -456,31 +458,51 @@ class P2PHost:
 
     async def _maintain(self) -> None:
         """Keep joined: bootstrap dials, relay slots when behind NAT, periodic Kademlia
-        refresh, bounded top-up, URL harvest."""
+        refresh, bounded top-up, URL harvest. The refresh and the top-up dial peers that may
+        be gone (each waits up to a dial timeout), so they run beside the tick, one of each at
+        a time: what a tick harvests is never held up by a dead entry."""
         next_refresh = 0.0
+        background: set[str] = set()  # steps running beside the tick
         while True:
             if self._gate is not None:
                 self._gate.recheck()  # a revocation list changed: revoked members leave
             await self._dial_bootstrap()
+            self._harvest_urls()  # what the bootstrap link brought, known at once
+            self._take_snapshot()
             assert self._relay_client is not None and self._nursery is not None
             await self._relay_client.maintain(
                 self._nursery, self.settings.dial_timeout_s, self._bootstrap_ids
             )
-            if self._dht is None:  # a leaf: bootstrap links only
-                self._harvest_urls()
-                self._take_snapshot()
-                await trio.sleep(self.settings.maintain_s)
-                continue
-            await self._feed_routing_table()
-            if trio.current_time() >= next_refresh:
-                with trio.move_on_after(self.settings.dial_timeout_s * 2):
-                    await self._dht.refresh_routing_table()
-                self.lookups += 1
-                next_refresh = trio.current_time() + self.settings.refresh_s
-            await self._top_up()
+            if self._dht is not None:
+                await self._feed_routing_table()
+                if trio.current_time() >= next_refresh and "refresh" not in background:
+                    self._beside(background, "refresh", self._refresh)
+                    next_refresh = trio.current_time() + self.settings.refresh_s
+                if "top-up" not in background:
+                    self._beside(background, "top-up", self._top_up)
             self._harvest_urls()
             self._take_snapshot()
             await trio.sleep(self.settings.maintain_s)
+
+    def _beside(self, running: set[str], name: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Run ``step`` in the background, noted in ``running`` until it returns."""
+
+        async def run() -> None:
+            try:
+                await step()
+            finally:
+                running.discard(name)
+
+        assert self._nursery is not None
+        running.add(name)
+        self._nursery.start_soon(run)
+
+    async def _refresh(self) -> None:
+        """A Kademlia self lookup, bounded."""
+        assert self._dht is not None
+        with trio.move_on_after(self.settings.dial_timeout_s * 2):
+            await self._dht.refresh_routing_table()
+        self.lookups += 1
 
     @functools.cached_property
     def _bootstrap(self) -> list[Any]:
