@@ -16,6 +16,7 @@ request on. It is I/O-free: certificates, lists and the time come in as values.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.utils import CryptographyDeprecationWarning
 
 from p2p_sync.errors import (
     ExpiredAdmissionError,
@@ -102,11 +104,13 @@ def load_certificate(data: bytes, limit: int) -> x509.Certificate:
     if len(data) > limit:
         raise MalformedAdmissionError(f"admission of {len(data)} bytes over {limit}")
     try:
-        if data.lstrip().startswith(b"-----BEGIN"):
-            cert = x509.load_pem_x509_certificate(data)
-        else:
-            cert = x509.load_der_x509_certificate(data)
-    except (ValueError, x509.InvalidVersion) as exc:
+        with warnings.catch_warnings():  # what cryptography still takes with a warning
+            warnings.simplefilter("error", CryptographyDeprecationWarning)  # (a serial <= 0)
+            if data.lstrip().startswith(b"-----BEGIN"):
+                cert = x509.load_pem_x509_certificate(data)
+            else:
+                cert = x509.load_der_x509_certificate(data)
+    except (ValueError, x509.InvalidVersion, CryptographyDeprecationWarning) as exc:
         raise MalformedAdmissionError(f"not an X.509 certificate ({exc})") from None
     if cert.public_bytes(serialization.Encoding.DER) != _canonical(cert):
         raise MalformedAdmissionError("admission not in its one DER encoding")

@@ -231,6 +231,18 @@ def test_a_signatures_unused_bits_count_gives_no_second_encoding(unused: int) ->
         _gate().check(bytes(tampered), SWARM.now)
 
 
+def test_a_serial_number_below_one_is_malformed_not_a_warning() -> None:
+    """RFC 5280 serials are positive; cryptography still parses others, with a deprecation
+    warning. An admission is refused as malformed before its signature is even looked at."""
+    version = b"\xa0\x03\x02\x01\x02"  # [0] v3, then the serial's INTEGER
+    at = DER.index(version) + len(version)
+    assert DER[at] == 0x02 and DER[at + 2] < 0x80
+    tampered = bytearray(DER)
+    tampered[at + 2] |= 0x80  # the serial's sign bit: a negative serial
+    with pytest.raises(MalformedAdmissionError, match="not an X.509 certificate"):
+        _gate().check(bytes(tampered), SWARM.now)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=2048))
 def test_arbitrary_bytes_are_never_an_admission(data: bytes) -> None:
