@@ -8,6 +8,13 @@ from hypothesis import settings
 from p2p_sync.weights.workloads import Workload
 from simulations.netns import PREFIX_ROOT, cleanup_stale, probe, probe_nat
 
+# Torch's intra-op pool takes a thread per core, and `make test` runs two workers on two cores,
+# with the node processes their tests start beside them: a pool in every process oversubscribes
+# the machine, and OpenMP's threads spin at each barrier while another process holds the core
+# (the codec and weights tests took 38 s, and 26 s with a thread each). Children inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # CI replays a fixed set of examples (no flaky reds from a lucky draw); developers get fresh
 # random examples on every run, which is where new counterexamples are found.
 settings.register_profile("ci", derandomize=True, print_blob=True)
