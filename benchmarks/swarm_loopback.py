@@ -52,8 +52,8 @@ from p2p_sync.runtime.fetch import fetch_payload  # noqa: E402
 from p2p_sync.runtime.node import Node  # noqa: E402
 from p2p_sync.runtime.trainer import TrainerNode  # noqa: E402
 from p2p_sync.store import Store  # noqa: E402
+from p2p_sync.transport.identity import IDENTITY_FILE  # noqa: E402
 from p2p_sync.transport.limits import HttpLimits  # noqa: E402
-from p2p_sync.transport.p2p import IDENTITY_FILE  # noqa: E402
 from p2p_sync.transport.tls import identity_key  # noqa: E402
 from p2p_sync.trust import admissions  # noqa: E402
 from p2p_sync.trust.chunks import manifest_for  # noqa: E402

@@ -72,7 +72,7 @@ def cmd_swarm_init(args: argparse.Namespace) -> int:
 
 @_guarded
 def cmd_identity(args: argparse.Namespace) -> int:
-    from p2p_sync.transport.p2p import IDENTITY_FILE
+    from p2p_sync.transport.identity import IDENTITY_FILE
     from p2p_sync.transport.tls import identity_key, raw_public
 
     print(peer_id_of(raw_public(identity_key(args.data_dir / IDENTITY_FILE))))

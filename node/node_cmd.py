@@ -127,7 +127,7 @@ def _status_tls(args: argparse.Namespace) -> tuple[str, Any]:
     data dir and admission are given; an open node's URL as it is."""
     if args.admission is None:
         return args.url, None
-    from p2p_sync.transport.p2p import IDENTITY_FILE
+    from p2p_sync.transport.identity import IDENTITY_FILE
     from p2p_sync.transport.tls import PrivateSwarmFiles, SwarmTls, identity_key, tls_url
 
     if args.swarm_ca is None or args.revocations is None:

@@ -11,7 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from p2p_sync.transport.p2p import IDENTITY_FILE
+from p2p_sync.transport.identity import IDENTITY_FILE
 from p2p_sync.transport.tls import PrivateSwarmFiles, SwarmTls, identity_key, raw_public, tls_url
 from p2p_sync.trust import admissions
 from p2p_sync.trust.keys import SigningKey

@@ -120,13 +120,13 @@ class HttpTransport:
 async def _start_p2p(node: WireHost, tls: SwarmTls | None) -> Any:
     """The node's libp2p host, started: gossip, discovery and its streams (a private
     swarm's: with the membership gate, from the node's TLS credentials)."""
-    from p2p_sync.transport import multiaddrs, p2p, p2p_gate  # --no-p2p nodes never load it
+    from p2p_sync.transport import identity, multiaddrs, p2p, p2p_gate  # --no-p2p: never loaded
 
     cfg, learner = node.cfg, node.learner
     settings = p2p.P2PSettings(
         listen=cfg.p2p_listen or multiaddrs.default_listen(cfg.host_port[0]),
         advertise_host=cfg.advertise_host,
-        identity_path=cfg.data_dir / p2p.IDENTITY_FILE,
+        identity_path=cfg.data_dir / identity.IDENTITY_FILE,
         topic=announce.topic(node.policy.swarm_id),
         bootstrap=cfg.bootstrap,
         relay=cfg.relay,
@@ -154,7 +154,7 @@ def private_tls(node: WireHost) -> SwarmTls | None:
     if not cfg.private:
         return None
     assert cfg.swarm_ca and cfg.admission and cfg.revocations  # config.check saw to it
-    from p2p_sync.transport.p2p import IDENTITY_FILE
+    from p2p_sync.transport.identity import IDENTITY_FILE
 
     files = PrivateSwarmFiles(cfg.swarm_ca, cfg.admission, cfg.revocations)
     key = identity_key(cfg.data_dir / IDENTITY_FILE)

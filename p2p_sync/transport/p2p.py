@@ -29,9 +29,7 @@ Announcements are judged by ``p2p_sync.trust.announce.judge`` inside gossipsub's
 a forged or replayed message is never forwarded; its sender is blacklisted after
 ``max_rejects`` rejected messages. A private swarm's host admits members only, on every
 connection and stream (``transport.p2p_gate``: gossip, DHT, records, data, relay, hole
-punching). The libp2p identity key lives in the node's data dir
-(``p2p-identity.key``, libp2p protobuf format, mode 0600), separate from the trainer's signing
-key: a restarted node keeps its peer id.
+punching). Its libp2p identity: ``transport.identity``.
 """
 
 from __future__ import annotations
@@ -50,8 +48,6 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.identity_utils import load_identity, save_identity
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
@@ -65,11 +61,11 @@ from p2p_sync.protocol.reachability import RelayBounds
 from p2p_sync.transport import multiaddrs, relay, streams
 from p2p_sync.transport.dataplane import DataRouter
 from p2p_sync.transport.gossip import GossipValidator, Judge, OnAccept, OnKnown
+from p2p_sync.transport.identity import load_or_create_identity
 from p2p_sync.transport.multiaddrs import http_multiaddr, rehost, url_from_multiaddr
 from p2p_sync.transport.p2p_gate import MemberCredentials, MembershipGate
 
 log = logging.getLogger("p2psync.p2p")
-IDENTITY_FILE = "p2p-identity.key"
 
 
 @dataclass(frozen=True)
@@ -91,22 +87,6 @@ class P2PSettings:
     seen_digests: int = 4096  # bounded memory of accepted digests (for Ignore)
     dht: bool = True  # False: a leaf that runs no Kademlia and links only to its bootstrap peers
     relay: RelayBounds = field(default_factory=RelayBounds)  # circuit relay v2 (transport.relay)
-
-
-# ---------------------------------------------------------------- addresses (pure)
-
-
-def load_or_create_identity(path: Path) -> Any:
-    """The node's libp2p key pair, created on first start (mode 0600) and reused afterwards."""
-    if path.exists():
-        try:
-            return load_identity(path)
-        except (ValueError, OSError) as exc:
-            raise P2PError(f"{path}: unreadable libp2p identity ({exc})") from None
-    key_pair = create_new_key_pair()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_identity(key_pair, path)
-    return key_pair
 
 
 # ---------------------------------------------------------------- host

@@ -213,7 +213,7 @@ def raw_public(key: Ed25519PrivateKey) -> bytes:
 def identity_key(path: Path) -> Ed25519PrivateKey:
     """The node's libp2p identity key (``p2p-identity.key``, created if absent) as an
     Ed25519 key: the key its admission binds."""
-    from p2p_sync.transport.p2p import load_or_create_identity  # loads libp2p
+    from p2p_sync.transport.identity import load_or_create_identity  # loads libp2p
 
     pair = load_or_create_identity(path)
     return Ed25519PrivateKey.from_private_bytes(pair.private_key.to_bytes()[:32])

@@ -18,7 +18,8 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from p2p_sync.transport.p2p import P2PHost, P2PSettings, load_or_create_identity
+from p2p_sync.transport.identity import load_or_create_identity
+from p2p_sync.transport.p2p import P2PHost, P2PSettings
 from p2p_sync.trust.announce import Announcement, Decision, Verdict
 
 TOPIC = "p2psync/test/announce"

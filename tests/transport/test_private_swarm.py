@@ -22,7 +22,7 @@ from p2p_sync.runtime.node import Node
 from p2p_sync.runtime.rollout import Follower
 from p2p_sync.runtime.trainer import Publisher, TrainerNode
 from p2p_sync.store import Store
-from p2p_sync.transport.p2p import IDENTITY_FILE
+from p2p_sync.transport.identity import IDENTITY_FILE
 from p2p_sync.transport.tls import identity_key
 from p2p_sync.trust import admissions
 from p2p_sync.trust.keys import SigningKey, write_keypair
