@@ -538,14 +538,15 @@ class P2PHost:
                 log.debug("routing table add %s: %s", peer, exc)
 
     async def _top_up(self) -> None:
-        """Dial known peers until ``max_connections`` are connected (a bounded set)."""
+        """Dial known peers until ``max_connections`` are connected (a bounded set); the
+        bootstrap peers are the tick's to dial."""
         host = self._host
-        connected = set(host.get_connected_peers())
-        budget = self.settings.max_connections - len(connected)
+        linked = host.get_connected_peers()
+        skip, budget = {*linked, *self._bootstrap_ids}, self.settings.max_connections - len(linked)
         for peer in list(host.get_peerstore().peers_with_addrs()):
             if budget <= 0:
                 return
-            if peer in connected or not self._may_dial(peer):
+            if peer in skip or not self._may_dial(peer):
                 continue
             if all(url_from_multiaddr(str(a)) for a in host.get_peerstore().addrs(peer)):
                 continue  # only a data-plane address: nothing libp2p can dial
