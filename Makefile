@@ -10,8 +10,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
