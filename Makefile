@@ -10,8 +10,12 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check -e '.[dev]'
+	@# Byte-compiled on every core (pip compiles one file at a time). With PYTHONDONTWRITEBYTECODE
+	@# set, as on CI, nothing else ever caches a module. Files written for other Pythons fail
+	@# here as they do, silently, in pip: hence the leading '-'.
+	-$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null
 	touch $(STAMP)
 
 venv: $(STAMP)
