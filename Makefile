@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-compile --disable-pip-version-check -e '.[dev]'
 	@# Byte-compiled on every core (pip compiles one file at a time). With PYTHONDONTWRITEBYTECODE
 	@# set, as on CI, nothing else ever caches a module. Files written for other Pythons fail
-	@# here as they do, silently, in pip: hence the leading '-'.
-	-$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null
+	@# here as they do, silently, in pip.
+	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
 venv: $(STAMP)
