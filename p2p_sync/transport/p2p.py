@@ -447,7 +447,7 @@ class P2PHost:
             if self._gate is not None:
                 self._gate.recheck()  # a revocation list changed: revoked members leave
             await self._dial_bootstrap()
-            self._harvest_urls()  # what the bootstrap link brought, known at once
+            self._harvest_urls()  # what the links brought (the bootstrap's: at once)
             self._take_snapshot()
             assert self._relay_client is not None and self._nursery is not None
             await self._relay_client.maintain(
@@ -460,8 +460,6 @@ class P2PHost:
                     next_refresh = trio.current_time() + self.settings.refresh_s
                 if "top-up" not in background:
                     self._beside(background, "top-up", self._top_up)
-            self._harvest_urls()
-            self._take_snapshot()
             await trio.sleep(self.settings.maintain_s)
 
     def _beside(self, running: set[str], name: str, step: Callable[[], Awaitable[None]]) -> None:
