@@ -192,6 +192,10 @@ class Network:
         """Bytes ``t`` has moved so far (all of them once it finished)."""
         return t.sent + min(t.rate * (self.clock.now - t.since), t.remaining)
 
+    def uploads(self, node: int) -> list[Transfer]:
+        """The transfers leaving ``node``, oldest first."""
+        return list(self.out[node])
+
     def cancel(self, t: Transfer) -> bool:
         """Stop ``t`` if still running (True); the bytes it moved so far stay counted."""
         if t not in self.out[t.src]:

@@ -124,6 +124,7 @@ from p2p_sync.protocol.uploads import Admission, UploadSlots
 from p2p_sync.protocol.versions import PATCH, Artifact, PeerState, plan
 from p2p_sync.transport.limits import HttpLimits
 from simulations.clock import Clock
+from simulations.fastnet import FastNetwork, Flow
 from simulations.network import Network, Transfer
 from simulations.pushtree import TreeLayout
 from simulations.scenario import Scenario
@@ -154,7 +155,7 @@ class Run:
     indices: list[int]  # not served yet, in the order asked
     gen: int  # the requester's download generation
     current: int | None = None  # the chunk whose bytes flow now
-    transfer: Transfer | None = None  # and its transfer
+    transfer: Transfer | Flow | None = None  # and its transfer
 
 
 @dataclass
@@ -175,7 +176,7 @@ class Peer:
     have: dict[str, set[int]] = field(default_factory=dict)
     sched: Scheduler | None = None
     artifact: Artifact | None = None
-    requests: dict[tuple[int, int], Transfer | None] = field(default_factory=dict)
+    requests: dict[tuple[int, int], Transfer | Flow | None] = field(default_factory=dict)
     runs: dict[tuple[int, int], Run] = field(default_factory=dict)  # each request's run
     subscribers: set[int] = field(default_factory=set)
     quiet: set[int] = field(default_factory=set)  # subscribers no news from it is on its way to
@@ -254,7 +255,10 @@ class SwarmSim:
     """One scenario's swarm. :meth:`run_version` publishes and distributes one version."""
 
     def __init__(
-        self, scenario: Scenario, progress: Callable[[int, int, int], None] | None = None
+        self,
+        scenario: Scenario,
+        progress: Callable[[int, int, int], None] | None = None,
+        reference_network: bool = False,
     ) -> None:
         self.sc = scenario
         self.rng = random.Random(scenario.seed)
@@ -263,13 +267,7 @@ class SwarmSim:
         # private swarms: when each ordered pair's TLS handshake completes (or completed)
         self.handshaken: dict[tuple[int, int], float] = {}
         self.peers = self._make_peers()
-        self.net = Network(
-            self.clock,
-            [p.uplink for p in self.peers],
-            [p.downlink for p in self.peers],
-            2 * self.lat,
-            scenario.slow_start,
-        )
+        self.net = self._network(reference_network)
         self._wire_overlay()
         self._warm_connections()
         self.depth = self._depths()
@@ -339,6 +337,14 @@ class SwarmSim:
             for i in range(n)
         ]
         return [trainer, *rollouts]
+
+    def _network(self, reference: bool) -> Network | FastNetwork:
+        """The bandwidth model: compiled unless asked for the reference, or slow start needs
+        it (the two give the same events, bit for bit)."""
+        up, down = [p.uplink for p in self.peers], [p.downlink for p in self.peers]
+        if reference or self.sc.slow_start:
+            return Network(self.clock, up, down, 2 * self.lat, self.sc.slow_start)
+        return FastNetwork(self.clock, up, down)
 
     def _wire_overlay(self) -> None:
         """Public rollouts among themselves, then NATed ones onto public ones, then the
@@ -1378,7 +1384,7 @@ class SwarmSim:
             r = self.peers[r_idx]
             if not silent and r.generation == run.gen:  # reset, or silence
                 self._fail(r, p.idx, self._wanted(r, run), ChunkFailed)
-        for t in list(self.net.out[p.idx]):  # uploads in progress die with the node
+        for t in self.net.uploads(p.idx):  # uploads in progress die with the node
             self.net.cancel(t)
             if not silent:
                 r = self.peers[t.dst]
@@ -1397,7 +1403,7 @@ class SwarmSim:
         self._drop_streams(p)
         self.clock.after(downtime, self._rejoin, p, p.generation)
 
-    def _reply_failed_transfer(self, r: Peer, q_idx: int, t: Transfer) -> None:
+    def _reply_failed_transfer(self, r: Peer, q_idx: int, t: Transfer | Flow) -> None:
         """An upload from ``q_idx`` died: the chunk on the wire fails, and the rest of its run."""
         for (q, i), tr in r.requests.items():
             if tr is t and q == q_idx:

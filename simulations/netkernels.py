@@ -1,0 +1,459 @@
+"""The bandwidth model's hot loop, compiled: :mod:`simulations.network`'s max-min re-rating, its
+finish events and their heap, on arrays, for :class:`simulations.fastnet.FastNetwork`.
+
+Every step is the reference model's, in the same order and with the same float operations
+(no fast-math, so no fused or reordered arithmetic), so a run gives the same events at the
+same times, bit for bit (``tests/simulations/test_fastnet.py``). Links keep their flows in
+insertion order (a doubly linked list a link, as the reference keeps a dict), since the order
+in which raises are granted decides who gets a link's last room.
+
+The state is one tuple of arrays, ``S``; the ``*_COLUMN`` names below index them. A finish
+event is a heap entry ``(time, seq, flow)``; it is live while the flow's ``EVENT`` is its
+``seq`` (a cancelled or superseded entry is skipped when it comes up, and the heap is
+rebuilt without them once they are a quarter of it). Sequence numbers are the simulator
+clock's, so finishes and the clock's own events interleave in the one order the reference
+gives them.
+"""
+
+from __future__ import annotations
+
+from math import inf
+
+import numba
+import numpy as np
+
+# nf: a node's floats
+UPLINK, DOWNLINK, UP_LEVEL, DOWN_LEVEL, UP_USED, DOWN_USED, SENT, RECEIVED = range(8)
+# ni: a node's ints (its flows out and in as linked lists, batch marks)
+OUT_HEAD, OUT_TAIL, IN_HEAD, IN_TAIL, OUT_N, IN_N, MARK_UP, MARK_DOWN = range(8)
+# ff: a flow's floats (MOVED: bytes it moved up to ``SINCE``)
+REMAINING, RATE, SINCE, MOVED = range(4)
+# fi: a flow's ints (EVENT: the seq of its pending finish, -1 when none; MARK: de-duplication)
+SRC, DST, EVENT, OPREV, ONEXT, IPREV, INEXT, MARK = range(8)
+# st: scalars
+HEAP_N, STALE, BATCH, NB_UP, NB_DOWN, EPOCH, BATCH_EPOCH = range(7)
+STATE_SCALARS = 8
+COMPACT_AT = 4_096  # as the clock's: a heap this long, a quarter of it stale, is rebuilt
+
+jit = numba.njit(cache=True)
+
+
+def new_state(uplink: list[float], downlink: list[float], flows: int) -> tuple:
+    """Arrays for ``len(uplink)`` nodes and room for ``flows`` concurrent flows."""
+    n = len(uplink)
+    nf = np.zeros((n, 8))
+    nf[:, UPLINK], nf[:, DOWNLINK] = uplink, downlink
+    nf[:, UP_LEVEL] = nf[:, DOWN_LEVEL] = inf
+    ni = np.full((n, 8), -1, np.int64)
+    ni[:, OUT_N] = ni[:, IN_N] = 0
+    st, bl = np.zeros(STATE_SCALARS, np.int64), np.zeros(2 * n + 2, np.int64)  # bl: link lists
+    return (nf, ni, *flow_arrays(flows), st, bl)
+
+
+def flow_arrays(flows: int) -> tuple:
+    """Per-flow tables, the heap and the scratch buffers for ``flows`` concurrent flows."""
+    fi = np.full((flows, 8), -1, np.int64)
+    fi[:, MARK] = 0
+    heap = 4 * flows  # at most one live entry a flow: after a rebuild it is at most 1/4 full
+    return (
+        np.zeros((flows, 4)),
+        fi,
+        np.zeros(heap),
+        np.zeros((heap, 2), np.int64),
+        np.zeros(flows),
+        np.zeros(flows, np.int64),
+    )
+
+
+def grown(state: tuple, flows: int) -> tuple:
+    """``state`` with room for ``flows`` flows (the old ones, and the heap, kept as they are)."""
+    nf, ni, ff, fi, ht, hs, sf, si, st, bl = state
+    nff, nfi, nht, nhs, nsf, nsi = flow_arrays(flows)
+    nff[: len(ff)], nfi[: len(fi)] = ff, fi
+    nht[: len(ht)], nhs[: len(hs)] = ht, hs
+    return (nf, ni, nff, nfi, nht, nhs, nsf, nsi, st, bl)
+
+
+# ---------------------------------------------------------------- the heap of finish events
+
+
+@jit
+def _before(ht, hs, i, j):
+    return ht[i] < ht[j] or (ht[i] == ht[j] and hs[i, 0] < hs[j, 0])
+
+
+@jit
+def _swap(ht, hs, i, j):
+    ht[i], ht[j] = ht[j], ht[i]
+    a, b = hs[i, 0], hs[i, 1]
+    hs[i, 0], hs[i, 1] = hs[j, 0], hs[j, 1]
+    hs[j, 0], hs[j, 1] = a, b
+
+
+@jit
+def _sift_down(ht, hs, i, n):
+    while True:
+        low, left = i, 2 * i + 1
+        if left < n and _before(ht, hs, left, low):
+            low = left
+        if left + 1 < n and _before(ht, hs, left + 1, low):
+            low = left + 1
+        if low == i:
+            return
+        _swap(ht, hs, i, low)
+        i = low
+
+
+@jit
+def _pop(ht, hs, st):
+    n = st[HEAP_N] - 1
+    st[HEAP_N] = n
+    if n > 0:
+        ht[0], hs[0, 0], hs[0, 1] = ht[n], hs[n, 0], hs[n, 1]
+        _sift_down(ht, hs, 0, n)
+
+
+@jit
+def _compact(fi, ht, hs, st):
+    """Drop the stale entries; the live ones keep their (time, seq) order."""
+    k = 0
+    for i in range(st[HEAP_N]):
+        if fi[hs[i, 1], EVENT] == hs[i, 0]:
+            ht[k], hs[k, 0], hs[k, 1] = ht[i], hs[i, 0], hs[i, 1]
+            k += 1
+    st[HEAP_N], st[STALE] = k, 0
+    for i in range(k // 2 - 1, -1, -1):
+        _sift_down(ht, hs, i, k)
+
+
+@jit
+def _push(fi, ht, hs, st, t, seq, f):
+    if st[HEAP_N] == len(ht):
+        _compact(fi, ht, hs, st)
+    i = st[HEAP_N]
+    st[HEAP_N] = i + 1
+    ht[i], hs[i, 0], hs[i, 1] = t, seq, f
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not _before(ht, hs, i, parent):
+            return
+        _swap(ht, hs, i, parent)
+        i = parent
+
+
+@jit
+def _top(fi, ht, hs, st):
+    """The next live finish (time, seq); (inf, 0) when none. Stale entries on top go."""
+    while st[HEAP_N] > 0 and fi[hs[0, 1], EVENT] != hs[0, 0]:
+        _pop(ht, hs, st)
+        st[STALE] -= 1
+    if st[HEAP_N] == 0:
+        return inf, 0
+    return ht[0], hs[0, 0]
+
+
+# ---------------------------------------------------------------- one flow
+
+
+@jit
+def _settle(S, f, now):
+    nf, ff, fi = S[0], S[2], S[3]
+    since = ff[f, SINCE]
+    if since == now:
+        return
+    moved = ff[f, RATE] * (now - since)
+    if moved > ff[f, REMAINING]:
+        moved = ff[f, REMAINING]
+    ff[f, REMAINING] -= moved
+    ff[f, MOVED] += moved
+    ff[f, SINCE] = now
+    nf[fi[f, SRC], SENT] += moved
+    nf[fi[f, DST], RECEIVED] += moved
+
+
+@jit
+def _arm(S, f, now, seq):
+    ff, fi, ht, hs, st = S[2], S[3], S[4], S[5], S[8]
+    t = now + ff[f, REMAINING] / ff[f, RATE]
+    seq += 1
+    fi[f, EVENT] = seq
+    _push(fi, ht, hs, st, t if t > now else now, seq, f)
+    return seq
+
+
+@jit
+def _disarm(S, f):
+    fi, ht, hs, st = S[3], S[4], S[5], S[8]
+    if fi[f, EVENT] >= 0:
+        fi[f, EVENT] = -1
+        st[STALE] += 1
+        if st[STALE] > COMPACT_AT and 4 * st[STALE] > st[HEAP_N]:
+            _compact(fi, ht, hs, st)
+
+
+@jit
+def _set_rate(S, f, rate, now, seq):
+    nf, ff, fi = S[0], S[2], S[3]
+    _settle(S, f, now)
+    old = ff[f, RATE]
+    nf[fi[f, SRC], UP_USED] += rate - old
+    nf[fi[f, DST], DOWN_USED] += rate - old
+    ff[f, RATE] = rate
+    if rate > old:
+        _disarm(S, f)
+        seq = _arm(S, f, now, seq)
+    return seq
+
+
+# ---------------------------------------------------------------- levels and rates
+
+
+@jit
+def _level(capacity, caps, k):
+    caps[:k].sort()
+    left, n = capacity, k
+    for i in range(k):
+        if caps[i] * n >= left:
+            return left / n
+        left -= caps[i]
+        n -= 1
+    return inf
+
+
+@jit
+def _up_level(S, src):
+    nf, ni, fi, sf = S[0], S[1], S[3], S[6]
+    k, f = 0, ni[src, OUT_HEAD]
+    while f >= 0:
+        sf[k] = nf[fi[f, DST], DOWN_LEVEL]
+        k += 1
+        f = fi[f, ONEXT]
+    nf[src, UP_LEVEL] = _level(nf[src, UPLINK], sf, k)
+
+
+@jit
+def _down_level(S, dst):
+    nf, ni, fi, sf = S[0], S[1], S[3], S[6]
+    k, f = 0, ni[dst, IN_HEAD]
+    while f >= 0:
+        sf[k] = nf[fi[f, SRC], UP_LEVEL]
+        k += 1
+        f = fi[f, INEXT]
+    nf[dst, DOWN_LEVEL] = _level(nf[dst, DOWNLINK], sf, k)
+
+
+@jit
+def _gather(S, lo_up, n_up, lo_down, n_down):
+    """The flows on the uplinks ``bl[lo_up:lo_up + n_up]`` then on the downlinks, each once,
+    in order, into ``si``; their count."""
+    ni, fi, si, st, bl = S[1], S[3], S[7], S[8], S[9]
+    st[EPOCH] += 1
+    epoch, k = st[EPOCH], 0
+    for j in range(n_up):
+        f = ni[bl[lo_up + j], OUT_HEAD]
+        while f >= 0:
+            fi[f, MARK] = epoch
+            si[k] = f
+            k += 1
+            f = fi[f, ONEXT]
+    for j in range(n_down):
+        f = ni[bl[lo_down + j], IN_HEAD]
+        while f >= 0:
+            if fi[f, MARK] != epoch:
+                fi[f, MARK] = epoch
+                si[k] = f
+                k += 1
+            f = fi[f, INEXT]
+    return k
+
+
+@jit
+def _rerate_links(S, lo_up, n_up, lo_down, n_down, now, seq):
+    """New levels for the listed links, then new rates for their flows: decreases first, so
+    the increases find their room (``Network._rerate_links``)."""
+    nf, ff, fi, sf, si, bl = S[0], S[2], S[3], S[6], S[7], S[9]
+    for j in range(n_up):
+        _up_level(S, bl[lo_up + j])
+    for j in range(n_down):
+        _down_level(S, bl[lo_down + j])
+    k = _gather(S, lo_up, n_up, lo_down, n_down)
+    raises = 0
+    for j in range(k):
+        f = si[j]
+        up, down = nf[fi[f, SRC], UP_LEVEL], nf[fi[f, DST], DOWN_LEVEL]
+        want = up if up <= down else down
+        if want < ff[f, RATE]:
+            seq = _set_rate(S, f, want, now, seq)
+        elif want > ff[f, RATE]:
+            si[raises], sf[raises] = f, want  # si[j] was read: raises <= j
+            raises += 1
+    for j in range(raises):
+        f, want = si[j], sf[j]
+        src, dst, rate = fi[f, SRC], fi[f, DST], ff[f, RATE]
+        room_up = nf[src, UPLINK] - nf[src, UP_USED] + rate
+        room_down = nf[dst, DOWNLINK] - nf[dst, DOWN_USED] + rate
+        new = want if want <= room_up else room_up
+        new = new if new <= room_down else room_down
+        if new > rate * (1 + 1e-9):
+            seq = _set_rate(S, f, new, now, seq)
+    return seq
+
+
+@jit
+def _note(ni, st, bl, node, mark, count, lo):
+    if ni[node, mark] != st[BATCH_EPOCH]:
+        ni[node, mark] = st[BATCH_EPOCH]
+        bl[lo + st[count]] = node
+        st[count] += 1
+
+
+@jit
+def _rerate(S, src, dst, now, seq):
+    """Re-rate ``src``'s uplink and ``dst``'s downlink, or note them while a batch is open."""
+    ni, st, bl = S[1], S[8], S[9]
+    n = len(ni)
+    if st[BATCH]:
+        _note(ni, st, bl, src, MARK_UP, NB_UP, 0)
+        _note(ni, st, bl, dst, MARK_DOWN, NB_DOWN, n)
+        return seq
+    bl[2 * n], bl[2 * n + 1] = src, dst
+    return _rerate_links(S, 2 * n, 1, 2 * n + 1, 1, now, seq)
+
+
+# ---------------------------------------------------------------- links' flow lists
+
+
+@jit
+def _link(ni, fi, f, src, dst):
+    fi[f, OPREV], fi[f, ONEXT] = ni[src, OUT_TAIL], -1
+    if ni[src, OUT_TAIL] >= 0:
+        fi[ni[src, OUT_TAIL], ONEXT] = f
+    else:
+        ni[src, OUT_HEAD] = f
+    ni[src, OUT_TAIL] = f
+    ni[src, OUT_N] += 1
+    fi[f, IPREV], fi[f, INEXT] = ni[dst, IN_TAIL], -1
+    if ni[dst, IN_TAIL] >= 0:
+        fi[ni[dst, IN_TAIL], INEXT] = f
+    else:
+        ni[dst, IN_HEAD] = f
+    ni[dst, IN_TAIL] = f
+    ni[dst, IN_N] += 1
+
+
+@jit
+def _unlink(ni, fi, f):
+    src, dst = fi[f, SRC], fi[f, DST]
+    prev, nxt = fi[f, OPREV], fi[f, ONEXT]
+    if prev >= 0:
+        fi[prev, ONEXT] = nxt
+    else:
+        ni[src, OUT_HEAD] = nxt
+    if nxt >= 0:
+        fi[nxt, OPREV] = prev
+    else:
+        ni[src, OUT_TAIL] = prev
+    ni[src, OUT_N] -= 1
+    prev, nxt = fi[f, IPREV], fi[f, INEXT]
+    if prev >= 0:
+        fi[prev, INEXT] = nxt
+    else:
+        ni[dst, IN_HEAD] = nxt
+    if nxt >= 0:
+        fi[nxt, IPREV] = prev
+    else:
+        ni[dst, IN_TAIL] = prev
+    ni[dst, IN_N] -= 1
+
+
+@jit
+def _remove(S, f, now, seq):
+    nf, ni, ff, fi = S[0], S[1], S[2], S[3]
+    src, dst = fi[f, SRC], fi[f, DST]
+    _unlink(ni, fi, f)
+    _disarm(S, f)
+    rate = ff[f, RATE]
+    left = nf[src, UP_USED] - rate
+    nf[src, UP_USED] = (0.0 if 0.0 > left else left) if ni[src, OUT_N] else 0.0
+    left = nf[dst, DOWN_USED] - rate
+    nf[dst, DOWN_USED] = (0.0 if 0.0 > left else left) if ni[dst, IN_N] else 0.0
+    ff[f, RATE] = 0.0
+    return _rerate(S, src, dst, now, seq)
+
+
+# ---------------------------------------------------------------- the entry points
+
+
+@jit
+def start(S, f, src, dst, nbytes, now, seq):
+    """Flow ``f`` (a free slot) starts ``nbytes`` from ``src`` to ``dst``: (seq, next finish)."""
+    ni, ff, fi, ht, hs, st = S[1], S[2], S[3], S[4], S[5], S[8]
+    ff[f, REMAINING], ff[f, RATE], ff[f, SINCE], ff[f, MOVED] = nbytes, 0.0, now, 0.0
+    fi[f, SRC], fi[f, DST], fi[f, EVENT] = src, dst, -1
+    _link(ni, fi, f, src, dst)
+    seq = _rerate(S, src, dst, now, seq)
+    t, s = _top(fi, ht, hs, st)
+    return seq, t, s
+
+
+@jit
+def cancel(S, f, now, seq):
+    """Stop flow ``f``: (bytes it moved, seq, next finish)."""
+    ff, fi, ht, hs, st = S[2], S[3], S[4], S[5], S[8]
+    _settle(S, f, now)
+    seq = _remove(S, f, now, seq)
+    t, s = _top(fi, ht, hs, st)
+    return ff[f, MOVED], seq, t, s
+
+
+@jit
+def fire(S, limit_t, limit_seq, deadline, seq):
+    """Run the finishes due before the clock's next event ``(limit_t, limit_seq)`` and by
+    ``deadline``, up to the first that completes a flow; that flow is removed, with its links'
+    re-rating held for :func:`end_batch` (its callback may start the slot's next chunk).
+    Returns (the flow or -1, events run, its time, bytes it moved, seq, next finish)."""
+    ff, fi, ht, hs, st = S[2], S[3], S[4], S[5], S[8]
+    events, now = 0, 0.0
+    while True:
+        t, s = _top(fi, ht, hs, st)
+        if not (t < limit_t or (t == limit_t and s < limit_seq)) or t > deadline:
+            return -1, events, now, 0.0, seq, t, s
+        f = hs[0, 1]
+        _pop(ht, hs, st)
+        fi[f, EVENT] = -1
+        events += 1
+        now = t
+        _settle(S, f, now)
+        if ff[f, REMAINING] > 1e-6 * (1.0 if 1.0 > ff[f, MOVED] else ff[f, MOVED]):
+            if ff[f, RATE] > 0:  # slowed down since: at 0 the raise that gives room re-arms
+                seq = _arm(S, f, now, seq)
+            continue
+        ff[f, REMAINING] = 0.0
+        st[BATCH], st[NB_UP], st[NB_DOWN] = 1, 0, 0
+        st[BATCH_EPOCH] += 1
+        seq = _remove(S, f, now, seq)
+        t, s = _top(fi, ht, hs, st)
+        return f, events, now, ff[f, MOVED], seq, t, s
+
+
+@jit
+def end_batch(S, now, seq):
+    """Re-rate the links noted since :func:`fire` completed a flow: (seq, next finish)."""
+    ni, fi, ht, hs, st = S[1], S[3], S[4], S[5], S[8]
+    st[BATCH] = 0
+    seq = _rerate_links(S, 0, st[NB_UP], len(ni), st[NB_DOWN], now, seq)
+    t, s = _top(fi, ht, hs, st)
+    return seq, t, s
+
+
+@jit
+def uploads(S, node):
+    """The flows leaving ``node``, oldest first."""
+    ni, fi = S[1], S[3]
+    out = np.empty(ni[node, OUT_N], np.int64)
+    k, f = 0, ni[node, OUT_HEAD]
+    while f >= 0:
+        out[k] = f
+        k += 1
+        f = fi[f, ONEXT]
+    return out
