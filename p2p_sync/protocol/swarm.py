@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, KeysView, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import InitVar, dataclass, field
+from itertools import filterfalse
 
 from p2p_sync.protocol.chunktables import NOBODY, indices, orphans, shared, shrink, still_missing
 from p2p_sync.protocol.peerstats import Depths, PeerStats, best
@@ -188,10 +189,10 @@ class Scheduler:
         known = self.peer_chunks.setdefault(peer, set())
         clocks, by_chunk, fresh = self.stalls, self.holders, dict[int, None]()  # new claims
         unserved, started, overtime = clocks.unserved, clocks.started, clocks.overtime
-        for i in indices:
-            holders = by_chunk.get(i)
-            if holders is None or i in known:
-                continue  # not missing, or known
+        # missing and not known yet, walked in ``indices``' order (a claim's order is the
+        # stall clocks'); most of a have feed's chunks are held already, so skip them in C
+        for i in filterfalse(known.__contains__, filter(by_chunk.__contains__, indices)):
+            holders = by_chunk[i]
             if unserved and peer in unserved.get(i, ()):
                 continue  # it claimed this chunk before and did not serve it
             if (not holders and i in started) or i in overtime:
@@ -202,7 +203,9 @@ class Scheduler:
             else:
                 self._first_holder(i, peer)
         known.update(fresh)  # at once, not one by one: half the table (``chunktables``)
-        self._avail.setdefault(peer, set()).update(fresh.keys() - self.inflight.keys())
+        # those not in flight (a keys view's difference would walk all of ``inflight``)
+        idle = set(filterfalse(self.inflight.__contains__, fresh))
+        self._avail.setdefault(peer, set()).update(idle)
 
     def _first_holder(self, index: int, peer: str) -> None:
         """``peer`` is the only holder of missing ``index``: a set of its own (not the shared

@@ -26,10 +26,11 @@ both decide with this class, so what the simulator shows of uploads is true of t
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Hashable
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 
@@ -43,6 +44,8 @@ class Admission(Enum):
 class UploadSlots(Generic[T]):
     """Slots and the waiting line of one uploader. ``T``: the caller's request handle."""
 
+    STALE_SLACK = 64  # heap entries beyond 4 per waiting requester before it drops stale ones
+
     def __init__(self, slots: int, queue_limit: int) -> None:
         if slots < 1 or queue_limit < 0:
             raise ValueError("slots must be >= 1 and queue_limit >= 0")
@@ -55,6 +58,12 @@ class UploadSlots(Generic[T]):
         self._grants = 0
         self._last_grant: dict[Hashable, int] = {}  # of requesters with uploads or requests here
         self.busy = 0  # uploads in progress, all requesters
+        # each waiting requester's key (``_next``) in a heap: (key, version, requester, its
+        # best request); an entry is current while its version is the requester's in
+        # ``_version`` (a key changes as the requester's uploads, grants and line do)
+        self._heap: list[tuple[tuple[int, int, int, int], int, Any, Any]] = []
+        self._version: dict[Hashable, int] = {}
+        self._versions = 0
 
     @property
     def queued(self) -> int:
@@ -75,6 +84,7 @@ class UploadSlots(Generic[T]):
         self._arrivals += 1
         self._order[handle] = (rank, self._arrivals, requester)
         self._waiting.setdefault(requester, []).append(handle)
+        self._rekey(requester)
         return Admission.QUEUED
 
     def withdraw(self, handle: T) -> bool:
@@ -88,6 +98,7 @@ class UploadSlots(Generic[T]):
         if not line:
             del self._waiting[requester]
             self._forget(requester)
+        self._rekey(requester)
         return True
 
     def finished(self, requester: Hashable) -> list[tuple[Hashable, T]]:
@@ -99,6 +110,7 @@ class UploadSlots(Generic[T]):
         if not self.active[requester]:
             del self.active[requester]
             self._forget(requester)
+        self._rekey(requester)
         started = []
         while self._order and self.busy < self.slots:
             started.append(self._next())
@@ -107,22 +119,38 @@ class UploadSlots(Generic[T]):
     def _next(self) -> tuple[Hashable, T]:
         """The freshest request (then the oldest) of the requester with the fewest uploads
         here, then with the freshest request, then served least recently (a requester new
-        here counts as served longest ago). O(waiting): the line is ``queue_limit`` long."""
-        active, order, waiting, last = self.active, self._order, self._waiting, self._last_grant
-        chosen: tuple[int, int, int, int] | None = None
-        for r, line in waiting.items():  # one pass, the first of equal keys kept (as ``min``)
-            best = line[0] if len(line) == 1 else min(line, key=order.__getitem__)
-            rank, arrival, _ = order[best]
-            key = (active.get(r, 0), rank, last.get(r, -1), arrival)
-            if chosen is None or key < chosen:
-                chosen, requester, handle = key, r, best
-        line = waiting[requester]
+        here counts as served longest ago). Keys are unique (each names its request's
+        arrival), so the heap's least is the one a scan of every requester would pick."""
+        heap, version = self._heap, self._version
+        while True:
+            _, v, requester, handle = heapq.heappop(heap)
+            if version.get(requester) == v:
+                break
+        line = self._waiting[requester]
         line.remove(handle)
         if not line:
-            del waiting[requester]
-        del order[handle]
+            del self._waiting[requester]
+        del self._order[handle]
         self._grant(requester)
+        self._rekey(requester)
         return requester, handle
+
+    def _rekey(self, requester: Hashable) -> None:
+        """``requester``'s key changed (or it left the line): push its new one."""
+        line = self._waiting.get(requester)
+        if not line:
+            self._version.pop(requester, None)
+            return
+        order = self._order
+        best = line[0] if len(line) == 1 else min(line, key=order.__getitem__)
+        rank, arrival, _ = order[best]
+        key = (self.active.get(requester, 0), rank, self._last_grant.get(requester, -1), arrival)
+        self._versions += 1
+        self._version[requester] = self._versions
+        heapq.heappush(self._heap, (key, self._versions, requester, best))
+        if len(self._heap) > 4 * len(self._version) + self.STALE_SLACK:  # drop stale entries
+            self._heap = [e for e in self._heap if self._version.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
 
     def _grant(self, requester: Hashable) -> None:
         self.active[requester] += 1
@@ -142,5 +170,7 @@ class UploadSlots(Generic[T]):
         self._waiting.clear()
         self._order.clear()
         self._last_grant.clear()
+        self._heap.clear()
+        self._version.clear()
         self.busy = 0
         return [(requester, handle) for handle, (_, _, requester) in waiting]

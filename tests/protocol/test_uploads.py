@@ -27,6 +27,7 @@ class SlotsMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.slots: UploadSlots[int] = UploadSlots(3, 4)
+        self.slots.STALE_SLACK = 0  # its heap drops stale keys as often as it can
         self.serving: list[str] = []  # one entry per upload in progress
         self.waiting: list[tuple[str, int, int]] = []  # (requester, handle, rank), in order
         self.served_at: dict[str, int] = {}
@@ -85,6 +86,14 @@ class SlotsMachine(RuleBasedStateMachine):
         assert not self.slots.withdraw(entry[1])
         self.waiting.remove(entry)
         self._forget_quiet_requesters()
+
+    @rule()
+    def stop(self) -> None:
+        """The uploader stops: the waiting requests come back oldest first, and it starts over."""
+        assert self.slots.clear() == [(r, h) for r, h, _ in self.waiting]
+        self.serving.clear()
+        self.waiting.clear()
+        self.served_at.clear()
 
     def _forget_quiet_requesters(self) -> None:
         """History is kept only of requesters with uploads or requests here (as the slots do:
