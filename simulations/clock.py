@@ -14,9 +14,8 @@ import heapq
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import compress
-from math import inf
 from operator import itemgetter
-from typing import Any, Protocol
+from typing import Any
 
 # A run allocates millions of short-lived objects (events, request keys, sets) and hardly any
 # cycles; Python's default thresholds (a young collection every 700 allocations, the older
@@ -39,18 +38,6 @@ def fewer_collections() -> Iterator[None]:
         gc.set_threshold(*old)
 
 
-class Source(Protocol):
-    """Events kept elsewhere (the compiled bandwidth model's finishes), in the clock's order."""
-
-    next_t: float  # when its next event is due (inf: none)
-    next_seq: int  # and that event's sequence number, from this clock's ``_seq``
-
-    def fire(self, limit_t: float, limit_seq: int, deadline: float) -> int:
-        """Run its events before ``(limit_t, limit_seq)`` and by ``deadline`` (at least the
-        next, if that is due by then); how many ran."""
-        ...
-
-
 class Clock:
     """Discrete-event loop. ``at(t, fn, *args)`` runs ``fn(*args)`` when the clock reaches ``t``."""
 
@@ -60,7 +47,6 @@ class Clock:
         self._seq = 0
         self._cancelled = 0  # marked entries still in the heap
         self.events_run = 0
-        self.source: Source | None = None  # more events, interleaved by (time, seq)
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> Entry:
         """Schedule ``fn(*args)`` at ``t`` (now, if ``t`` is past); the entry can be cancelled."""
@@ -100,8 +86,6 @@ class Clock:
         ``every`` is called every 20,000 events (progress display).
         """
         with fewer_collections():
-            if self.source is not None:
-                return self._merged(self.source, until, deadline, max_events, every)
             return self._events(until, deadline, max_events, every)
 
     def _events(
@@ -128,50 +112,6 @@ class Clock:
                 fn(*args)
                 ran += 1
                 if every is not None and ran % 20_000 == 0:
-                    every()
-        finally:
-            self.events_run += ran
-        return until()
-
-    def _merged(
-        self,
-        source: Source,
-        until: Callable[[], bool],
-        deadline: float,
-        max_events: int,
-        every: Callable[[], None] | None,
-    ) -> bool:
-        """:meth:`_events` with ``source``'s events taken in turn: whichever of the two
-        next events has the lower (time, seq) runs first, as if both were in one heap."""
-        heap, pop = self._heap, heapq.heappop
-        ran, mark = 0, 20_000
-        try:
-            while ran < max_events and not until():
-                if heap:
-                    t, seq = heap[0][0], heap[0][1]
-                elif source.next_t == inf:
-                    break
-                else:
-                    t, seq = inf, 0
-                due = source.next_t
-                if due < t or (due == t and source.next_seq < seq):
-                    if due > deadline:
-                        break
-                    ran += source.fire(t, seq, deadline)
-                elif t > deadline:
-                    break
-                else:
-                    entry = pop(heap)
-                    fn = entry[2]
-                    if fn is None:
-                        self._cancelled -= 1
-                        continue
-                    entry[2] = None
-                    self.now = t
-                    fn(*entry[3])
-                    ran += 1
-                if every is not None and ran >= mark:
-                    mark += 20_000
                     every()
         finally:
             self.events_run += ran

@@ -124,6 +124,7 @@ from p2p_sync.protocol.uploads import Admission, UploadSlots
 from p2p_sync.protocol.versions import PATCH, Artifact, PeerState, plan
 from p2p_sync.transport.limits import HttpLimits
 from simulations.clock import Clock
+from simulations.fastclock import FastClock
 from simulations.fastnet import FastNetwork, Flow
 from simulations.network import Network, Transfer
 from simulations.pushtree import TreeLayout
@@ -262,12 +263,15 @@ class SwarmSim:
     ) -> None:
         self.sc = scenario
         self.rng = random.Random(scenario.seed)
-        self.clock = Clock()
+        # the compiled clock and bandwidth model, unless asked for the reference or slow start
+        # needs it (the two give the same events, bit for bit)
+        compiled = not (reference_network or scenario.slow_start)
+        self.clock: Clock | FastClock = FastClock() if compiled else Clock()
         self.lat = scenario.latency_ms / 1000
         # private swarms: when each ordered pair's TLS handshake completes (or completed)
         self.handshaken: dict[tuple[int, int], float] = {}
         self.peers = self._make_peers()
-        self.net = self._network(reference_network)
+        self.net = self._network()
         self._wire_overlay()
         self._warm_connections()
         self.depth = self._depths()
@@ -338,13 +342,11 @@ class SwarmSim:
         ]
         return [trainer, *rollouts]
 
-    def _network(self, reference: bool) -> Network | FastNetwork:
-        """The bandwidth model: compiled unless asked for the reference, or slow start needs
-        it (the two give the same events, bit for bit)."""
+    def _network(self) -> Network | FastNetwork:
         up, down = [p.uplink for p in self.peers], [p.downlink for p in self.peers]
-        if reference or self.sc.slow_start:
-            return Network(self.clock, up, down, 2 * self.lat, self.sc.slow_start)
-        return FastNetwork(self.clock, up, down)
+        if isinstance(self.clock, FastClock):
+            return FastNetwork(self.clock, up, down)
+        return Network(self.clock, up, down, 2 * self.lat, self.sc.slow_start)
 
     def _wire_overlay(self) -> None:
         """Public rollouts among themselves, then NATed ones onto public ones, then the

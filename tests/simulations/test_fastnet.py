@@ -1,4 +1,4 @@
-"""The compiled bandwidth model gives the reference model's events, bit for bit."""
+"""The compiled clock and bandwidth model give the reference's events, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from simulations.clock import Clock
+from simulations.fastclock import FastClock
 from simulations.fastnet import FastNetwork
 from simulations.network import Network
 from simulations.scenario import load
@@ -30,11 +31,20 @@ transfer = st.tuples(
 )
 
 
-def _replay(make: Callable[[Clock], Network | FastNetwork], plan: list) -> tuple:
+def _reference(up: list, down: list) -> tuple[Clock, Network]:
+    clock = Clock()
+    return clock, Network(clock, up, down)
+
+
+def _compiled(up: list, down: list) -> tuple[FastClock, FastNetwork]:
+    clock = FastClock()
+    return clock, FastNetwork(clock, up, down)
+
+
+def _replay(make: Callable[[], tuple], plan: list) -> tuple:
     """Run ``plan`` on the model ``make`` builds: when each transfer ended, what each node
     sent and received, and the events the clock ran."""
-    clock = Clock()
-    net = make(clock)
+    clock, net = make()
     ended: list[tuple[float, int]] = []
 
     def begin(n: int, src: int, dst: int, size: float, follow: int) -> None:
@@ -67,8 +77,8 @@ def _replay(make: Callable[[Clock], Network | FastNetwork], plan: list) -> tuple
 )
 @settings(max_examples=150, deadline=None)
 def test_random_transfers_end_at_the_same_instants(up: list, down: list, plan: list) -> None:
-    reference = _replay(lambda c: Network(c, up, down), plan)
-    compiled = _replay(lambda c: FastNetwork(c, up, down), plan)
+    reference = _replay(lambda: _reference(up, down), plan)
+    compiled = _replay(lambda: _compiled(up, down), plan)
     assert compiled == reference
     assert len(reference[0]) >= sum(1 for p in plan if p[1] != p[2] and p[5] is None)
 
@@ -80,16 +90,16 @@ def test_many_concurrent_flows_outgrow_the_first_slots() -> None:
     plan = [p for p in plan if p[1] != p[2]]
     up = [10 * MB] * n
 
-    def run(make: Callable[[Clock], Network | FastNetwork]) -> list[tuple[float, int]]:
-        clock, ended = Clock(), []
-        net = make(clock)
+    def run(make: Callable[[], tuple]) -> list[tuple[float, int]]:
+        ended: list[tuple[float, int]] = []
+        clock, net = make()
         for k, (_, src, dst, size, _, _) in enumerate(plan):
             net.start(src, dst, size, lambda k=k: ended.append((clock.now, k)))
         clock.run(lambda: False, deadline=1e9, max_events=1_000_000)
         return ended
 
-    reference = run(lambda c: Network(c, up, up))
-    assert run(lambda c: FastNetwork(c, up, up)) == reference
+    reference = run(lambda: _reference(up, up))
+    assert run(lambda: _compiled(up, up)) == reference
     assert len(reference) == len(plan)
 
 
@@ -102,3 +112,34 @@ def test_a_swarm_with_churn_and_corruption_runs_the_same_on_both_models() -> Non
         results.append(([asdict(sim.run_version(v)) for v in (1, 2)], sim.clock.events_run))
     assert json.dumps(results[0]) == json.dumps(results[1])  # NaN (no NATed peer) as text
     assert results[0][1] > 10_000 and results[0][0][0]["churned"] > 0
+
+
+events = st.lists(
+    st.tuples(st.integers(0, 20), st.booleans()),  # (time, cancelled before the run)
+    min_size=1,
+    max_size=300,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(events, st.integers(1, 300))
+def test_the_compiled_clock_runs_events_in_the_reference_order(plan: list, stop: int) -> None:
+    """Ties in time go in scheduling order, cancelled events never run, an event may
+    schedule more (at its own time too), and the budget stops a run where it stopped."""
+    outcomes = []
+    for clock in (Clock(), FastClock()):
+        ran: list = []
+
+        def note(k: int, clock: Clock | FastClock = clock, ran: list = ran) -> None:
+            ran.append((clock.now, k))
+            if k % 7 == 0:  # and one more, now
+                clock.after(0.0, ran.append, (clock.now, -k))
+
+        handles = [clock.at(float(t), note, k) for k, (t, _) in enumerate(plan)]
+        for h, (_, cancel) in zip(handles, plan):
+            if cancel:
+                clock.cancel(h)  # type: ignore[arg-type]
+        done = clock.run(lambda: False, 1e9, stop)
+        outcomes.append((ran, done, clock.events_run))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][2] == min(stop, len(outcomes[0][0]))
