@@ -9,16 +9,19 @@ comes up. A finish that completes a transfer hands its callback to the network.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from simulations import netkernels as k
 from simulations.clock import fewer_collections
 
-if TYPE_CHECKING:
-    from simulations.fastnet import FastNetwork
-
 FIRST_FLOWS = 1_024  # flow slots to start with; doubled whenever they run out
 FIRST_HEAP = 65_536  # heap entries to start with; doubled whenever room runs short
+
+
+class Completions(Protocol):
+    """Where a completed transfer's callback runs (the network that started it)."""
+
+    def completed(self, slot: int, moved: float) -> None: ...
 
 
 class FastClock:
@@ -31,7 +34,7 @@ class FastClock:
         self.state = k.new_state(FIRST_FLOWS, FIRST_HEAP)
         self.heap_n = 0  # entries in the heap, live or not
         self._waiting: dict[int, tuple[Callable[..., Any], tuple] | None] = {}
-        self.network: FastNetwork | None = None
+        self.network: Completions | None = None
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> int:
         """Schedule ``fn(*args)`` at ``t`` (now, if ``t`` is past); the handle can cancel it."""
