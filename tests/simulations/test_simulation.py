@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from p2p_sync.protocol.swarm import Scheduler
 from p2p_sync.protocol.swarmconfig import SwarmConfig
 from simulations.clock import RUN_GC_THRESHOLDS, Clock
+from simulations.fastclock import FastClock
 from simulations.network import Network
 from simulations.pushtree import TreeLayout
 from simulations.run import simulate
@@ -575,11 +576,12 @@ def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
     assert res.stderr.strip() == "p2psync: error: scenario: peers: must be >= 1"
 
 
-def test_the_clock_raises_the_gc_thresholds_only_while_events_run() -> None:
+@pytest.mark.parametrize("make", [Clock, FastClock])
+def test_the_clock_raises_the_gc_thresholds_only_while_events_run(make: type) -> None:
     """A run collects garbage less often (it makes little), and leaves the process as it was,
     an event that raises included."""
     before, seen = gc.get_threshold(), []
-    clock = Clock()
+    clock = make()
     clock.at(1.0, lambda: seen.append(gc.get_threshold()))
     assert clock.run(lambda: bool(seen), 10.0, 10)
     assert seen == [RUN_GC_THRESHOLDS] != before and gc.get_threshold() == before
