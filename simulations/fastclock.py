@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from simulations import netkernels as k
-from simulations.clock import fewer_collections
+from simulations.clock import collector_off
 
 FIRST_FLOWS = 1_024  # flow slots to start with; doubled whenever they run out
 FIRST_HEAP = 65_536  # heap entries to start with; doubled whenever room runs short
@@ -72,7 +72,7 @@ class FastClock:
 
         ``every`` is called every 20,000 events or so (progress display).
         """
-        with fewer_collections():
+        with collector_off():
             return self._events(until, deadline, max_events, every)
 
     def _events(

@@ -10,7 +10,7 @@ a scenario with ``slow_start`` uses the reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from simulations import netkernels as k
 from simulations.fastclock import FastClock
@@ -38,13 +38,13 @@ class FastNetwork:
         self._free = list(range(flows - 1, -1, -1))
 
     @property
-    def bytes_sent(self) -> Sequence[float]:
-        """Bytes each node sent (a view: it follows the run)."""
-        return self.clock.state[0][:, k.SENT]
+    def bytes_sent(self) -> list[float]:
+        """Bytes each node sent so far (a copy: read it once, not once a node)."""
+        return self.clock.state[0][:, k.SENT].tolist()
 
     @property
-    def bytes_received(self) -> Sequence[float]:
-        return self.clock.state[0][:, k.RECEIVED]
+    def bytes_received(self) -> list[float]:
+        return self.clock.state[0][:, k.RECEIVED].tolist()
 
     def start(self, src: int, dst: int, nbytes: float, on_done: Callable[[], None]) -> Flow:
         if not self._free:

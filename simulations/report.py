@@ -109,6 +109,7 @@ def build(sim: SwarmSim, wall_clock_s: float, rss_before: int = 0) -> dict[str, 
     ratios = [c / b for c, b in zip(last, bounds)]
     up = [r.trainer_upload_bytes for r in res]
     false_bans = [b for b in sim.bans if b.role not in ("corrupt", "stall", "liar")]
+    sent = sim.net.bytes_sent
     return {
         "scenario": dataclasses.asdict(sim.sc),
         "peers": sim.sc.peers,
@@ -137,8 +138,8 @@ def build(sim: SwarmSim, wall_clock_s: float, rss_before: int = 0) -> dict[str, 
         "false_bans": len(false_bans),
         "ban_reasons": sorted({b.reason.split(" chunk")[0] for b in sim.bans}),
         "uploaded_bytes_per_peer": {
-            "trainer": sim.net.bytes_sent[0],
-            "honest": [sim.net.bytes_sent[p.idx] for p in sim.peers[1:] if p.role == HONEST],
+            "trainer": sent[0],
+            "honest": [sent[p.idx] for p in sim.peers[1:] if p.role == HONEST],
         },
         "upload_per_class": {k: spread(v) for k, v in upload_ratios(sim).items()},
         "overlay_depth": overlay_depth(sim),

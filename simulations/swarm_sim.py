@@ -499,8 +499,7 @@ class SwarmSim:
             self.tree_children.clear()
             self.streams.clear()
             self.pushing.clear()
-        up0 = self.net.bytes_sent[TRAINER]
-        rx0 = sum(self.net.bytes_received[p.idx] for p in self.honest)
+        up0, rx0 = self._trainer_sent_honest_received()
         self._remaining = 0
         behind = self._behind()
         self._unheld, self.full_at = set(range(self._n_chunks(self.artifacts[-1]))), None
@@ -520,12 +519,16 @@ class SwarmSim:
                 clock.at(heard + 2 * self.lat + self._manifest_handshake_s, self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
         self._run(version, t0 + self.sc.time_limit_factor * nat_bound)
-        up = self.net.bytes_sent[TRAINER] - up0
-        rx = sum(self.net.bytes_received[p.idx] for p in self.honest) - rx0
+        up, rx = self._trainer_sent_honest_received()
+        up, rx = up - up0, rx - rx0
         result = self._result(version, t0, (bound, star, nat_bound), churned, (up, rx))
         self._settle_version()
         self.results.append(result)
         return result
+
+    def _trainer_sent_honest_received(self) -> tuple[float, float]:
+        received = self.net.bytes_received
+        return self.net.bytes_sent[TRAINER], sum(received[p.idx] for p in self.honest)
 
     def _publish(self, version: int) -> None:
         """The trainer stores the patch from ``version - 1`` to ``version``: all its chunks."""
