@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,32 +44,38 @@ def _progress_bar(quiet: bool) -> Progress:
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        TextColumn("{task.fields[simulated]}"),
         TimeElapsedColumn(),
     )
     return Progress(*columns, console=Console(stderr=True), disable=quiet)
 
 
-def _progress_reporter(bar: Progress) -> Callable[[int, int, int], None]:
-    """The simulation's progress callback: one bar per version, made when it first reports."""
+def _progress_reporter(bar: Progress) -> Callable[[int, int, int, float], None]:
+    """The simulation's progress callback: one bar per version, made when it first reports,
+    with how far the simulated clock got in lower bounds (a large swarm's first peer finishes
+    near the bound, so before that this is what moves)."""
     tasks: dict[int, TaskID] = {}
 
-    def progress(version: int, done: int, total: int) -> None:
+    def progress(version: int, done: int, total: int, bounds: float = float("nan")) -> None:
         if version not in tasks:
-            tasks[version] = bar.add_task(f"v{version} honest peers synced", total=total)
-        bar.update(tasks[version], completed=done)
+            tasks[version] = bar.add_task(
+                f"v{version} honest peers synced", total=total, simulated=""
+            )
+        simulated = "" if math.isnan(bounds) else f"clock at x{bounds:.2f} of the bound"
+        bar.update(tasks[version], completed=done, simulated=simulated)
 
     return progress
 
 
 def _version_reporter(
-    bar: Progress, sc: scenarios.Scenario, progress: Callable[[int, int, int], None]
+    bar: Progress, sc: scenarios.Scenario, progress: Callable[[int, int, int, float], None]
 ) -> Callable[[VersionResult], None]:
     """The callback for a finished version: settle its bar and print how it went against the
     lower bound and what the trainer uploaded."""
 
     def on_version(r: VersionResult) -> None:
-        progress(r.version, r.converged, r.honest)
         last = r.completion_s[-1] if r.completion_s else float("nan")
+        progress(r.version, r.converged, r.honest, last / r.lower_bound_s)
         bar.console.print(
             f"v{r.version}: {r.converged}/{r.honest} honest peers in {last:.3f} s "
             f"(lower bound {r.lower_bound_s:.3f} s, x{last / r.lower_bound_s:.2f}), trainer "

@@ -16,7 +16,8 @@ from simulations import report
 from simulations.scenario import Scenario
 from simulations.swarm_sim import SwarmSim, VersionResult
 
-Progress = Callable[[int, int, int], None]  # (version, honest peers done, honest peers)
+# (version, honest peers done, honest peers, simulated time since publication in lower bounds)
+Progress = Callable[[int, int, int, float], None]
 
 
 def simulate(

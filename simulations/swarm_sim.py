@@ -258,7 +258,7 @@ class SwarmSim:
     def __init__(
         self,
         scenario: Scenario,
-        progress: Callable[[int, int, int], None] | None = None,
+        progress: Callable[[int, int, int, float], None] | None = None,
         reference_network: bool = False,
     ) -> None:
         self.sc = scenario
@@ -518,7 +518,7 @@ class SwarmSim:
                 clock.at(heard, self._hear, p, self.artifacts[-1])
                 clock.at(heard + 2 * self.lat + self._manifest_handshake_s, self._learn, p)
         churned = {p.idx for p in self._schedule_churn(t0, bound)}
-        self._run(version, t0 + self.sc.time_limit_factor * nat_bound)
+        self._run(version, t0 + self.sc.time_limit_factor * nat_bound, bound)
         up, rx = self._trainer_sent_honest_received()
         up, rx = up - up0, rx - rx0
         result = self._result(version, t0, (bound, star, nat_bound), churned, (up, rx))
@@ -546,13 +546,14 @@ class SwarmSim:
         self.peers[TRAINER].have[art.ident] = set(range(self._n_chunks(art)))
         self.peers[TRAINER].state = PeerState(version, art.target_state)
 
-    def _run(self, version: int, deadline: float) -> None:
+    def _run(self, version: int, deadline: float, bound: float) -> None:
         every = None
         if self.progress is not None:
-            progress = self.progress
+            progress, t0 = self.progress, self.published_at
 
             def every() -> None:
-                progress(version, len(self.honest) - self._remaining, len(self.honest))
+                done = len(self.honest) - self._remaining
+                progress(version, done, len(self.honest), (self.clock.now - t0) / bound)
 
         self.clock.run(lambda: self._remaining == 0, deadline, 200_000_000, every)
 

@@ -567,6 +567,27 @@ def test_cli_writes_report_summary_and_plots(tmp_path: Path) -> None:
     assert f"{cost['rss_bytes_per_1000_peers'] / 1e6:.0f} MB per 1,000 peers" in summary
 
 
+def test_progress_reports_the_simulated_clock_in_lower_bounds() -> None:
+    """A long run shows movement before its first peer finishes: the simulated clock since
+    publication, in lower bounds, rising; the bar prints it."""
+    from rich.console import Console
+
+    from node.sim_cmd import _progress_bar, _progress_reporter
+
+    sc = load(ROOT / "configs/simulations/ci.toml", peers=40, payload_mb=12.0)
+    seen: list[tuple[int, int, int, float]] = []
+    simulate(sc, progress=lambda *a: seen.append(a))
+    honest = len(SwarmSim(sc).honest)  # ci.toml has corrupt peers
+    assert len(seen) >= 2 and all(v == 1 and total == honest for v, _, total, _ in seen)
+    clocks = [b for *_, b in seen]
+    assert clocks == sorted(clocks) and 0 < clocks[-1] < sc.time_limit_factor
+    bar = _progress_bar(quiet=False)
+    bar.live.console = Console(record=True, width=120)
+    with bar:
+        _progress_reporter(bar)(1, 3, 30, 0.456)
+    assert "clock at x0.46 of the bound" in bar.console.export_text()
+
+
 def test_cli_bad_scenario_is_one_line(tmp_path: Path) -> None:
     scen = tmp_path / "s.toml"
     scen.write_text("peers = -3\n")
