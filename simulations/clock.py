@@ -26,6 +26,8 @@ from typing import Any
 COMPACT_AT = 4_096  # a heap this long with a quarter of it cancelled is rebuilt without them
 
 Entry = list[Any]  # [time, seq, callback or None once cancelled, args]
+Until = Callable[[], bool]  # a run's stop condition
+Every = Callable[[], None] | None  # a run's progress display
 CALLBACK = itemgetter(2)
 
 
@@ -41,7 +43,31 @@ def collector_off() -> Iterator[None]:
             gc.enable()
 
 
-class Clock:
+class EventLoop:
+    """What the clocks share (this one, and the compiled :class:`simulations.fastclock.FastClock`):
+    ``after`` and ``run``; each keeps its own heap, ``at`` and loop (``_events``)."""
+
+    now: float
+
+    def at(self, t: float, fn: Callable[..., Any], *args: Any) -> Any:
+        raise NotImplementedError
+
+    def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Any:
+        return self.at(self.now + delay, fn, *args)
+
+    def run(self, until: Until, deadline: float, max_events: int, every: Every = None) -> bool:
+        """Run events until ``until()`` holds (True), or time/event budget runs out (False).
+
+        ``every`` is called every 20,000 events (progress display).
+        """
+        with collector_off():
+            return self._events(until, deadline, max_events, every)
+
+    def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:
+        raise NotImplementedError
+
+
+class Clock(EventLoop):
     """Discrete-event loop. ``at(t, fn, *args)`` runs ``fn(*args)`` when the clock reaches ``t``."""
 
     def __init__(self) -> None:
@@ -57,9 +83,6 @@ class Clock:
         entry = [t if t > self.now else self.now, self._seq, fn, args]
         heapq.heappush(self._heap, entry)
         return entry
-
-    def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Entry:
-        return self.at(self.now + delay, fn, *args)
 
     def cancel(self, entry: Entry) -> None:
         """The event of ``entry`` will not run (no-op if it ran or was cancelled already)."""
@@ -77,27 +100,7 @@ class Clock:
         heapq.heapify(self._heap)
         self._cancelled = 0
 
-    def run(
-        self,
-        until: Callable[[], bool],
-        deadline: float,
-        max_events: int,
-        every: Callable[[], None] | None = None,
-    ) -> bool:
-        """Run events until ``until()`` holds (True), or time/event budget runs out (False).
-
-        ``every`` is called every 20,000 events (progress display).
-        """
-        with collector_off():
-            return self._events(until, deadline, max_events, every)
-
-    def _events(
-        self,
-        until: Callable[[], bool],
-        deadline: float,
-        max_events: int,
-        every: Callable[[], None] | None,
-    ) -> bool:
+    def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:
         heap, pop = self._heap, heapq.heappop
         ran = 0
         try:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from simulations import netkernels as k
-from simulations.clock import collector_off
+from simulations.clock import EventLoop, Every, Until
 
 FIRST_FLOWS = 1_024  # flow slots to start with; doubled whenever they run out
 FIRST_HEAP = 65_536  # heap entries to start with; doubled whenever room runs short
@@ -24,7 +24,7 @@ class Completions(Protocol):
     def completed(self, slot: int, moved: float) -> None: ...
 
 
-class FastClock:
+class FastClock(EventLoop):
     """Discrete-event loop. ``at(t, fn, *args)`` runs ``fn(*args)`` when the clock reaches ``t``."""
 
     def __init__(self) -> None:
@@ -45,9 +45,6 @@ class FastClock:
         self.heap_n = k.push_event(self.state, t if t > self.now else self.now, seq)
         return seq
 
-    def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> int:
-        return self.at(self.now + delay, fn, *args)
-
     def cancel(self, entry: int) -> None:
         """The event ``entry`` will not run (no-op if it ran or was cancelled already)."""
         if entry in self._waiting:
@@ -61,27 +58,7 @@ class FastClock:
         if heap > len(self.state[4]):
             self.state = k.bigger_heap(self.state, heap)
 
-    def run(
-        self,
-        until: Callable[[], bool],
-        deadline: float,
-        max_events: int,
-        every: Callable[[], None] | None = None,
-    ) -> bool:
-        """Run events until ``until()`` holds (True), or time/event budget runs out (False).
-
-        ``every`` is called every 20,000 events or so (progress display).
-        """
-        with collector_off():
-            return self._events(until, deadline, max_events, every)
-
-    def _events(
-        self,
-        until: Callable[[], bool],
-        deadline: float,
-        max_events: int,
-        every: Callable[[], None] | None,
-    ) -> bool:
+    def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:
         waiting, step = self._waiting, k.step
         ran, mark = 0, 20_000
         try:

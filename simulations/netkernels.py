@@ -237,25 +237,16 @@ def _level(capacity, caps, k):
 
 
 @jit
-def _up_level(S, src):
+def _link_level(S, node, head, nxt, far, far_level, capacity, level):
+    """The level of ``node``'s uplink (its flows out: ``head``/``nxt`` are OUT_HEAD/ONEXT, each
+    capped by the downlink level at its ``far`` end, DST) or downlink (IN_HEAD/INEXT, SRC)."""
     nf, ni, fi, sf = S[0], S[1], S[3], S[6]
-    k, f = 0, ni[src, OUT_HEAD]
+    k, f = 0, ni[node, head]
     while f >= 0:
-        sf[k] = nf[fi[f, DST], DOWN_LEVEL]
+        sf[k] = nf[fi[f, far], far_level]
         k += 1
-        f = fi[f, ONEXT]
-    nf[src, UP_LEVEL] = _level(nf[src, UPLINK], sf, k)
-
-
-@jit
-def _down_level(S, dst):
-    nf, ni, fi, sf = S[0], S[1], S[3], S[6]
-    k, f = 0, ni[dst, IN_HEAD]
-    while f >= 0:
-        sf[k] = nf[fi[f, SRC], UP_LEVEL]
-        k += 1
-        f = fi[f, INEXT]
-    nf[dst, DOWN_LEVEL] = _level(nf[dst, DOWNLINK], sf, k)
+        f = fi[f, nxt]
+    nf[node, level] = _level(nf[node, capacity], sf, k)
 
 
 @jit
@@ -289,9 +280,9 @@ def _rerate_links(S, lo_up, n_up, lo_down, n_down, now, seq):
     the increases find their room (``Network._rerate_links``)."""
     nf, ff, fi, sf, si, bl = S[0], S[2], S[3], S[6], S[7], S[9]
     for j in range(n_up):
-        _up_level(S, bl[lo_up + j])
+        _link_level(S, bl[lo_up + j], OUT_HEAD, ONEXT, DST, DOWN_LEVEL, UPLINK, UP_LEVEL)
     for j in range(n_down):
-        _down_level(S, bl[lo_down + j])
+        _link_level(S, bl[lo_down + j], IN_HEAD, INEXT, SRC, UP_LEVEL, DOWNLINK, DOWN_LEVEL)
     k = _gather(S, lo_up, n_up, lo_down, n_down)
     raises = 0
     for j in range(k):
@@ -340,46 +331,43 @@ def _rerate(S, src, dst, now, seq):
 
 
 @jit
+def _append(ni, fi, f, node, head, tail, count, prev, nxt):
+    """Flow ``f`` joins the end of ``node``'s list (out: OUT_HEAD, OUT_TAIL, OUT_N, OPREV,
+    ONEXT; in: the IN_ and I columns)."""
+    fi[f, prev], fi[f, nxt] = ni[node, tail], -1
+    if ni[node, tail] >= 0:
+        fi[ni[node, tail], nxt] = f
+    else:
+        ni[node, head] = f
+    ni[node, tail] = f
+    ni[node, count] += 1
+
+
+@jit
+def _detach(ni, fi, f, node, head, tail, count, prev, nxt):
+    """Flow ``f`` leaves ``node``'s list; the others keep their order."""
+    before, after = fi[f, prev], fi[f, nxt]
+    if before >= 0:
+        fi[before, nxt] = after
+    else:
+        ni[node, head] = after
+    if after >= 0:
+        fi[after, prev] = before
+    else:
+        ni[node, tail] = before
+    ni[node, count] -= 1
+
+
+@jit
 def _link(ni, fi, f, src, dst):
-    fi[f, OPREV], fi[f, ONEXT] = ni[src, OUT_TAIL], -1
-    if ni[src, OUT_TAIL] >= 0:
-        fi[ni[src, OUT_TAIL], ONEXT] = f
-    else:
-        ni[src, OUT_HEAD] = f
-    ni[src, OUT_TAIL] = f
-    ni[src, OUT_N] += 1
-    fi[f, IPREV], fi[f, INEXT] = ni[dst, IN_TAIL], -1
-    if ni[dst, IN_TAIL] >= 0:
-        fi[ni[dst, IN_TAIL], INEXT] = f
-    else:
-        ni[dst, IN_HEAD] = f
-    ni[dst, IN_TAIL] = f
-    ni[dst, IN_N] += 1
+    _append(ni, fi, f, src, OUT_HEAD, OUT_TAIL, OUT_N, OPREV, ONEXT)
+    _append(ni, fi, f, dst, IN_HEAD, IN_TAIL, IN_N, IPREV, INEXT)
 
 
 @jit
 def _unlink(ni, fi, f):
-    src, dst = fi[f, SRC], fi[f, DST]
-    prev, nxt = fi[f, OPREV], fi[f, ONEXT]
-    if prev >= 0:
-        fi[prev, ONEXT] = nxt
-    else:
-        ni[src, OUT_HEAD] = nxt
-    if nxt >= 0:
-        fi[nxt, OPREV] = prev
-    else:
-        ni[src, OUT_TAIL] = prev
-    ni[src, OUT_N] -= 1
-    prev, nxt = fi[f, IPREV], fi[f, INEXT]
-    if prev >= 0:
-        fi[prev, INEXT] = nxt
-    else:
-        ni[dst, IN_HEAD] = nxt
-    if nxt >= 0:
-        fi[nxt, IPREV] = prev
-    else:
-        ni[dst, IN_TAIL] = prev
-    ni[dst, IN_N] -= 1
+    _detach(ni, fi, f, fi[f, SRC], OUT_HEAD, OUT_TAIL, OUT_N, OPREV, ONEXT)
+    _detach(ni, fi, f, fi[f, DST], IN_HEAD, IN_TAIL, IN_N, IPREV, INEXT)
 
 
 @jit

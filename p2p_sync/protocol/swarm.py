@@ -189,8 +189,7 @@ class Scheduler:
         known = self.peer_chunks.setdefault(peer, set())
         clocks, by_chunk, fresh = self.stalls, self.holders, dict[int, None]()  # new claims
         unserved, started, overtime = clocks.unserved, clocks.started, clocks.overtime
-        # missing and not known yet, walked in ``indices``' order (a claim's order is the
-        # stall clocks'); most of a have feed's chunks are held already, so skip them in C
+        # missing and not known, in ``indices``' order (the stall clocks'), skipped in C
         for i in filterfalse(known.__contains__, filter(by_chunk.__contains__, indices)):
             holders = by_chunk[i]
             if unserved and peer in unserved.get(i, ()):
@@ -203,8 +202,7 @@ class Scheduler:
             else:
                 self._first_holder(i, peer)
         known.update(fresh)  # at once, not one by one: half the table (``chunktables``)
-        # those not in flight (a keys view's difference would walk all of ``inflight``)
-        idle = set(filterfalse(self.inflight.__contains__, fresh))
+        idle = set(filterfalse(self.inflight.__contains__, fresh))  # not all of ``inflight``
         self._avail.setdefault(peer, set()).update(idle)
 
     def _first_holder(self, index: int, peer: str) -> None:
