@@ -42,19 +42,17 @@ jit = numba.njit(cache=True)
 def new_state(flows: int, heap: int) -> tuple:
     """Arrays for no nodes yet (:func:`with_nodes`), ``flows`` concurrent flows and a heap of
     ``heap`` entries."""
+    ff, fi, sf, si = _flow_arrays(flows)
+    ht, hs = np.zeros(heap), np.zeros((heap, 2), np.int64)
+    st, bl = np.zeros(STATE_SCALARS, np.int64), np.zeros(2, np.int64)
+    return (*_node_arrays([], []), ff, fi, ht, hs, sf, si, st, bl)
+
+
+def _flow_arrays(flows: int) -> tuple:
+    """A flow's floats and ints (no flow in any slot), and the scratch a re-rating needs."""
     fi = np.full((flows, 8), -1, np.int64)
     fi[:, MARK] = 0
-    return (
-        *_node_arrays([], []),
-        np.zeros((flows, 4)),
-        fi,
-        np.zeros(heap),
-        np.zeros((heap, 2), np.int64),
-        np.zeros(flows),
-        np.zeros(flows, np.int64),
-        np.zeros(STATE_SCALARS, np.int64),
-        np.zeros(2, np.int64),
-    )
+    return np.zeros((flows, 4)), fi, np.zeros(flows), np.zeros(flows, np.int64)
 
 
 def _node_arrays(uplink: list[float], downlink: list[float]) -> tuple:
@@ -76,10 +74,9 @@ def with_nodes(state: tuple, uplink: list[float], downlink: list[float]) -> tupl
 def more_flows(state: tuple, flows: int) -> tuple:
     """``state`` with room for ``flows`` flows, those running kept."""
     nf, ni, ff, fi, ht, hs, sf, si, st, bl = state
-    nff, nfi = np.zeros((flows, 4)), np.full((flows, 8), -1, np.int64)
-    nfi[:, MARK] = 0
+    nff, nfi, nsf, nsi = _flow_arrays(flows)
     nff[: len(ff)], nfi[: len(fi)] = ff, fi
-    return (nf, ni, nff, nfi, ht, hs, np.zeros(flows), np.zeros(flows, np.int64), st, bl)
+    return (nf, ni, nff, nfi, ht, hs, nsf, nsi, st, bl)
 
 
 def bigger_heap(state: tuple, heap: int) -> tuple:
@@ -90,7 +87,7 @@ def bigger_heap(state: tuple, heap: int) -> tuple:
     return (nf, ni, ff, fi, nht, nhs, sf, si, st, bl)
 
 
-# ---------------------------------------------------------------- the heap of finish events
+# ------------------------------------------------ the heap: finishes and the clock's events
 
 
 @jit
