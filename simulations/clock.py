@@ -17,6 +17,8 @@ from itertools import compress
 from operator import itemgetter
 from typing import Any
 
+from simulations.hugepages import HugePages
+
 # A run allocates millions of short-lived objects (events, request keys, sets) and hardly any
 # cycles (a request's run and its transfer point at each other until the transfer ends, which
 # clears the link). Python's default thresholds spent ~12% of the CI scenario in the collector;
@@ -58,9 +60,10 @@ class EventLoop:
     def run(self, until: Until, deadline: float, max_events: int, every: Every = None) -> bool:
         """Run events until ``until()`` holds (True), or time/event budget runs out (False).
 
-        ``every`` is called every 20,000 events (progress display).
+        ``every`` is called every 20,000 events (progress display). The heap is backed by
+        huge pages meanwhile (:mod:`simulations.hugepages`).
         """
-        with collector_off():
+        with collector_off(), HugePages():
             return self._events(until, deadline, max_events, every)
 
     def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:

@@ -31,8 +31,8 @@ class FastClock(EventLoop):
         self.now = 0.0
         self._seq = 0
         self.events_run = 0
-        self.state = k.new_state(FIRST_FLOWS, FIRST_HEAP)
         self.heap_n = 0  # entries in the heap, live or not
+        self.adopt(k.new_state(FIRST_FLOWS, FIRST_HEAP))
         self._waiting: dict[int, tuple[Callable[..., Any], tuple] | None] = {}
         self.network: Completions | None = None
 
@@ -41,7 +41,8 @@ class FastClock(EventLoop):
         self._seq += 1
         seq = self._seq
         self._waiting[seq] = (fn, args)
-        self.make_room()
+        if self.heap_n > self.room:
+            self.make_room()
         self.heap_n = k.push_event(self.state, t if t > self.now else self.now, seq)
         return seq
 
@@ -50,13 +51,21 @@ class FastClock(EventLoop):
         if entry in self._waiting:
             self._waiting[entry] = None
 
+    def adopt(self, state: tuple) -> None:
+        """Run on ``state`` (grown, or given nodes), with room for the next push."""
+        self.state = state
+        self.room = len(state[4]) - len(state[2]) - 1  # the longest heap that leaves room
+        self.make_room()
+
     def make_room(self) -> None:
-        """Room in the heap for one push and a finish for every flow (a re-rating's most)."""
+        """Room in the heap for one push and a finish for every flow (a re-rating's most).
+        Callers on the hot path test ``heap_n > room`` first (a call saved per event)."""
         heap, flows = len(self.state[4]), len(self.state[2])
         while self.heap_n + flows + 1 > heap:
             heap *= 2
         if heap > len(self.state[4]):
             self.state = k.bigger_heap(self.state, heap)
+            self.room = heap - flows - 1
 
     def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:
         waiting, step = self._waiting, k.step

@@ -31,7 +31,7 @@ class FastNetwork:
 
     def __init__(self, clock: FastClock, uplink: list[float], downlink: list[float]) -> None:
         self.clock = clock
-        clock.state = k.with_nodes(clock.state, uplink, downlink)
+        clock.adopt(k.with_nodes(clock.state, uplink, downlink))
         clock.network = self
         flows = len(clock.state[2])
         self._flows: list[Flow | None] = [None] * flows
@@ -52,7 +52,8 @@ class FastNetwork:
         slot = self._free.pop()
         flow = self._flows[slot] = Flow(slot, src, dst, on_done)
         clock = self.clock
-        clock.make_room()
+        if clock.heap_n > clock.room:
+            clock.make_room()
         clock._seq, clock.heap_n = k.start(
             clock.state, slot, src, dst, float(nbytes), clock.now, clock._seq
         )
@@ -93,7 +94,8 @@ class FastNetwork:
         try:
             flow.on_done()
         finally:
-            clock.make_room()
+            if clock.heap_n > clock.room:
+                clock.make_room()
             clock._seq, clock.heap_n = k.end_batch(clock.state, clock.now, clock._seq)
 
     def _release(self, t: Flow) -> None:
@@ -102,7 +104,6 @@ class FastNetwork:
 
     def _grow(self) -> None:
         n = len(self._flows)
-        self.clock.state = k.more_flows(self.clock.state, 2 * n)
+        self.clock.adopt(k.more_flows(self.clock.state, 2 * n))
         self._flows.extend([None] * n)
         self._free.extend(range(2 * n - 1, n - 1, -1))
-        self.clock.make_room()

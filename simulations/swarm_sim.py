@@ -262,6 +262,7 @@ class SwarmSim:
         reference_network: bool = False,
     ) -> None:
         self.sc = scenario
+        self.chunk_bytes = scenario.chunk_bytes  # read for every chunk: worked out once
         self.rng = random.Random(scenario.seed)
         # the compiled clock and bandwidth model, unless asked for the reference or slow start
         # needs it (the two give the same events, bit for bit)
@@ -618,10 +619,11 @@ class SwarmSim:
                 self._drop_download(p)
 
     def _n_chunks(self, art: Artifact) -> int:
-        return -(-art.size // self.sc.chunk_bytes)
+        return -(-art.size // self.chunk_bytes)
 
     def _chunk_size(self, art: Artifact, index: int) -> int:
-        return min(self.sc.chunk_bytes, art.size - index * self.sc.chunk_bytes)
+        size = self.chunk_bytes
+        return min(size, art.size - index * size)
 
     # ------------------------------------------------------------ downloads
 
@@ -671,7 +673,7 @@ class SwarmSim:
             return {}
         takers = [p.idx for p in self.honest if TRAINER in p.follows and not p.nat]
         budget = 2 * self.lat * self.peers[TRAINER].uplink
-        counts = chunks_behind(budget, self.sc.chunk_bytes, len(takers), self.sc.push_chunks)
+        counts = chunks_behind(budget, self.chunk_bytes, len(takers), self.sc.push_chunks)
         return dict(zip(takers, counts))
 
     def _announce_to(self, p: Peer, art: Artifact, k: int) -> None:
@@ -729,7 +731,7 @@ class SwarmSim:
         have = p.have.setdefault(art.ident, set())
         seed = self.sc.seed * 1_000_003 + p.idx * 1009 + art.version
         config = self.sc.swarm_config(seed)
-        p.sched = Scheduler(self._n_chunks(art), config, have, self.sc.chunk_bytes)
+        p.sched = Scheduler(self._n_chunks(art), config, have, self.chunk_bytes)
         p.timer_at = None
         self._feed(p, TimerFired())
         if p.pushing and art is self.artifacts[-1]:  # behind the announcement: not asked

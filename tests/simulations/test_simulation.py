@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from p2p_sync.protocol.swarm import Scheduler
 from p2p_sync.protocol.swarmconfig import SwarmConfig
 from simulations.clock import Clock
 from simulations.fastclock import FastClock
+from simulations.hugepages import HugePages
 from simulations.network import Network
 from simulations.pushtree import TreeLayout
 from simulations.run import simulate
@@ -615,6 +617,29 @@ def test_the_clock_turns_the_cyclic_collector_off_only_while_events_run(make: ty
     with pytest.raises(RuntimeError, match="an event failed"):
         clock.run(lambda: False, 10.0, 10)
     assert gc.isenabled()
+
+
+def _sweeping() -> bool:
+    return any(t.name == "huge-pages" for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("make", [Clock, FastClock])
+def test_the_clock_sweeps_its_heap_into_huge_pages_only_while_events_run(make: type) -> None:
+    """The sweeping thread (simulations.hugepages) starts with a run, wherever the kernel can
+    be asked, and is gone when it ends, an event that raises included."""
+    seen: list[bool] = []
+    clock = make()
+    clock.at(1.0, lambda: seen.append(_sweeping()))
+    assert clock.run(lambda: bool(seen), 10.0, 10)
+    assert seen == [HugePages().supported] and not _sweeping()
+
+    def fails() -> None:
+        raise RuntimeError("an event failed")
+
+    clock.at(2.0, fails)
+    with pytest.raises(RuntimeError, match="an event failed"):
+        clock.run(lambda: False, 10.0, 10)
+    assert not _sweeping()
 
 
 @pytest.mark.slow  # a core for a minute or more (simulated time only): started first
