@@ -68,27 +68,29 @@ class FastClock(EventLoop):
             self.room = heap - flows - 1
 
     def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:
-        waiting, step = self._waiting, k.step
-        ran, mark = 0, 20_000
+        waiting, step, stopped, clock_event = self._waiting, k.step, k.STOPPED, k.CLOCK_EVENT
+        network = self.network
+        ran, mark = 0, 20_000 if every is not None else max_events
         try:
             while ran < max_events and not until():
                 came, ident, t, moved, finishes, self._seq, self.heap_n = step(
                     self.state, deadline, self._seq
                 )
                 ran += finishes
-                if came == k.STOPPED:
-                    break
-                self.now = t
-                if came == k.CLOCK_EVENT:
+                if came == clock_event:
+                    self.now = t
                     item = waiting.pop(ident)
                     if item is None:  # cancelled
                         continue
                     item[0](*item[1])
                     ran += 1
+                elif came == stopped:
+                    break
                 else:
-                    assert self.network is not None
-                    self.network.completed(ident, moved)
-                if every is not None and ran >= mark:
+                    self.now = t
+                    assert network is not None
+                    network.completed(ident, moved)
+                if ran >= mark and every is not None:
                     mark += 20_000
                     every()
         finally:

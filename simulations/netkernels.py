@@ -90,31 +90,26 @@ def bigger_heap(state: tuple, heap: int) -> tuple:
 # ------------------------------------------------ the heap: finishes and the clock's events
 
 
-@jit
-def _before(ht, hs, i, j):
-    return ht[i] < ht[j] or (ht[i] == ht[j] and hs[i, 0] < hs[j, 0])
-
-
-@jit
-def _swap(ht, hs, i, j):
-    ht[i], ht[j] = ht[j], ht[i]
-    a, b = hs[i, 0], hs[i, 1]
-    hs[i, 0], hs[i, 1] = hs[j, 0], hs[j, 1]
-    hs[j, 0], hs[j, 1] = a, b
+ARITY = 4  # children a heap entry: half the levels of a binary heap, and side by side
 
 
 @jit
 def _sift_down(ht, hs, i, n):
+    """Move entry ``i`` down to its place: the least child moves up into the hole."""
+    t, s, f = ht[i], hs[i, 0], hs[i, 1]
     while True:
-        low, left = i, 2 * i + 1
-        if left < n and _before(ht, hs, left, low):
-            low = left
-        if left + 1 < n and _before(ht, hs, left + 1, low):
-            low = left + 1
-        if low == i:
-            return
-        _swap(ht, hs, i, low)
+        first = ARITY * i + 1
+        if first >= n:
+            break
+        low, lt, ls = first, ht[first], hs[first, 0]
+        for c in range(first + 1, min(first + ARITY, n)):
+            if ht[c] < lt or (ht[c] == lt and hs[c, 0] < ls):
+                low, lt, ls = c, ht[c], hs[c, 0]
+        if not (lt < t or (lt == t and ls < s)):
+            break
+        ht[i], hs[i, 0], hs[i, 1] = lt, ls, hs[low, 1]
         i = low
+    ht[i], hs[i, 0], hs[i, 1] = t, s, f
 
 
 @jit
@@ -135,7 +130,7 @@ def _compact(fi, ht, hs, st):
             ht[k], hs[k, 0], hs[k, 1] = ht[i], hs[i, 0], hs[i, 1]
             k += 1
     st[HEAP_N], st[STALE] = k, 0
-    for i in range(k // 2 - 1, -1, -1):
+    for i in range((k - 2) // ARITY, -1, -1):
         _sift_down(ht, hs, i, k)
 
 
@@ -145,13 +140,14 @@ def _push(fi, ht, hs, st, t, seq, f):
         _compact(fi, ht, hs, st)
     i = st[HEAP_N]
     st[HEAP_N] = i + 1
-    ht[i], hs[i, 0], hs[i, 1] = t, seq, f
-    while i > 0:
-        parent = (i - 1) >> 1
-        if not _before(ht, hs, i, parent):
-            return
-        _swap(ht, hs, i, parent)
+    while i > 0:  # the parents after it move down into the hole
+        parent = (i - 1) // ARITY
+        pt, ps = ht[parent], hs[parent, 0]
+        if not (t < pt or (t == pt and seq < ps)):
+            break
+        ht[i], hs[i, 0], hs[i, 1] = pt, ps, hs[parent, 1]
         i = parent
+    ht[i], hs[i, 0], hs[i, 1] = t, seq, f
 
 
 @jit
