@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from simulations import netkernels as k
 from simulations.clock import EventLoop, Every, Until
+from simulations.netkernels import push_event
 
 FIRST_FLOWS = 1_024  # flow slots to start with; doubled whenever they run out
 FIRST_HEAP = 65_536  # heap entries to start with; doubled whenever room runs short
@@ -38,12 +39,22 @@ class FastClock(EventLoop):
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> int:
         """Schedule ``fn(*args)`` at ``t`` (now, if ``t`` is past); the handle can cancel it."""
-        self._seq += 1
-        seq = self._seq
+        self._seq = seq = self._seq + 1
         self._waiting[seq] = (fn, args)
         if self.heap_n > self.room:
             self.make_room()
-        self.heap_n = k.push_event(self.state, t if t > self.now else self.now, seq)
+        now = self.now
+        self.heap_n = push_event(self.state, t if t > now else now, seq)
+        return seq
+
+    def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> int:
+        """``at(now + delay, ...)`` in one call: how the simulator schedules nearly always."""
+        self._seq = seq = self._seq + 1
+        self._waiting[seq] = (fn, args)
+        if self.heap_n > self.room:
+            self.make_room()
+        now = self.now
+        self.heap_n = push_event(self.state, now + delay if delay > 0 else now, seq)
         return seq
 
     def cancel(self, entry: int) -> None:
