@@ -10,6 +10,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from simulations import netkernels
 from simulations.clock import Clock
 from simulations.fastclock import FastClock
 from simulations.fastnet import FastNetwork
@@ -143,3 +144,29 @@ def test_the_compiled_clock_runs_events_in_the_reference_order(plan: list, stop:
         outcomes.append((ran, done, clock.events_run))
     assert outcomes[0] == outcomes[1]
     assert outcomes[0][2] == min(stop, len(outcomes[0][0]))
+
+
+# (time, live): a finish event whose flow still waits on it, or one superseded since
+entries = st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=400)
+
+
+@settings(max_examples=80, deadline=None)
+@given(entries)
+def test_the_compiled_heap_pops_live_entries_in_time_then_seq_order(plan: list) -> None:
+    """The four-ary heap, rebuilt without its stale entries part way (as at ``COMPACT_AT``):
+    what comes off it is the live entries sorted by (time, seq), ties by seq."""
+    state = netkernels.new_state(len(plan), 2 * len(plan))
+    fi, ht, hs, st_ = state[3], state[4], state[5], state[8]
+    for seq, (t, live) in enumerate(plan, start=1):
+        f = seq - 1  # one flow an entry; a stale entry's flow waits on another seq
+        fi[f, netkernels.EVENT] = seq if live else -1
+        netkernels._push(fi, ht, hs, st_, float(t), seq, f)
+        if seq == len(plan) // 2:
+            netkernels._compact(fi, ht, hs, st_)
+    netkernels._compact(fi, ht, hs, st_)
+    popped = []
+    while st_[netkernels.HEAP_N]:
+        popped.append((ht[0], hs[0, 0]))
+        netkernels._pop(ht, hs, st_)
+    live = sorted((float(t), seq) for seq, (t, on) in enumerate(plan, start=1) if on)
+    assert popped == live
