@@ -7,8 +7,9 @@ only on request (``transparent_hugepage=madvise``, the usual setting) none ever 
 a run goes, a thread asks the kernel to collapse each 2 MiB range of the process's private
 anonymous memory into a huge page (``madvise(MADV_COLLAPSE)``), each range once. The collapse
 runs in that thread's system call, on the other core, and changes nothing the simulation
-computes. Where the kernel cannot (no ``MADV_COLLAPSE``, or huge pages set to ``never``), the
-first sweep finds that out and the thread stops. Figures: docs/performance.md.
+computes. Where the kernel cannot (no ``MADV_COLLAPSE``, or huge pages set to ``never``), it
+refuses every range, and the thread stops. Figures and what else was tried:
+docs/decisions/2026-11-29-the-simulators-heap-on-huge-pages.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import errno
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 MADV_COLLAPSE = 25  # linux/mman.h
@@ -50,12 +51,12 @@ class HugePages:
     def __init__(self, period_s: float = PERIOD_S) -> None:
         self.period_s = period_s
         self.collapsed = 0
-        self.supported = sys.platform == "linux"
         self._done: set[int] = set()  # ranges collapsed (or refused for good), still mapped
         self._stop = threading.Event()
         self.swept = threading.Event()
         self._thread: threading.Thread | None = None
-        self._madvise = _madvise() if self.supported else None
+        self._madvise = _madvise() if sys.platform == "linux" else None
+        self.supported = self._madvise is not None
 
     def __enter__(self) -> HugePages:
         if self._madvise is not None:
@@ -116,7 +117,7 @@ class HugePages:
         return ctypes.get_errno() or errno.EINVAL
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's ``madvise``, or None where it cannot be found."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
