@@ -263,6 +263,7 @@ class SwarmSim:
     ) -> None:
         self.sc = scenario
         self.chunk_bytes = scenario.chunk_bytes  # read for every chunk: worked out once
+        self.seed_keys: dict[str, tuple[tuple[str, int], ...]] = {}  # ``_seed_keys``
         self.rng = random.Random(scenario.seed)
         # the compiled clock and bandwidth model, unless asked for the reference or slow start
         # needs it (the two give the same events, bit for bit)
@@ -621,6 +622,15 @@ class SwarmSim:
     def _n_chunks(self, art: Artifact) -> int:
         return -(-art.size // self.chunk_bytes)
 
+    def _seed_keys(self, art: Artifact) -> tuple[tuple[str, int], ...]:
+        """The trainer seeder's keys for ``art``'s chunks: one tuple, so that its offers find
+        the manifest's arrays without hashing every key (``SuperSeeder.offer``)."""
+        keys = self.seed_keys.get(art.ident)
+        if keys is None:
+            keys = tuple((art.ident, i) for i in range(self._n_chunks(art)))
+            self.seed_keys[art.ident] = keys
+        return keys
+
     def _chunk_size(self, art: Artifact, index: int) -> int:
         size = self.chunk_bytes
         return min(size, art.size - index * size)
@@ -682,7 +692,7 @@ class SwarmSim:
         announcement: ``p2p_sync.runtime.learning``); handed out, and counted served, when the
         announcement is built, as the node's seeder does."""
         n = self._n_chunks(art)
-        keys = [(art.ident, i) for i in range(n)]
+        keys = self._seed_keys(art)
         now = self.clock.now
         behind = sorted(self.seeder.offer(keys, p.idx, now))[:k] if k else []
         for i in behind:
@@ -828,8 +838,7 @@ class SwarmSim:
             late = self.published_at + self.sc.reseed_after_s
             if self.tree is not None and self.clock.now < late:
                 return ()  # the trees carry its chunks; pulling from it is the late fall-back
-            keys = [(art.ident, i) for i in range(self._n_chunks(art))]
-            return self.seeder.offer(keys, p.idx, self.clock.now)
+            return self.seeder.offer(self._seed_keys(art), p.idx, self.clock.now)
         return q.have.get(art.ident, set())
 
     def _subscribe(self, p: Peer, q_idx: int) -> None:

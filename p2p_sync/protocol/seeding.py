@@ -47,17 +47,27 @@ handed at once, hoarded chunks the others could then get only from it (simulated
 
 The trainer node answers ``GET /have`` with :meth:`SuperSeeder.offer`; the simulator calls the
 same method, so what it shows of seeding is true of the node.
+
+Cost: serving a chunk wakes its requester's have feed, so a trainer makes an offer for every
+chunk it serves, and a pass over the manifest per offer made each version quadratic in its
+chunks. Offers work instead on arrays that mirror the tables for the manifests offered lately
+(:mod:`p2p_sync.protocol.offerview`); the tables stay the truth, and every method that changes
+a chunk's entry has the arrays copy it.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from p2p_sync.bounded import remember, trim
+import numpy as np
+
+from p2p_sync.bounded import remember
+from p2p_sync.protocol.offerview import OfferView, distinct_first
 
 MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
 GAPS = 64  # recent idle gaps the quiet threshold follows
@@ -67,6 +77,7 @@ MAX_PAYLOADS = 64  # payloads whose requesters are counted (the oldest forgotten
 # chunks whose owner, uploads and spread the seed remembers (the oldest forgotten: a trainer
 # publishes ~768 chunks a version for as long as it trains; a forgotten chunk counts as fresh)
 MAX_KEYS = 1 << 16
+MAX_VIEWS = 8  # manifests whose chunks are mirrored as arrays for offers (the oldest dropped)
 
 
 class SeedSettings(Protocol):
@@ -101,6 +112,10 @@ class SuperSeeder:
     # the allowance last grew)
     allowance: dict[tuple[Hashable, Hashable], tuple[int, bool]] = field(default_factory=dict)
     askers: dict[Hashable, int] = field(default_factory=dict)  # requesters per payload
+    # the manifests offered lately, as arrays (``offerview``), by their keys
+    views: dict[tuple[Hashable, ...], OfferView] = field(
+        default_factory=dict, repr=False, compare=False
+    )
 
     @classmethod
     def of(cls, settings: SeedSettings) -> SuperSeeder:
@@ -159,6 +174,7 @@ class SuperSeeder:
             if requester == previous or (owner[0] != requester and self._lapsed(owner, now)):
                 self.owner[key] = (requester, owner[1])
         self.served[key] += 1
+        self._sync(key)
         self._bound()
 
     def may_serve(self, key: Hashable, requester: Hashable, now: float) -> bool:
@@ -174,7 +190,7 @@ class SuperSeeder:
         owner = self.owner.get(key)
         if owner is not None and owner[0] == requester:
             return True
-        return now - self.spread_since.setdefault(key, now) >= self.starve_after_s
+        return now - self._spread(key, now) >= self.starve_after_s
 
     def release(self, requester: Hashable) -> None:
         """``requester`` is gone (an offer pushed to it found nobody): the chunks handed to it
@@ -182,51 +198,110 @@ class SuperSeeder:
         for key in [k for k, (who, _) in self.owner.items() if who == requester]:
             if not self.served[key]:
                 del self.owner[key]
+                self._sync(key)
 
     def offer(self, keys: Sequence[Hashable], requester: Hashable, now: float) -> list[int]:
-        """Indices into ``keys`` to show ``requester``: its own, topped up with fresh ones
-        (up to its allowance, once half of it is fetched: see the module docstring). Asked
-        for every chunk a seed serves, over the whole manifest: the loop is kept tight."""
-        owners, served = self.owner, self.served
-        held = self._held(keys, requester)
+        """Indices into ``keys`` to show ``requester``, ascending: its own (handed to it, or
+        fetched by it from a quiet owner), those out in the swarm for ``starve_after_s``, and
+        fresh ones up to its allowance, once half of it is fetched (see the module
+        docstring), the first in ``keys``' order. Asked for every chunk a seed serves: it
+        works on the manifest's arrays (``offerview``), not key by key."""
+        view = self._view(keys)
+        code = view.known(requester)
+        own = view.owner == code if code is not None else np.zeros(len(keys), np.bool_)
+        others_served = view.served & ~own
+        held = int(np.count_nonzero(own & ~view.served))
         grant = (requester, keys[0] if keys else None)
         budget = max(0, self._allowed(grant, len(keys), held) - held)
-        full = budget
-        out = []
-        for i, key in enumerate(keys):
-            owner = owners.get(key)
-            if owner is not None and owner[0] == requester:
-                out.append(i)
-            elif served.get(key):  # out in the swarm: shown to anyone once fetched from
-                # the seed ``starve_after_s`` ago (``spread_since``: first seen fetched)
-                if now - self.spread_since.setdefault(key, now) >= self.starve_after_s:
-                    out.append(i)
-            elif (owner is None or self._lapsed(owner, now)) and budget > 0:
-                # never fetched, and unclaimed or handed out long ago (its owner went quiet);
-                # a chunk fetched without an owner (one released while its requester still
-                # fetched it) is out in the swarm: shown only once it starves, like any other
-                if owner is not None:
-                    self.previous[key] = owner[0]
-                owners[key], budget = (requester, now), budget - 1
-                out.append(i)
-        if budget < full:  # handed some: the next half fetched doubles its allowance
-            self.allowance[grant] = (self.allowance[grant][0], True)
+        self._note_spread(view, np.flatnonzero(others_served & np.isnan(view.spread)), now)
+        show = own | (others_served & (now - view.spread >= self.starve_after_s))
+        if budget:
+            free = ~view.served & ~own
+            free &= (view.owner < 0) | self._lapsed_among(view, free, now)
+            first = np.flatnonzero(free)[: budget + view.twice]  # enough for budget keys
+            handed = distinct_first(view.keys, first, budget)
+            for key in [view.keys[i] for i in handed]:
+                self._hand(key, requester, now)
+                show[view.positions(key)] = True
+            if handed:  # handed some: the next half fetched doubles its allowance
+                self.allowance[grant] = (self.allowance[grant][0], True)
         self._bound()
-        return out
+        return np.flatnonzero(show).tolist()
 
-    def _held(self, keys: Sequence[Hashable], requester: Hashable) -> int:
-        """How many of ``keys`` are handed to ``requester`` and not fetched yet
-        (``served.get``: a Counter's missing key costs a Python call)."""
-        owners, served = self.owner, self.served
-        return sum(
-            1
-            for key in keys
-            if (o := owners.get(key)) is not None and o[0] == requester and not served.get(key)
-        )
+    def _hand(self, key: Hashable, requester: Hashable, now: float) -> None:
+        """Hand ``key`` to ``requester`` now (from the owner it had, if any: ``previous``)."""
+        owner = self.owner.get(key)
+        if owner is not None:
+            self.previous[key] = owner[0]
+        self.owner[key] = (requester, now)
+        self._sync(key)
+
+    def _lapsed_among(self, view: OfferView, among: np.ndarray, now: float) -> np.ndarray:
+        """Which chunks of ``view`` are handed out and lapsed (:meth:`_lapsed`), looked
+        at only ``among`` those (the rest: False)."""
+        lapsed = np.zeros(len(view.keys), np.bool_)
+        at = np.flatnonzero(among & (view.owner >= 0))
+        handed = view.handed[at]
+        late = now - handed > self.reseed_after_s
+        if self.quiet_factor > 0 and len(at):
+            codes = view.owner[at]
+            busy, idle = self._owners_state(view, set(codes.tolist()))
+            since = idle[codes]  # the owner's idle time, else its hand-out's: ``quiet``
+            last = np.where(np.isnan(since), handed, np.maximum(handed, since))
+            limit = self.reseed_after_s if self.quiet_after_s is None else self.quiet_after_s
+            late |= ~busy[codes] & (now - last > limit)
+        lapsed[at] = late
+        return lapsed
+
+    def _owners_state(self, view: OfferView, codes: set[int]) -> tuple[np.ndarray, np.ndarray]:
+        """By owner code: whether it has requests here now, and since when it has none (NaN:
+        unknown), filled in for ``codes``."""
+        busy = np.zeros(len(view.requesters), np.bool_)
+        idle = np.full(len(view.requesters), math.nan)
+        for c in codes:
+            owner = view.requesters[c]
+            busy[c] = owner in self.busy
+            idle[c] = self.idle_since.get(owner, math.nan)
+        return busy, idle
+
+    def _note_spread(self, view: OfferView, at: np.ndarray, now: float) -> None:
+        """Chunks fetched since an offer last looked (at positions ``at``) are first seen
+        out in the swarm now, in the manifest's order."""
+        for i in distinct_first(view.keys, at, len(at)):
+            self._spread(view.keys[i], now)
+
+    def _spread(self, key: Hashable, now: float) -> float:
+        """When ``key`` was first seen out in the swarm (``now`` if this is the first time)."""
+        since = self.spread_since.get(key)
+        if since is None:
+            since = self.spread_since[key] = now
+            self._sync(key)
+        return since
+
+    def _view(self, keys: Sequence[Hashable]) -> OfferView:
+        """The arrays of manifest ``keys`` (built from the tables the first time)."""
+        views = self.views
+        for view in views.values():  # the caller's own tuple: no hashing of every key
+            if view.keys is keys:
+                break
+        else:
+            ident = keys if isinstance(keys, tuple) else tuple(keys)
+            view = views.get(ident) or OfferView(ident, self.owner, self.served, self.spread_since)
+        if next(reversed(views.values()), None) is not view:
+            remember(views, view.keys, view, MAX_VIEWS)  # the newest: the oldest go first
+        return view
+
+    def _sync(self, key: Hashable) -> None:
+        """``key``'s entries changed: every view holding it copies them."""
+        for view in self.views.values():
+            view.sync(key, self.owner, self.served, self.spread_since)
 
     def _bound(self) -> None:
         for table in (self.owner, self.previous, self.served, self.spread_since):
-            trim(table, MAX_KEYS)
+            while len(table) > MAX_KEYS:  # the oldest forgotten (``bounded.trim``)
+                key = next(iter(table))
+                del table[key]
+                self._sync(key)
 
     def _allowed(self, grant: tuple[Hashable, Hashable], chunks: int, held: int) -> int:
         """What requester ``grant[0]`` may hold unfetched of payload ``grant[1]`` (of
