@@ -6,6 +6,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -17,12 +18,16 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from simulations import scenario as scenarios
-from simulations.run import simulate_to
-from simulations.swarm_sim import VersionResult
+from node.lazy import imported
+
+if TYPE_CHECKING:  # the simulator (numba) is imported when a simulation runs
+    from simulations import scenario as scenarios
+    from simulations.swarm_sim import VersionResult
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    scenarios = imported("simulations.scenario")  # the simulator (numba): only to simulate
+    simulate_to = imported("simulations.run").simulate_to
     sc = scenarios.load(args.scenario, peers=args.peers, seed=args.seed, versions=args.versions)
     with _progress_bar(args.quiet) as bar:
         progress = _progress_reporter(bar)

@@ -8,9 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from node.patch_cmd import cmd_inspect as inspect_patch
-from node.patch_cmd import read_patch_file
-from p2p_sync import codec
+from node.lazy import imported
 from p2p_sync.trust import manifest
 from p2p_sync.trust.keys import SigningKey, load_public_key, write_keypair
 from p2p_sync.trust.trusted import TrustedSet
@@ -58,10 +56,11 @@ def _print_manifest(path: Path, m: manifest.Manifest, sigs: list[dict], verdict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    data = read_patch_file(args.file)
-    if data.startswith(codec.MAGIC):
+    patching = imported("node.patching")  # the codec, with torch: keygen does without it
+    data = patching.read_patch_file(args.file)
+    if data.startswith(patching.codec.MAGIC):
         args.json, args.verify = False, True
-        return inspect_patch(args)
+        return int(patching.cmd_inspect(args))
     m, sigs = manifest.parse(data)
     verdict = "NOT verified (pass --trust and --swarm to verify)"
     if args.trust:

@@ -159,28 +159,33 @@ def test_bad_flags_are_usage_errors(capsys):
     assert "required" in capsys.readouterr().err
 
 
-def test_the_command_freezes_what_its_imports_made_and_collects_again_after() -> None:
-    """``p2psync`` / ``python -m node`` (``node.entry``): the CLI's imports run with the
-    collector off, what they made is frozen out of later collections, and the collector is
-    on again for the node's own work. In a fresh interpreter: this one has imported it all."""
+def test_help_imports_no_command_and_a_command_s_imports_are_frozen(tmp_path: Path) -> None:
+    """``p2psync`` / ``python -m node`` (``node.entry``): ``--help`` builds every command's
+    flags without their modules (no torch, no numba: it answers in a fraction of a second);
+    a command imports its own when it runs, with the collector off, what they made frozen out
+    of later collections, and the collector on again for its work (``node.lazy``). In a fresh
+    interpreter: this one has imported it all."""
     import subprocess
     import sys
 
     snippet = (
         "import gc, sys\n"
         "from node.entry import main\n"
-        "assert 'torch' not in sys.modules\n"
         "try:\n"
         "    main(['--help'])\n"
         "except SystemExit as exc:\n"
-        "    frozen = gc.get_freeze_count() > 100_000\n"
-        "    print(exc.code, gc.isenabled(), frozen, 'torch' in sys.modules)\n"
+        "    print(exc.code, [m for m in ('torch', 'numba') if m in sys.modules])\n"
+        f"code = main(['patch', 'inspect', {str(tmp_path / 'none.patch')!r}])\n"
+        "print(code, gc.isenabled(), gc.get_freeze_count() > 100_000, 'torch' in sys.modules)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.split()[-4:] == ["0", "True", "True", "True"], done.stdout
     assert "usage:" in done.stdout  # the CLI ran (``python -m node`` starts every test node)
+    lines = done.stdout.splitlines()
+    assert lines[-2] == "0 []", done.stdout
+    assert lines[-1] == "1 True True True", done.stdout + done.stderr  # no such file: 1
+    assert "cannot read patch" in done.stderr
 
 
 def _flipped(path: Path, offset: int) -> Path:
@@ -247,3 +252,11 @@ def test_a_sharded_trainers_patch_inspects_and_applies(files, capsys, tiny_versi
     args = ("--base", files["v0"], "--patch", files["patch"], "--out", out_path)
     assert run(capsys, "patch", "apply", *args)[0] == 0
     assert bit_equal(load_weights(out_path), tiny_versions[1])
+
+
+def test_patch_create_s_default_level_is_the_codec_s() -> None:
+    """``--level``'s default is written in the parser, which does without the codec."""
+    from node import patch_cmd
+    from p2p_sync import codec
+
+    assert patch_cmd.DEFAULT_LEVEL == codec.DEFAULT_LEVEL

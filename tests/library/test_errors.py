@@ -37,7 +37,7 @@ MOVED = [
     ("p2p_sync.weights.weights_io", "WeightsFileError"),
 ]
 MOVED_OUT = [  # raised by the application or the simulator: defined in their layer
-    ("node.patch_cmd", "CommandError", node_errors),
+    ("node.patching", "CommandError", node_errors),
     ("node.node_cmd", "StartupError", node_errors),
     ("simulations.scenario", "ScenarioError", sim_errors),
     ("simulations.netns", "NetnsError", sim_errors),
