@@ -1,8 +1,7 @@
 """One manifest's chunks as arrays that mirror a :class:`~p2p_sync.protocol.seeding.SuperSeeder`'s
 tables: who owns each chunk and since when, whether it was served, when it was first seen
 fetched. An offer is then a few vector operations over the manifest instead of a Python pass
-(~0.5 us a chunk: ~0.8 ms per offer at 1,536 chunks, and a trainer makes one per chunk it
-serves).
+over its keys, and a trainer makes one for every chunk it serves (figures: docs/performance.md).
 
 The seeder's dicts stay the truth: the seeder calls :meth:`OfferView.sync` for every chunk
 whose entry it changes, and the view copies that entry. Owners are kept as small ints, one per
@@ -48,6 +47,7 @@ class OfferView:
         self.spread = np.array([spread_since.get(key, math.nan) for key in keys], np.float64)
 
     def positions(self, key: Hashable) -> list[int]:
+        """Where ``key`` stands in the manifest (none, one, or more for a chunk found twice)."""
         first = self.at.get(key)
         if first is None:
             return []
