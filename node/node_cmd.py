@@ -23,11 +23,11 @@ from p2p_sync.runtime.config import NodeConfig
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    run_node = imported("node.running").run_node  # the runtime, torch among it: to run a node
     try:
         cfg = load_args(args)
     except ConfigError as exc:
         raise StartupError(str(exc)) from None
+    run_node = imported("node.running").run_node  # the runtime, torch among it: to run a node
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {cfg.role} %(message)s", stream=sys.stderr
     )
