@@ -14,9 +14,16 @@ V = TypeVar("V")
 def trim(entries: dict[K, V], limit: int) -> list[V]:
     """Forget the oldest entries of ``entries`` beyond ``limit``; returns their values, oldest
     first (a forgotten waiter may need waking)."""
+    return [value for _, value in trim_items(entries, limit)]
+
+
+def trim_items(entries: dict[K, V], limit: int) -> list[tuple[K, V]]:
+    """:func:`trim`, returning the forgotten keys with their values (a copy of them kept
+    elsewhere may need forgetting too)."""
     forgotten = []
     while len(entries) > limit:
-        forgotten.append(entries.pop(next(iter(entries))))
+        key = next(iter(entries))
+        forgotten.append((key, entries.pop(key)))
     return forgotten
 
 

@@ -66,7 +66,7 @@ from typing import Protocol
 
 import numpy as np
 
-from p2p_sync.bounded import remember
+from p2p_sync.bounded import remember, trim_items
 from p2p_sync.protocol.offerview import OfferView, distinct_first
 
 MAX_IDLE = 4096  # requesters whose last request here is remembered (the oldest forgotten)
@@ -298,9 +298,7 @@ class SuperSeeder:
 
     def _bound(self) -> None:
         for table in (self.owner, self.previous, self.served, self.spread_since):
-            while len(table) > MAX_KEYS:  # the oldest forgotten (``bounded.trim``)
-                key = next(iter(table))
-                del table[key]
+            for key, _ in trim_items(table, MAX_KEYS):  # the oldest forgotten: in views too
                 self._sync(key)
 
     def _allowed(self, grant: tuple[Hashable, Hashable], chunks: int, held: int) -> int:
