@@ -57,6 +57,12 @@ class EventLoop:
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Any:
         return self.at(self.now + delay, fn, *args)
 
+    def line(self, n: int, t: float, fn: Callable[..., Any], *args: Any) -> Any:
+        """``at(t, fn, *args)`` for stream ``n`` of a few (0 and 1) whose times seldom go back:
+        messages on the swarm's one latency, the windows that gather them. The order is
+        ``at``'s; the compiled clock keeps such events in FIFOs beside its heap."""
+        return self.at(t, fn, *args)
+
     def run(self, until: Until, deadline: float, max_events: int, every: Every = None) -> bool:
         """Run events until ``until()`` holds (True), or time/event budget runs out (False).
 

@@ -3,7 +3,8 @@
 
 Same interface, same order: events run by (time, scheduling order), cancelled ones never. The
 heap holds only each event's time and sequence number; its callback waits in a dict until it
-comes up. A finish that completes a transfer hands its callback to the network.
+comes up. A finish that completes a transfer hands its callback to the network. Events sent
+through :meth:`FastClock.line` wait in the kernels' delay lines instead of the heap.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any, Protocol
 
 from simulations import netkernels as k
 from simulations.clock import EventLoop, Every, Until
-from simulations.netkernels import push_event
+from simulations.netkernels import push_event, push_line
 
 FIRST_FLOWS = 1_024  # flow slots to start with; doubled whenever they run out
 FIRST_HEAP = 65_536  # heap entries to start with; doubled whenever room runs short
+FIRST_LINE = 1_024  # entries a delay line holds to start with; doubled whenever one fills
 
 
 class Completions(Protocol):
@@ -33,7 +35,7 @@ class FastClock(EventLoop):
         self._seq = 0
         self.events_run = 0
         self.heap_n = 0  # entries in the heap, live or not
-        self.adopt(k.new_state(FIRST_FLOWS, FIRST_HEAP))
+        self.adopt(k.new_state(FIRST_FLOWS, FIRST_HEAP, FIRST_LINE))
         self._waiting: dict[int, tuple[Callable[..., Any], tuple] | None] = {}
         self.network: Completions | None = None
 
@@ -55,6 +57,21 @@ class FastClock(EventLoop):
             self.make_room()
         now = self.now
         self.heap_n = push_event(self.state, now + delay if delay > 0 else now, seq)
+        return seq
+
+    def line(self, n: int, t: float, fn: Callable[..., Any], *args: Any) -> int:
+        """``at(t, ...)`` through delay line ``n`` (a FIFO beside the heap, for a stream whose
+        times never go back); an event earlier than the line's last still goes to the heap."""
+        self._seq = seq = self._seq + 1
+        self._waiting[seq] = (fn, args)
+        if self.heap_n > self.room:
+            self.make_room()
+        now = self.now
+        heap_n = push_line(self.state, n, t if t > now else now, seq)
+        if heap_n == k.FULL:
+            self.adopt(k.longer_lines(self.state))
+            heap_n = push_line(self.state, n, t if t > now else now, seq)
+        self.heap_n = heap_n
         return seq
 
     def cancel(self, entry: int) -> None:

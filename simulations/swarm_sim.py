@@ -97,7 +97,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from p2p_sync.protocol import sourcing
 from p2p_sync.protocol.schedule_events import (
@@ -651,9 +651,7 @@ class SwarmSim:
         for q in p.neighbors:  # in the set's order, as ``_start_download``
             if q in p.follows and q not in p.banned:
                 p.early_asked.add(q)
-                self.clock.after(
-                    self._handshake(p.idx, q) + self.lat, self._early_reached, p, q, art
-                )
+                self._message_after(self._handshake(p.idx, q), self._early_reached, p, q, art)
 
     def _early_reached(self, p: Peer, q_idx: int, art: Artifact) -> None:
         """The early question reaches ``q`` (which holds it until it knows the manifest: here
@@ -663,7 +661,7 @@ class SwarmSim:
             return
         self._follower(q, p.idx)
         shown = frozenset(self._visible(q, p, art))
-        self.clock.after(self.lat, self._early_answer, p, q_idx, art, shown)
+        self._message(self._early_answer, p, q_idx, art, shown)
 
     def _early_answer(self, p: Peer, q_idx: int, art: Artifact, indices: frozenset[int]) -> None:
         """An early answer: kept until the download starts, or handed to it."""
@@ -706,7 +704,7 @@ class SwarmSim:
         chunks behind it follow on the same connection."""
         if p.online and p.done_at is None and not p.pushed:
             p.pushed = True
-            self.clock.after(self.lat, self._learn, p)
+            self._message(self._learn, p)
         self._send_behind(p, art, list(behind))
 
     def _send_behind(self, p: Peer, art: Artifact, rest: list[int]) -> None:
@@ -719,7 +717,7 @@ class SwarmSim:
 
         def sent() -> None:
             event = self._checked(trainer, art, index)
-            self.clock.after(self.lat, self._behind_arrived, p, art, event)
+            self._message(self._behind_arrived, p, art, event)
             self._send_behind(p, art, rest)
 
         self.net.start(TRAINER, p.idx, self._chunk_size(art, index), sent)
@@ -871,7 +869,7 @@ class SwarmSim:
             return
         now = frozenset(self._visible(self.peers[TRAINER], p, p.artifact))
         if now - shown:
-            self.clock.after(self.lat, self._deliver_have, p, TRAINER, gen, now - shown)
+            self._message(self._deliver_have, p, TRAINER, gen, now - shown)
         self.clock.after(HAVE_WAIT_S, self._repoll_seed, p, gen, shown | now)
 
     def _deliver_have(
@@ -901,7 +899,7 @@ class SwarmSim:
         inbox = self.inbox.get((p_idx, due))
         if inbox is None:
             inbox = self.inbox[(p_idx, due)] = []
-            self.clock.at(due, self._flush_news, p_idx, due)
+            self.clock.line(1, due, self._flush_news, p_idx, due)
         return inbox
 
     def _flush_news(self, p_idx: int, due: float) -> None:
@@ -980,6 +978,18 @@ class SwarmSim:
         ready = self.handshaken.setdefault((a, b), now + self._handshake_s)
         return ready - now if ready > now else 0.0
 
+    def _message(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)`` one latency from now: a message between peers. Sent at the clock's
+        time, which never goes back, so these keep in delay line 0, out of the heap."""
+        self.clock.line(0, self.clock.now + self.lat, fn, *args)
+
+    def _message_after(self, wait: float, fn: Callable[..., Any], *args: Any) -> None:
+        """A message that waits ``wait`` (a TLS handshake) before its latency."""
+        if wait:
+            self.clock.after(wait + self.lat, fn, *args)
+        else:
+            self._message(fn, *args)
+
     def _announce_chunk(self, q: Peer, art: Artifact, index: int) -> None:
         if self.tree is not None:
             self._push_on(q, art, index)
@@ -1015,7 +1025,7 @@ class SwarmSim:
             key = (q_idx, i)
             p.requests[key] = None
             p.runs[key] = run
-        self.clock.after(self._handshake(p.idx, q_idx) + self.lat, self._arrive, p, run)
+        self._message_after(self._handshake(p.idx, q_idx), self._arrive, p, run)
 
     def _wanted(self, p: Peer, run: Run) -> list[int]:
         """The chunks of ``run`` its requester still wants (not cancelled, not served)."""
@@ -1044,7 +1054,7 @@ class SwarmSim:
             self.seeder.contact(requester, q.slots.pending(requester), self.clock.now)
 
     def _reply(self, p: Peer, gen: int, event: Event) -> None:
-        self.clock.after(self.lat, self._answer, p, gen, event)
+        self._message(self._answer, p, gen, event)
 
     def _answer(self, p: Peer, gen: int, event: Event) -> None:
         key = (event.peer, event.index)  # type: ignore[union-attr]
@@ -1094,7 +1104,7 @@ class SwarmSim:
                 run.indices = run.indices[:at]
                 self._fail(p, q.idx, [i], ChunkFailed)
                 if rest:
-                    self.clock.after(self.lat, self._ask_again, p, run, rest)
+                    self._message(self._ask_again, p, run, rest)
                 return
 
     def _ask_again(self, p: Peer, run: Run, rest: list[int]) -> None:
@@ -1165,7 +1175,7 @@ class SwarmSim:
 
     def _delivered(self, p: Peer, q: Peer, art: Artifact, run: Run, index: int) -> None:
         run.current, run.transfer = None, None
-        self.clock.after(self.lat, self._received, p, art, run.gen, self._checked(q, art, index))
+        self._message(self._received, p, art, run.gen, self._checked(q, art, index))
         if not self._serve(q, p, run):  # the run's next chunk follows at once
             self._upload_ended(q, p.idx)
 
@@ -1272,7 +1282,7 @@ class SwarmSim:
 
     def _forwarded(self, p: Peer, c: Peer, art: Artifact, index: int, gen: int) -> None:
         """A forwarded chunk left ``p``'s uplink: ``c`` has it a latency later."""
-        self.clock.after(self.lat, self._push_arrived, c, art, gen, self._checked(p, art, index))
+        self._message(self._push_arrived, c, art, gen, self._checked(p, art, index))
 
     def _reoffer(self, p: Peer, art: Artifact) -> None:
         """The trainer served ``p`` one of its chunks: top up what it shows ``p``."""
@@ -1291,7 +1301,7 @@ class SwarmSim:
             return
         chunks = self.tree.chunks(s, self._n_chunks(p.artifact))
         self._feed(p, PeerPushes(parent, frozenset(chunks)))
-        self.clock.after(self.lat, self._push_subscribed, p, parent, s, p.generation)
+        self._message(self._push_subscribed, p, parent, s, p.generation)
 
     def _push_subscribed(self, p: Peer, parent: int, s: int, gen: int) -> None:
         """The subscription reached ``parent``: it pushes what it holds of the stripe now and
@@ -1303,7 +1313,7 @@ class SwarmSim:
         if parent != TRAINER:
             self._follower(q, p.idx)
             held = frozenset(self._visible(q, p, art))
-            self.clock.after(self.lat, self._deliver_have, p, parent, gen, held)
+            self._message(self._deliver_have, p, parent, gen, held)
         for i in self.tree.chunks(s, self._n_chunks(art)):
             if i in q.have.get(art.ident, ()):
                 self._push_queue(q, p, i)
@@ -1337,7 +1347,7 @@ class SwarmSim:
     def _pushed_chunk(self, q: Peer, c: Peer, art: Artifact, index: int, gen: int) -> None:
         self.pushing.discard((q.idx, c.idx))
         self._push_next(q, c)
-        self.clock.after(self.lat, self._push_arrived, c, art, gen, self._checked(q, art, index))
+        self._message(self._push_arrived, c, art, gen, self._checked(q, art, index))
 
     def _push_arrived(self, p: Peer, art: Artifact, gen: int, event: Event) -> None:
         if p.generation != gen or not p.online or p.sched is None:
@@ -1409,7 +1419,7 @@ class SwarmSim:
         for s in p.subscribers:
             r = self.peers[s]
             if not silent and r.sched is not None:
-                self.clock.after(self.lat, self._lost, r, p.idx, r.generation)
+                self._message(self._lost, r, p.idx, r.generation)
             elif r.early is not None:  # an early feed ended: the download asks again
                 r.early.pop(p.idx, None)
                 r.early_asked.discard(p.idx)

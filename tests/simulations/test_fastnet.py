@@ -155,7 +155,7 @@ entries = st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max
 def test_the_compiled_heap_pops_live_entries_in_time_then_seq_order(plan: list) -> None:
     """The four-ary heap, rebuilt without its stale entries part way (as at ``COMPACT_AT``):
     what comes off it is the live entries sorted by (time, seq), ties by seq."""
-    state = netkernels.new_state(len(plan), 2 * len(plan))
+    state = netkernels.new_state(len(plan), 2 * len(plan), 1)
     fi, ht, hs, st_ = state[3], state[4], state[5], state[8]
     for seq, (t, live) in enumerate(plan, start=1):
         f = seq - 1  # one flow an entry; a stale entry's flow waits on another seq
@@ -170,3 +170,62 @@ def test_the_compiled_heap_pops_live_entries_in_time_then_seq_order(plan: list) 
         netkernels._pop(ht, hs, st_)
     live = sorted((float(t), seq) for seq, (t, on) in enumerate(plan, start=1) if on)
     assert popped == live
+
+
+# (time, line: None for the heap, else 0 or 1; cancelled before the run)
+sends = st.lists(
+    st.tuples(st.integers(0, 20), st.sampled_from([None, 0, 1]), st.booleans()),
+    min_size=1,
+    max_size=300,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(sends, st.integers(1, 300), st.integers(0, 21))
+def test_delay_lines_run_events_in_the_reference_order(plan: list, stop: int, pause: int) -> None:
+    """Events sent through the compiled clock's delay lines, in time order or not (one
+    earlier than its line's last waits in the heap), run as the reference's one heap runs
+    them: by time, ties in scheduling order, cancelled ones never, nothing past a deadline
+    (the run goes on from there), and an event may send more through a line at its own time."""
+    outcomes = []
+    for clock in (Clock(), FastClock()):
+        ran: list = []
+
+        def note(k: int, clock: Clock | FastClock = clock, ran: list = ran) -> None:
+            ran.append((clock.now, k))
+            if k % 5 == 0:  # a message sent now, arriving now
+                clock.line(k % 2, clock.now, ran.append, (clock.now, -k))
+
+        handles = [
+            clock.at(float(t), note, k) if line is None else clock.line(line, float(t), note, k)
+            for k, (t, line, _) in enumerate(plan)
+        ]
+        for h, (_, _, cancel) in zip(handles, plan):
+            if cancel:
+                clock.cancel(h)  # type: ignore[arg-type]
+        paused = clock.run(lambda: False, float(pause), stop)
+        cut = list(ran)
+        done = clock.run(lambda: False, 1e9, 10_000)
+        outcomes.append((cut, paused, ran, done, clock.events_run))
+    assert outcomes[0] == outcomes[1]
+    assert all(t <= pause for t, _ in outcomes[0][0])
+
+
+def test_a_delay_line_outgrows_its_first_length_and_keeps_its_order() -> None:
+    """Over a thousand messages in flight at once (more than a line first holds, sent while
+    earlier ones are taken, so the line has wrapped when it grows), among timers on the
+    heap: the same order as the reference's, and the line grew to hold them."""
+    outcomes = []
+    for clock in (Clock(), FastClock()):
+        ran: list = []
+        for r in range(8):
+            for k in range(800):
+                clock.line(0, r + (k // 3) * 1e-3, ran.append, (r, k))  # ties three at a time
+                if k % 7 == 0:
+                    clock.at(r + (k // 5) * 1e-3, ran.append, (r, -k))
+            clock.run(lambda: False, r + 0.1, 100_000)  # a third of the round's messages
+        assert clock.run(lambda: False, 1e9, 100_000) is False  # ran out of events
+        outcomes.append(ran)
+    assert outcomes[0] == outcomes[1]
+    assert len(outcomes[0]) == 8 * (800 + len(range(0, 800, 7)))
+    assert clock.state[10].shape[1] > 1_024  # type: ignore[union-attr]  (the compiled one grew)
