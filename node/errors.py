@@ -6,6 +6,8 @@ failure the same way; the exit status tells them apart (2 for a node that could 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from p2p_sync.errors import P2PSyncError
 
 
@@ -22,3 +24,12 @@ class CommandError(P2PSyncError):
 class UsageError(CommandError):
     """Bad input to a command that writes trust material (a key, a certificate, a peer id it
     cannot read): nothing was written; the CLI exits 2, as for a bad flag."""
+
+
+def read_input(path: Path, what: str) -> bytes:
+    """A command's input file, whole; one it cannot read is a :class:`CommandError` naming
+    ``what`` it should have been (one line, not a traceback)."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise CommandError(f"{path}: cannot read {what} ({exc.strerror})") from None

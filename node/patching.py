@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from node.errors import CommandError
+from node.errors import CommandError, read_input
 from p2p_sync import codec
 from p2p_sync.atomic import atomic_write_bytes
 from p2p_sync.errors import BaseMismatchError, ConfigError, PatchError
@@ -39,10 +39,7 @@ def pick_device(name: str) -> str:
 
 
 def read_patch_file(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise CommandError(f"{path}: cannot read patch ({exc.strerror})") from None
+    return read_input(path, "patch")
 
 
 def cmd_create(args: argparse.Namespace) -> int:

@@ -8,10 +8,13 @@ import json
 import time
 from pathlib import Path
 
+from node.errors import read_input
 from node.lazy import imported
 from p2p_sync.trust import manifest
 from p2p_sync.trust.keys import SigningKey, load_public_key, write_keypair
 from p2p_sync.trust.trusted import TrustedSet
+
+PATCH_MAGIC = b"P2PPATCH"  # a patch file's first bytes (``codec.MAGIC``: a test keeps them equal)
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -56,11 +59,10 @@ def _print_manifest(path: Path, m: manifest.Manifest, sigs: list[dict], verdict:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    patching = imported("node.patching")  # the codec, with torch: keygen does without it
-    data = patching.read_patch_file(args.file)
-    if data.startswith(patching.codec.MAGIC):
+    data = read_input(args.file, "manifest or patch")
+    if data.startswith(PATCH_MAGIC):  # the codec (torch) only for a patch: a manifest needs none
         args.json, args.verify = False, True
-        return int(patching.cmd_inspect(args))
+        return int(imported("node.patching").cmd_inspect(args))
     m, sigs = manifest.parse(data)
     verdict = "NOT verified (pass --trust and --swarm to verify)"
     if args.trust:

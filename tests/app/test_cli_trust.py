@@ -88,3 +88,32 @@ def test_inspect_handles_patches_too(tmp_path: Path, capsys, tiny_versions) -> N
     run(capsys, "patch", "create", "--base", a, "--new", b, "--out", p, "--device", "cpu")
     code, out, _ = run(capsys, "inspect", p)
     assert code == 0 and "p2psync patch v2" in out  # positions coded by the base's exponents
+
+
+def test_inspect_reads_a_manifest_without_the_codec(signed_manifest) -> None:
+    """A manifest is told from a patch by the patch's magic bytes, kept where reading them
+    imports no torch (the codec's own): ``inspect`` on a manifest answers without it."""
+    import subprocess
+    import sys
+
+    from node import trust_cmd
+    from p2p_sync import codec
+
+    assert trust_cmd.PATCH_MAGIC == codec.MAGIC
+    path, _ = signed_manifest
+    snippet = (
+        "import sys\n"
+        "from node.entry import main\n"
+        f"code = main(['inspect', {str(path)!r}])\n"
+        "print(code, [m for m in ('torch', 'numba') if m in sys.modules])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "NOT verified" in done.stdout
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
+
+
+def test_inspect_names_a_file_it_cannot_read(tmp_path: Path, capsys) -> None:
+    code, _, err = run(capsys, "inspect", tmp_path / "none.manifest")
+    assert code == 1 and "cannot read manifest or patch" in err and err.count("\n") == 1
