@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -259,3 +261,18 @@ def tiny_llama_config(**overrides: Any) -> Any:
         max_position_embeddings=64,
     )
     return LlamaConfig(**{**fields, **overrides})
+
+
+def heavy_modules_after(cli_lines: str) -> subprocess.CompletedProcess:
+    """Run ``cli_lines`` (Python calling ``node.entry.main``) in a fresh interpreter, then
+    print which of torch and numba it imported: what a command costs a user at start-up
+    (this interpreter has imported them all)."""
+    snippet = (
+        "import sys\n"
+        "from node.entry import main\n"
+        f"{cli_lines}\n"
+        "print([m for m in ('torch', 'numba') if m in sys.modules])\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, check=True
+    )

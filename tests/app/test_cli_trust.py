@@ -12,6 +12,7 @@ from node.cli import main
 from p2p_sync.trust.chunks import manifest_for
 from p2p_sync.trust.keys import load_public_key, load_signing_key
 from p2p_sync.trust.manifest import SNAPSHOT, SwarmPolicy, sign
+from tests.helpers import heavy_modules_after
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -93,25 +94,14 @@ def test_inspect_handles_patches_too(tmp_path: Path, capsys, tiny_versions) -> N
 def test_inspect_reads_a_manifest_without_the_codec(signed_manifest) -> None:
     """A manifest is told from a patch by the patch's magic bytes, kept where reading them
     imports no torch (the codec's own): ``inspect`` on a manifest answers without it."""
-    import subprocess
-    import sys
-
     from node import trust_cmd
     from p2p_sync import codec
 
     assert trust_cmd.PATCH_MAGIC == codec.MAGIC
     path, _ = signed_manifest
-    snippet = (
-        "import sys\n"
-        "from node.entry import main\n"
-        f"code = main(['inspect', {str(path)!r}])\n"
-        "print(code, [m for m in ('torch', 'numba') if m in sys.modules])\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", snippet], capture_output=True, text=True, timeout=120, check=True
-    )
+    done = heavy_modules_after(f"print(main(['inspect', {str(path)!r}]))")
     assert "NOT verified" in done.stdout
-    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
+    assert done.stdout.splitlines()[-2:] == ["0", "[]"], done.stdout + done.stderr
 
 
 def test_inspect_names_a_file_it_cannot_read(tmp_path: Path, capsys) -> None:
