@@ -3,22 +3,30 @@
 
 Same interface, same order: events run by (time, scheduling order), cancelled ones never. The
 heap holds only each event's time and sequence number; its callback waits in a dict until it
-comes up. A finish that completes a transfer hands its callback to the network. Events sent
-through :meth:`FastClock.line` wait in the kernels' delay lines instead of the heap.
+comes up. A finish that completes a transfer hands its callback to the network.
+
+Events sent through :meth:`FastClock.line` (messages one latency from now, whose times never go
+back) wait in delay lines, FIFOs of (time, seq) here, not in the heap. The clock knows the
+heap's first entry (every kernel that changes the heap says what it is), so an event at a
+line's head runs with no call into the kernels at all; the kernels' :func:`step` stops at the
+lines' first entry.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
+from math import inf
 from typing import Any, Protocol
 
 from simulations import netkernels as k
 from simulations.clock import EventLoop, Every, Until
-from simulations.netkernels import push_event, push_line
+from simulations.netkernels import push_event
 
 FIRST_FLOWS = 1_024  # flow slots to start with; doubled whenever they run out
 FIRST_HEAP = 65_536  # heap entries to start with; doubled whenever room runs short
-FIRST_LINE = 1_024  # entries a delay line holds to start with; doubled whenever one fills
+LINES = 2  # delay lines: ``line`` numbers 0 and 1
+NONE = (inf, 0)  # no entry: after every other (time, seq)
 
 
 class Completions(Protocol):
@@ -35,44 +43,49 @@ class FastClock(EventLoop):
         self._seq = 0
         self.events_run = 0
         self.heap_n = 0  # entries in the heap, live or not
-        self.adopt(k.new_state(FIRST_FLOWS, FIRST_HEAP, FIRST_LINE))
+        self.top: tuple[float, int] = NONE  # the heap's first (time, seq); a stale one is earlier
+        self.adopt(k.new_state(FIRST_FLOWS, FIRST_HEAP))
         self._waiting: dict[int, tuple[Callable[..., Any], tuple] | None] = {}
+        self.lines: tuple[deque[tuple[float, int]], ...] = tuple(deque() for _ in range(LINES))
         self.network: Completions | None = None
 
     def at(self, t: float, fn: Callable[..., Any], *args: Any) -> int:
         """Schedule ``fn(*args)`` at ``t`` (now, if ``t`` is past); the handle can cancel it."""
         self._seq = seq = self._seq + 1
         self._waiting[seq] = (fn, args)
-        if self.heap_n > self.room:
-            self.make_room()
         now = self.now
-        self.heap_n = push_event(self.state, t if t > now else now, seq)
+        self._push(t if t > now else now, seq)
         return seq
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> int:
-        """``at(now + delay, ...)`` in one call: how the simulator schedules nearly always."""
+        """``at(now + delay, ...)`` in one call."""
         self._seq = seq = self._seq + 1
         self._waiting[seq] = (fn, args)
-        if self.heap_n > self.room:
-            self.make_room()
         now = self.now
-        self.heap_n = push_event(self.state, now + delay if delay > 0 else now, seq)
+        self._push(now + delay if delay > 0 else now, seq)
         return seq
 
     def line(self, n: int, t: float, fn: Callable[..., Any], *args: Any) -> int:
-        """``at(t, ...)`` through delay line ``n`` (a FIFO beside the heap, for a stream whose
-        times never go back); an event earlier than the line's last still goes to the heap."""
+        """``at(t, ...)`` through delay line ``n``; an event earlier than the line's last goes
+        to the heap (the order is the same either way)."""
         self._seq = seq = self._seq + 1
         self._waiting[seq] = (fn, args)
+        now = self.now
+        if t < now:
+            t = now
+        line = self.lines[n]
+        if line and line[-1][0] > t:
+            self._push(t, seq)
+        else:
+            line.append((t, seq))
+        return seq
+
+    def _push(self, t: float, seq: int) -> None:
         if self.heap_n > self.room:
             self.make_room()
-        now = self.now
-        heap_n = push_line(self.state, n, t if t > now else now, seq)
-        if heap_n == k.FULL:
-            self.adopt(k.longer_lines(self.state))
-            heap_n = push_line(self.state, n, t if t > now else now, seq)
-        self.heap_n = heap_n
-        return seq
+        self.heap_n = push_event(self.state, t, seq)
+        if t < self.top[0]:  # (a tie in time: the earlier seq is already on top)
+            self.top = (t, seq)
 
     def cancel(self, entry: int) -> None:
         """The event ``entry`` will not run (no-op if it ran or was cancelled already)."""
@@ -96,28 +109,44 @@ class FastClock(EventLoop):
             self.room = heap - flows - 1
 
     def _events(self, until: Until, deadline: float, max_events: int, every: Every) -> bool:
-        waiting, step, stopped, clock_event = self._waiting, k.step, k.STOPPED, k.CLOCK_EVENT
+        waiting, step, clock_event, stopped = self._waiting, k.step, k.CLOCK_EVENT, k.STOPPED
+        completed, (first, second) = k.COMPLETED, self.lines
         network = self.network
         ran, mark = 0, 20_000 if every is not None else max_events
         try:
             while ran < max_events and not until():
-                came, ident, t, moved, finishes, self._seq, self.heap_n = step(
-                    self.state, deadline, self._seq
-                )
-                ran += finishes
-                if came == clock_event:
-                    self.now = t
-                    item = waiting.pop(ident)
+                head, line = (first[0], first) if first else (NONE, first)
+                if second and second[0] < head:
+                    head, line = second[0], second
+                if head < self.top:  # a delay line's head: no call into the kernels
+                    if head[0] > deadline:
+                        break
+                    line.popleft()
+                    self.now = head[0]
+                    item = waiting.pop(head[1])
                     if item is None:  # cancelled
                         continue
                     item[0](*item[1])
                     ran += 1
-                elif came == stopped:
-                    break
                 else:
-                    self.now = t
-                    assert network is not None
-                    network.completed(ident, moved)
+                    came, ident, t, moved, finishes, self._seq, self.heap_n, self.top = step(
+                        self.state, deadline, self._seq, head
+                    )
+                    ran += finishes
+                    if came == clock_event:
+                        self.now = t
+                        item = waiting.pop(ident)
+                        if item is None:  # cancelled
+                            continue
+                        item[0](*item[1])
+                        ran += 1
+                    elif came == completed:
+                        self.now = t
+                        assert network is not None
+                        network.completed(ident, moved)
+                    elif came == stopped:
+                        break
+                    # else a delay line's head comes first: the next turn takes it
                 if ran >= mark and every is not None:
                     mark += 20_000
                     every()

@@ -54,7 +54,7 @@ class FastNetwork:
         clock = self.clock
         if clock.heap_n > clock.room:
             clock.make_room()
-        clock._seq, clock.heap_n = k.start(
+        clock._seq, clock.heap_n, clock.top = k.start(
             clock.state, slot, src, dst, float(nbytes), clock.now, clock._seq
         )
         return flow
@@ -65,7 +65,9 @@ class FastNetwork:
             return False
         clock = self.clock
         clock.make_room()
-        t.moved, clock._seq, clock.heap_n = k.cancel(clock.state, t.slot, clock.now, clock._seq)
+        t.moved, clock._seq, clock.heap_n, clock.top = k.cancel(
+            clock.state, t.slot, clock.now, clock._seq
+        )
         self._release(t)
         return True
 
@@ -96,7 +98,7 @@ class FastNetwork:
         finally:
             if clock.heap_n > clock.room:
                 clock.make_room()
-            clock._seq, clock.heap_n = k.end_batch(clock.state, clock.now, clock._seq)
+            clock._seq, clock.heap_n, clock.top = k.end_batch(clock.state, clock.now, clock._seq)
 
     def _release(self, t: Flow) -> None:
         self._flows[t.slot] = None

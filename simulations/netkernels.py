@@ -13,12 +13,10 @@ the clock's events interleave as they do there. ``flow`` -1 is a clock event (it
 stays in Python); a finish is live while its flow's ``EVENT`` is its ``seq`` (one cancelled or
 superseded is skipped when it comes up, and the heap is rebuilt without them once they are a
 quarter of it). Contiguous arrays matter at scale: 10,000 peers keep ~900,000 events waiting,
-and a heap of Python lists missed the caches on every comparison.
-
-Most of those are messages on the swarm's one latency, whose times never go back: they wait
-in delay lines (FIFOs, ``LINES`` of them) beside the heap, and :func:`step` takes whichever of
-the heap's top and the lines' heads comes first by (time, seq), so the order is the heap's
-alone, and the heap stays the size of what is not in order (timers, finishes)."""
+and a heap of Python lists missed the caches on every comparison. Most of those are messages
+on the swarm's one latency, which the clock keeps in delay lines of its own
+(:class:`simulations.fastclock.FastClock`): :func:`step` stops at the first of them (its
+``bound``), and every entry point that changes the heap says what its top now is."""
 
 from __future__ import annotations
 
@@ -38,25 +36,19 @@ SRC, DST, EVENT, OPREV, ONEXT, IPREV, INEXT, MARK = range(8)
 # st: scalars
 HEAP_N, STALE, BATCH, NB_UP, NB_DOWN, EPOCH, BATCH_EPOCH = range(7)
 STATE_SCALARS = 8
-# ll: a delay line's ints (where its oldest entry is, how many wait)
-LINE_HEAD, LINE_N = range(2)
-LINES = 2  # delay lines: the clock's ``line`` numbers 0 and 1
-FULL = -1  # what :func:`push_line` says of a full line (the clock makes room, then pushes)
 COMPACT_AT = 4_096  # as the clock's: a heap this long, a quarter of it stale, is rebuilt
-STOPPED, CLOCK_EVENT, COMPLETED = range(3)  # what :func:`step` came to
+STOPPED, CLOCK_EVENT, COMPLETED, BOUND = range(4)  # what :func:`step` came to
 
 jit = numba.njit(cache=True)
 
 
-def new_state(flows: int, heap: int, line: int) -> tuple:
-    """Arrays for no nodes yet (:func:`with_nodes`), ``flows`` concurrent flows, a heap of
-    ``heap`` entries and delay lines of ``line`` each."""
+def new_state(flows: int, heap: int) -> tuple:
+    """Arrays for no nodes yet (:func:`with_nodes`), ``flows`` concurrent flows and a heap of
+    ``heap`` entries."""
     ff, fi, sf, si = _flow_arrays(flows)
     ht, hs = np.zeros(heap), np.zeros((heap, 2), np.int64)
     st, bl = np.zeros(STATE_SCALARS, np.int64), np.zeros(2, np.int64)
-    lines = np.zeros((LINES, line)), np.zeros((LINES, line), np.int64)
-    lines += (np.zeros((LINES, 2), np.int64),)  # a line's head and length
-    return (*_node_arrays([], []), ff, fi, ht, hs, sf, si, st, bl, *lines)
+    return (*_node_arrays([], []), ff, fi, ht, hs, sf, si, st, bl)
 
 
 def _flow_arrays(flows: int) -> tuple:
@@ -79,36 +71,23 @@ def _node_arrays(uplink: list[float], downlink: list[float]) -> tuple:
 def with_nodes(state: tuple, uplink: list[float], downlink: list[float]) -> tuple:
     """``state`` with these nodes' links (and their lists of links to re-rate: ``bl``)."""
     nf, ni = _node_arrays(uplink, downlink)
-    return (nf, ni, *state[2:9], np.zeros(2 * len(nf) + 2, np.int64), *state[10:])
+    return (nf, ni, *state[2:9], np.zeros(2 * len(nf) + 2, np.int64))
 
 
 def more_flows(state: tuple, flows: int) -> tuple:
     """``state`` with room for ``flows`` flows, those running kept."""
-    nf, ni, ff, fi, ht, hs, sf, si, st, bl, *lines = state
+    nf, ni, ff, fi, ht, hs, sf, si, st, bl = state
     nff, nfi, nsf, nsi = _flow_arrays(flows)
     nff[: len(ff)], nfi[: len(fi)] = ff, fi
-    return (nf, ni, nff, nfi, ht, hs, nsf, nsi, st, bl, *lines)
+    return (nf, ni, nff, nfi, ht, hs, nsf, nsi, st, bl)
 
 
 def bigger_heap(state: tuple, heap: int) -> tuple:
     """``state`` with room for ``heap`` entries, those waiting kept."""
-    nf, ni, ff, fi, ht, hs, sf, si, st, bl, *lines = state
+    nf, ni, ff, fi, ht, hs, sf, si, st, bl = state
     nht, nhs = np.zeros(heap), np.zeros((heap, 2), np.int64)
     nht[: len(ht)], nhs[: len(hs)] = ht, hs
-    return (nf, ni, ff, fi, nht, nhs, sf, si, st, bl, *lines)
-
-
-def longer_lines(state: tuple) -> tuple:
-    """``state`` with delay lines twice as long, their entries kept in order."""
-    lt, ls, ll = state[10:13]
-    size = lt.shape[1]
-    nlt, nls = np.zeros((LINES, 2 * size)), np.zeros((LINES, 2 * size), np.int64)
-    for line in range(LINES):
-        order = (ll[line, LINE_HEAD] + np.arange(ll[line, LINE_N])) % size
-        nlt[line, : len(order)], nls[line, : len(order)] = lt[line, order], ls[line, order]
-    nll = ll.copy()
-    nll[:, LINE_HEAD] = 0
-    return (*state[:10], nlt, nls, nll)
+    return (nf, ni, ff, fi, nht, nhs, sf, si, st, bl)
 
 
 # ------------------------------------------------ the heap: finishes and the clock's events
@@ -183,6 +162,14 @@ def _top(fi, ht, hs, st):
     if st[HEAP_N] == 0:
         return inf, 0
     return ht[0], hs[0, 0]
+
+
+@jit
+def _first(fi, ht, hs, st):
+    """The heap's first live entry, as the clock compares it with its delay lines: (time,
+    seq), (inf, 0) when none. Stale entries on top go (only a kernel makes an entry stale, and
+    each says what comes first when it returns: so the clock's copy is live)."""
+    return _top(fi, ht, hs, st)
 
 
 # ---------------------------------------------------------------- one flow
@@ -406,47 +393,6 @@ def _remove(S, f, now, seq):
 
 
 @jit
-def push_line(S, line, t, seq):
-    """The clock's event ``seq`` at ``t`` into delay line ``line`` if no entry there is later,
-    else into the heap: the heap's length, or ``FULL`` (nothing pushed) for a full line."""
-    lt, ls, ll, st = S[10], S[11], S[12], S[8]
-    n, size = ll[line, LINE_N], lt.shape[1]
-    if n and lt[line, (ll[line, LINE_HEAD] + n - 1) % size] > t:
-        _push(S[3], S[4], S[5], st, t, seq, -1)  # out of order: the heap keeps it
-        return st[HEAP_N]
-    if n == size:
-        return FULL
-    tail = (ll[line, LINE_HEAD] + n) % size
-    lt[line, tail], ls[line, tail] = t, seq
-    ll[line, LINE_N] = n + 1
-    return st[HEAP_N]
-
-
-@jit
-def _first_line(S, t, s):
-    """The delay line whose head comes before (``t``, ``s``), the heap's top: the first of
-    them by (time, seq), or -1 when none does."""
-    lt, ls, ll = S[10], S[11], S[12]
-    first = -1
-    for line in range(LINES):
-        if ll[line, LINE_N]:
-            head = ll[line, LINE_HEAD]
-            if lt[line, head] < t or (lt[line, head] == t and ls[line, head] < s):
-                first, t, s = line, lt[line, head], ls[line, head]
-    return first
-
-
-@jit
-def _pop_line(S, line):
-    """Take delay line ``line``'s head: its seq."""
-    ls, ll = S[11], S[12]
-    head = ll[line, LINE_HEAD]
-    ll[line, LINE_HEAD] = (head + 1) % ls.shape[1]
-    ll[line, LINE_N] -= 1
-    return ls[line, head]
-
-
-@jit
 def push_event(S, t, seq):
     """The clock's event ``seq`` at ``t`` (its callback is the clock's): the heap's length."""
     fi, ht, hs, st = S[3], S[4], S[5], S[8]
@@ -456,47 +402,52 @@ def push_event(S, t, seq):
 
 @jit
 def start(S, f, src, dst, nbytes, now, seq):
-    """Flow ``f`` (a free slot) starts ``nbytes`` from ``src`` to ``dst``: (seq, heap length)."""
+    """Flow ``f`` (a free slot) starts ``nbytes`` from ``src`` to ``dst``: (seq, heap length,
+    heap's first entry)."""
     ni, ff, fi, st = S[1], S[2], S[3], S[8]
     ff[f, REMAINING], ff[f, RATE], ff[f, SINCE], ff[f, MOVED] = nbytes, 0.0, now, 0.0
     fi[f, SRC], fi[f, DST], fi[f, EVENT] = src, dst, -1
     _link(ni, fi, f, src, dst)
     seq = _rerate(S, src, dst, now, seq)
-    return seq, st[HEAP_N]
+    top = _first(S[3], S[4], S[5], st)
+    return seq, st[HEAP_N], top
 
 
 @jit
 def cancel(S, f, now, seq):
-    """Stop flow ``f``: (bytes it moved, seq, heap length)."""
+    """Stop flow ``f``: (bytes it moved, seq, heap length, heap's first entry)."""
     ff, st = S[2], S[8]
     _settle(S, f, now)
     seq = _remove(S, f, now, seq)
-    return ff[f, MOVED], seq, st[HEAP_N]
+    top = _first(S[3], S[4], S[5], st)
+    return ff[f, MOVED], seq, st[HEAP_N], top
 
 
 @jit
-def step(S, deadline, seq):
-    """Run finish events up to the next of the clock's events or the first finish that
-    completes a flow, by ``deadline``. That flow is removed, with its links' re-rating held
-    for :func:`end_batch` (its callback may start the slot's next chunk).
-    Returns (what came: STOPPED, CLOCK_EVENT or COMPLETED; the event's seq or the flow; its time;
-    the bytes the flow moved; finish events run; seq; heap length)."""
+def step(S, deadline, seq, bound):
+    """Run finish events up to the next of the clock's events, the first finish that completes
+    a flow, or ``bound`` (the clock's delay lines' first entry, (time, seq); (inf, 0): none),
+    by ``deadline``. A completed flow is removed, with its links' re-rating held for
+    :func:`end_batch` (its callback may start the slot's next chunk).
+    Returns (what came: STOPPED, CLOCK_EVENT, COMPLETED or BOUND; the event's seq or the flow;
+    its time; the bytes the flow moved; finish events run; seq; heap length; heap's first)."""
     ff, fi, ht, hs, st = S[2], S[3], S[4], S[5], S[8]
+    bt, bs = bound
     events = 0
     while True:
         t, s = _top(fi, ht, hs, st)
-        line = _first_line(S, t, s)
-        if line >= 0:  # a delay line's head comes first
-            t = S[10][line, S[12][line, LINE_HEAD]]
-            if t > deadline:
-                return STOPPED, 0, t, 0.0, events, seq, st[HEAP_N]
-            return CLOCK_EVENT, _pop_line(S, line), t, 0.0, events, seq, st[HEAP_N]
+        if bs and (st[HEAP_N] == 0 or t > bt or (t == bt and s > bs)):
+            came = BOUND if bt <= deadline else STOPPED
+            top = _first(fi, ht, hs, st)
+            return came, 0, bt, 0.0, events, seq, st[HEAP_N], top
         if st[HEAP_N] == 0 or t > deadline:
-            return STOPPED, 0, t, 0.0, events, seq, st[HEAP_N]
+            top = _first(fi, ht, hs, st)
+            return STOPPED, 0, t, 0.0, events, seq, st[HEAP_N], top
         f = hs[0, 1]
         _pop(ht, hs, st)
         if f < 0:
-            return CLOCK_EVENT, s, t, 0.0, events, seq, st[HEAP_N]
+            top = _first(fi, ht, hs, st)
+            return CLOCK_EVENT, s, t, 0.0, events, seq, st[HEAP_N], top
         fi[f, EVENT] = -1
         events += 1
         _settle(S, f, t)
@@ -508,16 +459,19 @@ def step(S, deadline, seq):
         st[BATCH], st[NB_UP], st[NB_DOWN] = 1, 0, 0
         st[BATCH_EPOCH] += 1
         seq = _remove(S, f, t, seq)
-        return COMPLETED, f, t, ff[f, MOVED], events, seq, st[HEAP_N]
+        top = _first(fi, ht, hs, st)
+        return COMPLETED, f, t, ff[f, MOVED], events, seq, st[HEAP_N], top
 
 
 @jit
 def end_batch(S, now, seq):
-    """Re-rate the links noted since :func:`step` completed a flow: (seq, heap length)."""
+    """Re-rate the links noted since :func:`step` completed a flow: (seq, heap length, heap's
+    first entry)."""
     ni, st = S[1], S[8]
     st[BATCH] = 0
     seq = _rerate_links(S, 0, st[NB_UP], len(ni), st[NB_DOWN], now, seq)
-    return seq, st[HEAP_N]
+    top = _first(S[3], S[4], S[5], st)
+    return seq, st[HEAP_N], top
 
 
 @jit
