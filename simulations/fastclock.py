@@ -118,35 +118,32 @@ class FastClock(EventLoop):
                 head, line = (first[0], first) if first else (NONE, first)
                 if second and second[0] < head:
                     head, line = second[0], second
-                if head < self.top:  # a delay line's head: no call into the kernels
-                    if head[0] > deadline:
-                        break
-                    line.popleft()
-                    self.now = head[0]
-                    item = waiting.pop(head[1])
-                    if item is None:  # cancelled
-                        continue
-                    item[0](*item[1])
-                    ran += 1
-                else:
+                if not head < self.top:  # the heap's first comes first, or nothing waits
                     came, ident, t, moved, finishes, self._seq, self.heap_n, self.top = step(
                         self.state, deadline, self._seq, head
                     )
                     ran += finishes
-                    if came == clock_event:
-                        self.now = t
-                        item = waiting.pop(ident)
-                        if item is None:  # cancelled
-                            continue
-                        item[0](*item[1])
-                        ran += 1
-                    elif came == completed:
+                    if came == stopped:
+                        break
+                    if came == completed:
                         self.now = t
                         assert network is not None
                         network.completed(ident, moved)
-                    elif came == stopped:
+                        continue
+                    if came == clock_event:
+                        line = None
+                        head = (t, ident)
+                    # else finishes ran up to the line's head, which comes first now
+                if line is not None:  # a delay line's head: no call into the kernels
+                    if head[0] > deadline:
                         break
-                    # else a delay line's head comes first: the next turn takes it
+                    line.popleft()
+                self.now = head[0]
+                item = waiting.pop(head[1])
+                if item is None:  # cancelled
+                    continue
+                item[0](*item[1])
+                ran += 1
                 if ran >= mark and every is not None:
                     mark += 20_000
                     every()
