@@ -38,10 +38,6 @@ def pick_device(name: str) -> str:
         raise CommandError(str(exc)) from None
 
 
-def read_patch_file(path: Path) -> bytes:
-    return read_input(path, "patch")
-
-
 def cmd_create(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     base = load_weights(args.base, device)
@@ -64,7 +60,7 @@ def cmd_create(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
-    data = read_patch_file(args.patch)
+    data = read_input(args.patch, "patch")
     info = codec.read_header(data)
     weights = load_weights(args.base, device)
     try:  # decoding reads the base too: exponent-class positions are coded against it
@@ -206,7 +202,7 @@ def _rows_table(rows: list[dict]) -> Table:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    data = read_patch_file(args.file)
+    data = read_input(args.file, "patch")
     info = codec.read_header(data)
     checked = _verify(args, data) if args.verify else None
     d = inspect_dict(info)

@@ -155,21 +155,15 @@ def _push(fi, ht, hs, st, t, seq, f):
 
 @jit
 def _top(fi, ht, hs, st):
-    """The next live entry's (time, seq); (inf, 0) when none. Stale entries on top go."""
+    """The next live entry's (time, seq); (inf, 0) when none. Stale entries on top go. Each
+    entry point returns it to the clock, which compares it with its delay lines (only a kernel
+    makes an entry stale, so the clock's copy is live)."""
     while st[HEAP_N] > 0 and hs[0, 1] >= 0 and fi[hs[0, 1], EVENT] != hs[0, 0]:
         _pop(ht, hs, st)
         st[STALE] -= 1
     if st[HEAP_N] == 0:
         return inf, 0
     return ht[0], hs[0, 0]
-
-
-@jit
-def _first(fi, ht, hs, st):
-    """The heap's first live entry, as the clock compares it with its delay lines: (time,
-    seq), (inf, 0) when none. Stale entries on top go (only a kernel makes an entry stale, and
-    each says what comes first when it returns: so the clock's copy is live)."""
-    return _top(fi, ht, hs, st)
 
 
 # ---------------------------------------------------------------- one flow
@@ -403,23 +397,23 @@ def push_event(S, t, seq):
 @jit
 def start(S, f, src, dst, nbytes, now, seq):
     """Flow ``f`` (a free slot) starts ``nbytes`` from ``src`` to ``dst``: (seq, heap length,
-    heap's first entry)."""
+    heap's first live entry)."""
     ni, ff, fi, st = S[1], S[2], S[3], S[8]
     ff[f, REMAINING], ff[f, RATE], ff[f, SINCE], ff[f, MOVED] = nbytes, 0.0, now, 0.0
     fi[f, SRC], fi[f, DST], fi[f, EVENT] = src, dst, -1
     _link(ni, fi, f, src, dst)
     seq = _rerate(S, src, dst, now, seq)
-    top = _first(S[3], S[4], S[5], st)
+    top = _top(S[3], S[4], S[5], st)
     return seq, st[HEAP_N], top
 
 
 @jit
 def cancel(S, f, now, seq):
-    """Stop flow ``f``: (bytes it moved, seq, heap length, heap's first entry)."""
+    """Stop flow ``f``: (bytes it moved, seq, heap length, heap's first live entry)."""
     ff, st = S[2], S[8]
     _settle(S, f, now)
     seq = _remove(S, f, now, seq)
-    top = _first(S[3], S[4], S[5], st)
+    top = _top(S[3], S[4], S[5], st)
     return ff[f, MOVED], seq, st[HEAP_N], top
 
 
@@ -430,7 +424,7 @@ def step(S, deadline, seq, bound):
     by ``deadline``. A completed flow is removed, with its links' re-rating held for
     :func:`end_batch` (its callback may start the slot's next chunk).
     Returns (what came: STOPPED, CLOCK_EVENT, COMPLETED or BOUND; the event's seq or the flow;
-    its time; the bytes the flow moved; finish events run; seq; heap length; heap's first)."""
+    its time; the bytes the flow moved; finish events run; seq; heap length; heap's first live)."""
     ff, fi, ht, hs, st = S[2], S[3], S[4], S[5], S[8]
     bt, bs = bound
     events = 0
@@ -438,15 +432,13 @@ def step(S, deadline, seq, bound):
         t, s = _top(fi, ht, hs, st)
         if bs and (st[HEAP_N] == 0 or t > bt or (t == bt and s > bs)):
             came = BOUND if bt <= deadline else STOPPED
-            top = _first(fi, ht, hs, st)
-            return came, 0, bt, 0.0, events, seq, st[HEAP_N], top
+            return came, 0, bt, 0.0, events, seq, st[HEAP_N], (t, s)
         if st[HEAP_N] == 0 or t > deadline:
-            top = _first(fi, ht, hs, st)
-            return STOPPED, 0, t, 0.0, events, seq, st[HEAP_N], top
+            return STOPPED, 0, t, 0.0, events, seq, st[HEAP_N], (t, s)
         f = hs[0, 1]
         _pop(ht, hs, st)
         if f < 0:
-            top = _first(fi, ht, hs, st)
+            top = _top(fi, ht, hs, st)
             return CLOCK_EVENT, s, t, 0.0, events, seq, st[HEAP_N], top
         fi[f, EVENT] = -1
         events += 1
@@ -459,7 +451,7 @@ def step(S, deadline, seq, bound):
         st[BATCH], st[NB_UP], st[NB_DOWN] = 1, 0, 0
         st[BATCH_EPOCH] += 1
         seq = _remove(S, f, t, seq)
-        top = _first(fi, ht, hs, st)
+        top = _top(fi, ht, hs, st)
         return COMPLETED, f, t, ff[f, MOVED], events, seq, st[HEAP_N], top
 
 
@@ -470,7 +462,7 @@ def end_batch(S, now, seq):
     ni, st = S[1], S[8]
     st[BATCH] = 0
     seq = _rerate_links(S, 0, st[NB_UP], len(ni), st[NB_DOWN], now, seq)
-    top = _first(S[3], S[4], S[5], st)
+    top = _top(S[3], S[4], S[5], st)
     return seq, st[HEAP_N], top
 
 
