@@ -29,9 +29,11 @@ and the node's messaging, as follows.
   node's have feed, ``GET /have?feed=1``); the answer comes after a round trip, and from then
   on the neighbour pushes each newly verified chunk, coalesced while a push is on its way (one
   latency), as the feed writes each answer on the open response. The news a follower gets
-  within ``NEWS_BATCH_S``, and the chunks that land there in that window, are taken in one
-  scheduling decision at its end, as the node's driver takes the events that queued up while
-  its loop was busy (``Scheduler.handle_many``); a chunk is kept and announced as it lands.
+  within one decision window (``Scenario.decision_window_ms``: a tenth of the latency, at
+  least 1 ms), and the chunks that land there in that window, are taken in one scheduling
+  decision at its end, as the node's driver takes the events that queued up while its loop
+  was busy (``Scheduler.handle_many``); a chunk is kept and announced as it lands. One
+  decision per item made the scheduler most of a run's cost.
 * Requests: the chunks one scheduler step asks of one public peer go in one request (a run:
   ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
   serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the
@@ -138,11 +140,6 @@ HAVE_WAIT_S = HttpLimits().have_wait_s  # a have feed quiet this long ends (aske
 # JSON text: 72 B a chunk; the earlier base64 form in the JSON: 46 B)
 MANIFEST_BYTES_PER_CHUNK = 34
 MBPS = 1e6 / 8  # bytes/s in one Mbit/s
-# have-map news and chunks reaching a follower within this window are taken in one scheduling
-# decision (a node's driver takes what queued up while its loop was busy): the have news is most
-# of a swarm's events, and one decision per item made the scheduler most of the run's cost
-# (one per landed chunk as well: 27% of a 60-peer run's time, ratio to the bound +0.8%)
-NEWS_BATCH_S = 0.001
 V = TypeVar("V")
 
 
@@ -270,6 +267,7 @@ class SwarmSim:
         compiled = not (reference_network or scenario.slow_start)
         self.clock: Clock | FastClock = FastClock() if compiled else Clock()
         self.lat = scenario.latency_ms / 1000
+        self.window = scenario.decision_window_s  # news and chunks: one decision a window
         # private swarms: when each ordered pair's TLS handshake completes (or completed)
         self.handshaken: dict[tuple[int, int], float] = {}
         self.peers = self._make_peers()
@@ -881,8 +879,8 @@ class SwarmSim:
 
     def _push_have(self, q: Peer, p_idx: int, index: int) -> None:
         """``q`` tells follower ``p_idx`` of a new chunk: coalesced while the news is on its
-        way (a latency), delivered with the other news ``p`` gets in the same
-        ``NEWS_BATCH_S`` (one scheduling decision for all of it)."""
+        way (a latency), delivered with the other news ``p`` gets in the same decision
+        window (one scheduling decision for all of it)."""
         key = (q.idx, p_idx)
         pending = self.pending_have.get(key)
         if pending is not None:
@@ -892,10 +890,11 @@ class SwarmSim:
         self._inbox(p_idx, self.clock.now + self.lat).append(q.idx)
 
     def _inbox(self, p_idx: int, when: float) -> list[int | tuple[int, Event]]:
-        """What reaches ``p_idx`` in the ``NEWS_BATCH_S`` window that ``when`` falls in: taken
-        in one decision at the window's end."""
+        """What reaches ``p_idx`` in the decision window that ``when`` falls in: taken in one
+        decision at the window's end."""
         t0 = self.published_at  # windows from the version's start: each version alike
-        due = t0 + -(-(when - t0) // NEWS_BATCH_S) * NEWS_BATCH_S
+        window = self.window
+        due = t0 + -(-(when - t0) // window) * window
         inbox = self.inbox.get((p_idx, due))
         if inbox is None:
             inbox = self.inbox[(p_idx, due)] = []

@@ -459,6 +459,8 @@ class Scheduler:
     def _timeouts(self, now: float) -> list[Action]:
         actions: list[Action] = [PushStopped(peer) for peer in self.pushes.expire(now)]
         soft = self._timeout_limit()
+        if not self._unordered and next(iter(self._starts.values()), now) + soft > now:
+            return actions  # the oldest request is within even the soft limit: all are
         expired = [
             (peer, i)
             for i, peers in self.inflight.items()

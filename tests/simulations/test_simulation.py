@@ -691,6 +691,45 @@ def test_scenario_defaults_are_the_nodes_defaults() -> None:
     assert (sc.chunk_kb * 1024, sc.max_peers) == (node.publish.chunk_size, node.directory.max_peers)
 
 
+def test_the_decision_window_is_a_tenth_of_the_latency_and_at_least_a_millisecond() -> None:
+    assert scenario(latency_ms=20.0).decision_window_s == pytest.approx(0.002)
+    assert scenario(latency_ms=5.0).decision_window_s == pytest.approx(0.001)  # the floor
+    assert scenario(latency_ms=0.0).decision_window_s == pytest.approx(0.001)
+    assert scenario(latency_ms=5.0, decision_window_ms=3.0).decision_window_s == 0.003
+    with pytest.raises(ScenarioError, match="decision_window_ms: must be >= 0"):
+        scenario(decision_window_ms=-1.0)
+
+
+@pytest.mark.parametrize(("latency_ms", "window_ms"), [(20.0, 0.0), (20.0, 5.0), (5.0, 0.0)])
+def test_a_node_decides_at_the_end_of_its_window(latency_ms: float, window_ms: float) -> None:
+    """News and chunks that reach a follower are taken at the end of the window they land in
+    (a grid from the version's start), so every completion falls on that grid, and a wider
+    window takes more of them in each decision."""
+    kw = dict(peers=12, payload_mb=2.0, latency_ms=latency_ms, max_requests_per_peer=8)
+    sim = SwarmSim(scenario(**kw, decision_window_ms=window_ms))
+    result = sim.run_version(1)
+    window = sim.sc.decision_window_s
+    assert result.converged == 12
+    for took in result.completion_s:
+        assert took / window == pytest.approx(round(took / window), abs=1e-6), took
+
+
+def test_a_wider_decision_window_takes_fewer_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    decisions = []
+    handle_many = Scheduler.handle_many
+
+    def counted(self: Scheduler, events: list, now: float) -> list:
+        decisions[-1] += 1
+        return handle_many(self, events, now)
+
+    monkeypatch.setattr(Scheduler, "handle_many", counted)
+    for window_ms in (1.0, 4.0):
+        decisions.append(0)
+        sc = scenario(peers=12, payload_mb=2.0, latency_ms=20.0, decision_window_ms=window_ms)
+        assert SwarmSim(sc).run_version(1).converged == 12
+    assert decisions[1] < 0.85 * decisions[0], decisions
+
+
 def _one_follower(private: bool, warm: bool) -> list[float]:
     kw = dict(peers=1, payload_mb=2.0, latency_ms=20.0, versions=2, max_requests_per_peer=32)
     kw |= dict(uplink_mbps=1000.0, downlink_mbps=1000.0, trainer_uplink_mbps=1000.0)
@@ -702,7 +741,7 @@ def test_a_private_swarm_with_cold_connections_waits_two_handshakes_every_versio
     """One follower at 20 ms, its connections closed between versions: each version the
     trainer's announcement waits for its TLS handshake to the follower (a round trip), and
     the follower's first request to the trainer for its own: two round trips later than in
-    the open swarm (give or take a few of the 1 ms windows its decisions fall on)."""
+    the open swarm (give or take the 2 ms decision windows its decisions fall on)."""
     for open_, private in zip(_one_follower(False, False), _one_follower(True, False), strict=True):
         assert private - open_ == pytest.approx(2 * 0.04, abs=0.004)
 
