@@ -185,8 +185,10 @@ class Scheduler:
         """``peer`` holds ``indices``: those still missing count, unless it failed them."""
         if peer in self.banned:
             return
-        self._heard(peer, rtt, owed)
-        known = self.peer_chunks.setdefault(peer, set())
+        known = self.peer_chunks.get(peer)
+        self._heard(peer, rtt, owed, known is None)
+        if known is None:
+            known = self.peer_chunks[peer] = set()
         clocks, by_chunk, fresh = self.stalls, self.holders, dict[int, None]()  # new claims
         unserved, started, overtime = clocks.unserved, clocks.started, clocks.overtime
         # missing and not known, in ``indices``' order (the stall clocks'), skipped in C
@@ -212,15 +214,18 @@ class Scheduler:
         self._orphans -= 1
         self._progress()
 
-    def _heard(self, peer: str, rtt: float | None, owed: bool) -> None:
-        """A have-map answer came from ``peer``: note whether we owe it (``PeerHad.owed``)
-        and the round trip it took."""
+    def _heard(self, peer: str, rtt: float | None, owed: bool, first: bool) -> None:
+        """A have-map answer came from ``peer`` (``first``: the first since it was met or
+        lost): note whether we owe it (``PeerHad.owed``) and the round trip it took. Its room
+        is counted anew only if either is new: every other change recounts it already."""
         if owed:
             self.owed.add(peer)
         stats = self._stats_of(peer)
         if rtt is not None:
             stats.rtt_sample(rtt)
             self._depths.forget(peer)
+        elif not first:
+            return
         self._recount(peer)
 
     def _stats_of(self, peer: str) -> PeerStats:
