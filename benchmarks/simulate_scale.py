@@ -8,7 +8,7 @@ simulated peer costs in wall-clock time.
 Scenarios come from configs/simulations/scale-1k*.toml (1 Gbit/s symmetric links, a 100 MB
 patch; 5 ms one way, and 20 ms for the 10,000-peer run, `scale-1k-internet.toml`). That run
 uses a smaller patch by default (--payload-10k, 10 MB) so it fits in minutes on 2 cores
-(--payload-10k 100 is the full one, ~50 min): per-peer cost is per simulated chunk
+(--payload-10k 100 is the full one, ~45 min alone): per-peer cost is per simulated chunk
 transfer, reported as such. The NAT + churn row is `scale-10k-nat-churn.toml` (10,000
 volunteers on 100 Mbit/s, half behind NAT, 10% churning, 10 MB: the bound of 100 MB at
 1 Gbit/s); its worst peer is also reported against its own bound, time offline added.

@@ -34,8 +34,6 @@ from p2p_sync.settings import check_numbers, from_table
 from p2p_sync.trust.chunks import chunk_size_for
 from simulations.errors import ScenarioError  # noqa: F401 (re-exported)
 
-MIN_DECISION_WINDOW_MS = 1.0  # the default window's floor (``Scenario.decision_window_s``)
-
 
 @dataclass(frozen=True)
 class LinkClass:
@@ -56,8 +54,8 @@ class Scenario:
     latency_ms: float = 10.0  # one way, between any two nodes
     # the simulator's time resolution for a node's decisions: have news and chunks reaching a
     # follower within one window are taken in one scheduling decision at its end
-    # (simulations/swarm_sim.py); 0: a tenth of latency_ms, at least 1 ms
-    decision_window_ms: float = 0.0
+    # (simulations/swarm_sim.py). Wider runs faster and moves results (docs/simulation.md)
+    decision_window_ms: float = 1.0
     # TCP restarts a connection idle for an RTO in slow start (Linux's default,
     # net.ipv4.tcp_slow_start_after_idle = 1; simulations/network.py); false: warm connections
     slow_start: bool = False
@@ -101,10 +99,7 @@ class Scenario:
 
     @property
     def decision_window_s(self) -> float:
-        """``decision_window_ms`` in seconds, or its default: a tenth of the one-way latency
-        (a twentieth of a round trip), at least ``MIN_DECISION_WINDOW_MS``."""
-        ms = self.decision_window_ms or max(MIN_DECISION_WINDOW_MS, self.latency_ms / 10)
-        return ms / 1000
+        return self.decision_window_ms / 1000
 
     @property
     def payload_bytes(self) -> int:
@@ -131,6 +126,7 @@ _POSITIVE = (
     "trainer_uplink_mbps",
     "time_limit_factor",
     "reseed_after_s",
+    "decision_window_ms",
 )
 _AT_LEAST_ONE = (
     "peers",
@@ -163,7 +159,6 @@ def check(s: Scenario) -> Scenario:
             raise _bad(name, "must be between 0 and 1")
     for name in (
         "latency_ms",
-        "decision_window_ms",
         "churn_downtime",
         "chunk_kb",
         "seed_quiet_factor",

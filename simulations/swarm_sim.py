@@ -29,11 +29,11 @@ and the node's messaging, as follows.
   node's have feed, ``GET /have?feed=1``); the answer comes after a round trip, and from then
   on the neighbour pushes each newly verified chunk, coalesced while a push is on its way (one
   latency), as the feed writes each answer on the open response. The news a follower gets
-  within one decision window (``Scenario.decision_window_ms``: a tenth of the latency, at
-  least 1 ms), and the chunks that land there in that window, are taken in one scheduling
-  decision at its end, as the node's driver takes the events that queued up while its loop
-  was busy (``Scheduler.handle_many``); a chunk is kept and announced as it lands. One
-  decision per item made the scheduler most of a run's cost.
+  within one decision window (``Scenario.decision_window_ms``, 1 ms), and the chunks that
+  land there in that window, are taken in one scheduling decision at its end, as the node's
+  driver takes the events that queued up while its loop was busy
+  (``Scheduler.handle_many``); a chunk is kept and announced as it lands. One decision per
+  item made the scheduler most of a run's cost.
 * Requests: the chunks one scheduler step asks of one public peer go in one request (a run:
   ``SwarmConfig.request_bytes``, the node's ``/chunks``), which arrives after one latency. The
   serving node serves the run up to the first chunk it lacks (that one is ``ChunkFailed``; the
