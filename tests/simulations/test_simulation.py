@@ -702,8 +702,7 @@ def test_the_decision_window_is_a_millisecond_unless_set() -> None:
 @pytest.mark.parametrize(("latency_ms", "window_ms"), [(20.0, 1.0), (20.0, 5.0), (5.0, 2.0)])
 def test_a_node_decides_at_the_end_of_its_window(latency_ms: float, window_ms: float) -> None:
     """News and chunks that reach a follower are taken at the end of the window they land in
-    (a grid from the version's start), so every completion falls on that grid, and a wider
-    window takes more of them in each decision."""
+    (a grid from the version's start), so every completion falls on that grid."""
     kw = dict(peers=12, payload_mb=2.0, latency_ms=latency_ms, max_requests_per_peer=8)
     sim = SwarmSim(scenario(**kw, decision_window_ms=window_ms))
     result = sim.run_version(1)
